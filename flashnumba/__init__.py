@@ -1,0 +1,21 @@
+"""flashnumba: FlashAttention as readable Numba ``cuda.jit`` kernels on CuPy arrays.
+
+The kernels run on an NVIDIA GPU when there is one and in the Numba CUDA simulator when there is not (see
+:mod:`flashnumba._backend`). Start from :mod:`flashnumba.reference` (NumPy), then :mod:`flashnumba.forward`.
+"""
+
+from . import _backend  # first: chooses GPU or simulator before numba.cuda is imported
+from ._backend import BACKEND, SIMULATOR
+from . import config, reference
+from .api import flash_attn_forward, flash_attn_func
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKEND",
+    "SIMULATOR",
+    "config",
+    "reference",
+    "flash_attn_forward",
+    "flash_attn_func",
+]

@@ -1,0 +1,225 @@
+"""The public functions: validation, block-size choice, launch.
+
+Layout as in flash-attn: q ``(batch, seqlen_q, nheads, head_dim)``, k and v ``(batch, seqlen_k, nheads,
+head_dim)``, out like q, lse ``(batch, nheads, seqlen_q)`` float32 (natural log). Arrays may be NumPy arrays (copied
+to the GPU and back, or run in the simulator), CuPy arrays, or any ``__cuda_array_interface__`` object; the
+results have the input's array type (CuPy for a foreign CUDA array when CuPy is installed, else Numba device
+arrays). Inputs are only read; strided inputs whose last dimension is contiguous are used in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays, forward
+from ._backend import SIMULATOR, cuda, max_shared_memory_per_block
+
+MAX_HEAD_DIM = 256
+DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory per block
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tensor:
+    name: str
+    array: object
+    kind: str
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype
+
+
+def _inspect(name, x, rank) -> _Tensor:
+    try:
+        k = _arrays.kind(x)
+    except TypeError as err:
+        raise TypeError(f"{name}: {err}") from None
+    shape, strides, dtype = _arrays.shape_strides_dtype(x)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have {rank} dimensions, got {len(shape)} (shape {shape})")
+    if shape[-1] > 1 and strides[-1] != dtype.itemsize and all(shape):
+        raise ValueError(
+            f"{name}: the last dimension must be contiguous (stride {dtype.itemsize} bytes), "
+            f"got stride {strides[-1]} bytes; pass a copy with a contiguous last dimension"
+        )
+    return _Tensor(name, x, k, shape, strides, dtype)
+
+
+def _check_same_place(tensors):
+    places = {t.name: ("GPU" if _arrays.on_device(t.kind) else "host") for t in tensors}
+    if len(set(places.values())) > 1:
+        desc = ", ".join(f"{n} on the {p}" for n, p in places.items())
+        raise ValueError(f"all arrays must be on the same side (all NumPy or all on the GPU), got {desc}")
+
+
+def _check_dtypes(tensors):
+    first = tensors[0]
+    for t in tensors:
+        if t.dtype not in DTYPES:
+            names = ", ".join(str(d) for d in DTYPES)
+            raise TypeError(f"{t.name} has dtype {t.dtype}; supported dtypes are {names}")
+        if t.dtype != first.dtype:
+            raise TypeError(f"{t.name} has dtype {t.dtype} but {first.name} has dtype {first.dtype}; they must match")
+
+
+def _check_qkv(q, k, v):
+    bq, sq, hq, dq = q.shape
+    if k.shape != v.shape:
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape} and v {v.shape}")
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    for t in (k, v):
+        b, _, hh, d = t.shape
+        if b != bq:
+            raise ValueError(f"batch mismatch: q has batch {bq}, {t.name} has batch {b}")
+        if hh != hq:
+            raise ValueError(f"nheads mismatch: q has {hq} heads, {t.name} has {hh}")
+        if d != dq:
+            raise ValueError(f"head_dim mismatch: q has head_dim {dq}, {t.name} has head_dim {d}")
+    if not 1 <= dq <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {dq}")
+
+
+def _check_scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.number)):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    s = float(softmax_scale)
+    if not math.isfinite(s):
+        raise ValueError(f"softmax_scale must be finite, got {s}")
+    return s
+
+
+def _check_flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block sizes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def default_blocks(kernel: str, head_dim: int) -> tuple[int, int, int]:
+    """(block_m, block_n, num_threads) used when the caller gives none."""
+    if kernel == "v1":
+        return 64, (32 if head_dim <= 128 else 16), 64
+    if head_dim <= 128:
+        return 64, 64, 128
+    return 32, 32, 128
+
+
+def _check_int(name, value, lo, hi):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not lo <= int(value) <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return int(value)
+
+
+def resolve_blocks(kernel, head_dim, block_m=None, block_n=None, num_threads=None):
+    """Validate (or choose) block sizes for a kernel; returns (block_m, block_n, num_threads, shared bytes)."""
+    if kernel not in forward.KERNELS:
+        raise ValueError(f"kernel must be one of {forward.KERNELS}, got {kernel!r}")
+    dm, dn, dt = default_blocks(kernel, head_dim)
+    block_m = dm if block_m is None else _check_int("block_m", block_m, 1, 1024)
+    block_n = dn if block_n is None else _check_int("block_n", block_n, 1, 1024)
+    num_threads = dt if num_threads is None else _check_int("num_threads", num_threads, 1, 1024)
+    d = head_dim
+    if kernel == "v1":
+        num_threads = block_m  # one thread per query row
+        smem, limit = forward.shared_bytes_v1(d, block_m, block_n), STATIC_SHARED_LIMIT
+    else:
+        forward.tiling_v2(d, block_m, block_n, num_threads)  # raises ValueError on a bad combination
+        smem, limit = forward.shared_bytes_v2(d, block_m, block_n), max_shared_memory_per_block()
+    if smem > limit:
+        raise ValueError(
+            f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {smem} bytes of shared memory "
+            f"for kernel {kernel}, more than the {limit} bytes a block may use; choose smaller blocks"
+        )
+    return block_m, block_n, num_threads, smem
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# launching
+# ---------------------------------------------------------------------------------------------------------------
+
+_opted_in: set = set()
+
+
+def launch(kernel_fn, grid, block, shared_bytes, args):
+    """Launch a cuda.jit kernel, opting in to more than 48 KB of dynamic shared memory where it needs it."""
+    if shared_bytes > STATIC_SHARED_LIMIT and not SIMULATOR:
+        sig = tuple(kernel_fn.typeof_pyval(a) for a in args)
+        key = (id(kernel_fn), sig, shared_bytes)
+        if key not in _opted_in:
+            compiled = kernel_fn.compile(sig)
+            cufunc = compiled._codelibrary.get_cufunc()
+            from numba.cuda.cudadrv.driver import binding, driver
+
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, cufunc.device.id)
+            _opted_in.add(key)
+    kernel_fn[grid, block, 0, shared_bytes](*args)
+
+
+def flash_attn_forward(
+    q, k, v, *, softmax_scale=None, causal=False, block_m=None, block_n=None, num_threads=None, kernel="v2"
+):
+    """Exact attention by a tiled, fused kernel that never materialises the seqlen_q x seqlen_k matrix.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, nheads, head_dim) float32 or float16
+    k, v : (batch, seqlen_k, nheads, head_dim), same dtype
+    softmax_scale : float, default 1 / sqrt(head_dim)
+    causal : bool. Bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    block_m, block_n : B_r query rows and B_c key rows per tile (defaults: :func:`default_blocks`).
+    num_threads : threads per block (kernel v2; v1 uses one thread per query row).
+    kernel : "v2" (register-tiled, default) or "v1" (one thread per row, the readable one).
+
+    Returns
+    -------
+    out : like q, in q's dtype (float32 accumulation)
+    lse : (batch, nheads, seqlen_q) float32, natural-log logsumexp of each row of the scaled scores;
+        -inf (and out = 0) for a row that sees no key.
+    """
+    tq, tk, tv = (_inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
+    _check_same_place((tq, tk, tv))
+    _check_dtypes((tq, tk, tv))
+    _check_qkv(tq, tk, tv)
+    causal = _check_flag("causal", causal)
+    batch, seqlen_q, nheads, head_dim = tq.shape
+    scale = _check_scale(softmax_scale, head_dim)
+    block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
+
+    like = tq.kind
+    out_user, out_dev = _arrays.empty(tq.shape, tq.dtype, like)
+    lse_user, lse_dev = _arrays.empty((batch, nheads, seqlen_q), np.float32, like)
+    if batch * nheads * seqlen_q == 0:
+        return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
+    qd, kd, vd = (_arrays.to_kernel(t.array, t.kind) for t in (tq, tk, tv))
+    scale_log2 = np.float32(scale * forward.LOG2E)
+    grid = (-(-seqlen_q // block_m), batch * nheads)
+    if kernel == "v1":
+        fn = forward.make_forward_v1(head_dim, block_m, block_n, causal)
+        launch(fn, grid, (block_m,), 0, (qd, kd, vd, out_dev, lse_dev, scale_log2))
+    else:
+        fn = forward.make_forward_v2(head_dim, block_m, block_n, num_threads, causal)
+        launch(fn, grid, (num_threads,), smem, (qd, kd, vd, out_dev, lse_dev, scale_log2))
+    return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
+
+
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, **kwargs):
+    """Attention output only: ``flash_attn_forward(...)[0]``."""
+    return flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kwargs)[0]

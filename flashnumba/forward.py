@@ -1,0 +1,339 @@
+"""Forward kernels: FlashAttention-2, Algorithm 1, as Numba ``cuda.jit`` kernels.
+
+Two versions, each a step from the blocked NumPy reference (:func:`flashnumba.reference.attention_forward_blocked`):
+
+=========  ===========================================================  =========================================
+version    what it adds                                                 what it costs
+=========  ===========================================================  =========================================
+``v1``     one thread per query row; K_j, V_j tiles in shared memory;    each thread re-reads the whole K_j tile;
+           S row, q_i and O_i in thread-local arrays. ~The paper, line   O_i lives in local memory (d floats)
+           by line.
+``v2``     register tiling: each thread owns a (TM x TN) patch of S_ij   row max / row sum need a reduction across
+           and a (TM x d/8) patch of O_i; Q_i, K_j^T, V_j and P_ij       the 8 threads of a row (through shared
+           staged in shared memory; exp2 with log2(e) folded into the    memory); more shared memory (dynamic,
+           scale; tiles beyond the causal diagonal skipped.              opted in above 48 KB)
+=========  ===========================================================  =========================================
+
+Both compute, for every query tile Q_i (B_r rows) of one (batch, head), over the key/value tiles j::
+
+    S_ij = scale * Q_i K_j^T                    masked entries (j past seqlen_k, or causal) are -inf
+    m_new = max(m_i, rowmax(S_ij))
+    P_ij = exp(S_ij - m_new)
+    l_i  = exp(m_i - m_new) * l_i + rowsum(P_ij)
+    O_i  = exp(m_i - m_new) * O_i + P_ij V_j
+    m_i  = m_new
+
+then O_i / l_i and L_i = m_i + log(l_i). In the kernels S is kept in base 2 (scale * log2(e) is folded into Q),
+so exp becomes exp2 and L_i = ln(2) * m_i + log(l_i). A row that sees no key keeps m_i = -inf and l_i = 0; it
+writes O_i = 0 and L_i = -inf. Accumulation is float32 for every input dtype.
+
+Kernels are built by ``make_*`` factories, specialised on compile-time constants (head_dim D, block sizes,
+causal), and cached per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from ._backend import SIMULATOR, cuda
+from numba import float32, int32
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float32(-math.inf)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# v1: one thread per query row
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def shared_bytes_v1(D, B_r, B_c):
+    """Static shared memory of v1: K_j and V_j, (B_c, D) float32 each."""
+    return 2 * B_c * D * 4
+
+
+@functools.lru_cache(maxsize=None)
+def make_forward_v1(D, B_r, B_c, causal):
+    """Forward kernel v1: one thread per query row, K_j/V_j tiles in shared memory.
+
+    Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (B_r,). Thread t owns query row i = blockIdx.x *
+    B_r + t: it keeps q_i (scaled), o_i (D floats) and s (B_c floats) in local memory and m_i, l_i in
+    registers. Shared memory: K_j and V_j, 2 * B_c * D * 4 bytes.
+    """
+
+    @cuda.jit
+    def forward_v1(q, k, v, out, lse, scale_log2):
+        nheads = q.shape[2]
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.y // nheads
+        h = cuda.blockIdx.y % nheads
+        i = cuda.blockIdx.x * B_r + t  # this thread's query row
+        diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
+
+        K_j = cuda.shared.array((B_c, D), float32)  # (B_c, D) fp32, shared
+        V_j = cuda.shared.array((B_c, D), float32)  # (B_c, D) fp32, shared
+        q_i = cuda.local.array(D, float32)  # (D,) this row of Q, times scale * log2(e)
+        o_i = cuda.local.array(D, float32)  # (D,) running un-normalised output
+        s = cuda.local.array(B_c, float32)  # (B_c,) this row of S_ij (base 2)
+
+        row_ok = i < seqlen_q
+        for c in range(D):
+            q_i[c] = float32(q[b, i, h, c]) * scale_log2 if row_ok else float32(0.0)
+            o_i[c] = 0.0
+        m_i = NEG_INF
+        l_i = float32(0.0)
+
+        # Key tiles this block must visit: all of them, or (causal) up to the last key its last row sees.
+        n_end = seqlen_k
+        if causal:
+            last_row = min(cuda.blockIdx.x * B_r + B_r, seqlen_q) - 1
+            n_end = max(0, min(seqlen_k, last_row + diag + 1))
+
+        for j0 in range(0, n_end, B_c):
+            # Load K_j, V_j: the B_r threads stride over the B_c * D elements; rows past seqlen_k are zero.
+            for e in range(t, B_c * D, B_r):
+                r = e // D
+                c = e % D
+                if j0 + r < seqlen_k:
+                    K_j[r, c] = k[b, j0 + r, h, c]
+                    V_j[r, c] = v[b, j0 + r, h, c]
+                else:
+                    K_j[r, c] = 0.0
+                    V_j[r, c] = 0.0
+            cuda.syncthreads()  # K_j, V_j complete before any thread reads them
+
+            if row_ok:
+                # S_ij = scale * q_i K_j^T (base 2), masked entries -inf;  m_new = max(m_i, rowmax(S_ij))
+                m_new = m_i
+                for jj in range(B_c):
+                    j = j0 + jj
+                    x = NEG_INF
+                    if j < seqlen_k and (not causal or j <= i + diag):
+                        x = float32(0.0)
+                        for c in range(D):
+                            x += q_i[c] * K_j[jj, c]
+                    s[jj] = x
+                    m_new = max(m_new, x)
+                m_use = m_new if m_new != NEG_INF else float32(0.0)  # no key seen yet: avoid -inf - -inf
+                # P_ij = exp2(S_ij - m_new);  alpha = exp2(m_i - m_new) rescales what was accumulated so far
+                alpha = math.exp2(m_i - m_use)
+                p_sum = float32(0.0)
+                for c in range(D):
+                    o_i[c] *= alpha
+                for jj in range(B_c):
+                    p = math.exp2(s[jj] - m_use)  # exp2(-inf) = 0 for masked entries
+                    p_sum += p
+                    for c in range(D):
+                        o_i[c] += p * V_j[jj, c]  # O_i += P_ij V_j
+                l_i = alpha * l_i + p_sum
+                m_i = m_new
+            cuda.syncthreads()  # every row is done with K_j, V_j before the next tile overwrites them
+
+        if row_ok:
+            # O_i = O_i / l_i,  L_i = m_i + log(l_i) (back to natural log); a row that saw no key gets 0, -inf
+            inv_l = float32(1.0) / l_i if l_i > 0 else float32(0.0)
+            for c in range(D):
+                out[b, i, h, c] = o_i[c] * inv_l
+            lse[b, h, i] = m_i * LN2 + math.log(l_i) if l_i > 0 else NEG_INF
+
+    return forward_v1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# v2: register-tiled
+# ---------------------------------------------------------------------------------------------------------------
+
+TX = 8  # threads that share one row group of S_ij (consecutive lanes of one warp)
+
+
+def tiling_v2(D, B_r, B_c, num_threads):
+    """Per-thread tile of v2: returns (TY, TM, TN, DC) or raises ValueError.
+
+    The num_threads threads form a (TY, TX=8) grid. Thread (ty, tx) owns rows ty*TM + r (r < TM) of S_ij and
+    O_i, columns tx + 8*n (n < TN) of S_ij and columns tx + 8*n (n < DC = ceil(D/8)) of O_i.
+    """
+    if num_threads % 32 or not 32 <= num_threads <= 1024:
+        raise ValueError(f"num_threads must be a multiple of 32 in [32, 1024], got {num_threads}")
+    TY = num_threads // TX
+    if B_c % TX:
+        raise ValueError(f"block_n must be a multiple of {TX} for kernel v2, got {B_c}")
+    if B_r % TY:
+        raise ValueError(f"block_m must be a multiple of num_threads/{TX} = {TY} for kernel v2, got {B_r}")
+    return TY, B_r // TY, B_c // TX, (D + TX - 1) // TX
+
+
+def _smem_layout_v2(D, B_r, B_c):
+    """Offsets (in float32 words) of v2's shared buffers inside one dynamic shared array, and the total.
+
+    Q_i^T (D, B_r+1), K_j^T (D, B_c+1), V_j (B_c, D), P_ij^T (B_c, B_r), red (B_r, 8). The +1 pads the rows
+    of the transposed buffers so that the transposing stores (consecutive threads, consecutive d) fall in
+    different banks.
+    """
+    QS = B_r + 1  # row stride of Q_i^T
+    KS = B_c + 1  # row stride of K_j^T
+    off_q = 0
+    off_k = off_q + D * QS
+    off_v = off_k + D * KS
+    off_p = off_v + B_c * D
+    off_red = off_p + B_c * B_r
+    total = off_red + B_r * TX
+    return QS, KS, off_q, off_k, off_v, off_p, off_red, total
+
+
+def shared_bytes_v2(D, B_r, B_c):
+    return _smem_layout_v2(D, B_r, B_c)[-1] * 4
+
+
+@functools.lru_cache(maxsize=None)
+def make_forward_v2(D, B_r, B_c, num_threads, causal):
+    """Forward kernel v2: register-tiled S_ij and O_i.
+
+    Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
+    :func:`shared_bytes_v2` bytes (for D=64, B_r=B_c=64: 66.3 KB; needs the >48 KB opt-in on the GPU).
+    Thread (ty, tx) keeps in registers: S (TM x TN), O (TM x DC), m_i, l_i for its TM rows.
+
+    Per key tile: load K_j^T, V_j; S = Q_i K_j^T from shared (TM + TN loads per TM * TN FMAs); row max and
+    row sum reduced over the 8 threads of a row through ``red``; P_ij^T to shared; O += P_ij V_j.
+    """
+    TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
+    QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = _smem_layout_v2(D, B_r, B_c)
+    NT = num_threads
+
+    @cuda.jit(fastmath=False)
+    def forward_v2(q, k, v, out, lse, scale_log2):
+        nheads = q.shape[2]
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        t = cuda.threadIdx.x
+        ty = t // TX
+        tx = t % TX
+        b = cuda.blockIdx.y // nheads
+        h = cuda.blockIdx.y % nheads
+        i0 = cuda.blockIdx.x * B_r
+        diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
+
+        smem = cuda.shared.array(0, float32)  # views below are offsets into this one buffer
+        # smem[OFF_Q + c*QS + r]   Q_i^T  (D, B_r) fp32, scaled by scale*log2(e)
+        # smem[OFF_K + c*KS + jj]  K_j^T  (D, B_c) fp32
+        # smem[OFF_V + jj*D + c]   V_j    (B_c, D) fp32
+        # smem[OFF_P + jj*B_r + r] P_ij^T (B_c, B_r) fp32
+        # smem[OFF_RED + r*8 + x]  red    (B_r, 8)  fp32, per-thread partial row max / row sum
+
+        S = cuda.local.array((TM, TN), float32)  # this thread's patch of S_ij, then P_ij
+        O = cuda.local.array((TM, DC), float32)  # this thread's patch of O_i
+        m = cuda.local.array(TM, float32)  # m_i of its rows (base 2)
+        l = cuda.local.array(TM, float32)  # l_i of its rows
+        alpha = cuda.local.array(TM, float32)
+        m_use = cuda.local.array(TM, float32)
+
+        # Load Q_i^T once, pre-scaled; rows past seqlen_q are zero.
+        for e in range(t, B_r * D, NT):
+            r = e // D
+            c = e % D
+            x = float32(0.0)
+            if i0 + r < seqlen_q:
+                x = float32(q[b, i0 + r, h, c]) * scale_log2
+            smem[OFF_Q + c * QS + r] = x
+        for rr in range(TM):
+            m[rr] = NEG_INF
+            l[rr] = 0.0
+            for n in range(DC):
+                O[rr, n] = 0.0
+
+        n_end = seqlen_k
+        if causal:
+            last_row = min(i0 + B_r, seqlen_q) - 1
+            n_end = max(0, min(seqlen_k, last_row + diag + 1))
+
+        for j0 in range(0, n_end, B_c):
+            # Load K_j^T and V_j; rows past seqlen_k are zero.
+            for e in range(t, B_c * D, NT):
+                jj = e // D
+                c = e % D
+                kx = float32(0.0)
+                vx = float32(0.0)
+                if j0 + jj < seqlen_k:
+                    kx = float32(k[b, j0 + jj, h, c])
+                    vx = float32(v[b, j0 + jj, h, c])
+                smem[OFF_K + c * KS + jj] = kx
+                smem[OFF_V + jj * D + c] = vx
+            cuda.syncthreads()  # Q_i^T (first tile), K_j^T, V_j complete before they are read
+
+            # S_ij = Q_i K_j^T for this thread's (TM, TN) patch
+            for rr in range(TM):
+                for n in range(TN):
+                    S[rr, n] = 0.0
+            for c in range(D):
+                for rr in range(TM):
+                    qv = smem[OFF_Q + c * QS + ty * TM + rr]
+                    for n in range(TN):
+                        S[rr, n] += qv * smem[OFF_K + c * KS + tx + TX * n]
+
+            # mask, and this thread's partial row max
+            for rr in range(TM):
+                i = i0 + ty * TM + rr
+                mx = NEG_INF
+                for n in range(TN):
+                    j = j0 + tx + TX * n
+                    if j >= seqlen_k or (causal and j > i + diag):
+                        S[rr, n] = NEG_INF
+                    mx = max(mx, S[rr, n])
+                smem[OFF_RED + (ty * TM + rr) * TX + tx] = mx
+            cuda.syncthreads()  # partial row maxima visible to the row's 8 threads
+
+            # m_new = max(m_i, rowmax(S_ij)); alpha = exp2(m_i - m_new); P_ij = exp2(S_ij - m_new)
+            for rr in range(TM):
+                mx = m[rr]
+                for x in range(TX):
+                    mx = max(mx, smem[OFF_RED + (ty * TM + rr) * TX + x])
+                m_use[rr] = mx if mx != NEG_INF else float32(0.0)  # no key seen yet: avoid -inf - -inf
+                alpha[rr] = math.exp2(m[rr] - m_use[rr])
+                m[rr] = mx
+            cuda.syncthreads()  # every thread has read its row maxima before red is reused for row sums
+
+            for rr in range(TM):
+                ps = float32(0.0)
+                for n in range(TN):
+                    p = math.exp2(S[rr, n] - m_use[rr])  # 0 for masked entries
+                    ps += p
+                    smem[OFF_P + (tx + TX * n) * B_r + ty * TM + rr] = p
+                smem[OFF_RED + (ty * TM + rr) * TX + tx] = ps
+            cuda.syncthreads()  # P_ij^T and the partial row sums complete
+
+            # l_i = alpha * l_i + rowsum(P_ij);  O_i = alpha * O_i + P_ij V_j
+            for rr in range(TM):
+                ps = float32(0.0)
+                for x in range(TX):
+                    ps += smem[OFF_RED + (ty * TM + rr) * TX + x]
+                l[rr] = alpha[rr] * l[rr] + ps
+                for n in range(DC):
+                    O[rr, n] *= alpha[rr]
+            for jj in range(B_c):
+                for rr in range(TM):
+                    p = smem[OFF_P + jj * B_r + ty * TM + rr]
+                    for n in range(DC):
+                        c = tx + TX * n
+                        if c < D:
+                            O[rr, n] += p * smem[OFF_V + jj * D + c]
+            cuda.syncthreads()  # all reads of K_j^T, V_j, P_ij^T, red done before the next tile overwrites them
+
+        # O_i = O_i / l_i,  L_i = ln(2) m_i + log(l_i); a row that saw no key gets 0 and -inf
+        for rr in range(TM):
+            i = i0 + ty * TM + rr
+            if i < seqlen_q:
+                inv_l = float32(1.0) / l[rr] if l[rr] > 0 else float32(0.0)
+                for n in range(DC):
+                    c = tx + TX * n
+                    if c < D:
+                        out[b, i, h, c] = O[rr, n] * inv_l
+                if tx == 0:
+                    lse[b, h, i] = m[rr] * LN2 + math.log(l[rr]) if l[rr] > 0 else NEG_INF
+
+    return forward_v2
+
+
+KERNELS = ("v1", "v2")

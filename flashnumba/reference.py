@@ -1,0 +1,130 @@
+"""Attention in plain NumPy: the truth every kernel is checked against, and the bridge to the kernels.
+
+Layout, as in flash-attn: q ``(batch, seqlen_q, nheads, d)``, k and v ``(batch, seqlen_k, nheads, d)``,
+out like q, lse ``(batch, nheads, seqlen_q)`` (natural log).
+
+* :func:`attention_forward` / :func:`attention_backward`: dense attention. It materialises the
+  ``seqlen_q x seqlen_k`` matrices S and P, in float64 by default. This is the truth.
+* :func:`attention_forward_blocked`: the same result computed tile by tile with the online softmax, in the
+  kernels' own notation (FlashAttention-2, Algorithm 1). Read it before the kernels.
+
+Causal masking is bottom-right aligned (flash-attn >= 2.1): query i sees key j iff j <= i + seqlen_k - seqlen_q.
+A query row that sees no key has out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """(seqlen_q, seqlen_k) bool, True where query i may see key j (bottom-right aligned)."""
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def _heads_first(x, dtype):
+    # (batch, seqlen, nheads, d) -> (batch, nheads, seqlen, d)
+    return np.asarray(x).astype(dtype).transpose(0, 2, 1, 3)
+
+
+def _probabilities(q, k, scale, causal):
+    """S = scale * Q K^T (masked to -inf), P = softmax(S), lse = logsumexp(S); all (batch, nheads, sq, sk)."""
+    s = scale * (q @ k.transpose(0, 1, 3, 2))
+    if causal:
+        s = np.where(causal_mask(q.shape[2], k.shape[2]), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf, s.dtype)
+    m_safe = np.where(np.isneginf(m), 0.0, m)  # a row that sees no key: avoid -inf - -inf
+    e = np.exp(s - m_safe)
+    l = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(l > 0, e / l, 0.0)
+        lse = (m_safe + np.log(l))[..., 0]  # log(0) = -inf for rows with no key
+    return p, lse
+
+
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, dtype=np.float64):
+    """Dense attention. Returns (out, lse): out like q, lse (batch, nheads, seqlen_q), both in ``dtype``.
+
+    S = softmax_scale * Q K^T,  P = softmax(S) (row-wise),  O = P V,  L = logsumexp(S) (row-wise).
+    """
+    scale = default_scale(np.shape(q)[-1]) if softmax_scale is None else float(softmax_scale)
+    q, k, v = (_heads_first(x, dtype) for x in (q, k, v))
+    p, lse = _probabilities(q, k, scale, causal)
+    out = p @ v
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, dtype=np.float64):
+    """Analytic gradient of :func:`attention_forward`: returns (dq, dk, dv) in ``dtype``.
+
+    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D = rowsum(dO * O),  dQ = scale dS K,  dK = scale dS^T Q.
+    """
+    scale = default_scale(np.shape(q)[-1]) if softmax_scale is None else float(softmax_scale)
+    q, k, v, do = (_heads_first(x, dtype) for x in (q, k, v, dout))
+    p, _ = _probabilities(q, k, scale, causal)
+    o = p @ v
+    dv = p.transpose(0, 1, 3, 2) @ do
+    dp = do @ v.transpose(0, 1, 3, 2)
+    d_i = (do * o).sum(axis=-1, keepdims=True)
+    ds = p * (dp - d_i)
+    dq = scale * (ds @ k)
+    dk = scale * (ds.transpose(0, 1, 3, 2) @ q)
+    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, block_m=16, block_n=16):
+    """Attention computed tile by tile with the online softmax (FlashAttention-2, Algorithm 1), in float64.
+
+    For each query tile Q_i (B_r rows) and each key/value tile K_j, V_j (B_c rows)::
+
+        S_ij  = scale * Q_i K_j^T                      (B_r, B_c), masked entries -inf
+        m_new = max(m_i, rowmax(S_ij))
+        P_ij  = exp(S_ij - m_new)
+        l_i   = exp(m_i - m_new) * l_i + rowsum(P_ij)
+        O_i   = exp(m_i - m_new) * O_i + P_ij V_j      (un-normalised)
+        m_i   = m_new
+
+    and at the end O_i = O_i / l_i and L_i = m_i + log(l_i). Only one (B_r, B_c) tile of S exists at a time.
+    The GPU kernels do exactly this, with one thread block per (Q_i, batch, head).
+    """
+    scale = default_scale(np.shape(q)[-1]) if softmax_scale is None else float(softmax_scale)
+    q, k, v = (_heads_first(x, np.float64) for x in (q, k, v))
+    batch, nheads, seqlen_q, d = q.shape
+    seqlen_k = k.shape[2]
+    out = np.zeros_like(q)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf)
+    for b in range(batch):
+        for h in range(nheads):
+            for i0 in range(0, seqlen_q, block_m):
+                Q_i = q[b, h, i0 : i0 + block_m]  # (B_r, d)
+                rows = np.arange(i0, i0 + len(Q_i))
+                m_i = np.full(len(Q_i), -np.inf)  # running row max
+                l_i = np.zeros(len(Q_i))  # running row sum of exp(S - m_i)
+                O_i = np.zeros_like(Q_i)  # running un-normalised output
+                for j0 in range(0, seqlen_k, block_n):
+                    K_j = k[b, h, j0 : j0 + block_n]  # (B_c, d)
+                    V_j = v[b, h, j0 : j0 + block_n]  # (B_c, d)
+                    S_ij = scale * Q_i @ K_j.T  # (B_r, B_c)
+                    if causal:
+                        cols = np.arange(j0, j0 + len(K_j))
+                        S_ij = np.where(cols[None, :] <= rows[:, None] + seqlen_k - seqlen_q, S_ij, -np.inf)
+                    m_new = np.maximum(m_i, S_ij.max(axis=1))
+                    m_use = np.where(np.isneginf(m_new), 0.0, m_new)  # rows that have seen no key yet
+                    P_ij = np.exp(S_ij - m_use[:, None])
+                    alpha = np.exp(m_i - m_use)  # rescales what was accumulated under the old max
+                    l_i = alpha * l_i + P_ij.sum(axis=1)
+                    O_i = alpha[:, None] * O_i + P_ij @ V_j
+                    m_i = m_new
+                seen = l_i > 0
+                out[b, h, i0 : i0 + block_m] = np.where(seen[:, None], O_i / np.where(seen, l_i, 1.0)[:, None], 0.0)
+                with np.errstate(divide="ignore"):
+                    lse[b, h, i0 : i0 + block_m] = np.where(seen, m_i + np.log(l_i), -np.inf)
+    return out.transpose(0, 2, 1, 3), lse
