@@ -58,8 +58,8 @@ def shape_strides_dtype(x):
 
 def to_kernel(x, k: str):
     """A Numba (device or simulated) array viewing x; NumPy arrays are copied to the device."""
-    if k == "numpy":
-        return cuda.to_device(x)
+    if k == "numpy":  # the copy to the device is needed anyway; make it one contiguous transfer
+        return cuda.to_device(np.ascontiguousarray(x))
     if k == "cupy" and SIMULATOR:  # pragma: no cover (CuPy is not imported under the simulator)
         return cuda.to_device(cupy.asnumpy(x))
     if SIMULATOR and k == "numba":

@@ -72,10 +72,6 @@ def _check_dtypes(tensors):
 
 def _check_qkv(q, k, v):
     bq, sq, hq, dq = q.shape
-    if k.shape != v.shape:
-        if k.shape[1] != v.shape[1]:
-            raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape} and v {v.shape}")
-        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
     for t in (k, v):
         b, _, hh, d = t.shape
         if b != bq:
@@ -84,6 +80,8 @@ def _check_qkv(q, k, v):
             raise ValueError(f"nheads mismatch: q has {hq} heads, {t.name} has {hh}")
         if d != dq:
             raise ValueError(f"head_dim mismatch: q has head_dim {dq}, {t.name} has head_dim {d}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape} and v {v.shape}")
     if not 1 <= dq <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {dq}")
 

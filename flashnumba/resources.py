@@ -1,0 +1,68 @@
+"""What a kernel costs the hardware, read from the compiler without running it (and without a GPU).
+
+``kernel_ptx`` compiles a specialised kernel to PTX for a compute capability (sm_90 by default) with
+``numba.cuda.compile_ptx``; ``ptx_resources`` assembles that PTX with nvJitLink (shipped with numba-cuda's
+CUDA wheels, and always of the same CUDA version as the NVVM that wrote the PTX, unlike a system ``ptxas``
+that may be older and reject the PTX's ``.version``) and parses the registers, shared memory, spills and
+stack from its verbose log.
+
+These functions need the real ``numba.cuda`` (not the simulator): run them in a process started with
+``FLASHNUMBA_SIMULATOR=0``; no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import forward
+from ._backend import SIMULATOR, cuda
+
+_ARRAY = "{}[:, :, :, :]"
+
+
+def kernel_signature(dtype: str = "float32") -> str:
+    """Signature of the forward kernels: (q, k, v, out, lse, scale_log2)."""
+    a = _ARRAY.format(dtype)
+    return f"void({a}, {a}, {a}, {a}, float32[:, :, :], float32)"
+
+
+def kernel_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threads: int = 128,
+               causal: bool = False, dtype: str = "float32", cc=(9, 0)) -> str:
+    """PTX of one specialised forward kernel."""
+    if SIMULATOR:
+        raise RuntimeError("kernel_ptx needs the real numba.cuda: start Python with FLASHNUMBA_SIMULATOR=0")
+    if kernel == "v1":
+        fn = forward.make_forward_v1(head_dim, block_m, block_n, causal)
+    else:
+        fn = forward.make_forward_v2(head_dim, block_m, block_n, num_threads, causal)
+    ptx, _ = cuda.compile_ptx(fn.py_func, kernel_signature(dtype), cc=cc)
+    return ptx
+
+
+def ptx_resources(ptx: str, cc=(9, 0)) -> dict:
+    """Assemble PTX with nvJitLink; return registers, static shared bytes, spill bytes and stack bytes."""
+    from cuda.bindings import nvjitlink
+
+    data = ptx.encode()
+    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"])
+    try:
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
+        nvjitlink.complete(handle)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+    finally:
+        nvjitlink.destroy(handle)
+    text = log.decode(errors="replace")
+
+    def grab(pattern):
+        found = re.search(pattern, text)
+        return int(found.group(1)) if found else 0
+
+    return {
+        "registers": grab(r"[Uu]sed (\d+) registers"),
+        "shared_bytes": grab(r"(\d+) bytes smem"),
+        "spill_stores": grab(r"(\d+) bytes spill stores"),
+        "spill_loads": grab(r"(\d+) bytes spill loads"),
+        "stack_bytes": grab(r"(\d+) bytes stack frame"),
+        "log": text,
+    }

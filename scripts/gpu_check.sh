@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: info, the test suite with the GPU profile, the demo, compute-sanitizer.
+# Usage (device tool): bash scripts/gpu_check.sh   (logs under $OUT)
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"info tests demo sanitize"}
+for step in $STEPS; do
+  echo "=== $step $(date -u +%FT%TZ)"
+  case $step in
+    info) python3 -m flashnumba info; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv ;;
+    tests) timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --hypothesis-show-statistics \
+             --junitxml="$OUT/junit.xml" ${TESTS:-tests} 2>&1 | tee "$OUT/tests.log" | grep -vE "^\s*-|Hypothesis Statistics|^$" | tail -40 ;;
+    demo) python3 -m flashnumba demo 2>&1 | tee "$OUT/demo.log" ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --print-limit 20 python3 ${SANITIZE_SCRIPT:-scripts/sanitize_forward.py} \
+          > "$OUT/sanitize_$tool.log" 2>&1
+        echo "$tool: exit $?"; tail -3 "$OUT/sanitize_$tool.log"
+      done ;;
+  esac
+done

@@ -1,0 +1,131 @@
+"""Shared test set-up: Hypothesis profiles, output poisoning, derived tolerances.
+
+Profiles (``FLASHNUMBA_TEST_PROFILE``, default ``gpu`` on a GPU and ``ci`` under the simulator):
+
+* ``ci``  : simulator-sized shapes (seqlen <= 100, a bounded amount of work per example), few examples;
+* ``gpu`` : larger shapes (seqlen up to 300), more examples.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+import flashnumba
+from flashnumba import reference
+
+flashnumba.config.poison_outputs = True  # every output is NaN-filled before the kernel runs
+
+PROFILE = os.environ.get("FLASHNUMBA_TEST_PROFILE", "ci" if flashnumba.SIMULATOR else "gpu")
+settings.register_profile(
+    "ci",
+    max_examples=int(os.environ.get("FLASHNUMBA_CI_EXAMPLES", "12")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=False,
+    print_blob=True,
+)
+settings.register_profile(
+    "gpu",
+    max_examples=int(os.environ.get("FLASHNUMBA_GPU_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile(PROFILE)
+
+# Bounds on the shapes the property tests draw, per profile.
+MAX_SEQLEN = 100 if PROFILE == "ci" else 300
+# Largest batch*heads*padded_q*padded_k*head_dim one example may cost under the simulator.
+WORK_BUDGET = 300_000 if PROFILE == "ci" else 10**12
+
+HEAD_DIMS = [1, 8, 16, 24, 40, 59, 64, 80, 96, 128, 256]
+AWKWARD_SEQLENS = [1, 2, 17, 63, 64, 65, 97]
+
+requires_gpu = pytest.mark.skipif(flashnumba.SIMULATOR, reason="needs a CUDA GPU")
+
+
+def array_types():
+    """The array types a test body runs against: NumPy always, CuPy when on a GPU with CuPy installed."""
+    types = ["numpy"]
+    if not flashnumba.SIMULATOR:
+        try:
+            import cupy  # noqa: F401
+
+            types.append("cupy")
+        except ImportError:
+            pass
+    return types
+
+
+def to_type(x, kind):
+    if kind == "cupy":
+        import cupy
+
+        return cupy.asarray(x)
+    return x
+
+
+def to_numpy(x):
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):
+        return x.get()
+    return x.copy_to_host()
+
+
+def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, head_dim, dtype=np.float32, scale=1.0):
+    q = (scale * rng.standard_normal((batch, seqlen_q, nheads, head_dim))).astype(dtype)
+    k = (scale * rng.standard_normal((batch, seqlen_k, nheads, head_dim))).astype(dtype)
+    v = rng.standard_normal((batch, seqlen_k, nheads, head_dim)).astype(dtype)
+    return q, k, v
+
+
+def max_err(a, b):
+    """max |a - b| where both are finite; inf where one is NaN or they disagree on +-inf."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if a.size == 0:
+        return 0.0
+    same_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+    if np.isnan(a).any() or np.isnan(b).any() or (np.isinf(a) ^ np.isinf(b)).any():
+        return np.inf
+    d = np.where(same_inf, 0.0, np.abs(np.where(same_inf, 0.0, a) - np.where(same_inf, 0.0, b)))
+    return float(d.max())
+
+
+# Multiple of the baseline's error the kernel may have, and absolute floor per dtype (a few ulps at |x| ~ 1).
+ERR_FACTOR = 3.0
+FLOOR = {np.dtype(np.float32): 4e-6, np.dtype(np.float16): 2e-3}
+
+
+def assert_close_to_truth(name, got, truth, baseline):
+    """Derived tolerance: |got - truth| <= ERR_FACTOR * |baseline - truth| + floor.
+
+    ``truth`` is the float64 reference; ``baseline`` the same reference computed in the input's dtype by NumPy
+    (what a plain implementation in that precision achieves). The floor is in the output's dtype.
+    """
+    got = to_numpy(got)
+    floor = FLOOR.get(np.dtype(got.dtype), FLOOR[np.dtype(np.float32)])
+    base_err = max_err(baseline, truth)
+    err = max_err(got, truth)
+    tol = ERR_FACTOR * base_err + floor
+    assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (baseline error {base_err:.3g})"
+
+
+def check_forward(out, lse, q, k, v, *, softmax_scale=None, causal=False):
+    """Check (out, lse) against the float64 reference with tolerances derived from a NumPy run in q's dtype."""
+    q, k, v = (to_numpy(x) for x in (q, k, v))
+    dtype = np.dtype(q.dtype)
+    truth_o, truth_l = reference.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    base_o, base_l = reference.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, dtype=dtype)
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == np.float32
+    assert not np.isnan(out).any(), "out has NaN (an element was not written, or the kernel produced NaN)"
+    assert not np.isnan(lse).any(), "lse has NaN"
+    assert_close_to_truth("out", out, truth_o, base_o.astype(dtype))
+    assert_close_to_truth("lse", lse, truth_l, base_l.astype(np.float32))

@@ -1,0 +1,49 @@
+"""The real kernels compile to PTX for sm_90 and assemble, without a GPU; their resources are reported.
+
+Runs in a subprocess with FLASHNUMBA_SIMULATOR=0, because the test session itself may be using the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, sys
+from flashnumba import resources, api
+rows = []
+for kernel in ("v1", "v2"):
+    for d in (40, 64, 128, 256):
+        for dtype in ("float32", "float16"):
+            bm, bn, nt, smem = api.resolve_blocks(kernel, d)
+            ptx = resources.kernel_ptx(kernel, d, bm, bn, nt, causal=True, dtype=dtype)
+            assert ".target sm_90" in ptx
+            r = resources.ptx_resources(ptx)
+            del r["log"]
+            rows.append(dict(kernel=kernel, head_dim=d, dtype=dtype, block_m=bm, block_n=bn, threads=nt,
+                             dynamic_shared=smem if kernel == "v2" else 0, **r))
+print(json.dumps(rows))
+"""
+
+
+def test_kernels_compile_for_sm90_and_report_resources():
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    print()
+    print(f"{'kernel':6} {'d':>4} {'dtype':8} {'B_r':>4} {'B_c':>4} {'thr':>4} {'regs':>5} "
+          f"{'smem(static)':>12} {'smem(dyn)':>9} {'spill st/ld':>11}")
+    for r in rows:
+        print(f"{r['kernel']:6} {r['head_dim']:4} {r['dtype']:8} {r['block_m']:4} {r['block_n']:4} {r['threads']:4} "
+              f"{r['registers']:5} {r['shared_bytes']:12} {r['dynamic_shared']:9} "
+              f"{r['spill_stores']:5}/{r['spill_loads']:<5}")
+        assert 0 < r["registers"] <= 255
+        assert r["shared_bytes"] + r["dynamic_shared"] <= 227 * 1024

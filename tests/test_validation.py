@@ -1,0 +1,110 @@
+"""Every validation rule of the public API gives a clear error (flashnumba.api)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashnumba
+from flashnumba import _arrays
+
+
+def qkv(b=1, sq=4, sk=5, h=2, d=8, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((b, sq, h, d)).astype(dtype),
+            rng.standard_normal((b, sk, h, d)).astype(dtype),
+            rng.standard_normal((b, sk, h, d)).astype(dtype))
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions, got 3"):
+        flashnumba.flash_attn_forward(q[0], k, v)
+
+
+@pytest.mark.parametrize("which,shape,msg", [
+    ("k", (2, 5, 2, 8), "batch mismatch"),
+    ("v", (1, 5, 3, 8), "nheads mismatch"),
+    ("k", (1, 5, 2, 7), "head_dim mismatch"),
+    ("v", (1, 6, 2, 8), "same seqlen_k"),
+])
+def test_shape_mismatches(which, shape, msg):
+    q, k, v = qkv()
+    bad = np.zeros(shape, np.float32)
+    args = dict(q=q, k=k, v=v)
+    args[which] = bad
+    with pytest.raises(ValueError, match=msg):
+        flashnumba.flash_attn_forward(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("kshape,msg", [((1, 5, 3, 8), "nheads mismatch"), ((1, 5, 2, 16), "head_dim mismatch"),
+                                        ((2, 5, 2, 8), "batch mismatch")])
+def test_q_vs_kv_mismatch(kshape, msg):
+    q, _, _ = qkv()
+    k = np.zeros(kshape, np.float32)
+    with pytest.raises(ValueError, match=msg):
+        flashnumba.flash_attn_forward(q, k, k.copy())
+
+
+def test_mixed_dtypes():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"k has dtype float16 but q has dtype float32"):
+        flashnumba.flash_attn_forward(q, k.astype(np.float16), v)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.complex64])
+def test_unsupported_dtype(dtype):
+    q, k, v = qkv(dtype=dtype)
+    with pytest.raises(TypeError, match=r"q has dtype .*; supported dtypes are float32, float16"):
+        flashnumba.flash_attn_forward(q, k, v)
+
+
+def test_head_dim_too_large():
+    q, k, v = qkv(d=257)
+    with pytest.raises(ValueError, match=r"head_dim must be in \[1, 256\], got 257"):
+        flashnumba.flash_attn_forward(q, k, v)
+
+
+def test_head_dim_zero():
+    q, k, v = qkv(d=0)
+    with pytest.raises(ValueError, match=r"head_dim must be in \[1, 256\], got 0"):
+        flashnumba.flash_attn_forward(q, k, v)
+
+
+def test_last_dimension_not_contiguous():
+    q, k, v = qkv(d=16)
+    with pytest.raises(ValueError, match=r"q: the last dimension must be contiguous"):
+        flashnumba.flash_attn_forward(q[..., ::2], k[..., ::2], v[..., ::2])
+
+
+def test_not_an_array():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"k: expected a NumPy array or a CUDA array"):
+        flashnumba.flash_attn_forward(q, k.tolist(), v)
+
+
+def test_host_and_device_mixed():
+    q, k, v = qkv()
+    kd = flashnumba._backend.cuda.to_device(k)  # a device array (simulated under the simulator)
+    assert _arrays.on_device(_arrays.kind(kd))
+    with pytest.raises(ValueError, match=r"same side .* q on the host, k on the GPU"):
+        flashnumba.flash_attn_forward(q, kd, v)
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(block_m=64, block_n=256, kernel="v1"), ValueError, r"need \d+ bytes of shared memory"),
+    (dict(block_m=128, block_n=1024, kernel="v2", num_threads=128), ValueError, r"need \d+ bytes of shared memory"),
+    (dict(block_n=12, kernel="v2"), ValueError, r"block_n must be a multiple of 8"),
+    (dict(block_m=24, num_threads=128, kernel="v2"), ValueError, r"block_m must be a multiple of"),
+    (dict(num_threads=48, kernel="v2"), ValueError, r"num_threads must be a multiple of 32"),
+    (dict(block_m=0), ValueError, r"block_m must be in \[1, 1024\]"),
+    (dict(block_n=2.5), TypeError, r"block_n must be an int"),
+    (dict(kernel="v9"), ValueError, r"kernel must be one of"),
+    (dict(causal="yes"), TypeError, r"causal must be a bool"),
+    (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a real number"),
+    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),
+])
+def test_bad_options(kw, err, msg):
+    q, k, v = qkv(d=128)
+    with pytest.raises(err, match=msg):
+        flashnumba.flash_attn_forward(q, k, v, **kw)
