@@ -135,10 +135,11 @@ def make_forward_v1(D, B_r, B_c, causal):
 
         if row_ok:
             # O_i = O_i / l_i,  L_i = m_i + log(l_i) (back to natural log); a row that saw no key gets 0, -inf
-            inv_l = float32(1.0) / l_i if l_i > 0 else float32(0.0)
+            # (l_i is NaN, not 0, when an input was NaN: the NaN then reaches out and lse)
+            inv_l = float32(1.0) / l_i if l_i != 0 else float32(0.0)
             for c in range(D):
                 out[b, i, h, c] = o_i[c] * inv_l
-            lse[b, h, i] = m_i * LN2 + math.log(l_i) if l_i > 0 else NEG_INF
+            lse[b, h, i] = m_i * LN2 + math.log(l_i) if l_i != 0 else NEG_INF
 
     return forward_v1
 
@@ -325,13 +326,13 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
         for rr in range(TM):
             i = i0 + ty * TM + rr
             if i < seqlen_q:
-                inv_l = float32(1.0) / l[rr] if l[rr] > 0 else float32(0.0)
+                inv_l = float32(1.0) / l[rr] if l[rr] != 0 else float32(0.0)  # NaN l (NaN input) stays NaN
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
                         out[b, i, h, c] = O[rr, n] * inv_l
                 if tx == 0:
-                    lse[b, h, i] = m[rr] * LN2 + math.log(l[rr]) if l[rr] > 0 else NEG_INF
+                    lse[b, h, i] = m[rr] * LN2 + math.log(l[rr]) if l[rr] != 0 else NEG_INF
 
     return forward_v2
 
