@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, forward
+from . import _arrays, backward, forward
 from ._backend import SIMULATOR, cuda, max_shared_memory_per_block
 
 MAX_HEAD_DIM = 256
@@ -221,3 +221,96 @@ def flash_attn_forward(
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, **kwargs):
     """Attention output only: ``flash_attn_forward(...)[0]``."""
     return flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kwargs)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def default_blocks_backward(head_dim: int) -> tuple[int, int]:
+    """(block_m, block_n) of the backward kernels when the caller gives none."""
+    if head_dim <= 64:
+        return 64, 64
+    if head_dim <= 128:
+        return 32, 32
+    return 16, 16
+
+
+def resolve_blocks_backward(head_dim, block_m=None, block_n=None):
+    dm, dn = default_blocks_backward(head_dim)
+    block_m = dm if block_m is None else _check_int("block_m", block_m, 1, 1024)
+    block_n = dn if block_n is None else _check_int("block_n", block_n, 1, 1024)
+    for name, smem in (("dK/dV", backward.shared_bytes_dkdv_v1(head_dim, block_m, block_n)),
+                       ("dQ", backward.shared_bytes_dq_v1(head_dim, block_m, block_n))):
+        if smem > STATIC_SHARED_LIMIT:
+            raise ValueError(
+                f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {smem} bytes of shared memory "
+                f"in the backward {name} kernel, more than {STATIC_SHARED_LIMIT}; choose smaller blocks"
+            )
+    return block_m, block_n
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, block_m=None, block_n=None):
+    """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
+
+    ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale
+    and causal; dout is the gradient of the loss with respect to out (like q). Extra device memory is
+    O(batch * nheads * seqlen_q): one float per query row (D_i = rowsum(dout * out)). Deterministic: no atomics.
+
+    Returns dq like q, dk and dv like k, in the input dtype (float32 accumulation).
+    """
+    tq, tk, tv = (_inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
+    tdo, to, tl = _inspect("dout", dout, 4), _inspect("out", out, 4), _inspect("lse", lse, 3)
+    _check_same_place((tq, tk, tv, tdo, to, tl))
+    _check_dtypes((tq, tk, tv, tdo, to))
+    _check_qkv(tq, tk, tv)
+    for t in (tdo, to):
+        if t.shape != tq.shape:
+            raise ValueError(f"{t.name} must have the shape of q {tq.shape}, got {t.shape}")
+    batch, seqlen_q, nheads, head_dim = tq.shape
+    if tl.shape != (batch, nheads, seqlen_q):
+        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}, got {tl.shape}")
+    if tl.dtype != np.float32:
+        raise TypeError(f"lse must be float32 (as flash_attn_forward returns it), got {tl.dtype}")
+    causal = _check_flag("causal", causal)
+    scale = _check_scale(softmax_scale, head_dim)
+    block_m, block_n = resolve_blocks_backward(head_dim, block_m, block_n)
+
+    like = tq.kind
+    dq_user, dq_dev = _arrays.empty(tq.shape, tq.dtype, like)
+    dk_user, dk_dev = _arrays.empty(tk.shape, tk.dtype, like)
+    dv_user, dv_dev = _arrays.empty(tv.shape, tv.dtype, like)
+    result = [(dq_user, dq_dev), (dk_user, dk_dev), (dv_user, dv_dev)]
+    seqlen_k = tk.shape[1]
+    if batch * nheads == 0 or (seqlen_q == 0 and seqlen_k == 0):
+        return tuple(_arrays.to_caller(u, d, like) for u, d in result)
+
+    dod, qd, kd, vd, od, ld = (_arrays.to_kernel(t.array, t.kind) for t in (tdo, tq, tk, tv, to, tl))
+    delta_user, delta = _arrays.empty((batch, nheads, seqlen_q), np.float32, like)  # D_i, O(seqlen_q)
+    scale32 = np.float32(scale)
+    bh = batch * nheads
+    if seqlen_q:
+        pre = backward.make_backward_preprocess(head_dim, block_m)
+        launch(pre, (-(-seqlen_q // block_m), bh), (block_m,), 0, (dod, od, delta))
+        dq_fn = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal)
+        launch(dq_fn, (-(-seqlen_q // block_m), bh), (block_m,), 0, (dod, qd, kd, vd, ld, delta, dq_dev, scale32))
+    if seqlen_k:
+        dkdv_fn = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
+        launch(dkdv_fn, (-(-seqlen_k // block_n), bh), (block_n,), 0,
+               (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32))
+    del delta_user
+    return tuple(_arrays.to_caller(u, d, like) for u, d in result)
+
+
+def attention_with_grad(q, k, v, dout, *, softmax_scale=None, causal=False, **kwargs):
+    """Forward and backward together, for users without an autograd system: returns (out, dq, dk, dv).
+
+    Equivalent to ``out, lse = flash_attn_forward(q, k, v, ...)`` then
+    ``flash_attn_backward(dout, q, k, v, out, lse, ...)``. Keyword arguments ``block_m``/``block_n`` apply to
+    the backward; ``kernel``/``num_threads`` to the forward.
+    """
+    fwd_kw = {n: kwargs.pop(n) for n in ("kernel", "num_threads") if n in kwargs}
+    out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **fwd_kw)
+    dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, **kwargs)
+    return out, dq, dk, dv

@@ -128,3 +128,47 @@ def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, bloc
                 with np.errstate(divide="ignore"):
                     lse[b, h, i0 : i0 + block_m] = np.where(seen, m_i + np.log(l_i), -np.inf)
     return out.transpose(0, 2, 1, 3), lse
+
+
+def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, block_m=16,
+                               block_n=16, dtype=np.float64):
+    """The gradient recomputed tile by tile from the saved lse (FlashAttention-2, Algorithm 2), in ``dtype``.
+
+    ``out`` and ``lse`` are the forward's. Nothing of size seqlen_q x seqlen_k exists; for each key tile j
+    and query tile i::
+
+        D_i   = rowsum(dO_i * O_i)
+        P_ij  = exp(scale * Q_i K_j^T - L_i)        masked entries 0
+        dV_j += P_ij^T dO_i
+        dP_ij = dO_i V_j^T
+        dS_ij = P_ij * (dP_ij - D_i)
+        dK_j += scale * dS_ij^T Q_i
+        dQ_i += scale * dS_ij K_j
+
+    Run in float32 it is what a plain float32 implementation of this algorithm achieves: the tests use it
+    to derive the backward kernels' tolerance.
+    """
+    scale = default_scale(np.shape(q)[-1]) if softmax_scale is None else float(softmax_scale)
+    dtype = np.dtype(dtype).type
+    do, q, k, v, o = (_heads_first(x, dtype) for x in (dout, q, k, v, out))
+    lse = np.asarray(lse).astype(dtype)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    D = (do * o).sum(axis=-1)  # (batch, nheads, seqlen_q)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for j0 in range(0, seqlen_k, block_n):
+        K_j, V_j = k[:, :, j0 : j0 + block_n], v[:, :, j0 : j0 + block_n]  # (b, h, B_c, d)
+        cols = np.arange(j0, j0 + K_j.shape[2])
+        for i0 in range(0, seqlen_q, block_m):
+            Q_i, dO_i = q[:, :, i0 : i0 + block_m], do[:, :, i0 : i0 + block_m]  # (b, h, B_r, d)
+            L_i, D_i = lse[:, :, i0 : i0 + block_m, None], D[:, :, i0 : i0 + block_m, None]
+            rows = np.arange(i0, i0 + Q_i.shape[2])
+            visible = np.isfinite(L_i)  # a row that saw no key has L_i = -inf and P_ij = 0
+            if causal:
+                visible = visible & (cols[None, :] <= rows[:, None] + seqlen_k - seqlen_q)
+            with np.errstate(over="ignore", invalid="ignore"):
+                P_ij = np.where(visible, np.exp(dtype(scale) * (Q_i @ K_j.swapaxes(-1, -2)) - L_i), 0)
+            dv[:, :, j0 : j0 + block_n] += P_ij.swapaxes(-1, -2) @ dO_i
+            dS_ij = P_ij * (dO_i @ V_j.swapaxes(-1, -2) - D_i)
+            dk[:, :, j0 : j0 + block_n] += dtype(scale) * (dS_ij.swapaxes(-1, -2) @ Q_i)
+            dq[:, :, i0 : i0 + block_m] += dtype(scale) * (dS_ij @ K_j)
+    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))

@@ -46,3 +46,18 @@ def test_blocked_reference_equals_dense(causal, blocks):
     o2, l2 = reference.attention_forward_blocked(q, k, v, causal=causal, block_m=blocks[0], block_n=blocks[1])
     np.testing.assert_allclose(o2, o1, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(l2, l1, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 37, 29, 2, 24), (1, 29, 37, 1, 5), (1, 1, 1, 1, 3)])
+def test_blocked_backward_equals_dense_gradient(causal, shape):
+    b, sq, sk, h, d = shape
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, b, sq, sk, h, d)
+    dout = rng.standard_normal(q.shape)
+    out, lse = reference.attention_forward(q, k, v, causal=causal, softmax_scale=0.6)
+    dense = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=0.6)
+    blocked = reference.attention_backward_blocked(dout, q, k, v, out, lse, causal=causal, softmax_scale=0.6,
+                                                   block_m=8, block_n=16)
+    for a, c in zip(blocked, dense):
+        np.testing.assert_allclose(a, c, rtol=1e-10, atol=1e-12)

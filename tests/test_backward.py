@@ -1,0 +1,168 @@
+"""Backward kernels against the float64 reference gradient (flashnumba.backward, flashnumba.api)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, strategies as st
+
+import flashnumba
+from flashnumba import reference
+
+from conftest import (
+    AWKWARD_SEQLENS,
+    HEAD_DIMS,
+    MAX_SEQLEN,
+    WORK_BUDGET,
+    array_types,
+    check_backward,
+    random_qkv,
+    to_numpy,
+    to_type,
+)
+
+BLOCKS = [(16, 16), (8, 32), (32, 8), (None, None)]
+
+
+def _grads(dout, q, k, v, *, causal=False, softmax_scale=None, **kw):
+    """Forward kernel, then backward kernel: returns ((dq, dk, dv), out, lse)."""
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, **kw)
+    return grads, out, lse
+
+
+def test_reference_gradient_matches_finite_differences():
+    rng = np.random.default_rng(0)
+    for causal, (sq, sk) in ((False, (3, 4)), (True, (4, 3)), (True, (3, 5))):
+        q, k, v = (x.astype(np.float64) for x in random_qkv(rng, 1, sq, sk, 2, 3))
+        dout = rng.standard_normal(q.shape)
+        grads = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=0.8)
+
+        def loss(q_, k_, v_):
+            return float((reference.attention_forward(q_, k_, v_, causal=causal, softmax_scale=0.8)[0] * dout).sum())
+
+        eps = 1e-6
+        for which, g in enumerate(grads):
+            args = [q, k, v]
+            num = np.zeros_like(args[which])
+            for idx in np.ndindex(num.shape):
+                plus = [a.copy() for a in args]
+                minus = [a.copy() for a in args]
+                plus[which][idx] += eps
+                minus[which][idx] -= eps
+                num[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+            np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+
+
+seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN))
+
+
+@given(
+    batch=st.integers(1, 2),
+    nheads=st.integers(1, 3),
+    seqlen_q=seqlens,
+    seqlen_k=seqlens,
+    head_dim=st.sampled_from(HEAD_DIMS),
+    causal=st.booleans(),
+    blocks=st.sampled_from(BLOCKS),
+    scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
+    dtype=st.sampled_from([np.float32, np.float16]),
+    array_type=st.sampled_from(array_types()),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_backward_matches_reference(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, blocks, scale, dtype,
+                                    array_type, seed):
+    bm, bn = flashnumba.api.default_blocks_backward(head_dim)
+    bm, bn = blocks[0] or bm, blocks[1] or bn
+    # forward + dq + dkdv: about three passes over the padded score matrix
+    work = 3 * batch * nheads * (-(-seqlen_q // bm) * bm) * (-(-seqlen_k // bn) * bn) * max(head_dim, 8)
+    assume(work <= WORK_BUDGET)
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    args = [to_type(x, array_type) for x in (dout, q, k, v)]
+    grads, out, lse = _grads(*args, causal=causal, softmax_scale=scale, block_m=blocks[0], block_n=blocks[1])
+    assert all(type(g) is type(args[0]) for g in grads)
+    check_backward(grads, dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_is_deterministic(causal):
+    rng = np.random.default_rng(1)
+    q, k, v = random_qkv(rng, 1, 37, 45, 2, 24)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    first = _grads(dout, q, k, v, causal=causal, block_m=16, block_n=16)[0]
+    for _ in range(2):
+        again = _grads(dout, q, k, v, causal=causal, block_m=16, block_n=16)[0]
+        for a, b in zip(first, again):
+            assert np.array_equal(to_numpy(a), to_numpy(b))  # bitwise
+
+
+def test_fully_masked_rows_get_zero_gradient():
+    rng = np.random.default_rng(2)
+    q, k, v = random_qkv(rng, 1, 20, 7, 2, 16)  # causal: rows 0..12 see no key
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    (dq, dk, dv), out, lse = _grads(dout, q, k, v, causal=True, block_m=16, block_n=8)
+    assert (dq[:, :13] == 0).all()
+    check_backward((dq, dk, dv), dout, q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_large_logits(causal):
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 1, 33, 41, 1, 40, scale=10.0)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    grads, out, lse = _grads(dout, q, k, v, causal=causal, block_m=16, block_n=16)
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+def test_attention_with_grad_equals_forward_then_backward():
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 1, 19, 23, 2, 8)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, dq, dk, dv = flashnumba.attention_with_grad(q, k, v, dout, causal=True, block_m=16, block_n=16)
+    o2, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
+    g2 = flashnumba.flash_attn_backward(dout, q, k, v, o2, lse, causal=True, block_m=16, block_n=16)
+    assert np.array_equal(out, o2)
+    for a, b in zip((dq, dk, dv), g2):
+        assert np.array_equal(a, b)
+
+
+def test_backward_inputs_not_modified():
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 9, 11, 1, 8)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = flashnumba.flash_attn_forward(q, k, v)
+    arrays = (dout, q, k, v, out, lse)
+    copies = [a.copy() for a in arrays]
+    flashnumba.flash_attn_backward(*arrays, block_m=16, block_n=16)
+    for a, c in zip(arrays, copies):
+        np.testing.assert_array_equal(a, c)
+
+
+def _fwd(d=8):
+    rng = np.random.default_rng(6)
+    q, k, v = random_qkv(rng, 1, 5, 6, 2, d)
+    out, lse = flashnumba.flash_attn_forward(q, k, v)
+    return np.ones_like(q), q, k, v, out, lse
+
+
+@pytest.mark.parametrize("which,make,err,msg", [
+    ("dout", lambda a: a[:, :4], ValueError, r"dout must have the shape of q"),
+    ("out", lambda a: a[:, :, :1], ValueError, r"out must have the shape of q"),
+    ("lse", lambda a: a[:, :, :4], ValueError, r"lse must have shape \(batch, nheads, seqlen_q\)"),
+    ("lse", lambda a: a.astype(np.float64), TypeError, r"lse must be float32"),
+    ("dout", lambda a: a.astype(np.float16), TypeError, r"dout has dtype float16 but q has dtype float32"),
+    ("out", lambda a: a.astype(np.float64), TypeError, r"out has dtype float64"),
+    ("lse", lambda a: a[0], ValueError, r"lse must have 3 dimensions"),
+])
+def test_backward_validation(which, make, err, msg):
+    args = dict(zip(("dout", "q", "k", "v", "out", "lse"), _fwd()))
+    args[which] = make(args[which])
+    with pytest.raises(err, match=msg):
+        flashnumba.flash_attn_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"])
+
+
+def test_backward_block_sizes_checked():
+    with pytest.raises(ValueError, match=r"shared memory in the backward"):
+        flashnumba.flash_attn_backward(*_fwd(d=128), block_m=128, block_n=128)
