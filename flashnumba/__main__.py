@@ -30,6 +30,12 @@ def main(argv=None):
     demo = sub.add_parser("demo", help="run the forward kernel, check it, time it, compare memory")
     demo.add_argument("--size", choices=["auto", "small", "large"], default="auto",
                       help="large: batch 4, 16 heads, seqlen 4096, head_dim 64 (GPU); small: simulator-sized")
+    sub.add_parser("bench", help="benchmark against standard attention and peers (see --help)", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark has its own options
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     return {"info": _info, "demo": _demo}[args.command](args)
 

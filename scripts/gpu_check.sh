@@ -4,7 +4,7 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-STEPS=${STEPS:-"info tests demo sanitize"}
+STEPS=${STEPS:-"info tests demo sanitize memory bench"}
 for step in $STEPS; do
   echo "=== $step $(date -u +%FT%TZ)"
   case $step in
@@ -14,9 +14,11 @@ for step in $STEPS; do
     demo) python3 -m flashnumba demo 2>&1 | tee "$OUT/demo.log" ;;
     sanitize)
       for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 ${SANITIZE_SCRIPT:-scripts/sanitize_forward.py} \
+        compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 ${SANITIZE_SCRIPT:-scripts/sanitize.py} \
           > "$OUT/sanitize_$tool.log" 2>&1
         echo "$tool: exit $?"; tail -3 "$OUT/sanitize_$tool.log"
       done ;;
+    memory) python3 scripts/backward_memory.py 4096 16384 2>&1 | tee "$OUT/backward_memory.log" ;;
+    bench) python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac
 done

@@ -1,0 +1,469 @@
+"""``python -m flashnumba bench``: flashnumba against standard attention and the attention kernels of torch and
+flash-attn, in speed and memory.
+
+Workloads as in the FlashAttention-2 paper: batch = tokens / seqlen (tokens = 16384), nheads = 2048 / head_dim,
+so every q, k, v tensor holds 16384 x 2048 elements (128 MiB in float32, twice the H200's 60 MB L2: no input is
+served from cache between runs). FLOPs: 4 * batch * nheads * seqlen^2 * head_dim per forward, halved when
+causal; the backward counts 2.5x the forward, forward + backward 3.5x.
+
+Every implementation is validated against the float64 NumPy reference on a small problem (same head_dim,
+causal, dtype) before it is timed; one that fails is reported and not timed. Timing: CUDA events, after
+warm-up, median of ``--repeat`` runs. Memory: peak device memory a call adds on top of its inputs (CuPy's
+pool for CuPy-based implementations, torch's allocator statistics for torch-based ones).
+
+Outputs: a table on stdout, ``bench.json`` and PNG plots (TFLOP/s vs seqlen; peak memory vs seqlen) in
+``--out``. ``--budget-gib`` instead finds the longest seqlen each implementation runs in that much memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import _backend, reference
+from .api import attention_with_grad, flash_attn_backward, flash_attn_forward
+from .standard import _xp as array_module
+from .standard import standard_attention
+
+FWD, BWD, FWDBWD = "fwd", "bwd", "fwd+bwd"
+PASS_FACTOR = {FWD: 1.0, BWD: 2.5, FWDBWD: 3.5}
+
+
+def flops(batch, nheads, seqlen, head_dim, causal, pass_):
+    f = 4 * batch * nheads * seqlen * seqlen * head_dim * PASS_FACTOR[pass_]
+    return f / 2 if causal else f
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# implementations: each is make(q, k, v, dout, causal) -> {pass: callable}, on arrays of its own library
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _flashnumba(kernel):
+    def make(q, k, v, dout, causal):
+        out, lse = flash_attn_forward(q, k, v, causal=causal, kernel=kernel)
+        return {
+            FWD: lambda: flash_attn_forward(q, k, v, causal=causal, kernel=kernel),
+            BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal),
+            FWDBWD: lambda: attention_with_grad(q, k, v, dout, causal=causal, kernel=kernel),
+        }
+
+    return make
+
+
+def standard_attention_backward(dout, q, k, v, p, *, softmax_scale=None):
+    """Backward of materialised attention from the saved P (batch, nheads, sq, sk): (dq, dk, dv), like q."""
+    xp = array_module(q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    qh, kh, vh, doh = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
+    dv = xp.matmul(p.transpose(0, 1, 3, 2), doh)
+    dp = xp.matmul(doh, vh.transpose(0, 1, 3, 2))
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    del dp
+    dq = xp.matmul(ds, kh) * q.dtype.type(scale)
+    dk = xp.matmul(ds.transpose(0, 1, 3, 2), qh) * q.dtype.type(scale)
+    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+def _standard_probs(q, k, causal):
+    xp = array_module(q)
+
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = xp.matmul(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)) * q.dtype.type(scale)
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        s = xp.where(xp.arange(sk)[None, :] <= xp.arange(sq)[:, None] + (sk - sq), s, s.dtype.type(-np.inf))
+    s -= s.max(axis=-1, keepdims=True)
+    p = xp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def _standard(q, k, v, dout, causal):
+    p = _standard_probs(q, k, causal)
+
+    def fwdbwd():
+        p2 = _standard_probs(q, k, causal)
+        out = array_module(q).matmul(p2, v.transpose(0, 2, 1, 3))
+        return out, standard_attention_backward(dout, q, k, v, p2)
+
+    return {
+        FWD: lambda: standard_attention(q, k, v, causal=causal),
+        BWD: lambda: standard_attention_backward(dout, q, k, v, p),
+        FWDBWD: fwdbwd,
+    }
+
+
+def _torch_sdpa(backend_name):
+    def make(q, k, v, dout, causal):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+        # (batch, seqlen, nheads, d) -> torch's (batch, nheads, seqlen, d) view, no copy
+        tq, tk, tv, tdo = (torch.as_tensor(x, device="cuda").transpose(1, 2) for x in (q, k, v, dout))
+        leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
+
+        def fwd():
+            with sdpa_kernel(backend), torch.no_grad():
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+        def fwdbwd():
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+            o.backward(tdo)
+            return o
+
+        with sdpa_kernel(backend):
+            saved = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+        def bwd():
+            saved.backward(tdo, retain_graph=True)
+
+        return {FWD: fwd, BWD: bwd, FWDBWD: fwdbwd}
+
+    return make
+
+
+def available_implementations(include_peers=True):
+    impls = {"flashnumba_v1": _flashnumba("v1"), "flashnumba_v2": _flashnumba("v2"), "standard_cupy": _standard}
+    if include_peers and not _backend.SIMULATOR:
+        try:
+            import torch  # noqa: F401
+            from torch.nn.attention import SDPBackend  # noqa: F401
+
+            if torch.cuda.is_available():
+                for name, backend in (("math", "MATH"), ("efficient", "EFFICIENT_ATTENTION"),
+                                      ("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
+                    impls[f"torch_sdpa_{name}"] = _torch_sdpa(backend)
+        except ImportError:
+            pass
+    return impls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _xp():
+    if _backend.SIMULATOR:
+        return np
+    import cupy
+
+    return cupy
+
+
+def _host(x):
+    if hasattr(x, "detach"):  # torch
+        x = x.detach()
+        return x.transpose(1, 2).float().cpu().numpy() if x.dim() == 4 else x.cpu().numpy()
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def validate(make, head_dim, causal, dtype, seqlen=96):
+    """Run the implementation on a small problem and compare out (and dq) with the float64 reference.
+
+    Returns None when it agrees, else a string saying what failed. Tolerance: 10x the error of the same
+    computation in NumPy at the input's dtype (plus 1e-5): loose enough for any correct kernel, tight enough
+    to catch wrong masking or indexing.
+    """
+    xp = _xp()
+    rng = np.random.default_rng(0)
+    shape = (1, seqlen, 2, head_dim)
+    hq, hk, hv, hdo = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    q, k, v, dout = (xp.asarray(x) for x in (hq, hk, hv, hdo))
+    try:
+        fns = make(q, k, v, dout, causal)
+        out = fns[FWD]()
+        out = out[0] if isinstance(out, tuple) else out
+    except Exception as err:  # noqa: BLE001  (a peer that does not support this configuration)
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    truth, _ = reference.attention_forward(hq, hk, hv, causal=causal)
+    base, _ = reference.attention_forward(hq, hk, hv, causal=causal, dtype=dtype)
+    err = float(np.abs(_host(out).astype(np.float64) - truth).max())
+    tol = 10 * float(np.abs(base - truth).max()) + 1e-5
+    if not err <= tol:
+        return f"forward error {err:.2e} > {tol:.2e}"
+    return None
+
+
+def _peak_and_time(fn, lib, warmup, repeat):
+    """(median ms, all ms, peak extra bytes) of fn()."""
+    if _backend.SIMULATOR:
+        t0 = time.perf_counter()
+        fn()
+        ms = 1e3 * (time.perf_counter() - t0)
+        return ms, [ms], 0
+    import cupy
+
+    if lib == "torch":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        pool = cupy.get_default_memory_pool()
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        before = pool.total_bytes()
+        r = fn()
+        cupy.cuda.Device().synchronize()
+        peak = pool.total_bytes() - before
+        del r
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times)), times, int(peak)
+
+
+def _progress(total):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, file=sys.stderr, dynamic_ncols=True)
+    except ImportError:
+        class _Bar:
+            n = 0
+
+            def update(self, k=1):
+                self.n += k
+                print(f"  [{self.n}/{total}]", file=sys.stderr, end="\r")
+
+            def set_description(self, s):
+                pass
+
+            def close(self):
+                print(file=sys.stderr)
+
+        return _Bar()
+
+
+def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=16384, width=2048, warmup=2,
+              repeat=10, skip_standard_above_gib=60.0):
+    xp = _xp()
+    rows, invalid = [], {}
+    configs = [(d, c, dt, n) for d in head_dims for c in causals for dt in dtypes for n in seqlens]
+    bar = _progress(len(configs) * len(impls))
+    for d, causal, dtype, n in configs:
+        batch, nheads = max(1, tokens // n), max(1, width // d)
+        rng = np.random.default_rng(n)
+        shape = (batch, n, nheads, d)
+        q, k, v, dout = (xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype)) for _ in range(4))
+        for name, make in impls.items():
+            bar.set_description(f"{name} d={d} N={n} causal={causal} {np.dtype(dtype).name}")
+            bar.update()
+            key = (name, d, causal, np.dtype(dtype).name)
+            if key not in invalid:
+                invalid[key] = validate(make, d, causal, dtype)
+            base = dict(impl=name, head_dim=d, seqlen=n, batch=batch, nheads=nheads, causal=causal,
+                        dtype=np.dtype(dtype).name)
+            if invalid[key]:
+                rows.append(dict(base, error=invalid[key]))
+                continue
+            n2_gib = batch * nheads * n * n * np.dtype(dtype).itemsize / 2**30
+            if name.startswith(("standard", "torch_sdpa_math")) and 2 * n2_gib > skip_standard_above_gib:
+                rows.append(dict(base, error=f"skipped: needs > {2 * n2_gib:.0f} GiB"))
+                continue
+            lib = "torch" if name.startswith("torch") else "cupy"
+            try:
+                fns = make(q, k, v, dout, causal)
+                for p in passes:
+                    ms, times, peak = _peak_and_time(fns[p], lib, warmup, repeat)
+                    f = flops(batch, nheads, n, d, causal, p)
+                    rows.append(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak))
+                del fns
+            except Exception as err:  # noqa: BLE001  (out of memory, unsupported shape in a peer)
+                rows.append(dict(base, error=f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"))
+            _free()
+        del q, k, v, dout
+        _free()
+    bar.close()
+    return rows
+
+
+def _free():
+    if _backend.SIMULATOR:
+        return
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def longest_seqlen_in_budget(impls, budget_gib, head_dim=64, nheads=16, dtype=np.float16, start=1024, stop=2**22):
+    """For each implementation: the longest power-of-two seqlen whose forward+backward (batch 1) fits in budget.
+
+    The memory counted is the inputs (q, k, v, dout) plus the peak extra memory of the call."""
+    xp = _xp()
+    out = {}
+    for name, make in impls.items():
+        best, n = None, start
+        lib = "torch" if name.startswith("torch") else "cupy"
+        while n <= stop:
+            inputs = 4 * n * nheads * head_dim * np.dtype(dtype).itemsize
+            est_n2 = nheads * n * n * np.dtype(dtype).itemsize
+            if name.startswith(("standard", "torch_sdpa_math")) and inputs + est_n2 > budget_gib * 2**30:
+                break  # S alone would not fit: do not ask the card for it
+            try:
+                shape = (1, n, nheads, head_dim)
+                q, k, v, dout = (xp.ones(shape, dtype) for _ in range(4))
+                _, _, peak = _peak_and_time(make(q, k, v, dout, False)[FWDBWD], lib, 0, 1)
+                del q, k, v, dout
+            except Exception:  # noqa: BLE001  (out of memory)
+                _free()
+                break
+            _free()
+            if inputs + peak > budget_gib * 2**30:
+                break
+            best = n
+            n *= 2
+        out[name] = best
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reporting
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def environment():
+    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               device=_backend.device_name(), backend=_backend.BACKEND, versions=_backend.versions(),
+               command="python -m flashnumba " + " ".join(sys.argv[1:]))
+    try:
+        import torch
+
+        env["versions"]["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def table(rows):
+    std = {(r["head_dim"], r["seqlen"], r["causal"], r["dtype"], r["pass_"]): r["ms"]
+           for r in rows if r["impl"] == "standard_cupy" and "ms" in r}
+    lines = [f"{'impl':22} {'dtype':8} {'d':>4} {'seqlen':>6} {'causal':>6} {'pass':>8} | {'ms':>9} "
+             f"{'TFLOP/s':>8} {'x standard':>10} {'peak MiB':>9}"]
+    for r in rows:
+        head = f"{r['impl']:22} {r['dtype']:8} {r['head_dim']:4} {r['seqlen']:6} {str(r['causal']):>6}"
+        if "error" in r:
+            lines.append(f"{head} {'':>8} | {r['error']}")
+            continue
+        s = std.get((r["head_dim"], r["seqlen"], r["causal"], r["dtype"], r["pass_"]))
+        x = f"{s / r['ms']:.2f}" if s else "-"
+        lines.append(f"{head} {r['pass_']:>8} | {r['ms']:9.3f} {r['tflops']:8.2f} {x:>10} "
+                     f"{r['peak_bytes'] / 2**20:9.1f}")
+    return "\n".join(lines)
+
+
+def plots(rows, out_dir):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    ok = [r for r in rows if "ms" in r]
+    groups = sorted({(r["dtype"], r["head_dim"], r["causal"], r["pass_"]) for r in ok})
+    for metric, ylabel, fname in (("tflops", "TFLOP/s", "tflops"), ("peak_bytes", "peak extra memory (GiB)",
+                                                                        "memory")):
+        if not groups:
+            break
+        cols = 4
+        nrows = -(-len(groups) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+        for ax, (dt, d, c, p) in zip(axes.flat, groups):
+            for impl in sorted({r["impl"] for r in ok}):
+                pts = sorted((r["seqlen"], r[metric] / (2**30 if metric == "peak_bytes" else 1)) for r in ok
+                             if (r["impl"], r["dtype"], r["head_dim"], r["causal"], r["pass_"]) == (impl, dt, d, c, p))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            if metric == "peak_bytes":
+                ax.set_yscale("log")
+            ax.set_title(f"{dt} d={d} {'causal' if c else 'non-causal'} {p}", fontsize=9)
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel(ylabel)
+        for ax in list(axes.flat)[len(groups):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"bench_{fname}.png")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m flashnumba bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--causal", choices=["both", "on", "off"], default="both")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
+    p.add_argument("--passes", nargs="+", default=[FWD, BWD, FWDBWD], choices=[FWD, BWD, FWDBWD])
+    p.add_argument("--impls", nargs="+", default=None, help="names to run (default: every one available)")
+    p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    p.add_argument("--width", type=int, default=2048, help="nheads * head_dim")
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--budget-gib", type=float, default=None,
+                   help="find the longest seqlen each implementation runs within this memory")
+    a = p.parse_args(argv)
+    impls = available_implementations()
+    if a.impls:
+        unknown = set(a.impls) - set(impls)
+        if unknown:
+            p.error(f"unknown or unavailable implementations {sorted(unknown)}; available: {sorted(impls)}")
+        impls = {n: impls[n] for n in a.impls}
+    os.makedirs(a.out, exist_ok=True)
+    result = dict(environment=environment())
+    if a.budget_gib is not None:
+        result["budget_gib"] = a.budget_gib
+        result["longest_seqlen"] = longest_seqlen_in_budget(impls, a.budget_gib)
+        print(f"longest seqlen (power of two) for forward+backward within {a.budget_gib} GiB "
+              f"(batch 1, 16 heads, head_dim 64, float16):")
+        for name, n in result["longest_seqlen"].items():
+            print(f"  {name:22} {n}")
+    else:
+        causals = {"both": [False, True], "on": [True], "off": [False]}[a.causal]
+        rows = run_sweep(seqlens=a.seqlens, head_dims=a.head_dims, causals=causals,
+                         dtypes=[np.dtype(d) for d in a.dtypes], passes=a.passes, impls=impls, tokens=a.tokens,
+                         width=a.width, warmup=a.warmup, repeat=a.repeat)
+        result["rows"] = rows
+        print(table(rows))
+        result["plots"] = [os.path.basename(x) for x in plots(rows, a.out)]
+    path = os.path.join(a.out, "bench.json" if a.budget_gib is None else "budget.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,38 @@
+"""The benchmark harness runs end to end on a tiny configuration and writes its JSON (flashnumba.bench)."""
+
+from __future__ import annotations
+
+import json
+
+import flashnumba
+from flashnumba import bench
+
+
+def test_bench_runs_and_writes_json(tmp_path, capsys):
+    rc = bench.main(["--seqlens", "16", "--head-dims", "16", "--dtypes", "float32", "--causal", "on",
+                     "--tokens", "16", "--width", "16", "--repeat", "1", "--warmup", "0",
+                     "--impls", "flashnumba_v1", "flashnumba_v2", "standard_cupy", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["environment"]["backend"] == flashnumba.BACKEND
+    rows = result["rows"]
+    timed = [r for r in rows if "ms" in r]
+    assert {r["impl"] for r in timed} == {"flashnumba_v1", "flashnumba_v2", "standard_cupy"}
+    assert {r["pass_"] for r in timed} == {"fwd", "bwd", "fwd+bwd"}
+    for r in timed:
+        assert r["ms"] > 0 and r["tflops"] > 0
+        assert r["batch"] == 1 and r["nheads"] == 1
+    assert "flashnumba_v2" in capsys.readouterr().out
+
+
+def test_validation_rejects_a_wrong_implementation():
+    def wrong(q, k, v, dout, causal):  # ignores the causal mask
+        return {bench.FWD: lambda: flashnumba.reference.attention_forward(q, k, v)[0]}
+
+    assert bench.validate(wrong, 8, True, "float32", seqlen=12) is not None
+    assert bench.validate(bench._flashnumba("v2"), 8, True, "float32", seqlen=12) is None
+
+
+def test_flop_count():
+    assert bench.flops(2, 3, 128, 64, False, "fwd") == 4 * 2 * 3 * 128 * 128 * 64
+    assert bench.flops(2, 3, 128, 64, True, "fwd+bwd") == 3.5 * 4 * 2 * 3 * 128 * 128 * 64 / 2
