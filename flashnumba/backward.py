@@ -132,7 +132,7 @@ def make_backward_dkdv_v1(D, B_r, B_c, causal):
                     for c in range(D):
                         s += Q_i[r, c] * k_j[c]
                         dp += dO_i[r, c] * v_j[c]
-                    p = math.exp2((s * scale - L_i[r]) * LOG2E)
+                    p = float32(math.exp2((s * scale - L_i[r]) * LOG2E))
                     ds = p * (dp - D_i[r])  # dS_ij = P_ij (dP_ij - D_i)
                     for c in range(D):
                         dv_j[c] += p * dO_i[r, c]  # dV_j += P_ij dO_i
@@ -206,7 +206,7 @@ def make_backward_dq_v1(D, B_r, B_c, causal):
                     for c in range(D):
                         s += q_i[c] * K_j[jj, c]
                         dp += do_i[c] * V_j[jj, c]
-                    p = math.exp2((s * scale - L) * LOG2E)
+                    p = float32(math.exp2((s * scale - L) * LOG2E))
                     ds = p * (dp - D_row)
                     for c in range(D):
                         dq_i[c] += ds * K_j[jj, c]  # dQ_i += dS_ij K_j (times scale below)

@@ -39,8 +39,8 @@ import math
 from ._backend import SIMULATOR, cuda
 from numba import float32, int32
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+LOG2E = float32(math.log2(math.e))
+LN2 = float32(math.log(2.0))
 NEG_INF = float32(-math.inf)
 
 
@@ -120,12 +120,12 @@ def make_forward_v1(D, B_r, B_c, causal):
                     m_new = max(m_new, x)
                 m_use = m_new if m_new != NEG_INF else float32(0.0)  # no key seen yet: avoid -inf - -inf
                 # P_ij = exp2(S_ij - m_new);  alpha = exp2(m_i - m_new) rescales what was accumulated so far
-                alpha = math.exp2(m_i - m_use)
+                alpha = float32(math.exp2(m_i - m_use))
                 p_sum = float32(0.0)
                 for c in range(D):
                     o_i[c] *= alpha
                 for jj in range(B_c):
-                    p = math.exp2(s[jj] - m_use)  # exp2(-inf) = 0 for masked entries
+                    p = float32(math.exp2(s[jj] - m_use))  # exp2(-inf) = 0 for masked entries
                     p_sum += p
                     for c in range(D):
                         o_i[c] += p * V_j[jj, c]  # O_i += P_ij V_j
@@ -139,7 +139,7 @@ def make_forward_v1(D, B_r, B_c, causal):
             inv_l = float32(1.0) / l_i if l_i != 0 else float32(0.0)
             for c in range(D):
                 out[b, i, h, c] = o_i[c] * inv_l
-            lse[b, h, i] = m_i * LN2 + math.log(l_i) if l_i != 0 else NEG_INF
+            lse[b, h, i] = float32(m_i * LN2 + math.log(l_i)) if l_i != 0 else NEG_INF
 
     return forward_v1
 
@@ -292,14 +292,14 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
                 for x in range(TX):
                     mx = max(mx, smem[OFF_RED + (ty * TM + rr) * TX + x])
                 m_use[rr] = mx if mx != NEG_INF else float32(0.0)  # no key seen yet: avoid -inf - -inf
-                alpha[rr] = math.exp2(m[rr] - m_use[rr])
+                alpha[rr] = float32(math.exp2(m[rr] - m_use[rr]))
                 m[rr] = mx
             cuda.syncthreads()  # every thread has read its row maxima before red is reused for row sums
 
             for rr in range(TM):
                 ps = float32(0.0)
                 for n in range(TN):
-                    p = math.exp2(S[rr, n] - m_use[rr])  # 0 for masked entries
+                    p = float32(math.exp2(S[rr, n] - m_use[rr]))  # 0 for masked entries
                     ps += p
                     smem[OFF_P + (tx + TX * n) * B_r + ty * TM + rr] = p
                 smem[OFF_RED + (ty * TM + rr) * TX + tx] = ps
@@ -332,7 +332,7 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
                     if c < D:
                         out[b, i, h, c] = O[rr, n] * inv_l
                 if tx == 0:
-                    lse[b, h, i] = m[rr] * LN2 + math.log(l[rr]) if l[rr] != 0 else NEG_INF
+                    lse[b, h, i] = float32(m[rr] * LN2 + math.log(l[rr])) if l[rr] != 0 else NEG_INF
 
     return forward_v2
 
