@@ -72,8 +72,10 @@ seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN)
 )
 def test_backward_matches_reference(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, blocks, scale, dtype,
                                     array_type, seed):
-    bm, bn = flashnumba.api.default_blocks_backward(head_dim)
-    bm, bn = blocks[0] or bm, blocks[1] or bn
+    try:  # invalid block configurations are tested in test_backward_block_sizes_checked
+        bm, bn = flashnumba.api.resolve_blocks_backward(head_dim, *blocks)
+    except ValueError:
+        assume(False)
     # forward + dq + dkdv: about three passes over the padded score matrix
     work = 3 * batch * nheads * (-(-seqlen_q // bm) * bm) * (-(-seqlen_k // bn) * bn) * max(head_dim, 8)
     assume(work <= WORK_BUDGET)
