@@ -172,7 +172,7 @@ def launch(kernel_fn, grid, block, shared_bytes, args):
 
 
 def flash_attn_forward(
-    q, k, v, *, softmax_scale=None, causal=False, block_m=None, block_n=None, num_threads=None, kernel="v2"
+    q, k, v, *, softmax_scale=None, causal=False, block_m=None, block_n=None, num_threads=None, kernel="v3"
 ):
     """Exact attention by a tiled, fused kernel that never materialises the seqlen_q x seqlen_k matrix.
 
@@ -183,8 +183,9 @@ def flash_attn_forward(
     softmax_scale : float, default 1 / sqrt(head_dim)
     causal : bool. Bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
     block_m, block_n : B_r query rows and B_c key rows per tile (defaults: :func:`default_blocks`).
-    num_threads : threads per block (kernel v2; v1 uses one thread per query row).
-    kernel : "v2" (register-tiled, default) or "v1" (one thread per row, the readable one).
+    num_threads : threads per block (kernels v2, v3; v1 uses one thread per query row).
+    kernel : "v3" (register-tiled with unsigned index arithmetic, default), "v2" (the same with Numba's
+        default signed indexing) or "v1" (one thread per row, the readable one). See flashnumba.forward.
 
     Returns
     -------
@@ -213,7 +214,8 @@ def flash_attn_forward(
         fn = forward.make_forward_v1(head_dim, block_m, block_n, causal)
         launch(fn, grid, (block_m,), 0, (qd, kd, vd, out_dev, lse_dev, scale_log2))
     else:
-        fn = forward.make_forward_v2(head_dim, block_m, block_n, num_threads, causal)
+        make = forward.make_forward_v2 if kernel == "v2" else forward.make_forward_v3
+        fn = make(head_dim, block_m, block_n, num_threads, causal)
         launch(fn, grid, (num_threads,), smem, (qd, kd, vd, out_dev, lse_dev, scale_log2))
     return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
 
@@ -228,35 +230,57 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, **kwargs):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def default_blocks_backward(head_dim: int) -> tuple[int, int]:
-    """(block_m, block_n) of the backward kernels when the caller gives none."""
+BACKWARD_KERNELS = ("v1", "v2")
+
+
+def default_blocks_backward(head_dim: int, kernel: str = "v2") -> tuple[int, int, int]:
+    """(block_m, block_n, num_threads) of the backward kernels when the caller gives none."""
+    if kernel == "v1":
+        if head_dim <= 64:
+            return 64, 64, 64
+        return (32, 32, 32) if head_dim <= 128 else (16, 16, 16)
     if head_dim <= 64:
-        return 64, 64
-    if head_dim <= 128:
-        return 32, 32
-    return 16, 16
+        return 64, 64, 128
+    return (32, 64, 128) if head_dim <= 128 else (16, 32, 128)
 
 
-def resolve_blocks_backward(head_dim, block_m=None, block_n=None):
-    dm, dn = default_blocks_backward(head_dim)
+def resolve_blocks_backward(head_dim, block_m=None, block_n=None, num_threads=None, kernel="v2"):
+    """Validate (or choose) the backward's block sizes: returns (block_m, block_n, num_threads, (smem_dkdv,
+    smem_dq)); v1's shared memory is static (48 KB at most), v2's dynamic."""
+    if kernel not in BACKWARD_KERNELS:
+        raise ValueError(f"kernel must be one of {BACKWARD_KERNELS} for the backward, got {kernel!r}")
+    dm, dn, dt = default_blocks_backward(head_dim, kernel)
     block_m = dm if block_m is None else _check_int("block_m", block_m, 1, 1024)
     block_n = dn if block_n is None else _check_int("block_n", block_n, 1, 1024)
-    for name, smem in (("dK/dV", backward.shared_bytes_dkdv_v1(head_dim, block_m, block_n)),
-                       ("dQ", backward.shared_bytes_dq_v1(head_dim, block_m, block_n))):
-        if smem > STATIC_SHARED_LIMIT:
+    num_threads = dt if num_threads is None else _check_int("num_threads", num_threads, 1, 1024)
+    if kernel == "v1":
+        smem = (backward.shared_bytes_dkdv_v1(head_dim, block_m, block_n),
+                backward.shared_bytes_dq_v1(head_dim, block_m, block_n))
+        limit = STATIC_SHARED_LIMIT
+    else:
+        backward.check_blocks_v2(head_dim, block_m, block_n, num_threads)
+        smem = (backward.shared_bytes_dkdv_v2(head_dim, block_m, block_n),
+                backward.shared_bytes_dq_v2(head_dim, block_m, block_n))
+        limit = max_shared_memory_per_block()
+    for name, nbytes in zip(("dK/dV", "dQ"), smem):
+        if nbytes > limit:
             raise ValueError(
-                f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {smem} bytes of shared memory "
-                f"in the backward {name} kernel, more than {STATIC_SHARED_LIMIT}; choose smaller blocks"
+                f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {nbytes} bytes of shared memory "
+                f"in the backward {name} kernel {kernel}, more than {limit}; choose smaller blocks"
             )
-    return block_m, block_n
+    return block_m, block_n, num_threads, smem
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, block_m=None, block_n=None):
+def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, block_m=None, block_n=None,
+                        num_threads=None, kernel="v2"):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
 
     ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale
     and causal; dout is the gradient of the loss with respect to out (like q). Extra device memory is
     O(batch * nheads * seqlen_q): one float per query row (D_i = rowsum(dout * out)). Deterministic: no atomics.
+
+    block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2"
+    (register-tiled, default) or "v1" (one thread per row, the readable one). See flashnumba.backward.
 
     Returns dq like q, dk and dv like k, in the input dtype (float32 accumulation).
     """
@@ -275,7 +299,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
         raise TypeError(f"lse must be float32 (as flash_attn_forward returns it), got {tl.dtype}")
     causal = _check_flag("causal", causal)
     scale = _check_scale(softmax_scale, head_dim)
-    block_m, block_n = resolve_blocks_backward(head_dim, block_m, block_n)
+    block_m, block_n, num_threads, (smem_dkdv, smem_dq) = resolve_blocks_backward(
+        head_dim, block_m, block_n, num_threads, kernel)
 
     like = tq.kind
     dq_user, dq_dev = _arrays.empty(tq.shape, tq.dtype, like)
@@ -290,15 +315,25 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     delta_user, delta = _arrays.empty((batch, nheads, seqlen_q), np.float32, like)  # D_i, O(seqlen_q)
     scale32 = np.float32(scale)
     bh = batch * nheads
+    grid_q, grid_k = (-(-seqlen_q // block_m), bh), (-(-seqlen_k // block_n), bh)
     if seqlen_q:
-        pre = backward.make_backward_preprocess(head_dim, block_m)
-        launch(pre, (-(-seqlen_q // block_m), bh), (block_m,), 0, (dod, od, delta))
-        dq_fn = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal)
-        launch(dq_fn, (-(-seqlen_q // block_m), bh), (block_m,), 0, (dod, qd, kd, vd, ld, delta, dq_dev, scale32))
-    if seqlen_k:
-        dkdv_fn = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
-        launch(dkdv_fn, (-(-seqlen_k // block_n), bh), (block_n,), 0,
-               (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32))
+        pre = backward.make_backward_preprocess(head_dim, 64)
+        launch(pre, (-(-seqlen_q // 64), bh), (64,), 0, (dod, od, delta))
+    if kernel == "v1":
+        if seqlen_q:
+            dq_fn = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal)
+            launch(dq_fn, grid_q, (block_m,), 0, (dod, qd, kd, vd, ld, delta, dq_dev, scale32))
+        if seqlen_k:
+            dkdv_fn = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
+            launch(dkdv_fn, grid_k, (block_n,), 0, (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32))
+    else:
+        if seqlen_q:
+            dq_fn = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, causal)
+            launch(dq_fn, grid_q, (num_threads,), smem_dq, (dod, qd, kd, vd, ld, delta, dq_dev, scale32))
+        if seqlen_k:
+            dkdv_fn = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, causal)
+            launch(dkdv_fn, grid_k, (num_threads,), smem_dkdv,
+                   (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32))
     del delta_user
     return tuple(_arrays.to_caller(u, d, like) for u, d in result)
 
@@ -307,10 +342,13 @@ def attention_with_grad(q, k, v, dout, *, softmax_scale=None, causal=False, **kw
     """Forward and backward together, for users without an autograd system: returns (out, dq, dk, dv).
 
     Equivalent to ``out, lse = flash_attn_forward(q, k, v, ...)`` then
-    ``flash_attn_backward(dout, q, k, v, out, lse, ...)``. Keyword arguments ``block_m``/``block_n`` apply to
-    the backward; ``kernel``/``num_threads`` to the forward.
+    ``flash_attn_backward(dout, q, k, v, out, lse, ...)``. ``kernel`` chooses the forward kernel,
+    ``backward_kernel`` the backward's; ``block_m``, ``block_n`` and ``num_threads`` apply to the backward (the
+    forward uses its defaults).
     """
-    fwd_kw = {n: kwargs.pop(n) for n in ("kernel", "num_threads") if n in kwargs}
+    fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
+    if "backward_kernel" in kwargs:
+        kwargs["kernel"] = kwargs.pop("backward_kernel")
     out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **fwd_kw)
     dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, **kwargs)
     return out, dq, dk, dv

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import float32
+from numba import float32, uint64
 
 from ._backend import cuda
 from .forward import LOG2E, NEG_INF
@@ -217,3 +217,334 @@ def make_backward_dq_v1(D, B_r, B_c, causal):
                 dq[b, i, h, c] = dq_i[c] * scale
 
     return backward_dq_v1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# v2: register-tiled, as the forward kernel v3 (8 threads share a row group; unsigned shared-memory indices)
+# ---------------------------------------------------------------------------------------------------------------
+
+TX = 8  # threads that share one row group of a score tile
+
+
+def _tiling(rows, cols, D, num_threads, rows_name, cols_name):
+    """(TY, TM, TN, DC) for a (rows x cols) score tile over num_threads threads laid out as (TY, 8)."""
+    if num_threads % 32 or not 32 <= num_threads <= 1024:
+        raise ValueError(f"num_threads must be a multiple of 32 in [32, 1024], got {num_threads}")
+    TY = num_threads // TX
+    if cols % TX:
+        raise ValueError(f"{cols_name} must be a multiple of {TX} for the backward kernel v2, got {cols}")
+    if rows % TY:
+        raise ValueError(f"{rows_name} must be a multiple of num_threads/{TX} = {TY} for the backward kernel v2, "
+                         f"got {rows}")
+    return TY, rows // TY, cols // TX, (D + TX - 1) // TX
+
+
+def _layout_dkdv_v2(D, B_r, B_c):
+    """Word offsets of the dK/dV kernel's shared buffers: K_j^T, V_j^T (D, B_c+1); Q_i^T, dO_i^T (D, B_r+1);
+    Q_i, dO_i (B_r, D); P_ij, dS_ij stored [query][key] (B_r, B_c+1); L_i, D_i (B_r,). Returns offsets, total."""
+    KS, QS, PS = B_c + 1, B_r + 1, B_c + 1
+    sizes = [D * KS, D * KS, D * QS, D * QS, B_r * D, B_r * D, B_r * PS, B_r * PS, B_r, B_r]
+    offs = [sum(sizes[:n]) for n in range(len(sizes))]
+    return (KS, QS, PS, *offs, sum(sizes))
+
+
+def _layout_dq_v2(D, B_r, B_c):
+    """Word offsets of the dQ kernel's shared buffers: Q_i^T, dO_i^T (D, B_r+1); K_j^T, V_j^T (D, B_c+1);
+    K_j (B_c, D); dS_ij stored [key][query] (B_c, B_r+1). Returns offsets, total."""
+    QS, KS, SS = B_r + 1, B_c + 1, B_r + 1
+    sizes = [D * QS, D * QS, D * KS, D * KS, B_c * D, B_c * SS]
+    offs = [sum(sizes[:n]) for n in range(len(sizes))]
+    return (QS, KS, SS, *offs, sum(sizes))
+
+
+def shared_bytes_dkdv_v2(D, B_r, B_c):
+    return _layout_dkdv_v2(D, B_r, B_c)[-1] * 4
+
+
+def shared_bytes_dq_v2(D, B_r, B_c):
+    return _layout_dq_v2(D, B_r, B_c)[-1] * 4
+
+
+def check_blocks_v2(D, B_r, B_c, num_threads):
+    """Raise ValueError unless (B_r, B_c, num_threads) tile both v2 kernels."""
+    _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")  # dK/dV: rows are keys, columns queries
+    _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")  # dQ: rows are queries, columns keys
+
+
+@functools.lru_cache(maxsize=None)
+def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
+    """dK_j, dV_j for one key tile per block, register-tiled.
+
+    Launch: grid (ceil(seqlen_k / B_c), batch * nheads), block (num_threads,), dynamic shared memory
+    :func:`shared_bytes_dkdv_v2`. Thread (ty, tx) owns key rows ty*TM + rr of the tile and, in the
+    (B_c x B_r) tiles S^T and dP^T, query columns tx + 8n; in dK and dV, feature columns tx + 8n.
+
+    Per query tile i:  S^T = K_j Q_i^T and dP^T = V_j dO_i^T (registers, TM x TN);  P^T, dS^T to shared;
+    dV_j += P^T dO_i and dK_j += dS^T Q_i (registers, TM x DC).
+    """
+    I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
+    TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
+    KS, QS, PS, OFF_KT, OFF_VT, OFF_QT, OFF_OT, OFF_Q, OFF_O, OFF_P, OFF_S, OFF_L, OFF_D, _ = (
+        I(x) for x in _layout_dkdv_v2(D, B_r, B_c))
+    NT = num_threads
+    uD = I(D)
+
+    @cuda.jit
+    def backward_dkdv_v2(dout, q, k, v, lse, delta, dk, dv, scale):
+        nheads = q.shape[2]
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        t = cuda.threadIdx.x
+        ty = t // TX
+        tx = t % TX
+        b = cuda.blockIdx.y // nheads
+        h = cuda.blockIdx.y % nheads
+        j0 = cuda.blockIdx.x * B_c
+        diag = seqlen_k - seqlen_q  # causal: row i sees key j iff j <= i + diag
+
+        smem = cuda.shared.array(0, float32)
+        # K_j^T, V_j^T (D, B_c) at OFF_KT, OFF_VT (row stride KS); Q_i^T, dO_i^T (D, B_r) at OFF_QT, OFF_OT
+        # (stride QS); Q_i, dO_i (B_r, D) at OFF_Q, OFF_O; P_ij, dS_ij (B_r, B_c) at OFF_P, OFF_S (stride PS);
+        # L_i, D_i (B_r,) at OFF_L, OFF_D.
+        S = cuda.local.array((TM, TN), float32)  # S^T, then P^T: keys x queries
+        dP = cuda.local.array((TM, TN), float32)  # dP^T, then dS^T
+        dV = cuda.local.array((TM, DC), float32)
+        dK = cuda.local.array((TM, DC), float32)
+        qc = cuda.local.array(TN, float32)
+        oc = cuda.local.array(TN, float32)
+        a_r = cuda.local.array(DC, float32)
+        b_r = cuda.local.array(DC, float32)
+
+        # K_j^T, V_j^T once; keys past seqlen_k are zero.
+        for e in range(t, B_c * D, NT):
+            jj = e // D
+            c = e % D
+            kx = float32(0.0)
+            vx = float32(0.0)
+            if j0 + jj < seqlen_k:
+                kx = float32(k[b, j0 + jj, h, c])
+                vx = float32(v[b, j0 + jj, h, c])
+            smem[OFF_KT + I(c) * KS + I(jj)] = kx
+            smem[OFF_VT + I(c) * KS + I(jj)] = vx
+        for rr in range(TM):
+            for n in range(DC):
+                dV[rr, n] = 0.0
+                dK[rr, n] = 0.0
+
+        m_start = 0
+        if causal:  # the first query row that sees key j0 is j0 - diag
+            m_start = max(0, j0 - diag) // B_r * B_r
+        for i0 in range(m_start, seqlen_q, B_r):
+            # Q_i, dO_i in both layouts, L_i, D_i; rows past seqlen_q are zero (L = -inf: no P).
+            for e in range(t, B_r * D, NT):
+                r = e // D
+                c = e % D
+                qx = float32(0.0)
+                ox = float32(0.0)
+                if i0 + r < seqlen_q:
+                    qx = float32(q[b, i0 + r, h, c])
+                    ox = float32(dout[b, i0 + r, h, c])
+                smem[OFF_QT + I(c) * QS + I(r)] = qx
+                smem[OFF_OT + I(c) * QS + I(r)] = ox
+                smem[OFF_Q + I(r) * uD + I(c)] = qx
+                smem[OFF_O + I(r) * uD + I(c)] = ox
+            for r in range(t, B_r, NT):
+                ok = i0 + r < seqlen_q
+                smem[OFF_L + I(r)] = lse[b, h, i0 + r] if ok else NEG_INF
+                smem[OFF_D + I(r)] = delta[b, h, i0 + r] if ok else float32(0.0)
+            cuda.syncthreads()  # K^T, V^T (first tile), Q_i, dO_i, L_i, D_i complete before they are read
+
+            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T, this thread's (TM, TN) patch
+            for rr in range(TM):
+                for n in range(TN):
+                    S[rr, n] = 0.0
+                    dP[rr, n] = 0.0
+            for c in range(D):
+                q_row = OFF_QT + I(c) * QS + I(tx)  # Q_i^T[c, tx::8]
+                o_row = OFF_OT + I(c) * QS + I(tx)  # dO_i^T[c, tx::8]
+                for n in range(TN):
+                    qc[n] = smem[q_row + I(TX * n)]
+                    oc[n] = smem[o_row + I(TX * n)]
+                k_row = OFF_KT + I(c) * KS + I(ty * TM)  # K_j^T[c, ty*TM : ty*TM + TM]
+                v_row = OFF_VT + I(c) * KS + I(ty * TM)
+                for rr in range(TM):
+                    kv = smem[k_row + I(rr)]
+                    vv = smem[v_row + I(rr)]
+                    for n in range(TN):
+                        S[rr, n] += kv * qc[n]
+                        dP[rr, n] += vv * oc[n]
+
+            # P_ij = exp(scale S_ij - L_i) (0 where masked);  dS_ij = P_ij (dP_ij - D_i);  both to shared
+            for rr in range(TM):
+                j = j0 + ty * TM + rr
+                for n in range(TN):
+                    r = tx + TX * n
+                    i = i0 + r
+                    L = smem[OFF_L + I(r)]
+                    p = float32(0.0)
+                    if j < seqlen_k and L != NEG_INF and (not causal or j <= i + diag):
+                        p = float32(math.exp2((S[rr, n] * scale - L) * LOG2E))
+                    smem[OFF_P + I(r) * PS + I(ty * TM + rr)] = p
+                    smem[OFF_S + I(r) * PS + I(ty * TM + rr)] = p * (dP[rr, n] - smem[OFF_D + I(r)])
+            cuda.syncthreads()  # P_ij and dS_ij complete
+
+            # dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i  (times scale at the end)
+            for r in range(B_r):
+                o_row = OFF_O + I(r) * uD + I(tx)  # dO_i[r, tx::8]
+                q_row = OFF_Q + I(r) * uD + I(tx)  # Q_i[r, tx::8]
+                for n in range(DC):
+                    inside = tx + TX * n < D
+                    a_r[n] = smem[o_row + I(TX * n)] if inside else float32(0.0)
+                    b_r[n] = smem[q_row + I(TX * n)] if inside else float32(0.0)
+                p_row = OFF_P + I(r) * PS + I(ty * TM)
+                s_row = OFF_S + I(r) * PS + I(ty * TM)
+                for rr in range(TM):
+                    p = smem[p_row + I(rr)]
+                    ds = smem[s_row + I(rr)]
+                    for n in range(DC):
+                        dV[rr, n] += p * a_r[n]
+                        dK[rr, n] += ds * b_r[n]
+            cuda.syncthreads()  # all reads of this query tile done before the next one overwrites it
+
+        for rr in range(TM):
+            j = j0 + ty * TM + rr
+            if j < seqlen_k:
+                for n in range(DC):
+                    c = tx + TX * n
+                    if c < D:
+                        dk[b, j, h, c] = dK[rr, n] * scale
+                        dv[b, j, h, c] = dV[rr, n]
+
+    return backward_dkdv_v2
+
+
+@functools.lru_cache(maxsize=None)
+def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
+    """dQ_i for one query tile per block, register-tiled; no atomics.
+
+    Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
+    :func:`shared_bytes_dq_v2`. Thread (ty, tx) owns query rows ty*TM + rr and, in S and dP, key columns
+    tx + 8n; in dQ, feature columns tx + 8n.
+
+    Per key tile j:  S = Q_i K_j^T, dP = dO_i V_j^T (registers);  dS^T to shared;  dQ_i += dS K_j.
+    """
+    I = uint64  # noqa: E741
+    TY, TM, TN, DC = _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")
+    QS, KS, SS, OFF_QT, OFF_OT, OFF_KT, OFF_VT, OFF_K, OFF_S, _ = (I(x) for x in _layout_dq_v2(D, B_r, B_c))
+    NT = num_threads
+    uD = I(D)
+
+    @cuda.jit
+    def backward_dq_v2(dout, q, k, v, lse, delta, dq, scale):
+        nheads = q.shape[2]
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        t = cuda.threadIdx.x
+        ty = t // TX
+        tx = t % TX
+        b = cuda.blockIdx.y // nheads
+        h = cuda.blockIdx.y % nheads
+        i0 = cuda.blockIdx.x * B_r
+        diag = seqlen_k - seqlen_q
+
+        smem = cuda.shared.array(0, float32)
+        # Q_i^T, dO_i^T (D, B_r) at OFF_QT, OFF_OT (stride QS); K_j^T, V_j^T (D, B_c) at OFF_KT, OFF_VT
+        # (stride KS); K_j (B_c, D) at OFF_K; dS_ij stored [key][query] (B_c, B_r) at OFF_S (stride SS).
+        S = cuda.local.array((TM, TN), float32)
+        dP = cuda.local.array((TM, TN), float32)
+        dQ = cuda.local.array((TM, DC), float32)
+        L = cuda.local.array(TM, float32)  # L_i of this thread's rows
+        Di = cuda.local.array(TM, float32)  # D_i of this thread's rows
+        kc = cuda.local.array(TN, float32)
+        vc = cuda.local.array(TN, float32)
+        k_r = cuda.local.array(DC, float32)
+
+        for e in range(t, B_r * D, NT):
+            r = e // D
+            c = e % D
+            qx = float32(0.0)
+            ox = float32(0.0)
+            if i0 + r < seqlen_q:
+                qx = float32(q[b, i0 + r, h, c])
+                ox = float32(dout[b, i0 + r, h, c])
+            smem[OFF_QT + I(c) * QS + I(r)] = qx
+            smem[OFF_OT + I(c) * QS + I(r)] = ox
+        for rr in range(TM):
+            i = i0 + ty * TM + rr
+            L[rr] = lse[b, h, i] if i < seqlen_q else NEG_INF
+            Di[rr] = delta[b, h, i] if i < seqlen_q else float32(0.0)
+            for n in range(DC):
+                dQ[rr, n] = 0.0
+
+        n_end = seqlen_k
+        if causal:
+            last_row = min(i0 + B_r, seqlen_q) - 1
+            n_end = max(0, min(seqlen_k, last_row + diag + 1))
+        for j0 in range(0, n_end, B_c):
+            for e in range(t, B_c * D, NT):
+                jj = e // D
+                c = e % D
+                kx = float32(0.0)
+                vx = float32(0.0)
+                if j0 + jj < seqlen_k:
+                    kx = float32(k[b, j0 + jj, h, c])
+                    vx = float32(v[b, j0 + jj, h, c])
+                smem[OFF_KT + I(c) * KS + I(jj)] = kx
+                smem[OFF_VT + I(c) * KS + I(jj)] = vx
+                smem[OFF_K + I(jj) * uD + I(c)] = kx
+            cuda.syncthreads()  # Q_i^T, dO_i^T (first tile), K_j, V_j complete before they are read
+
+            # S = Q_i K_j^T and dP = dO_i V_j^T, this thread's (TM, TN) patch
+            for rr in range(TM):
+                for n in range(TN):
+                    S[rr, n] = 0.0
+                    dP[rr, n] = 0.0
+            for c in range(D):
+                k_row = OFF_KT + I(c) * KS + I(tx)
+                v_row = OFF_VT + I(c) * KS + I(tx)
+                for n in range(TN):
+                    kc[n] = smem[k_row + I(TX * n)]
+                    vc[n] = smem[v_row + I(TX * n)]
+                q_row = OFF_QT + I(c) * QS + I(ty * TM)
+                o_row = OFF_OT + I(c) * QS + I(ty * TM)
+                for rr in range(TM):
+                    qv = smem[q_row + I(rr)]
+                    ov = smem[o_row + I(rr)]
+                    for n in range(TN):
+                        S[rr, n] += qv * kc[n]
+                        dP[rr, n] += ov * vc[n]
+
+            # dS_ij = P_ij (dP_ij - D_i), P_ij = exp(scale S_ij - L_i), 0 where masked; to shared as dS^T
+            for rr in range(TM):
+                i = i0 + ty * TM + rr
+                for n in range(TN):
+                    jj = tx + TX * n
+                    j = j0 + jj
+                    ds = float32(0.0)
+                    if j < seqlen_k and L[rr] != NEG_INF and (not causal or j <= i + diag):
+                        p = float32(math.exp2((S[rr, n] * scale - L[rr]) * LOG2E))
+                        ds = p * (dP[rr, n] - Di[rr])
+                    smem[OFF_S + I(jj) * SS + I(ty * TM + rr)] = ds
+            cuda.syncthreads()  # dS_ij complete
+
+            # dQ_i += dS_ij K_j  (times scale at the end)
+            for jj in range(B_c):
+                k_row = OFF_K + I(jj) * uD + I(tx)  # K_j[jj, tx::8]
+                for n in range(DC):
+                    k_r[n] = smem[k_row + I(TX * n)] if tx + TX * n < D else float32(0.0)
+                s_row = OFF_S + I(jj) * SS + I(ty * TM)
+                for rr in range(TM):
+                    ds = smem[s_row + I(rr)]
+                    for n in range(DC):
+                        dQ[rr, n] += ds * k_r[n]
+            cuda.syncthreads()  # all reads of K_j, V_j, dS_ij done before the next tile overwrites them
+
+        for rr in range(TM):
+            i = i0 + ty * TM + rr
+            if i < seqlen_q:
+                for n in range(DC):
+                    c = tx + TX * n
+                    if c < D:
+                        dq[b, i, h, c] = dQ[rr, n] * scale
+
+    return backward_dq_v2

@@ -47,12 +47,15 @@ def flops(batch, nheads, seqlen, head_dim, causal, pass_):
 
 
 def _flashnumba(kernel):
+    """Forward kernel ``kernel``; backward v1 with forward v1 (the simple pair), else backward v2."""
+    bkernel = "v1" if kernel == "v1" else "v2"
+
     def make(q, k, v, dout, causal):
         out, lse = flash_attn_forward(q, k, v, causal=causal, kernel=kernel)
         return {
             FWD: lambda: flash_attn_forward(q, k, v, causal=causal, kernel=kernel),
-            BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal),
-            FWDBWD: lambda: attention_with_grad(q, k, v, dout, causal=causal, kernel=kernel),
+            BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal, kernel=bkernel),
+            FWDBWD: lambda: attention_with_grad(q, k, v, dout, causal=causal, kernel=kernel, backward_kernel=bkernel),
         }
 
     return make
@@ -133,7 +136,8 @@ def _torch_sdpa(backend_name):
 
 
 def available_implementations(include_peers=True):
-    impls = {"flashnumba_v1": _flashnumba("v1"), "flashnumba_v2": _flashnumba("v2"), "standard_cupy": _standard}
+    impls = {f"flashnumba_{k}": _flashnumba(k) for k in ("v1", "v2", "v3")}
+    impls["standard_cupy"] = _standard
     if include_peers and not _backend.SIMULATOR:
         try:
             import torch  # noqa: F401

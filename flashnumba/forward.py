@@ -37,7 +37,7 @@ import functools
 import math
 
 from ._backend import SIMULATOR, cuda
-from numba import float32, int32
+from numba import float32, int64, uint64
 
 LOG2E = float32(math.log2(math.e))
 LN2 = float32(math.log(2.0))
@@ -200,12 +200,32 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
     Per key tile: load K_j^T, V_j; S = Q_i K_j^T from shared (TM + TN loads per TM * TN FMAs); row max and
     row sum reduced over the 8 threads of a row through ``red``; P_ij^T to shared; O += P_ij V_j.
     """
+    return _make_register_tiled(D, B_r, B_c, num_threads, causal, int64)
+
+
+@functools.lru_cache(maxsize=None)
+def make_forward_v3(D, B_r, B_c, num_threads, causal):
+    """Forward kernel v3: v2 with unsigned shared-memory index arithmetic.
+
+    The trick, specific to Numba: an array index of a *signed* integer type gets a negative-index wraparound
+    (``i < 0 ? i + len : i``), five 64-bit integer instructions per access, which LLVM cannot remove when the
+    index is a product of thread indices and loop counters. In v2's inner loops that is ~10 integer
+    instructions per shared-memory load, for one or two FMAs. Unsigned indices (uint64: every operand,
+    constants included, must be unsigned, or Numba promotes the mix to float64) skip the wraparound.
+    The arithmetic is otherwise identical to v2.
+    """
+    return _make_register_tiled(D, B_r, B_c, num_threads, causal, uint64)
+
+
+def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
+    """The register-tiled forward kernel, with shared-memory indices computed in integer type ``I``."""
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
-    QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = _smem_layout_v2(D, B_r, B_c)
+    QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = (I(x) for x in _smem_layout_v2(D, B_r, B_c))
     NT = num_threads
+    uD, uB_r = I(D), I(B_r)
 
     @cuda.jit(fastmath=False)
-    def forward_v2(q, k, v, out, lse, scale_log2):
+    def forward_register_tiled(q, k, v, out, lse, scale_log2):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -230,6 +250,8 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
         l = cuda.local.array(TM, float32)  # l_i of its rows
         alpha = cuda.local.array(TM, float32)
         m_use = cuda.local.array(TM, float32)
+        kr = cuda.local.array(TN, float32)  # K_j^T[c, tx::8], this thread's columns
+        vr = cuda.local.array(DC, float32)  # V_j[jj, tx::8], this thread's columns
 
         # Load Q_i^T once, pre-scaled; rows past seqlen_q are zero.
         for e in range(t, B_r * D, NT):
@@ -238,7 +260,7 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
             x = float32(0.0)
             if i0 + r < seqlen_q:
                 x = float32(q[b, i0 + r, h, c]) * scale_log2
-            smem[OFF_Q + c * QS + r] = x
+            smem[OFF_Q + I(c) * QS + I(r)] = x
         for rr in range(TM):
             m[rr] = NEG_INF
             l[rr] = 0.0
@@ -260,8 +282,8 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
                 if j0 + jj < seqlen_k:
                     kx = float32(k[b, j0 + jj, h, c])
                     vx = float32(v[b, j0 + jj, h, c])
-                smem[OFF_K + c * KS + jj] = kx
-                smem[OFF_V + jj * D + c] = vx
+                smem[OFF_K + I(c) * KS + I(jj)] = kx
+                smem[OFF_V + I(jj) * uD + I(c)] = vx
             cuda.syncthreads()  # Q_i^T (first tile), K_j^T, V_j complete before they are read
 
             # S_ij = Q_i K_j^T for this thread's (TM, TN) patch
@@ -269,10 +291,14 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
                 for n in range(TN):
                     S[rr, n] = 0.0
             for c in range(D):
+                q_row = OFF_Q + I(c) * QS + I(ty * TM)  # Q_i^T[c, ty*TM : ty*TM + TM]
+                k_row = OFF_K + I(c) * KS + I(tx)  # K_j^T[c, tx :: 8]
+                for n in range(TN):
+                    kr[n] = smem[k_row + I(TX * n)]  # TN loads, reused by the TM rows
                 for rr in range(TM):
-                    qv = smem[OFF_Q + c * QS + ty * TM + rr]
+                    qv = smem[q_row + I(rr)]
                     for n in range(TN):
-                        S[rr, n] += qv * smem[OFF_K + c * KS + tx + TX * n]
+                        S[rr, n] += qv * kr[n]
 
             # mask, and this thread's partial row max
             for rr in range(TM):
@@ -283,14 +309,14 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
                     if j >= seqlen_k or (causal and j > i + diag):
                         S[rr, n] = NEG_INF
                     mx = max(mx, S[rr, n])
-                smem[OFF_RED + (ty * TM + rr) * TX + tx] = mx
+                smem[OFF_RED + I((ty * TM + rr) * TX + tx)] = mx
             cuda.syncthreads()  # partial row maxima visible to the row's 8 threads
 
             # m_new = max(m_i, rowmax(S_ij)); alpha = exp2(m_i - m_new); P_ij = exp2(S_ij - m_new)
             for rr in range(TM):
                 mx = m[rr]
                 for x in range(TX):
-                    mx = max(mx, smem[OFF_RED + (ty * TM + rr) * TX + x])
+                    mx = max(mx, smem[OFF_RED + I((ty * TM + rr) * TX + x)])
                 m_use[rr] = mx if mx != NEG_INF else float32(0.0)  # no key seen yet: avoid -inf - -inf
                 alpha[rr] = float32(math.exp2(m[rr] - m_use[rr]))
                 m[rr] = mx
@@ -301,25 +327,27 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
                 for n in range(TN):
                     p = float32(math.exp2(S[rr, n] - m_use[rr]))  # 0 for masked entries
                     ps += p
-                    smem[OFF_P + (tx + TX * n) * B_r + ty * TM + rr] = p
-                smem[OFF_RED + (ty * TM + rr) * TX + tx] = ps
+                    smem[OFF_P + I(tx + TX * n) * uB_r + I(ty * TM + rr)] = p
+                smem[OFF_RED + I((ty * TM + rr) * TX + tx)] = ps
             cuda.syncthreads()  # P_ij^T and the partial row sums complete
 
             # l_i = alpha * l_i + rowsum(P_ij);  O_i = alpha * O_i + P_ij V_j
             for rr in range(TM):
                 ps = float32(0.0)
                 for x in range(TX):
-                    ps += smem[OFF_RED + (ty * TM + rr) * TX + x]
+                    ps += smem[OFF_RED + I((ty * TM + rr) * TX + x)]
                 l[rr] = alpha[rr] * l[rr] + ps
                 for n in range(DC):
                     O[rr, n] *= alpha[rr]
             for jj in range(B_c):
+                p_row = OFF_P + I(jj) * uB_r + I(ty * TM)  # P_ij^T[jj, ty*TM : ty*TM + TM]
+                v_row = OFF_V + I(jj) * uD + I(tx)  # V_j[jj, tx :: 8]
+                for n in range(DC):
+                    vr[n] = smem[v_row + I(TX * n)] if tx + TX * n < D else float32(0.0)  # reused by TM rows
                 for rr in range(TM):
-                    p = smem[OFF_P + jj * B_r + ty * TM + rr]
+                    p = smem[p_row + I(rr)]
                     for n in range(DC):
-                        c = tx + TX * n
-                        if c < D:
-                            O[rr, n] += p * smem[OFF_V + jj * D + c]
+                        O[rr, n] += p * vr[n]
             cuda.syncthreads()  # all reads of K_j^T, V_j, P_ij^T, red done before the next tile overwrites them
 
         # O_i = O_i / l_i,  L_i = ln(2) m_i + log(l_i); a row that saw no key gets 0 and -inf
@@ -334,7 +362,7 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
                 if tx == 0:
                     lse[b, h, i] = float32(m[rr] * LN2 + math.log(l[rr])) if l[rr] != 0 else NEG_INF
 
-    return forward_v2
+    return forward_register_tiled
 
 
-KERNELS = ("v1", "v2")
+KERNELS = ("v1", "v2", "v3")

@@ -34,9 +34,31 @@ def kernel_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threa
     if kernel == "v1":
         fn = forward.make_forward_v1(head_dim, block_m, block_n, causal)
     else:
-        fn = forward.make_forward_v2(head_dim, block_m, block_n, num_threads, causal)
+        make = forward.make_forward_v2 if kernel == "v2" else forward.make_forward_v3
+        fn = make(head_dim, block_m, block_n, num_threads, causal)
     ptx, _ = cuda.compile_ptx(fn.py_func, kernel_signature(dtype), cc=cc)
     return ptx
+
+
+def backward_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threads: int = 128,
+                 causal: bool = False, dtype: str = "float32", cc=(9, 0)) -> dict:
+    """PTX of the backward kernels of one configuration: {"dq": ptx, "dkdv": ptx}."""
+    from . import backward
+
+    if SIMULATOR:
+        raise RuntimeError("backward_ptx needs the real numba.cuda: start Python with FLASHNUMBA_SIMULATOR=0")
+    a = _ARRAY.format(dtype)
+    l3 = "float32[:, :, :]"
+    if kernel == "v1":
+        dq = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal)
+        dkdv = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
+    else:
+        dq = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, causal)
+        dkdv = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, causal)
+    sig_dq = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, float32)"
+    sig_dkdv = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, {a}, float32)"
+    return {"dq": cuda.compile_ptx(dq.py_func, sig_dq, cc=cc)[0],
+            "dkdv": cuda.compile_ptx(dkdv.py_func, sig_dkdv, cc=cc)[0]}
 
 
 def ptx_resources(ptx: str, cc=(9, 0)) -> dict:

@@ -19,6 +19,8 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, head_dim, causal, forward kwarg
     (1, 70, 70, 1, 256, True, {}, {}),
     (1, 77, 91, 2, 64, True, dict(kernel="v1"), dict(block_m=32, block_n=16)),
     (1, 50, 30, 1, 96, False, dict(kernel="v1"), {}),
+    (1, 77, 91, 2, 64, True, dict(kernel="v2"), {}),
+    (2, 33, 97, 1, 59, False, dict(kernel="v2", block_m=32, block_n=16, num_threads=64), {}),
 ]
 for b, sq, sk, h, d, causal, fkw, bkw in cases:
     q, k, v = (cupy.asarray(rng.standard_normal((b, s, h, d), dtype=np.float32)) for s in (sq, sk, sk))

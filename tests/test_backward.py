@@ -21,7 +21,18 @@ from conftest import (
     to_type,
 )
 
-BLOCKS = [(16, 16), (8, 32), (32, 8), (None, None)]
+# (kernel, block_m, block_n, num_threads); small ones keep the simulator fast; the defaults always included
+BLOCKS = [
+    ("v1", 16, 16, None),
+    ("v1", 8, 32, None),
+    ("v1", 32, 8, None),
+    ("v1", None, None, None),
+    ("v2", 16, 16, 32),
+    ("v2", 8, 16, 64),
+    ("v2", 32, 16, 64),
+    ("v2", None, None, None),
+]
+KERNEL_ARGS = [dict(kernel="v1", block_m=16, block_n=16), dict(kernel="v2", block_m=16, block_n=16, num_threads=32)]
 
 
 def _grads(dout, q, k, v, *, causal=False, softmax_scale=None, **kw):
@@ -72,8 +83,9 @@ seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN)
 )
 def test_backward_matches_reference(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, blocks, scale, dtype,
                                     array_type, seed):
+    kernel, block_m, block_n, num_threads = blocks
     try:  # invalid block configurations are tested in test_backward_block_sizes_checked
-        bm, bn = flashnumba.api.resolve_blocks_backward(head_dim, *blocks)
+        bm, bn, _, _ = flashnumba.api.resolve_blocks_backward(head_dim, block_m, block_n, num_threads, kernel)
     except ValueError:
         assume(False)
     # forward + dq + dkdv: about three passes over the padded score matrix
@@ -83,38 +95,42 @@ def test_backward_matches_reference(batch, nheads, seqlen_q, seqlen_k, head_dim,
     q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
     dout = rng.standard_normal(q.shape).astype(dtype)
     args = [to_type(x, array_type) for x in (dout, q, k, v)]
-    grads, out, lse = _grads(*args, causal=causal, softmax_scale=scale, block_m=blocks[0], block_n=blocks[1])
+    grads, out, lse = _grads(*args, causal=causal, softmax_scale=scale, kernel=kernel, block_m=block_m,
+                             block_n=block_n, num_threads=num_threads)
     assert all(type(g) is type(args[0]) for g in grads)
     check_backward(grads, dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
 
 
+@pytest.mark.parametrize("kw", KERNEL_ARGS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_is_deterministic(causal):
+def test_backward_is_deterministic(causal, kw):
     rng = np.random.default_rng(1)
-    q, k, v = random_qkv(rng, 1, 37, 45, 2, 24)
+    q, k, v = random_qkv(rng, 1, 21, 29, 1, 24)
     dout = rng.standard_normal(q.shape).astype(np.float32)
-    first = _grads(dout, q, k, v, causal=causal, block_m=16, block_n=16)[0]
+    first = _grads(dout, q, k, v, causal=causal, **kw)[0]
     for _ in range(2):
-        again = _grads(dout, q, k, v, causal=causal, block_m=16, block_n=16)[0]
+        again = _grads(dout, q, k, v, causal=causal, **kw)[0]
         for a, b in zip(first, again):
             assert np.array_equal(to_numpy(a), to_numpy(b))  # bitwise
 
 
-def test_fully_masked_rows_get_zero_gradient():
+@pytest.mark.parametrize("kw", KERNEL_ARGS)
+def test_fully_masked_rows_get_zero_gradient(kw):
     rng = np.random.default_rng(2)
     q, k, v = random_qkv(rng, 1, 20, 7, 2, 16)  # causal: rows 0..12 see no key
     dout = rng.standard_normal(q.shape).astype(np.float32)
-    (dq, dk, dv), out, lse = _grads(dout, q, k, v, causal=True, block_m=16, block_n=8)
+    (dq, dk, dv), out, lse = _grads(dout, q, k, v, causal=True, **kw)
     assert (dq[:, :13] == 0).all()
     check_backward((dq, dk, dv), dout, q, k, v, out, lse, causal=True)
 
 
+@pytest.mark.parametrize("kw", KERNEL_ARGS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_large_logits(causal):
+def test_backward_large_logits(causal, kw):
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, 1, 33, 41, 1, 40, scale=10.0)
     dout = rng.standard_normal(q.shape).astype(np.float32)
-    grads, out, lse = _grads(dout, q, k, v, causal=causal, block_m=16, block_n=16)
+    grads, out, lse = _grads(dout, q, k, v, causal=causal, **kw)
     check_backward(grads, dout, q, k, v, out, lse, causal=causal)
 
 
@@ -122,9 +138,10 @@ def test_attention_with_grad_equals_forward_then_backward():
     rng = np.random.default_rng(4)
     q, k, v = random_qkv(rng, 1, 19, 23, 2, 8)
     dout = rng.standard_normal(q.shape).astype(np.float32)
-    out, dq, dk, dv = flashnumba.attention_with_grad(q, k, v, dout, causal=True, block_m=16, block_n=16)
+    out, dq, dk, dv = flashnumba.attention_with_grad(q, k, v, dout, causal=True, block_m=16, block_n=16,
+                                                     num_threads=32)
     o2, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
-    g2 = flashnumba.flash_attn_backward(dout, q, k, v, o2, lse, causal=True, block_m=16, block_n=16)
+    g2 = flashnumba.flash_attn_backward(dout, q, k, v, o2, lse, causal=True, block_m=16, block_n=16, num_threads=32)
     assert np.array_equal(out, o2)
     for a, b in zip((dq, dk, dv), g2):
         assert np.array_equal(a, b)
@@ -137,7 +154,7 @@ def test_backward_inputs_not_modified():
     out, lse = flashnumba.flash_attn_forward(q, k, v)
     arrays = (dout, q, k, v, out, lse)
     copies = [a.copy() for a in arrays]
-    flashnumba.flash_attn_backward(*arrays, block_m=16, block_n=16)
+    flashnumba.flash_attn_backward(*arrays, block_m=16, block_n=16, num_threads=32)
     for a, c in zip(arrays, copies):
         np.testing.assert_array_equal(a, c)
 
@@ -165,6 +182,14 @@ def test_backward_validation(which, make, err, msg):
         flashnumba.flash_attn_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"])
 
 
-def test_backward_block_sizes_checked():
-    with pytest.raises(ValueError, match=r"shared memory in the backward"):
-        flashnumba.flash_attn_backward(*_fwd(d=128), block_m=128, block_n=128)
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(kernel="v1", block_m=128, block_n=128), ValueError, r"shared memory in the backward dK/dV kernel v1"),
+    (dict(kernel="v2", block_m=256, block_n=256, num_threads=128), ValueError, r"shared memory in the backward"),
+    (dict(kernel="v2", block_m=12), ValueError, r"block_m must be a multiple of 8"),
+    (dict(kernel="v2", block_n=24, num_threads=128), ValueError, r"block_n must be a multiple of"),
+    (dict(kernel="v2", num_threads=40), ValueError, r"num_threads must be a multiple of 32"),
+    (dict(kernel="v3"), ValueError, r"kernel must be one of"),
+])
+def test_backward_block_sizes_checked(kw, err, msg):
+    with pytest.raises(err, match=msg):
+        flashnumba.flash_attn_backward(*_fwd(d=128), **kw)

@@ -11,18 +11,18 @@ from flashnumba import bench
 def test_bench_runs_and_writes_json(tmp_path, capsys):
     rc = bench.main(["--seqlens", "16", "--head-dims", "16", "--dtypes", "float32", "--causal", "on",
                      "--tokens", "16", "--width", "16", "--repeat", "1", "--warmup", "0",
-                     "--impls", "flashnumba_v1", "flashnumba_v2", "standard_cupy", "--out", str(tmp_path)])
+                     "--impls", "flashnumba_v1", "flashnumba_v3", "standard_cupy", "--out", str(tmp_path)])
     assert rc == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["environment"]["backend"] == flashnumba.BACKEND
     rows = result["rows"]
     timed = [r for r in rows if "ms" in r]
-    assert {r["impl"] for r in timed} == {"flashnumba_v1", "flashnumba_v2", "standard_cupy"}
+    assert {r["impl"] for r in timed} == {"flashnumba_v1", "flashnumba_v3", "standard_cupy"}
     assert {r["pass_"] for r in timed} == {"fwd", "bwd", "fwd+bwd"}
     for r in timed:
         assert r["ms"] > 0 and r["tflops"] > 0
         assert r["batch"] == 1 and r["nheads"] == 1
-    assert "flashnumba_v2" in capsys.readouterr().out
+    assert "flashnumba_v3" in capsys.readouterr().out
 
 
 def test_validation_rejects_a_wrong_implementation():
@@ -30,7 +30,7 @@ def test_validation_rejects_a_wrong_implementation():
         return {bench.FWD: lambda: flashnumba.reference.attention_forward(q, k, v)[0]}
 
     assert bench.validate(wrong, 8, True, "float32", seqlen=12) is not None
-    assert bench.validate(bench._flashnumba("v2"), 8, True, "float32", seqlen=12) is None
+    assert bench.validate(bench._flashnumba("v3"), 8, True, "float32", seqlen=12) is None
 
 
 def test_flop_count():

@@ -16,7 +16,7 @@ SCRIPT = r"""
 import json, sys
 from flashnumba import resources, api
 rows = []
-for kernel in ("v1", "v2"):
+for kernel in ("v1", "v2", "v3"):
     for d in (40, 64, 128, 256):
         for dtype in ("float32", "float16"):
             bm, bn, nt, smem = api.resolve_blocks(kernel, d)
@@ -25,7 +25,17 @@ for kernel in ("v1", "v2"):
             r = resources.ptx_resources(ptx)
             del r["log"]
             rows.append(dict(kernel=kernel, head_dim=d, dtype=dtype, block_m=bm, block_n=bn, threads=nt,
-                             dynamic_shared=smem if kernel == "v2" else 0, **r))
+                             dynamic_shared=0 if kernel == "v1" else smem, **r))
+for kernel in ("v1", "v2"):
+    for d in (40, 64, 128, 256):
+        bm, bn, nt, smem = api.resolve_blocks_backward(d, kernel=kernel)
+        for part, ptx in resources.backward_ptx(kernel, d, bm, bn, nt, causal=True).items():
+            assert ".target sm_90" in ptx
+            r = resources.ptx_resources(ptx)
+            del r["log"]
+            dyn = 0 if kernel == "v1" else smem[0 if part == "dkdv" else 1]
+            rows.append(dict(kernel=f"bwd_{part}_{kernel}", head_dim=d, dtype="float32", block_m=bm, block_n=bn,
+                             threads=nt, dynamic_shared=dyn, **r))
 print(json.dumps(rows))
 """
 
@@ -39,10 +49,10 @@ def test_kernels_compile_for_sm90_and_report_resources():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     print()
-    print(f"{'kernel':6} {'d':>4} {'dtype':8} {'B_r':>4} {'B_c':>4} {'thr':>4} {'regs':>5} "
+    print(f"{'kernel':12} {'d':>4} {'dtype':8} {'B_r':>4} {'B_c':>4} {'thr':>4} {'regs':>5} "
           f"{'smem(static)':>12} {'smem(dyn)':>9} {'spill st/ld':>11}")
     for r in rows:
-        print(f"{r['kernel']:6} {r['head_dim']:4} {r['dtype']:8} {r['block_m']:4} {r['block_n']:4} {r['threads']:4} "
+        print(f"{r['kernel']:12} {r['head_dim']:4} {r['dtype']:8} {r['block_m']:4} {r['block_n']:4} {r['threads']:4} "
               f"{r['registers']:5} {r['shared_bytes']:12} {r['dynamic_shared']:9} "
               f"{r['spill_stores']:5}/{r['spill_loads']:<5}")
         assert 0 < r["registers"] <= 255

@@ -31,6 +31,9 @@ BLOCKS = [
     ("v2", 8, 16, 64),
     ("v2", 32, 8, 64),
     ("v2", None, None, None),
+    ("v3", 16, 16, 32),
+    ("v3", 16, 24, 64),
+    ("v3", None, None, None),
 ]
 
 
@@ -83,13 +86,13 @@ def test_forward_matches_reference(batch, nheads, seqlen_q, seqlen_k, head_dim, 
     check_forward(out, lse, q, k, v, softmax_scale=scale, causal=causal)
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
 @given(seqlen=st.integers(2, 40), head_dim=st.sampled_from([8, 40, 59]), seed=st.integers(0, 2**32 - 1))
 def test_permuting_keys_and_values_jointly_leaves_output_unchanged(kernel, seqlen, head_dim, seed):
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, 1, 9, seqlen, 2, head_dim)
     perm = rng.permutation(seqlen)
-    kw = dict(kernel=kernel, block_m=16, block_n=16, num_threads=32 if kernel == "v2" else None)
+    kw = dict(kernel=kernel, block_m=16, block_n=16, num_threads=None if kernel == "v1" else 32)
     out1, lse1 = flashnumba.flash_attn_forward(q, k, v, **kw)
     out2, lse2 = flashnumba.flash_attn_forward(q, k[:, perm], v[:, perm], **kw)
     # the same sums in another order: equal up to float32 rounding
@@ -97,13 +100,13 @@ def test_permuting_keys_and_values_jointly_leaves_output_unchanged(kernel, seqle
     np.testing.assert_allclose(lse1, lse2, rtol=1e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
 @given(seqlen_k=st.integers(1, 50), causal=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_output_lies_within_the_range_of_v(kernel, seqlen_k, causal, seed):
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, 1, 13, seqlen_k, 1, 24, scale=3.0)
     out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel=kernel, block_m=16, block_n=8,
-                                             num_threads=32 if kernel == "v2" else None)
+                                             num_threads=None if kernel == "v1" else 32)
     sees = reference.causal_mask(13, seqlen_k) if causal else np.ones((13, seqlen_k), bool)
     for i in range(13):
         if not sees[i].any():
@@ -118,6 +121,7 @@ def test_output_lies_within_the_range_of_v(kernel, seqlen_k, causal, seed):
 KERNEL_ARGS = [
     dict(kernel="v1", block_m=16, block_n=16),
     dict(kernel="v2", block_m=16, block_n=16, num_threads=32),
+    dict(kernel="v3", block_m=16, block_n=16, num_threads=32),
 ]
 
 
@@ -158,12 +162,12 @@ def test_seqlen_one(kw):
     check_forward(out, lse, q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
 def test_blocks_larger_than_the_sequence(kernel):
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, 1, 3, 5, 1, 16)
     out, lse = flashnumba.flash_attn_forward(q, k, v, kernel=kernel, block_m=32, block_n=64,
-                                             num_threads=64 if kernel == "v2" else None)
+                                             num_threads=None if kernel == "v1" else 64)
     check_forward(out, lse, q, k, v)
 
 
