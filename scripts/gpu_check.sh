@@ -15,12 +15,12 @@ for step in $STEPS; do
     demo) python3 -m flashnumba demo 2>&1 | tee "$OUT/demo.log" ;;
     sanitize)
       for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 ${SANITIZE_SCRIPT:-scripts/sanitize.py} \
+        timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 ${SANITIZE_SCRIPT:-scripts/sanitize.py} \
           > "$OUT/sanitize_$tool.txt" 2>&1
         echo "$tool: exit $?"; tail -3 "$OUT/sanitize_$tool.txt"; cat "$OUT/sanitize_$tool.txt" >> "$OUT/sanitize.log"
         rm "$OUT/sanitize_$tool.txt"
       done ;;
     memory) python3 scripts/backward_memory.py 4096 16384 2>&1 | tee "$OUT/backward_memory.log" ;;
-    bench) python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
+    bench) timeout ${BENCH_TIMEOUT:-600} python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac
 done
