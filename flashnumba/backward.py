@@ -322,8 +322,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
             kx = float32(0.0)
             vx = float32(0.0)
             if j0 + jj < seqlen_k:
-                kx = float32(k[b, j0 + jj, h, c])
-                vx = float32(v[b, j0 + jj, h, c])
+                kx = float32(k[I(b), I(j0 + jj), I(h), I(c)])
+                vx = float32(v[I(b), I(j0 + jj), I(h), I(c)])
             smem[OFF_KT + I(c) * KS + I(jj)] = kx
             smem[OFF_VT + I(c) * KS + I(jj)] = vx
         for rr in range(TM):
@@ -342,16 +342,16 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
                 qx = float32(0.0)
                 ox = float32(0.0)
                 if i0 + r < seqlen_q:
-                    qx = float32(q[b, i0 + r, h, c])
-                    ox = float32(dout[b, i0 + r, h, c])
+                    qx = float32(q[I(b), I(i0 + r), I(h), I(c)])
+                    ox = float32(dout[I(b), I(i0 + r), I(h), I(c)])
                 smem[OFF_QT + I(c) * QS + I(r)] = qx
                 smem[OFF_OT + I(c) * QS + I(r)] = ox
                 smem[OFF_Q + I(r) * uD + I(c)] = qx
                 smem[OFF_O + I(r) * uD + I(c)] = ox
             for r in range(t, B_r, NT):
                 ok = i0 + r < seqlen_q
-                smem[OFF_L + I(r)] = lse[b, h, i0 + r] if ok else NEG_INF
-                smem[OFF_D + I(r)] = delta[b, h, i0 + r] if ok else float32(0.0)
+                smem[OFF_L + I(r)] = lse[I(b), I(h), I(i0 + r)] if ok else NEG_INF
+                smem[OFF_D + I(r)] = delta[I(b), I(h), I(i0 + r)] if ok else float32(0.0)
             cuda.syncthreads()  # K^T, V^T (first tile), Q_i, dO_i, L_i, D_i complete before they are read
 
             # S^T = K_j Q_i^T and dP^T = V_j dO_i^T, this thread's (TM, TN) patch
@@ -412,8 +412,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        dk[b, j, h, c] = dK[rr, n] * scale
-                        dv[b, j, h, c] = dV[rr, n]
+                        dk[I(b), I(j), I(h), I(c)] = dK[rr, n] * scale
+                        dv[I(b), I(j), I(h), I(c)] = dV[rr, n]
 
     return backward_dkdv_v2
 
@@ -465,14 +465,14 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
             qx = float32(0.0)
             ox = float32(0.0)
             if i0 + r < seqlen_q:
-                qx = float32(q[b, i0 + r, h, c])
-                ox = float32(dout[b, i0 + r, h, c])
+                qx = float32(q[I(b), I(i0 + r), I(h), I(c)])
+                ox = float32(dout[I(b), I(i0 + r), I(h), I(c)])
             smem[OFF_QT + I(c) * QS + I(r)] = qx
             smem[OFF_OT + I(c) * QS + I(r)] = ox
         for rr in range(TM):
             i = i0 + ty * TM + rr
-            L[rr] = lse[b, h, i] if i < seqlen_q else NEG_INF
-            Di[rr] = delta[b, h, i] if i < seqlen_q else float32(0.0)
+            L[rr] = lse[I(b), I(h), I(i)] if i < seqlen_q else NEG_INF
+            Di[rr] = delta[I(b), I(h), I(i)] if i < seqlen_q else float32(0.0)
             for n in range(DC):
                 dQ[rr, n] = 0.0
 
@@ -487,8 +487,8 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if j0 + jj < seqlen_k:
-                    kx = float32(k[b, j0 + jj, h, c])
-                    vx = float32(v[b, j0 + jj, h, c])
+                    kx = float32(k[I(b), I(j0 + jj), I(h), I(c)])
+                    vx = float32(v[I(b), I(j0 + jj), I(h), I(c)])
                 smem[OFF_KT + I(c) * KS + I(jj)] = kx
                 smem[OFF_VT + I(c) * KS + I(jj)] = vx
                 smem[OFF_K + I(jj) * uD + I(c)] = kx
@@ -545,6 +545,6 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        dq[b, i, h, c] = dQ[rr, n] * scale
+                        dq[I(b), I(i), I(h), I(c)] = dQ[rr, n] * scale
 
     return backward_dq_v2

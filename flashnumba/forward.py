@@ -205,20 +205,21 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
 
 @functools.lru_cache(maxsize=None)
 def make_forward_v3(D, B_r, B_c, num_threads, causal):
-    """Forward kernel v3: v2 with unsigned shared-memory index arithmetic.
+    """Forward kernel v3: v2 with unsigned index arithmetic (shared and global memory).
 
     The trick, specific to Numba: an array index of a *signed* integer type gets a negative-index wraparound
     (``i < 0 ? i + len : i``), five 64-bit integer instructions per access, which LLVM cannot remove when the
     index is a product of thread indices and loop counters. In v2's inner loops that is ~10 integer
     instructions per shared-memory load, for one or two FMAs. Unsigned indices (uint64: every operand,
     constants included, must be unsigned, or Numba promotes the mix to float64) skip the wraparound.
-    The arithmetic is otherwise identical to v2.
+    The same holds for the 4-D global arrays (four wraparounds per element loaded); v3 indexes them unsigned
+    too. The arithmetic is otherwise identical to v2.
     """
     return _make_register_tiled(D, B_r, B_c, num_threads, causal, uint64)
 
 
 def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
-    """The register-tiled forward kernel, with shared-memory indices computed in integer type ``I``."""
+    """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
     QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = (I(x) for x in _smem_layout_v2(D, B_r, B_c))
     NT = num_threads
@@ -259,7 +260,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
             c = e % D
             x = float32(0.0)
             if i0 + r < seqlen_q:
-                x = float32(q[b, i0 + r, h, c]) * scale_log2
+                x = float32(q[I(b), I(i0 + r), I(h), I(c)]) * scale_log2
             smem[OFF_Q + I(c) * QS + I(r)] = x
         for rr in range(TM):
             m[rr] = NEG_INF
@@ -280,8 +281,8 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if j0 + jj < seqlen_k:
-                    kx = float32(k[b, j0 + jj, h, c])
-                    vx = float32(v[b, j0 + jj, h, c])
+                    kx = float32(k[I(b), I(j0 + jj), I(h), I(c)])
+                    vx = float32(v[I(b), I(j0 + jj), I(h), I(c)])
                 smem[OFF_K + I(c) * KS + I(jj)] = kx
                 smem[OFF_V + I(jj) * uD + I(c)] = vx
             cuda.syncthreads()  # Q_i^T (first tile), K_j^T, V_j complete before they are read
@@ -358,9 +359,9 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        out[b, i, h, c] = O[rr, n] * inv_l
+                        out[I(b), I(i), I(h), I(c)] = O[rr, n] * inv_l
                 if tx == 0:
-                    lse[b, h, i] = float32(m[rr] * LN2 + math.log(l[rr])) if l[rr] != 0 else NEG_INF
+                    lse[I(b), I(h), I(i)] = float32(m[rr] * LN2 + math.log(l[rr])) if l[rr] != 0 else NEG_INF
 
     return forward_register_tiled
 
