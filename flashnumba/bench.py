@@ -263,9 +263,20 @@ def _progress(total):
 
 
 def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=16384, width=2048, warmup=2,
-              repeat=10, skip_standard_above_gib=60.0):
+              repeat=10, skip_standard_above_gib=60.0, max_call_ms=5000.0, on_row=None):
+    """Measure every (head_dim, causal, dtype, seqlen) x implementation x pass; returns the rows.
+
+    ``on_row(row)`` is called as each row is measured (the CLI prints it and saves the JSON, so that a run cut
+    short keeps what it measured). An implementation whose call took longer than ``max_call_ms`` at one
+    seqlen is not run at the longer ones (recorded as skipped)."""
     xp = _xp()
-    rows, invalid = [], {}
+    rows, invalid, too_slow = [], {}, set()
+
+    def emit(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     configs = [(d, c, dt, n) for d in head_dims for c in causals for dt in dtypes for n in seqlens]
     bar = _progress(len(configs) * len(impls))
     for d, causal, dtype, n in configs:
@@ -282,11 +293,14 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
             base = dict(impl=name, head_dim=d, seqlen=n, batch=batch, nheads=nheads, causal=causal,
                         dtype=np.dtype(dtype).name)
             if invalid[key]:
-                rows.append(dict(base, error=invalid[key]))
+                emit(dict(base, error=invalid[key]))
+                continue
+            if key in too_slow:
+                emit(dict(base, error=f"skipped: slower than {max_call_ms:.0f} ms per call at a shorter seqlen"))
                 continue
             n2_gib = batch * nheads * n * n * np.dtype(dtype).itemsize / 2**30
             if name.startswith(("standard", "torch_sdpa_math")) and 2 * n2_gib > skip_standard_above_gib:
-                rows.append(dict(base, error=f"skipped: needs > {2 * n2_gib:.0f} GiB"))
+                emit(dict(base, error=f"skipped: needs > {2 * n2_gib:.0f} GiB"))
                 continue
             lib = "torch" if name.startswith("torch") else "cupy"
             try:
@@ -294,10 +308,12 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
                 for p in passes:
                     ms, times, peak = _peak_and_time(fns[p], lib, warmup, repeat)
                     f = flops(batch, nheads, n, d, causal, p)
-                    rows.append(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak))
+                    emit(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak))
+                    if ms > max_call_ms:
+                        too_slow.add(key)
                 del fns
             except Exception as err:  # noqa: BLE001  (out of memory, unsupported shape in a peer)
-                rows.append(dict(base, error=f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"))
+                emit(dict(base, error=f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"))
             _free()
         del q, k, v, dout
         _free()
@@ -368,24 +384,34 @@ def environment():
     return env
 
 
+HEADER = (f"{'impl':22} {'dtype':8} {'d':>4} {'seqlen':>6} {'causal':>6} {'pass':>8} | {'ms':>9} "
+          f"{'TFLOP/s':>8} {'x standard':>10} {'peak MiB':>9}")
+
+
+def format_row(r, standard_ms=None):
+    head = f"{r['impl']:22} {r['dtype']:8} {r['head_dim']:4} {r['seqlen']:6} {str(r['causal']):>6}"
+    if "error" in r:
+        return f"{head} {'':>8} | {r['error']}"
+    x = f"{standard_ms / r['ms']:.2f}" if standard_ms else "-"
+    return (f"{head} {r['pass_']:>8} | {r['ms']:9.3f} {r['tflops']:8.2f} {x:>10} "
+            f"{r['peak_bytes'] / 2**20:9.1f}")
+
+
+def _standard_ms(rows):
+    return {(r["head_dim"], r["seqlen"], r["causal"], r["dtype"], r["pass_"]): r["ms"]
+            for r in rows if r["impl"] == "standard_cupy" and "ms" in r}
+
+
 def table(rows):
-    std = {(r["head_dim"], r["seqlen"], r["causal"], r["dtype"], r["pass_"]): r["ms"]
-           for r in rows if r["impl"] == "standard_cupy" and "ms" in r}
-    lines = [f"{'impl':22} {'dtype':8} {'d':>4} {'seqlen':>6} {'causal':>6} {'pass':>8} | {'ms':>9} "
-             f"{'TFLOP/s':>8} {'x standard':>10} {'peak MiB':>9}"]
+    std = _standard_ms(rows)
+    lines = [HEADER]
     for r in rows:
-        head = f"{r['impl']:22} {r['dtype']:8} {r['head_dim']:4} {r['seqlen']:6} {str(r['causal']):>6}"
-        if "error" in r:
-            lines.append(f"{head} {'':>8} | {r['error']}")
-            continue
-        s = std.get((r["head_dim"], r["seqlen"], r["causal"], r["dtype"], r["pass_"]))
-        x = f"{s / r['ms']:.2f}" if s else "-"
-        lines.append(f"{head} {r['pass_']:>8} | {r['ms']:9.3f} {r['tflops']:8.2f} {x:>10} "
-                     f"{r['peak_bytes'] / 2**20:9.1f}")
+        key = (r["head_dim"], r["seqlen"], r["causal"], r["dtype"], r.get("pass_"))
+        lines.append(format_row(r, std.get(key)))
     return "\n".join(lines)
 
 
-def plots(rows, out_dir):
+def plots(rows, out_dir, prefix="bench_"):
     try:
         import matplotlib
 
@@ -396,6 +422,8 @@ def plots(rows, out_dir):
     paths = []
     ok = [r for r in rows if "ms" in r]
     groups = sorted({(r["dtype"], r["head_dim"], r["causal"], r["pass_"]) for r in ok})
+    impls = sorted({r["impl"] for r in ok})
+    colors = {impl: f"C{n % 10}" for n, impl in enumerate(impls)}  # one colour per implementation everywhere
     for metric, ylabel, fname in (("tflops", "TFLOP/s", "tflops"), ("peak_bytes", "peak extra memory (GiB)",
                                                                         "memory")):
         if not groups:
@@ -404,11 +432,11 @@ def plots(rows, out_dir):
         nrows = -(-len(groups) // cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
         for ax, (dt, d, c, p) in zip(axes.flat, groups):
-            for impl in sorted({r["impl"] for r in ok}):
+            for impl in impls:
                 pts = sorted((r["seqlen"], r[metric] / (2**30 if metric == "peak_bytes" else 1)) for r in ok
                              if (r["impl"], r["dtype"], r["head_dim"], r["causal"], r["pass_"]) == (impl, dt, d, c, p))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=impl)
+                    ax.plot(*zip(*pts), marker="o", label=impl, color=colors[impl])
             ax.set_xscale("log", base=2)
             if metric == "peak_bytes":
                 ax.set_yscale("log")
@@ -417,9 +445,11 @@ def plots(rows, out_dir):
             ax.set_ylabel(ylabel)
         for ax in list(axes.flat)[len(groups):]:
             ax.axis("off")
-        axes.flat[0].legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"bench_{fname}.png")
+        handles = [plt.Line2D([], [], color=colors[i], marker="o", label=i) for i in impls]
+        fig.legend(handles=handles, loc="lower center", ncol=min(len(impls), 4), fontsize=8)
+        fig.subplots_adjust(bottom=0.12)
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        path = os.path.join(out_dir, f"{prefix}{fname}.png")
         fig.savefig(path, dpi=80)
         plt.close(fig)
         paths.append(path)
@@ -439,10 +469,22 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=2048, help="nheads * head_dim")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--max-call-ms", type=float, default=5000.0,
+                   help="do not run an implementation at longer seqlens once one call took longer than this")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="find the longest seqlen each implementation runs within this memory")
+    p.add_argument("--from-json", default=None, help="re-print the table and re-draw the plots of a saved run")
     a = p.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        os.makedirs(a.out, exist_ok=True)
+        print(table(saved["rows"]))
+        stem = os.path.splitext(os.path.basename(a.from_json))[0]
+        for path in plots(saved["rows"], a.out, prefix=f"{stem}-"):
+            print(f"wrote {path}")
+        return 0
     impls = available_implementations()
     if a.impls:
         unknown = set(a.impls) - set(impls)
@@ -460,14 +502,29 @@ def main(argv=None):
             print(f"  {name:22} {n}")
     else:
         causals = {"both": [False, True], "on": [True], "off": [False]}[a.causal]
+        result["rows"] = []
+        path = os.path.join(a.out, "bench.json")
+        print(HEADER, flush=True)
+
+        def on_row(row):  # print and save as we go: a run cut short keeps what it measured
+            result["rows"].append(row)
+            print(format_row(row), flush=True)
+            _save(result, path)
+
         rows = run_sweep(seqlens=a.seqlens, head_dims=a.head_dims, causals=causals,
                          dtypes=[np.dtype(d) for d in a.dtypes], passes=a.passes, impls=impls, tokens=a.tokens,
-                         width=a.width, warmup=a.warmup, repeat=a.repeat)
-        result["rows"] = rows
+                         width=a.width, warmup=a.warmup, repeat=a.repeat, max_call_ms=a.max_call_ms,
+                         on_row=on_row)
+        print()
         print(table(rows))
         result["plots"] = [os.path.basename(x) for x in plots(rows, a.out)]
     path = os.path.join(a.out, "bench.json" if a.budget_gib is None else "budget.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    _save(result, path)
     print(f"wrote {path}")
     return 0
+
+
+def _save(result, path):
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)

@@ -9,7 +9,9 @@ for step in $STEPS; do
   echo "=== $step $(date -u +%FT%TZ)"
   case $step in
     info) python3 -m flashnumba info; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv ;;
-    tests) timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE \
+    tests) # pytest-xdist, where installed, spreads the (CPU-bound) Numba compilations over processes
+           workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-8}")
+           timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $workers \
              --hypothesis-show-statistics ${TESTS:-tests} > "$OUT/tests.log" 2>&1
            echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15 ;;
     demo) python3 -m flashnumba demo 2>&1 | tee "$OUT/demo.log" ;;

@@ -1,0 +1,54 @@
+"""Regenerate the README's results table from a committed benchmark JSON.
+
+    python scripts/update_readme_results.py docs/results/h200-2026-11-29-a6f76f5.json
+
+Replaces what stands between the README's `<!-- results:begin -->` and `<!-- results:end -->` markers.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def markdown(result, source):
+    env = result["environment"]
+    v = env["versions"]
+    rows = [r for r in result["rows"] if "ms" in r and r["dtype"] == "float32"]  # the full table: docs/
+    std = {(r["dtype"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"]): r["ms"]
+           for r in rows if r["impl"] == "standard_cupy"}
+    lines = [
+        f"Measured on {env['device']}, {env['date'][:10]}; numba {v.get('numba')}, numba-cuda {v.get('numba-cuda')}, "
+        f"numpy {v.get('numpy')}, CuPy {v.get('cupy-cuda13x') or v.get('cupy')}, torch {v.get('torch')}. "
+        f"Command: `{env['command']}`. Source: [`{source}`]({source}). Workload: batch = 16384 / seqlen, "
+        f"heads = 2048 / head_dim; median of 10 runs, CUDA events. float32 rows; float16 and the analysis are in "
+        f"[docs/benchmarks.md](docs/benchmarks.md).",
+        "",
+        "| impl | dtype | head_dim | seqlen | causal | pass | ms | TFLOP/s | x standard | peak extra MiB |",
+        "| --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in sorted(rows, key=lambda r: (r["dtype"] != "float32", r["head_dim"], r["causal"], r["pass_"],
+                                         -r["tflops"])):
+        s = std.get((r["dtype"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"]))
+        x = f"{s / r['ms']:.2f}" if s else "-"
+        lines.append(f"| {r['impl']} | {r['dtype']} | {r['head_dim']} | {r['seqlen']} | {r['causal']} | "
+                     f"{r['pass_']} | {r['ms']:.2f} | {r['tflops']:.1f} | {x} | {r['peak_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def main(path):
+    result = json.loads(Path(path).read_text())
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    block = markdown(result, Path(path).resolve().relative_to(ROOT).as_posix())
+    new, n = re.subn(r"(<!-- results:begin -->\n).*?(<!-- results:end -->)",
+                     lambda m: m.group(1) + block + "\n" + m.group(2), text, flags=re.S)
+    if n != 1:
+        sys.exit("README.md has no <!-- results:begin --> ... <!-- results:end --> block")
+    readme.write_text(new)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
