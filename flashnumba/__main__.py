@@ -12,8 +12,7 @@ def _info(args):
     print(f"backend   : {_backend.BACKEND} ({_backend.REASON})")
     print(f"device    : {_backend.device_name()}")
     for pkg, ver in _backend.versions().items():
-        if ver is not None or pkg in ("numba", "numba-cuda", "numpy", "cupy"):
-            print(f"{pkg:10}: {ver if ver is not None else 'not installed'}")
+        print(f"{pkg:10}: {ver if ver is not None else 'not installed'}")
     return 0
 
 

@@ -107,9 +107,17 @@ def versions() -> dict:
     from importlib import metadata
 
     out = {"python": sys.version.split()[0]}
-    for pkg in ("numpy", "numba", "numba-cuda", "cupy", "cupy-cuda12x", "cupy-cuda13x", "cuda-bindings"):
+    for pkg in ("numpy", "numba", "numba-cuda", "cuda-bindings"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = None
+    # CuPy is published under several names (cupy, cupy-cuda12x, cupy-cuda13x): report whichever is installed
+    out["cupy"] = None
+    for pkg in ("cupy", "cupy-cuda13x", "cupy-cuda12x"):
+        try:
+            out["cupy"] = f"{metadata.version(pkg)} ({pkg})"
+            break
+        except metadata.PackageNotFoundError:
+            continue
     return out

@@ -31,6 +31,7 @@ from . import _backend, reference
 from .api import attention_with_grad, flash_attn_backward, flash_attn_forward
 from .standard import _xp as array_module
 from .standard import standard_attention
+from .timing import cuda_time_ms, peak_device_bytes
 
 FWD, BWD, FWDBWD = "fwd", "bwd", "fwd+bwd"
 PASS_FACTOR = {FWD: 1.0, BWD: 2.5, FWDBWD: 3.5}
@@ -201,14 +202,7 @@ def validate(make, head_dim, causal, dtype, seqlen=96):
 
 def _peak_and_time(fn, lib, warmup, repeat):
     """(median ms, all ms, peak extra bytes) of fn()."""
-    if _backend.SIMULATOR:
-        t0 = time.perf_counter()
-        fn()
-        ms = 1e3 * (time.perf_counter() - t0)
-        return ms, [ms], 0
-    import cupy
-
-    if lib == "torch":
+    if lib == "torch" and not _backend.SIMULATOR:
         import torch
 
         torch.cuda.synchronize()
@@ -218,26 +212,12 @@ def _peak_and_time(fn, lib, warmup, repeat):
         fn()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
+    elif _backend.SIMULATOR:
+        peak = 0  # no device memory to measure
     else:
-        pool = cupy.get_default_memory_pool()
-        cupy.cuda.Device().synchronize()
-        pool.free_all_blocks()
-        before = pool.total_bytes()
-        r = fn()
-        cupy.cuda.Device().synchronize()
-        peak = pool.total_bytes() - before
-        del r
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times)), times, int(peak)
+        _, peak = peak_device_bytes(fn)
+    ms, times = cuda_time_ms(fn, warmup=warmup, repeat=repeat)
+    return ms, times, int(peak)
 
 
 def _progress(total):

@@ -12,7 +12,7 @@ from ._backend import SIMULATOR
 def cuda_time_ms(fn, *, warmup=3, repeat=10):
     """Median milliseconds of ``fn()`` over ``repeat`` runs, timed with CUDA events after ``warmup`` runs.
 
-    Under the simulator: wall-clock time of each run instead (meaningless as a GPU figure; reported as such).
+    Under the simulator: wall-clock time of each run, no warm-up (meaningless as a GPU figure; reported as such).
     Returns (median_ms, all_ms).
     """
     if SIMULATOR:
