@@ -25,9 +25,25 @@ def default_scale(head_dim: int) -> float:
 
 def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
     """(seqlen_q, seqlen_k) bool, True where query i may see key j (bottom-right aligned)."""
-    i = np.arange(seqlen_q)[:, None]
-    j = np.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    return visibility_mask(seqlen_q, seqlen_k, causal=True)
+
+
+def visibility_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1), rows=None, cols=None):
+    """(len(rows), len(cols)) bool: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (a bound of -1 is no bound);
+    ``causal`` sets right = 0. ``rows``/``cols`` select a tile (default: all)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = (np.arange(seqlen_q) if rows is None else np.asarray(rows))[:, None]
+    j = (np.arange(seqlen_k) if cols is None else np.asarray(cols))[None, :]
+    diag = seqlen_k - seqlen_q
+    mask = np.ones((i.shape[0], j.shape[1]), bool)
+    if left >= 0:
+        mask &= j >= i + diag - left
+    if right >= 0:
+        mask &= j <= i + diag + right
+    return mask
 
 
 def _heads_first(x, dtype):
@@ -35,11 +51,48 @@ def _heads_first(x, dtype):
     return np.asarray(x).astype(dtype).transpose(0, 2, 1, 3)
 
 
-def _probabilities(q, k, scale, causal):
-    """S = scale * Q K^T (masked to -inf), P = softmax(S), lse = logsumexp(S); all (batch, nheads, sq, sk)."""
-    s = scale * (q @ k.transpose(0, 1, 3, 2))
-    if causal:
-        s = np.where(causal_mask(q.shape[2], k.shape[2]), s, -np.inf)
+def _slopes(alibi_slopes, batch, nheads, dtype):
+    """ALiBi slopes as (batch, nheads, 1, 1), or None."""
+    if alibi_slopes is None:
+        return None
+    a = np.asarray(alibi_slopes, dtype)
+    return np.broadcast_to(a.reshape((1, nheads) if a.ndim == 1 else (batch, nheads)), (batch, nheads))[..., None, None]
+
+
+def _scores(Q, K, rows, cols, seqlen_q, seqlen_k, scale, causal, window_size, softcap, slopes):
+    """The score tile S (masked entries -inf) for queries ``rows`` and keys ``cols``, and dS/dS_raw.
+
+    S_raw = scale Q K^T;  S = softcap * tanh(S_raw / softcap) (if softcap > 0);  S -= slope * |i + diag - j|
+    (ALiBi);  then the visibility mask. The second result, 1 - tanh^2 (or 1), turns a gradient with respect
+    to S into one with respect to S_raw. Q is (..., len(rows), d), K (..., len(cols), d), heads matched.
+    """
+    dtype = Q.dtype.type
+    s = dtype(scale) * (Q @ K.swapaxes(-1, -2))
+    dcap = np.ones_like(s)
+    if softcap > 0:
+        t = np.tanh(s / dtype(softcap))
+        s = dtype(softcap) * t
+        dcap = 1 - t * t
+    if slopes is not None:
+        dist = np.abs(np.asarray(rows)[:, None] + (seqlen_k - seqlen_q) - np.asarray(cols)[None, :])
+        s = s - slopes * dist.astype(dtype)
+    visible = visibility_mask(seqlen_q, seqlen_k, causal=causal, window_size=window_size, rows=rows, cols=cols)
+    return np.where(visible, s, -np.inf), dcap
+
+
+def _expand_kv(k, nheads):
+    """Repeat the key/value heads (batch, nheads_k, seqlen_k, d) for the query heads that share them (GQA)."""
+    return np.repeat(k, nheads // k.shape[1], axis=1)
+
+
+def _fold_kv(dk, nheads_k):
+    """Sum a gradient (batch, nheads, seqlen_k, d) over the query heads that share each key/value head."""
+    b, h, n, d = dk.shape
+    return dk.reshape(b, nheads_k, h // nheads_k, n, d).sum(axis=2)
+
+
+def _softmax(s):
+    """P = softmax(s) row-wise and lse = logsumexp(s); a row of -inf gives P = 0 and lse = -inf."""
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf, s.dtype)
     m_safe = np.where(np.isneginf(m), 0.0, m)  # a row that sees no key: avoid -inf - -inf
     e = np.exp(s - m_safe)
@@ -50,37 +103,54 @@ def _probabilities(q, k, scale, causal):
     return p, lse
 
 
-def attention_forward(q, k, v, *, softmax_scale=None, causal=False, dtype=np.float64):
-    """Dense attention. Returns (out, lse): out like q, lse (batch, nheads, seqlen_q), both in ``dtype``.
-
-    S = softmax_scale * Q K^T,  P = softmax(S) (row-wise),  O = P V,  L = logsumexp(S) (row-wise).
-    """
+def _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype):
     scale = default_scale(np.shape(q)[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = (_heads_first(x, dtype) for x in (q, k, v))
-    p, lse = _probabilities(q, k, scale, causal)
-    out = p @ v
-    return out.transpose(0, 2, 1, 3), lse
+    batch, nheads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    k, v = _expand_kv(k, nheads), _expand_kv(v, nheads)
+    s, dcap = _scores(q, k, np.arange(seqlen_q), np.arange(seqlen_k), seqlen_q, seqlen_k, scale, causal,
+                      window_size, softcap, _slopes(alibi_slopes, batch, nheads, dtype))
+    p, lse = _softmax(s)
+    return q, k, v, p, lse, dcap, scale
 
 
-def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, dtype=np.float64):
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, dtype=np.float64):
+    """Dense attention. Returns (out, lse): out like q, lse (batch, nheads, seqlen_q), both in ``dtype``.
+
+    S = softmax_scale * Q K^T (then softcap, ALiBi and the mask, see :func:`_scores`),  P = softmax(S)
+    (row-wise),  O = P V,  L = logsumexp(S) (row-wise). k and v may have fewer heads than q (GQA / MQA):
+    query head h reads key/value head h // (nheads // nheads_k).
+    """
+    _, _, v, p, lse, _, _ = _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype)
+    return (p @ v).transpose(0, 2, 1, 3), lse
+
+
+def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, dtype=np.float64):
     """Analytic gradient of :func:`attention_forward`: returns (dq, dk, dv) in ``dtype``.
 
-    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D = rowsum(dO * O),  dQ = scale dS K,  dK = scale dS^T Q.
+    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D = rowsum(dO * O),  dS_raw = dS * (1 - tanh^2)
+    (softcap),  dQ = scale dS_raw K,  dK = scale dS_raw^T Q; dK and dV summed over the query heads that
+    share a key/value head.
     """
-    scale = default_scale(np.shape(q)[-1]) if softmax_scale is None else float(softmax_scale)
-    q, k, v, do = (_heads_first(x, dtype) for x in (q, k, v, dout))
-    p, _ = _probabilities(q, k, scale, causal)
+    nheads_k = np.shape(k)[2]
+    q, k, v, p, _, dcap, scale = _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype)
+    do = _heads_first(dout, dtype)
     o = p @ v
     dv = p.transpose(0, 1, 3, 2) @ do
     dp = do @ v.transpose(0, 1, 3, 2)
     d_i = (do * o).sum(axis=-1, keepdims=True)
-    ds = p * (dp - d_i)
+    ds = p * (dp - d_i) * dcap
     dq = scale * (ds @ k)
     dk = scale * (ds.transpose(0, 1, 3, 2) @ q)
+    dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
 
 
-def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, block_m=16, block_n=16):
+def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, block_m=16, block_n=16):
     """Attention computed tile by tile with the online softmax (FlashAttention-2, Algorithm 1), in float64.
 
     For each query tile Q_i (B_r rows) and each key/value tile K_j, V_j (B_c rows)::
@@ -93,45 +163,44 @@ def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, bloc
         m_i   = m_new
 
     and at the end O_i = O_i / l_i and L_i = m_i + log(l_i). Only one (B_r, B_c) tile of S exists at a time.
-    The GPU kernels do exactly this, with one thread block per (Q_i, batch, head).
+    The GPU kernels do exactly this, with one thread block per (Q_i, batch, head). (softcap and ALiBi change
+    how S_ij is formed, see :func:`_scores`; the recurrence is the same.)
     """
     scale = default_scale(np.shape(q)[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = (_heads_first(x, np.float64) for x in (q, k, v))
     batch, nheads, seqlen_q, d = q.shape
     seqlen_k = k.shape[2]
+    k, v = _expand_kv(k, nheads), _expand_kv(v, nheads)
+    slopes = _slopes(alibi_slopes, batch, nheads, np.float64)
     out = np.zeros_like(q)
     lse = np.full((batch, nheads, seqlen_q), -np.inf)
-    for b in range(batch):
-        for h in range(nheads):
-            for i0 in range(0, seqlen_q, block_m):
-                Q_i = q[b, h, i0 : i0 + block_m]  # (B_r, d)
-                rows = np.arange(i0, i0 + len(Q_i))
-                m_i = np.full(len(Q_i), -np.inf)  # running row max
-                l_i = np.zeros(len(Q_i))  # running row sum of exp(S - m_i)
-                O_i = np.zeros_like(Q_i)  # running un-normalised output
-                for j0 in range(0, seqlen_k, block_n):
-                    K_j = k[b, h, j0 : j0 + block_n]  # (B_c, d)
-                    V_j = v[b, h, j0 : j0 + block_n]  # (B_c, d)
-                    S_ij = scale * Q_i @ K_j.T  # (B_r, B_c)
-                    if causal:
-                        cols = np.arange(j0, j0 + len(K_j))
-                        S_ij = np.where(cols[None, :] <= rows[:, None] + seqlen_k - seqlen_q, S_ij, -np.inf)
-                    m_new = np.maximum(m_i, S_ij.max(axis=1))
-                    m_use = np.where(np.isneginf(m_new), 0.0, m_new)  # rows that have seen no key yet
-                    P_ij = np.exp(S_ij - m_use[:, None])
-                    alpha = np.exp(m_i - m_use)  # rescales what was accumulated under the old max
-                    l_i = alpha * l_i + P_ij.sum(axis=1)
-                    O_i = alpha[:, None] * O_i + P_ij @ V_j
-                    m_i = m_new
-                seen = l_i > 0
-                out[b, h, i0 : i0 + block_m] = np.where(seen[:, None], O_i / np.where(seen, l_i, 1.0)[:, None], 0.0)
-                with np.errstate(divide="ignore"):
-                    lse[b, h, i0 : i0 + block_m] = np.where(seen, m_i + np.log(l_i), -np.inf)
+    for i0 in range(0, seqlen_q, block_m):
+        Q_i = q[:, :, i0 : i0 + block_m]  # (b, h, B_r, d)
+        rows = np.arange(i0, i0 + Q_i.shape[2])
+        m_i = np.full(Q_i.shape[:3], -np.inf)  # running row max
+        l_i = np.zeros(Q_i.shape[:3])  # running row sum of exp(S - m_i)
+        O_i = np.zeros_like(Q_i)  # running un-normalised output
+        for j0 in range(0, seqlen_k, block_n):
+            K_j = k[:, :, j0 : j0 + block_n]  # (b, h, B_c, d)
+            V_j = v[:, :, j0 : j0 + block_n]  # (b, h, B_c, d)
+            cols = np.arange(j0, j0 + K_j.shape[2])
+            S_ij, _ = _scores(Q_i, K_j, rows, cols, seqlen_q, seqlen_k, scale, causal, window_size, softcap, slopes)
+            m_new = np.maximum(m_i, S_ij.max(axis=-1))
+            m_use = np.where(np.isneginf(m_new), 0.0, m_new)  # rows that have seen no key yet
+            P_ij = np.exp(S_ij - m_use[..., None])
+            alpha = np.exp(m_i - m_use)  # rescales what was accumulated under the old max
+            l_i = alpha * l_i + P_ij.sum(axis=-1)
+            O_i = alpha[..., None] * O_i + P_ij @ V_j
+            m_i = m_new
+        seen = l_i > 0
+        out[:, :, i0 : i0 + block_m] = np.where(seen[..., None], O_i / np.where(seen, l_i, 1.0)[..., None], 0.0)
+        with np.errstate(divide="ignore"):
+            lse[:, :, i0 : i0 + block_m] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1.0)), -np.inf)
     return out.transpose(0, 2, 1, 3), lse
 
 
-def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, block_m=16,
-                               block_n=16, dtype=np.float64):
+def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                               softcap=0.0, alibi_slopes=None, block_m=16, block_n=16, dtype=np.float64):
     """The gradient recomputed tile by tile from the saved lse (FlashAttention-2, Algorithm 2), in ``dtype``.
 
     ``out`` and ``lse`` are the forward's. Nothing of size seqlen_q x seqlen_k exists; for each key tile j
@@ -141,7 +210,7 @@ def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, c
         P_ij  = exp(scale * Q_i K_j^T - L_i)        masked entries 0
         dV_j += P_ij^T dO_i
         dP_ij = dO_i V_j^T
-        dS_ij = P_ij * (dP_ij - D_i)
+        dS_ij = P_ij * (dP_ij - D_i)                 (times 1 - tanh^2 with softcap)
         dK_j += scale * dS_ij^T Q_i
         dQ_i += scale * dS_ij K_j
 
@@ -150,9 +219,13 @@ def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, c
     """
     scale = default_scale(np.shape(q)[-1]) if softmax_scale is None else float(softmax_scale)
     dtype = np.dtype(dtype).type
+    nheads_k = np.shape(k)[2]
     do, q, k, v, o = (_heads_first(x, dtype) for x in (dout, q, k, v, out))
+    batch, nheads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    k, v = _expand_kv(k, nheads), _expand_kv(v, nheads)
+    slopes = _slopes(alibi_slopes, batch, nheads, dtype)
     lse = np.asarray(lse).astype(dtype)
-    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     D = (do * o).sum(axis=-1)  # (batch, nheads, seqlen_q)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for j0 in range(0, seqlen_k, block_n):
@@ -162,13 +235,14 @@ def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, c
             Q_i, dO_i = q[:, :, i0 : i0 + block_m], do[:, :, i0 : i0 + block_m]  # (b, h, B_r, d)
             L_i, D_i = lse[:, :, i0 : i0 + block_m, None], D[:, :, i0 : i0 + block_m, None]
             rows = np.arange(i0, i0 + Q_i.shape[2])
-            visible = np.isfinite(L_i)  # a row that saw no key has L_i = -inf and P_ij = 0
-            if causal:
-                visible = visible & (cols[None, :] <= rows[:, None] + seqlen_k - seqlen_q)
+            S_ij, dcap = _scores(Q_i, K_j, rows, cols, seqlen_q, seqlen_k, scale, causal, window_size, softcap,
+                                 slopes)
+            visible = np.isfinite(S_ij) & np.isfinite(L_i)  # a row that saw no key has L_i = -inf and P_ij = 0
             with np.errstate(over="ignore", invalid="ignore"):
-                P_ij = np.where(visible, np.exp(dtype(scale) * (Q_i @ K_j.swapaxes(-1, -2)) - L_i), 0)
+                P_ij = np.where(visible, np.exp(S_ij - L_i), 0).astype(dtype)
             dv[:, :, j0 : j0 + block_n] += P_ij.swapaxes(-1, -2) @ dO_i
-            dS_ij = P_ij * (dO_i @ V_j.swapaxes(-1, -2) - D_i)
+            dS_ij = P_ij * (dO_i @ V_j.swapaxes(-1, -2) - D_i) * dcap
             dk[:, :, j0 : j0 + block_n] += dtype(scale) * (dS_ij.swapaxes(-1, -2) @ Q_i)
             dq[:, :, i0 : i0 + block_m] += dtype(scale) * (dS_ij @ K_j)
+    dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))

@@ -61,3 +61,66 @@ def test_blocked_backward_equals_dense_gradient(causal, shape):
                                                    block_m=8, block_n=16)
     for a, c in zip(blocked, dense):
         np.testing.assert_allclose(a, c, rtol=1e-10, atol=1e-12)
+
+
+FEATURES = [
+    dict(),
+    dict(window_size=(3, 1)),
+    dict(window_size=(-1, 2), causal=True),  # causal sets right = 0
+    dict(window_size=(0, -1)),
+    dict(softcap=1.5),
+    dict(alibi_slopes=[0.5, 0.125]),
+    dict(alibi_slopes=[[0.5, 0.25], [0.3, 0.0]]),
+    dict(window_size=(4, 0), softcap=2.0, alibi_slopes=[0.25, 0.5]),
+]
+
+
+def _gqa_qkv(rng, b, sq, sk, h, hk, d):
+    return (rng.standard_normal((b, sq, h, d)), rng.standard_normal((b, sk, hk, d)),
+            rng.standard_normal((b, sk, hk, d)))
+
+
+@pytest.mark.parametrize("opts", FEATURES)
+@pytest.mark.parametrize("hk", [2, 1])  # GQA (2 query heads per kv head) and MQA
+def test_reference_features_gradient_matches_finite_differences(opts, hk):
+    rng = np.random.default_rng(5)
+    q, k, v = _gqa_qkv(rng, 2, 4, 5, 2, hk, 3)
+    dout = rng.standard_normal(q.shape)
+    grads = reference.attention_backward(dout, q, k, v, softmax_scale=0.9, **opts)
+
+    def loss(q_, k_, v_):
+        return float((reference.attention_forward(q_, k_, v_, softmax_scale=0.9, **opts)[0] * dout).sum())
+
+    eps = 1e-6
+    for which, g in enumerate(grads):
+        args = [q, k, v]
+        num = np.zeros_like(args[which])
+        for idx in np.ndindex(num.shape):
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            num[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("opts", FEATURES)
+def test_blocked_references_equal_dense_with_features(opts):
+    rng = np.random.default_rng(6)
+    q, k, v = _gqa_qkv(rng, 2, 19, 23, 2, 1, 8)
+    dout = rng.standard_normal(q.shape)
+    out, lse = reference.attention_forward(q, k, v, **opts)
+    o2, l2 = reference.attention_forward_blocked(q, k, v, block_m=8, block_n=16, **opts)
+    np.testing.assert_allclose(o2, out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(l2, lse, rtol=1e-12, atol=1e-12)
+    dense = reference.attention_backward(dout, q, k, v, **opts)
+    blocked = reference.attention_backward_blocked(dout, q, k, v, out, lse, block_m=8, block_n=16, **opts)
+    for a, c in zip(blocked, dense):
+        np.testing.assert_allclose(a, c, rtol=1e-10, atol=1e-12)
+
+
+def test_window_mask_examples():
+    m = reference.visibility_mask(3, 5, window_size=(1, 0))  # diag = 2: row i sees keys i+1 .. i+2
+    np.testing.assert_array_equal(m, [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(reference.visibility_mask(4, 4, window_size=(-1, 0)),
+                                  reference.causal_mask(4, 4))
