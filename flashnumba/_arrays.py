@@ -67,6 +67,17 @@ def to_kernel(x, k: str):
     return cuda.as_cuda_array(x)
 
 
+def to_host(x):
+    """A NumPy copy of any supported array."""
+    if isinstance(x, np.ndarray):
+        return x
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return cupy.asnumpy(x)
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    return cuda.as_cuda_array(x).copy_to_host()
+
+
 def empty(shape, dtype, like: str):
     """A new kernel-side output buffer; NaN-filled when ``config.poison_outputs`` is set (tests)."""
     if like in ("cupy", "cai") and cupy is not None:

@@ -76,12 +76,15 @@ def _check_qkv(q, k, v):
         b, _, hh, d = t.shape
         if b != bq:
             raise ValueError(f"batch mismatch: q has batch {bq}, {t.name} has batch {b}")
-        if hh != hq:
-            raise ValueError(f"nheads mismatch: q has {hq} heads, {t.name} has {hh}")
+        if hh == 0 or hq % hh:
+            raise ValueError(f"nheads mismatch: q has {hq} heads, {t.name} has {hh}; the number of query heads "
+                             f"must be a multiple of the number of key/value heads (GQA / MQA)")
         if d != dq:
             raise ValueError(f"head_dim mismatch: q has head_dim {dq}, {t.name} has head_dim {d}")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape} and v {v.shape}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same number of heads, got k {k.shape} and v {v.shape}")
     if not 1 <= dq <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {dq}")
 
@@ -101,6 +104,73 @@ def _check_flag(name, value):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return bool(value)
+
+
+@dataclass
+class _Options:
+    """Masking and score options, validated, as the kernels take them."""
+
+    variant: tuple  # forward.Variant: what is compiled in
+    softcap: np.float32
+    left: int
+    right: int
+    alibi: object  # (batch, nheads) float32 device array (a (1, 1) dummy without ALiBi)
+    gqa: bool
+
+    @property
+    def plain(self):
+        """Only what kernel v1 supports: no window other than causal, no softcap, no ALiBi, no GQA."""
+        has_left, _, softcap, alibi = self.variant
+        return not (has_left or softcap or alibi or self.gqa or self.right > 0)
+
+
+_no_alibi = {}
+
+
+def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes) -> _Options:
+    causal = _check_flag("causal", causal)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    for name, w in (("left", left), ("right", right)):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) or w < -1:
+            raise ValueError(f"window_size {name} must be an int >= -1 (-1: unbounded), got {w!r}")
+    left, right = int(left), int(right)
+    if causal:  # as in flash-attn: causal is the window (left, 0)
+        right = 0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    if not (math.isfinite(float(softcap)) and float(softcap) >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    batch, _, nheads, _ = tq.shape
+    if alibi_slopes is None:
+        if "dummy" not in _no_alibi:  # the kernels always take a slopes array; this one is never read
+            _no_alibi["dummy"] = cuda.to_device(np.zeros((1, 1), np.float32))
+        alibi = _no_alibi["dummy"]
+    else:
+        try:
+            rank = len(_arrays.shape_strides_dtype(alibi_slopes)[0])
+        except AttributeError:
+            raise TypeError(f"alibi_slopes must be an array, got {type(alibi_slopes).__name__}") from None
+        ta = _inspect("alibi_slopes", alibi_slopes, rank)
+        _check_same_place((tq, ta))
+        if ta.shape not in ((nheads,), (batch, nheads)):
+            raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+                             f"({batch}, {nheads}), got {ta.shape}")
+        if ta.dtype != np.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {ta.dtype}")
+        host = alibi_slopes if ta.kind == "numpy" else _arrays.to_host(alibi_slopes)
+        alibi = cuda.to_device(np.ascontiguousarray(np.broadcast_to(host.reshape(-1, nheads), (batch, nheads))))
+    variant = forward.Variant(has_left=left >= 0, has_right=right >= 0, softcap=float(softcap) > 0,
+                              alibi=alibi_slopes is not None)
+    return _Options(variant, np.float32(softcap), left, right, alibi, gqa=tk.shape[2] != tq.shape[2])
+
+
+def _check_not_v1(kernel, opts, what):
+    if kernel == "v1" and not opts.plain:
+        raise ValueError(f"{what} kernel v1 supports causal masking only (no window, softcap, ALiBi or GQA); "
+                         f"use the default kernel")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -172,16 +242,22 @@ def launch(kernel_fn, grid, block, shared_bytes, args):
 
 
 def flash_attn_forward(
-    q, k, v, *, softmax_scale=None, causal=False, block_m=None, block_n=None, num_threads=None, kernel="v3"
+    q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+    block_m=None, block_n=None, num_threads=None, kernel="v3"
 ):
     """Exact attention by a tiled, fused kernel that never materialises the seqlen_q x seqlen_k matrix.
 
     Parameters
     ----------
     q : (batch, seqlen_q, nheads, head_dim) float32 or float16
-    k, v : (batch, seqlen_k, nheads, head_dim), same dtype
+    k, v : (batch, seqlen_k, nheads_k, head_dim), same dtype; nheads a multiple of nheads_k (GQA / MQA:
+        query head h reads key/value head h // (nheads // nheads_k))
     softmax_scale : float, default 1 / sqrt(head_dim)
     causal : bool. Bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    window_size : (left, right), -1 for unbounded: query i sees keys
+        i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. causal sets right = 0.
+    softcap : scores become softcap * tanh(scores / softcap) before the softmax (0: off).
+    alibi_slopes : (nheads,) or (batch, nheads) float32: bias -slope * |i + seqlen_k - seqlen_q - j|.
     block_m, block_n : B_r query rows and B_c key rows per tile (defaults: :func:`default_blocks`).
     num_threads : threads per block (kernels v2, v3; v1 uses one thread per query row).
     kernel : "v3" (register-tiled with unsigned index arithmetic, default), "v2" (the same with Numba's
@@ -197,10 +273,11 @@ def flash_attn_forward(
     _check_same_place((tq, tk, tv))
     _check_dtypes((tq, tk, tv))
     _check_qkv(tq, tk, tv)
-    causal = _check_flag("causal", causal)
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes)
     batch, seqlen_q, nheads, head_dim = tq.shape
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
+    _check_not_v1(kernel, opts, "forward")
 
     like = tq.kind
     out_user, out_dev = _arrays.empty(tq.shape, tq.dtype, like)
@@ -211,18 +288,37 @@ def flash_attn_forward(
     scale_log2 = np.float32(scale * forward.LOG2E)
     grid = (-(-seqlen_q // block_m), batch * nheads)
     if kernel == "v1":
-        fn = forward.make_forward_v1(head_dim, block_m, block_n, causal)
+        fn = forward.make_forward_v1(head_dim, block_m, block_n, opts.right == 0)
         launch(fn, grid, (block_m,), 0, (qd, kd, vd, out_dev, lse_dev, scale_log2))
     else:
         make = forward.make_forward_v2 if kernel == "v2" else forward.make_forward_v3
-        fn = make(head_dim, block_m, block_n, num_threads, causal)
-        launch(fn, grid, (num_threads,), smem, (qd, kd, vd, out_dev, lse_dev, scale_log2))
+        fn = make(head_dim, block_m, block_n, num_threads, opts.variant)
+        # with softcap or ALiBi the kernel forms scale * q.k in natural units first (see forward.py)
+        scale_q = np.float32(scale) if (opts.variant[2] or opts.variant[3]) else scale_log2
+        launch(fn, grid, (num_threads,), smem, (qd, kd, vd, out_dev, lse_dev, scale_q, opts.softcap,
+                                                np.int64(opts.left), np.int64(opts.right), opts.alibi))
     return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
 
 
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, **kwargs):
-    """Attention output only: ``flash_attn_forward(...)[0]``."""
-    return flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kwargs)[0]
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, **kwargs):
+    """flash-attn's ``flash_attn_func``, with its argument names and defaults: returns the attention output.
+
+    ``dropout_p`` must be 0 (dropout is not implemented yet) and ``return_attn_probs`` False;
+    ``deterministic`` is accepted (flashnumba is always deterministic). Other keyword arguments (``kernel``,
+    block sizes) go to :func:`flash_attn_forward`.
+    """
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout is not implemented yet: dropout_p must be 0, got {dropout_p}")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not implemented yet")
+    _check_flag("deterministic", deterministic)
+    return flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                              softcap=softcap, alibi_slopes=alibi_slopes, **kwargs)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,12 +367,13 @@ def resolve_blocks_backward(head_dim, block_m=None, block_n=None, num_threads=No
     return block_m, block_n, num_threads, smem
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, block_m=None, block_n=None,
-                        num_threads=None, kernel="v2"):
+def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        softcap=0.0, alibi_slopes=None, block_m=None, block_n=None, num_threads=None, kernel="v2"):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
 
-    ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale
-    and causal; dout is the gradient of the loss with respect to out (like q). Extra device memory is
+    ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale,
+    causal, window_size, softcap and alibi_slopes (with GQA, dk and dv are summed over the query heads that
+    share a key/value head); dout is the gradient of the loss with respect to out (like q). Extra device memory is
     O(batch * nheads * seqlen_q): one float per query row (D_i = rowsum(dout * out)). Deterministic: no atomics.
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2"
@@ -297,10 +394,12 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
         raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}, got {tl.shape}")
     if tl.dtype != np.float32:
         raise TypeError(f"lse must be float32 (as flash_attn_forward returns it), got {tl.dtype}")
-    causal = _check_flag("causal", causal)
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes)
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, (smem_dkdv, smem_dq) = resolve_blocks_backward(
         head_dim, block_m, block_n, num_threads, kernel)
+    _check_not_v1(kernel, opts, "backward")
+    causal = opts.right == 0 and not opts.variant[0]  # what kernel v1 implements
 
     like = tq.kind
     dq_user, dq_dev = _arrays.empty(tq.shape, tq.dtype, like)
@@ -315,7 +414,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     delta_user, delta = _arrays.empty((batch, nheads, seqlen_q), np.float32, like)  # D_i, O(seqlen_q)
     scale32 = np.float32(scale)
     bh = batch * nheads
-    grid_q, grid_k = (-(-seqlen_q // block_m), bh), (-(-seqlen_k // block_n), bh)
+    grid_q, grid_k = (-(-seqlen_q // block_m), bh), (-(-seqlen_k // block_n), batch * tk.shape[2])
     if seqlen_q:
         pre = backward.make_backward_preprocess(head_dim, 64)
         launch(pre, (-(-seqlen_q // 64), bh), (64,), 0, (dod, od, delta))
@@ -327,18 +426,20 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
             dkdv_fn = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
             launch(dkdv_fn, grid_k, (block_n,), 0, (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32))
     else:
+        extra = (opts.softcap, np.int64(opts.left), np.int64(opts.right), opts.alibi)
         if seqlen_q:
-            dq_fn = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, causal)
-            launch(dq_fn, grid_q, (num_threads,), smem_dq, (dod, qd, kd, vd, ld, delta, dq_dev, scale32))
+            dq_fn = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, opts.variant)
+            launch(dq_fn, grid_q, (num_threads,), smem_dq, (dod, qd, kd, vd, ld, delta, dq_dev, scale32, *extra))
         if seqlen_k:
-            dkdv_fn = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, causal)
+            dkdv_fn = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, opts.variant)
             launch(dkdv_fn, grid_k, (num_threads,), smem_dkdv,
-                   (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32))
+                   (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32, *extra))
     del delta_user
     return tuple(_arrays.to_caller(u, d, like) for u, d in result)
 
 
-def attention_with_grad(q, k, v, dout, *, softmax_scale=None, causal=False, **kwargs):
+def attention_with_grad(q, k, v, dout, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, **kwargs):
     """Forward and backward together, for users without an autograd system: returns (out, dq, dk, dv).
 
     Equivalent to ``out, lse = flash_attn_forward(q, k, v, ...)`` then
@@ -349,6 +450,8 @@ def attention_with_grad(q, k, v, dout, *, softmax_scale=None, causal=False, **kw
     fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
     if "backward_kernel" in kwargs:
         kwargs["kernel"] = kwargs.pop("backward_kernel")
-    out, lse = flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **fwd_kw)
-    dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, **kwargs)
+    opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes)
+    out, lse = flash_attn_forward(q, k, v, **opts, **fwd_kw)
+    dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, **opts, **kwargs)
     return out, dq, dk, dv

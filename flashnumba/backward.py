@@ -272,16 +272,19 @@ def check_blocks_v2(D, B_r, B_c, num_threads):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
+def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
     """dK_j, dV_j for one key tile per block, register-tiled.
 
-    Launch: grid (ceil(seqlen_k / B_c), batch * nheads), block (num_threads,), dynamic shared memory
+    Launch: grid (ceil(seqlen_k / B_c), batch * nheads_k), block (num_threads,), dynamic shared memory
     :func:`shared_bytes_dkdv_v2`. Thread (ty, tx) owns key rows ty*TM + rr of the tile and, in the
     (B_c x B_r) tiles S^T and dP^T, query columns tx + 8n; in dK and dV, feature columns tx + 8n.
 
     Per query tile i:  S^T = K_j Q_i^T and dP^T = V_j dO_i^T (registers, TM x TN);  P^T, dS^T to shared;
-    dV_j += P^T dO_i and dK_j += dS^T Q_i (registers, TM x DC).
+    dV_j += P^T dO_i and dK_j += dS^T Q_i (registers, TM x DC). With GQA the block loops over the query heads
+    that share its key/value head, in order, so dK and dV are summed deterministically. ``variant`` as in
+    :func:`flashnumba.forward.make_forward_v2`.
     """
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = variant
     I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
     TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
     KS, QS, PS, OFF_KT, OFF_VT, OFF_QT, OFF_OT, OFF_Q, OFF_O, OFF_P, OFF_S, OFF_L, OFF_D, _ = (
@@ -290,17 +293,19 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
     uD = I(D)
 
     @cuda.jit
-    def backward_dkdv_v2(dout, q, k, v, lse, delta, dk, dv, scale):
+    def backward_dkdv_v2(dout, q, k, v, lse, delta, dk, dv, scale, softcap, left, right, alibi):
         nheads = q.shape[2]
+        nheads_k = k.shape[2]
+        group = nheads // nheads_k  # query heads per key/value head
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         t = cuda.threadIdx.x
         ty = t // TX
         tx = t % TX
-        b = cuda.blockIdx.y // nheads
-        h = cuda.blockIdx.y % nheads
+        b = cuda.blockIdx.y // nheads_k
+        hk = cuda.blockIdx.y % nheads_k
         j0 = cuda.blockIdx.x * B_c
-        diag = seqlen_k - seqlen_q  # causal: row i sees key j iff j <= i + diag
+        diag = seqlen_k - seqlen_q  # row i sees key j iff i + diag - left <= j <= i + diag + right
 
         smem = cuda.shared.array(0, float32)
         # K_j^T, V_j^T (D, B_c) at OFF_KT, OFF_VT (row stride KS); Q_i^T, dO_i^T (D, B_r) at OFF_QT, OFF_OT
@@ -322,8 +327,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
             kx = float32(0.0)
             vx = float32(0.0)
             if j0 + jj < seqlen_k:
-                kx = float32(k[I(b), I(j0 + jj), I(h), I(c)])
-                vx = float32(v[I(b), I(j0 + jj), I(h), I(c)])
+                kx = float32(k[I(b), I(j0 + jj), I(hk), I(c)])
+                vx = float32(v[I(b), I(j0 + jj), I(hk), I(c)])
             smem[OFF_KT + I(c) * KS + I(jj)] = kx
             smem[OFF_VT + I(c) * KS + I(jj)] = vx
         for rr in range(TM):
@@ -331,80 +336,96 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
                 dV[rr, n] = 0.0
                 dK[rr, n] = 0.0
 
+        # Query rows that can see this key tile: i >= j0 - diag - right and i <= j_last - diag + left.
         m_start = 0
-        if causal:  # the first query row that sees key j0 is j0 - diag
-            m_start = max(0, j0 - diag) // B_r * B_r
-        for i0 in range(m_start, seqlen_q, B_r):
-            # Q_i, dO_i in both layouts, L_i, D_i; rows past seqlen_q are zero (L = -inf: no P).
-            for e in range(t, B_r * D, NT):
-                r = e // D
-                c = e % D
-                qx = float32(0.0)
-                ox = float32(0.0)
-                if i0 + r < seqlen_q:
-                    qx = float32(q[I(b), I(i0 + r), I(h), I(c)])
-                    ox = float32(dout[I(b), I(i0 + r), I(h), I(c)])
-                smem[OFF_QT + I(c) * QS + I(r)] = qx
-                smem[OFF_OT + I(c) * QS + I(r)] = ox
-                smem[OFF_Q + I(r) * uD + I(c)] = qx
-                smem[OFF_O + I(r) * uD + I(c)] = ox
-            for r in range(t, B_r, NT):
-                ok = i0 + r < seqlen_q
-                smem[OFF_L + I(r)] = lse[I(b), I(h), I(i0 + r)] if ok else NEG_INF
-                smem[OFF_D + I(r)] = delta[I(b), I(h), I(i0 + r)] if ok else float32(0.0)
-            cuda.syncthreads()  # K^T, V^T (first tile), Q_i, dO_i, L_i, D_i complete before they are read
+        m_end = seqlen_q
+        if HAS_RIGHT:
+            m_start = max(0, j0 - diag - right) // B_r * B_r
+        if HAS_LEFT:
+            m_end = max(0, min(seqlen_q, min(j0 + B_c, seqlen_k) - diag + left))
+        for g in range(group):  # the query heads that share key/value head hk, in order (deterministic sum)
+            h = hk * group + g
+            slope = alibi[I(b), I(h)] if ALIBI else float32(0.0)
+            for i0 in range(m_start, m_end, B_r):
+                # Q_i, dO_i in both layouts, L_i, D_i; rows past seqlen_q are zero (L = -inf: no P).
+                for e in range(t, B_r * D, NT):
+                    r = e // D
+                    c = e % D
+                    qx = float32(0.0)
+                    ox = float32(0.0)
+                    if i0 + r < seqlen_q:
+                        qx = float32(q[I(b), I(i0 + r), I(h), I(c)])
+                        ox = float32(dout[I(b), I(i0 + r), I(h), I(c)])
+                    smem[OFF_QT + I(c) * QS + I(r)] = qx
+                    smem[OFF_OT + I(c) * QS + I(r)] = ox
+                    smem[OFF_Q + I(r) * uD + I(c)] = qx
+                    smem[OFF_O + I(r) * uD + I(c)] = ox
+                for r in range(t, B_r, NT):
+                    ok = i0 + r < seqlen_q
+                    smem[OFF_L + I(r)] = lse[I(b), I(h), I(i0 + r)] if ok else NEG_INF
+                    smem[OFF_D + I(r)] = delta[I(b), I(h), I(i0 + r)] if ok else float32(0.0)
+                cuda.syncthreads()  # K^T, V^T (first tile), Q_i, dO_i, L_i, D_i complete before they are read
 
-            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T, this thread's (TM, TN) patch
-            for rr in range(TM):
-                for n in range(TN):
-                    S[rr, n] = 0.0
-                    dP[rr, n] = 0.0
-            for c in range(D):
-                q_row = OFF_QT + I(c) * QS + I(tx)  # Q_i^T[c, tx::8]
-                o_row = OFF_OT + I(c) * QS + I(tx)  # dO_i^T[c, tx::8]
-                for n in range(TN):
-                    qc[n] = smem[q_row + I(TX * n)]
-                    oc[n] = smem[o_row + I(TX * n)]
-                k_row = OFF_KT + I(c) * KS + I(ty * TM)  # K_j^T[c, ty*TM : ty*TM + TM]
-                v_row = OFF_VT + I(c) * KS + I(ty * TM)
+                # S^T = K_j Q_i^T and dP^T = V_j dO_i^T, this thread's (TM, TN) patch
                 for rr in range(TM):
-                    kv = smem[k_row + I(rr)]
-                    vv = smem[v_row + I(rr)]
                     for n in range(TN):
-                        S[rr, n] += kv * qc[n]
-                        dP[rr, n] += vv * oc[n]
+                        S[rr, n] = 0.0
+                        dP[rr, n] = 0.0
+                for c in range(D):
+                    q_row = OFF_QT + I(c) * QS + I(tx)  # Q_i^T[c, tx::8]
+                    o_row = OFF_OT + I(c) * QS + I(tx)  # dO_i^T[c, tx::8]
+                    for n in range(TN):
+                        qc[n] = smem[q_row + I(TX * n)]
+                        oc[n] = smem[o_row + I(TX * n)]
+                    k_row = OFF_KT + I(c) * KS + I(ty * TM)  # K_j^T[c, ty*TM : ty*TM + TM]
+                    v_row = OFF_VT + I(c) * KS + I(ty * TM)
+                    for rr in range(TM):
+                        kv = smem[k_row + I(rr)]
+                        vv = smem[v_row + I(rr)]
+                        for n in range(TN):
+                            S[rr, n] += kv * qc[n]
+                            dP[rr, n] += vv * oc[n]
 
-            # P_ij = exp(scale S_ij - L_i) (0 where masked);  dS_ij = P_ij (dP_ij - D_i);  both to shared
-            for rr in range(TM):
-                j = j0 + ty * TM + rr
-                for n in range(TN):
-                    r = tx + TX * n
-                    i = i0 + r
-                    L = smem[OFF_L + I(r)]
-                    p = float32(0.0)
-                    if j < seqlen_k and L != NEG_INF and (not causal or j <= i + diag):
-                        p = float32(math.exp2((S[rr, n] * scale - L) * LOG2E))
-                    smem[OFF_P + I(r) * PS + I(ty * TM + rr)] = p
-                    smem[OFF_S + I(r) * PS + I(ty * TM + rr)] = p * (dP[rr, n] - smem[OFF_D + I(r)])
-            cuda.syncthreads()  # P_ij and dS_ij complete
-
-            # dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i  (times scale at the end)
-            for r in range(B_r):
-                o_row = OFF_O + I(r) * uD + I(tx)  # dO_i[r, tx::8]
-                q_row = OFF_Q + I(r) * uD + I(tx)  # Q_i[r, tx::8]
-                for n in range(DC):
-                    inside = tx + TX * n < D
-                    a_r[n] = smem[o_row + I(TX * n)] if inside else float32(0.0)
-                    b_r[n] = smem[q_row + I(TX * n)] if inside else float32(0.0)
-                p_row = OFF_P + I(r) * PS + I(ty * TM)
-                s_row = OFF_S + I(r) * PS + I(ty * TM)
+                # P_ij = exp(scale S_ij - L_i) (0 where masked);  dS_ij = P_ij (dP_ij - D_i);  both to shared
                 for rr in range(TM):
-                    p = smem[p_row + I(rr)]
-                    ds = smem[s_row + I(rr)]
+                    j = j0 + ty * TM + rr
+                    for n in range(TN):
+                        r = tx + TX * n
+                        i = i0 + r
+                        L = smem[OFF_L + I(r)]
+                        p = float32(0.0)
+                        x = S[rr, n] * scale
+                        dcap = float32(1.0)  # d(capped score) / d(scale q.k)
+                        if SOFTCAP:
+                            th = float32(math.tanh(x / softcap))
+                            x = softcap * th
+                            dcap = float32(1.0) - th * th
+                        if ALIBI:
+                            x -= slope * float32(abs(i + diag - j))
+                        if (j < seqlen_k and L != NEG_INF and (not HAS_LEFT or j >= i + diag - left)
+                                and (not HAS_RIGHT or j <= i + diag + right)):
+                            p = float32(math.exp2((x - L) * LOG2E))
+                        smem[OFF_P + I(r) * PS + I(ty * TM + rr)] = p
+                        smem[OFF_S + I(r) * PS + I(ty * TM + rr)] = p * (dP[rr, n] - smem[OFF_D + I(r)]) * dcap
+                cuda.syncthreads()  # P_ij and dS_ij complete
+
+                # dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i  (times scale at the end)
+                for r in range(B_r):
+                    o_row = OFF_O + I(r) * uD + I(tx)  # dO_i[r, tx::8]
+                    q_row = OFF_Q + I(r) * uD + I(tx)  # Q_i[r, tx::8]
                     for n in range(DC):
-                        dV[rr, n] += p * a_r[n]
-                        dK[rr, n] += ds * b_r[n]
-            cuda.syncthreads()  # all reads of this query tile done before the next one overwrites it
+                        inside = tx + TX * n < D
+                        a_r[n] = smem[o_row + I(TX * n)] if inside else float32(0.0)
+                        b_r[n] = smem[q_row + I(TX * n)] if inside else float32(0.0)
+                    p_row = OFF_P + I(r) * PS + I(ty * TM)
+                    s_row = OFF_S + I(r) * PS + I(ty * TM)
+                    for rr in range(TM):
+                        p = smem[p_row + I(rr)]
+                        ds = smem[s_row + I(rr)]
+                        for n in range(DC):
+                            dV[rr, n] += p * a_r[n]
+                            dK[rr, n] += ds * b_r[n]
+                cuda.syncthreads()  # all reads of this query tile done before the next one overwrites it
 
         for rr in range(TM):
             j = j0 + ty * TM + rr
@@ -412,14 +433,14 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, causal):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        dk[I(b), I(j), I(h), I(c)] = dK[rr, n] * scale
-                        dv[I(b), I(j), I(h), I(c)] = dV[rr, n]
+                        dk[I(b), I(j), I(hk), I(c)] = dK[rr, n] * scale
+                        dv[I(b), I(j), I(hk), I(c)] = dV[rr, n]
 
     return backward_dkdv_v2
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
+def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
     """dQ_i for one query tile per block, register-tiled; no atomics.
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
@@ -427,7 +448,9 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
     tx + 8n; in dQ, feature columns tx + 8n.
 
     Per key tile j:  S = Q_i K_j^T, dP = dO_i V_j^T (registers);  dS^T to shared;  dQ_i += dS K_j.
+    ``variant`` as in :func:`flashnumba.forward.make_forward_v2`.
     """
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = variant
     I = uint64  # noqa: E741
     TY, TM, TN, DC = _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")
     QS, KS, SS, OFF_QT, OFF_OT, OFF_KT, OFF_VT, OFF_K, OFF_S, _ = (I(x) for x in _layout_dq_v2(D, B_r, B_c))
@@ -435,7 +458,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
     uD = I(D)
 
     @cuda.jit
-    def backward_dq_v2(dout, q, k, v, lse, delta, dq, scale):
+    def backward_dq_v2(dout, q, k, v, lse, delta, dq, scale, softcap, left, right, alibi):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -444,8 +467,10 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
         tx = t % TX
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
+        hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
         i0 = cuda.blockIdx.x * B_r
-        diag = seqlen_k - seqlen_q
+        diag = seqlen_k - seqlen_q  # row i sees key j iff i + diag - left <= j <= i + diag + right
+        slope = alibi[I(b), I(h)] if ALIBI else float32(0.0)
 
         smem = cuda.shared.array(0, float32)
         # Q_i^T, dO_i^T (D, B_r) at OFF_QT, OFF_OT (stride QS); K_j^T, V_j^T (D, B_c) at OFF_KT, OFF_VT
@@ -476,19 +501,22 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
             for n in range(DC):
                 dQ[rr, n] = 0.0
 
+        n_start = 0
         n_end = seqlen_k
-        if causal:
+        if HAS_LEFT:
+            n_start = max(0, i0 + diag - left) // B_c * B_c
+        if HAS_RIGHT:
             last_row = min(i0 + B_r, seqlen_q) - 1
-            n_end = max(0, min(seqlen_k, last_row + diag + 1))
-        for j0 in range(0, n_end, B_c):
+            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
+        for j0 in range(n_start, n_end, B_c):
             for e in range(t, B_c * D, NT):
                 jj = e // D
                 c = e % D
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if j0 + jj < seqlen_k:
-                    kx = float32(k[I(b), I(j0 + jj), I(h), I(c)])
-                    vx = float32(v[I(b), I(j0 + jj), I(h), I(c)])
+                    kx = float32(k[I(b), I(j0 + jj), I(hk), I(c)])
+                    vx = float32(v[I(b), I(j0 + jj), I(hk), I(c)])
                 smem[OFF_KT + I(c) * KS + I(jj)] = kx
                 smem[OFF_VT + I(c) * KS + I(jj)] = vx
                 smem[OFF_K + I(jj) * uD + I(c)] = kx
@@ -521,9 +549,18 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, causal):
                     jj = tx + TX * n
                     j = j0 + jj
                     ds = float32(0.0)
-                    if j < seqlen_k and L[rr] != NEG_INF and (not causal or j <= i + diag):
-                        p = float32(math.exp2((S[rr, n] * scale - L[rr]) * LOG2E))
-                        ds = p * (dP[rr, n] - Di[rr])
+                    if (j < seqlen_k and L[rr] != NEG_INF and (not HAS_LEFT or j >= i + diag - left)
+                            and (not HAS_RIGHT or j <= i + diag + right)):
+                        x = S[rr, n] * scale
+                        dcap = float32(1.0)  # d(capped score) / d(scale q.k)
+                        if SOFTCAP:
+                            th = float32(math.tanh(x / softcap))
+                            x = softcap * th
+                            dcap = float32(1.0) - th * th
+                        if ALIBI:
+                            x -= slope * float32(abs(i + diag - j))
+                        p = float32(math.exp2((x - L[rr]) * LOG2E))
+                        ds = p * (dP[rr, n] - Di[rr]) * dcap
                     smem[OFF_S + I(jj) * SS + I(ty * TM + rr)] = ds
             cuda.syncthreads()  # dS_ij complete
 

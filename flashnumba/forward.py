@@ -190,8 +190,12 @@ def shared_bytes_v2(D, B_r, B_c):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_v2(D, B_r, B_c, num_threads, causal):
+def make_forward_v2(D, B_r, B_c, num_threads, variant):
     """Forward kernel v2: register-tiled S_ij and O_i.
+
+    ``variant`` = :class:`Variant` (has_left, has_right, softcap, alibi): which masks and score modifiers are
+    compiled in; their values (window bounds, softcap, slopes) are kernel arguments. Causal is has_right with
+    right = 0. Arguments: (q, k, v, out, lse, scale_q, softcap, left, right, alibi (batch, nheads)).
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
     :func:`shared_bytes_v2` bytes (for D=64, B_r=B_c=64: 66.3 KB; needs the >48 KB opt-in on the GPU).
@@ -200,11 +204,11 @@ def make_forward_v2(D, B_r, B_c, num_threads, causal):
     Per key tile: load K_j^T, V_j; S = Q_i K_j^T from shared (TM + TN loads per TM * TN FMAs); row max and
     row sum reduced over the 8 threads of a row through ``red``; P_ij^T to shared; O += P_ij V_j.
     """
-    return _make_register_tiled(D, B_r, B_c, num_threads, causal, int64)
+    return _make_register_tiled(D, B_r, B_c, num_threads, variant, int64)
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_v3(D, B_r, B_c, num_threads, causal):
+def make_forward_v3(D, B_r, B_c, num_threads, variant):
     """Forward kernel v3: v2 with unsigned index arithmetic (shared and global memory).
 
     The trick, specific to Numba: an array index of a *signed* integer type gets a negative-index wraparound
@@ -215,18 +219,20 @@ def make_forward_v3(D, B_r, B_c, num_threads, causal):
     The same holds for the 4-D global arrays (four wraparounds per element loaded); v3 indexes them unsigned
     too. The arithmetic is otherwise identical to v2.
     """
-    return _make_register_tiled(D, B_r, B_c, num_threads, causal, uint64)
+    return _make_register_tiled(D, B_r, B_c, num_threads, variant, uint64)
 
 
-def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
+def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
     """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = variant
+    SCORE_MOD = SOFTCAP or ALIBI  # S is then formed in natural units, modified, and only then moved to base 2
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
     QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = (I(x) for x in _smem_layout_v2(D, B_r, B_c))
     NT = num_threads
     uD, uB_r = I(D), I(B_r)
 
     @cuda.jit(fastmath=False)
-    def forward_register_tiled(q, k, v, out, lse, scale_log2):
+    def forward_register_tiled(q, k, v, out, lse, scale_q, softcap, left, right, alibi):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -235,11 +241,13 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
         tx = t % TX
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
+        hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
         i0 = cuda.blockIdx.x * B_r
-        diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
+        diag = seqlen_k - seqlen_q  # row i sees keys i + diag - left <= j <= i + diag + right
+        slope = alibi[I(b), I(h)] if ALIBI else float32(0.0)
 
         smem = cuda.shared.array(0, float32)  # views below are offsets into this one buffer
-        # smem[OFF_Q + c*QS + r]   Q_i^T  (D, B_r) fp32, scaled by scale*log2(e)
+        # smem[OFF_Q + c*QS + r]   Q_i^T  (D, B_r) fp32, times scale_q (scale*log2(e), or scale)
         # smem[OFF_K + c*KS + jj]  K_j^T  (D, B_c) fp32
         # smem[OFF_V + jj*D + c]   V_j    (B_c, D) fp32
         # smem[OFF_P + jj*B_r + r] P_ij^T (B_c, B_r) fp32
@@ -260,7 +268,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
             c = e % D
             x = float32(0.0)
             if i0 + r < seqlen_q:
-                x = float32(q[I(b), I(i0 + r), I(h), I(c)]) * scale_log2
+                x = float32(q[I(b), I(i0 + r), I(h), I(c)]) * scale_q
             smem[OFF_Q + I(c) * QS + I(r)] = x
         for rr in range(TM):
             m[rr] = NEG_INF
@@ -268,12 +276,16 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
             for n in range(DC):
                 O[rr, n] = 0.0
 
+        # Key tiles this block must visit: those that intersect the band its rows see (causal / window).
+        n_start = 0
         n_end = seqlen_k
-        if causal:
+        if HAS_LEFT:
+            n_start = max(0, i0 + diag - left) // B_c * B_c
+        if HAS_RIGHT:
             last_row = min(i0 + B_r, seqlen_q) - 1
-            n_end = max(0, min(seqlen_k, last_row + diag + 1))
+            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
 
-        for j0 in range(0, n_end, B_c):
+        for j0 in range(n_start, n_end, B_c):
             # Load K_j^T and V_j; rows past seqlen_k are zero.
             for e in range(t, B_c * D, NT):
                 jj = e // D
@@ -281,8 +293,8 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if j0 + jj < seqlen_k:
-                    kx = float32(k[I(b), I(j0 + jj), I(h), I(c)])
-                    vx = float32(v[I(b), I(j0 + jj), I(h), I(c)])
+                    kx = float32(k[I(b), I(j0 + jj), I(hk), I(c)])
+                    vx = float32(v[I(b), I(j0 + jj), I(hk), I(c)])
                 smem[OFF_K + I(c) * KS + I(jj)] = kx
                 smem[OFF_V + I(jj) * uD + I(c)] = vx
             cuda.syncthreads()  # Q_i^T (first tile), K_j^T, V_j complete before they are read
@@ -301,15 +313,23 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
                     for n in range(TN):
                         S[rr, n] += qv * kr[n]
 
-            # mask, and this thread's partial row max
+            # softcap, ALiBi, mask; and this thread's partial row max
             for rr in range(TM):
                 i = i0 + ty * TM + rr
                 mx = NEG_INF
                 for n in range(TN):
                     j = j0 + tx + TX * n
-                    if j >= seqlen_k or (causal and j > i + diag):
-                        S[rr, n] = NEG_INF
-                    mx = max(mx, S[rr, n])
+                    x = S[rr, n]
+                    if SCORE_MOD:  # x = scale q.k: cap it, add the ALiBi bias, then move to base 2
+                        if SOFTCAP:
+                            x = softcap * float32(math.tanh(x / softcap))
+                        if ALIBI:
+                            x -= slope * float32(abs(i + diag - j))
+                        x *= LOG2E
+                    if j >= seqlen_k or (HAS_LEFT and j < i + diag - left) or (HAS_RIGHT and j > i + diag + right):
+                        x = NEG_INF
+                    S[rr, n] = x
+                    mx = max(mx, x)
                 smem[OFF_RED + I((ty * TM + rr) * TX + tx)] = mx
             cuda.syncthreads()  # partial row maxima visible to the row's 8 threads
 
@@ -367,3 +387,10 @@ def _make_register_tiled(D, B_r, B_c, num_threads, causal, I):
 
 
 KERNELS = ("v1", "v2", "v3")
+
+
+class Variant(tuple):
+    """Compile-time options of the v2/v3 kernels: (has_left, has_right, softcap, alibi), all bool."""
+
+    def __new__(cls, has_left=False, has_right=False, softcap=False, alibi=False):
+        return super().__new__(cls, (bool(has_left), bool(has_right), bool(softcap), bool(alibi)))

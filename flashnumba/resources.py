@@ -20,28 +20,32 @@ from ._backend import SIMULATOR, cuda
 _ARRAY = "{}[:, :, :, :]"
 
 
-def kernel_signature(dtype: str = "float32") -> str:
-    """Signature of the forward kernels: (q, k, v, out, lse, scale_log2)."""
+_OPTS = "float32, int64, int64, float32[:, :]"  # softcap, window left, window right, ALiBi slopes
+
+
+def kernel_signature(kernel: str = "v3", dtype: str = "float32") -> str:
+    """Signature of the forward kernels: (q, k, v, out, lse, scale[, softcap, left, right, alibi])."""
     a = _ARRAY.format(dtype)
-    return f"void({a}, {a}, {a}, {a}, float32[:, :, :], float32)"
+    base = f"{a}, {a}, {a}, {a}, float32[:, :, :], float32"
+    return f"void({base})" if kernel == "v1" else f"void({base}, {_OPTS})"
 
 
 def kernel_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threads: int = 128,
-               causal: bool = False, dtype: str = "float32", cc=(9, 0)) -> str:
-    """PTX of one specialised forward kernel."""
+               causal: bool = False, dtype: str = "float32", cc=(9, 0), variant=None) -> str:
+    """PTX of one specialised forward kernel (``variant``: a forward.Variant for v2/v3; default from causal)."""
     if SIMULATOR:
         raise RuntimeError("kernel_ptx needs the real numba.cuda: start Python with FLASHNUMBA_SIMULATOR=0")
     if kernel == "v1":
         fn = forward.make_forward_v1(head_dim, block_m, block_n, causal)
     else:
         make = forward.make_forward_v2 if kernel == "v2" else forward.make_forward_v3
-        fn = make(head_dim, block_m, block_n, num_threads, causal)
-    ptx, _ = cuda.compile_ptx(fn.py_func, kernel_signature(dtype), cc=cc)
+        fn = make(head_dim, block_m, block_n, num_threads, variant or forward.Variant(has_right=causal))
+    ptx, _ = cuda.compile_ptx(fn.py_func, kernel_signature(kernel, dtype), cc=cc)
     return ptx
 
 
 def backward_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threads: int = 128,
-                 causal: bool = False, dtype: str = "float32", cc=(9, 0)) -> dict:
+                 causal: bool = False, dtype: str = "float32", cc=(9, 0), variant=None) -> dict:
     """PTX of the backward kernels of one configuration: {"dq": ptx, "dkdv": ptx}."""
     from . import backward
 
@@ -53,10 +57,12 @@ def backward_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_thr
         dq = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal)
         dkdv = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
     else:
-        dq = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, causal)
-        dkdv = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, causal)
-    sig_dq = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, float32)"
-    sig_dkdv = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, {a}, float32)"
+        variant = variant or forward.Variant(has_right=causal)
+        dq = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, variant)
+        dkdv = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, variant)
+    opts = "" if kernel == "v1" else f", {_OPTS}"
+    sig_dq = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, float32{opts})"
+    sig_dkdv = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, {a}, float32{opts})"
     return {"dq": cuda.compile_ptx(dq.py_func, sig_dq, cc=cc)[0],
             "dkdv": cuda.compile_ptx(dkdv.py_func, sig_dkdv, cc=cc)[0]}
 

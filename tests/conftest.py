@@ -120,12 +120,14 @@ def assert_close_to_truth(name, got, truth, baseline):
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} (baseline error {base_err:.3g})"
 
 
-def check_forward(out, lse, q, k, v, *, softmax_scale=None, causal=False):
-    """Check (out, lse) against the float64 reference with tolerances derived from a NumPy run in q's dtype."""
+def check_forward(out, lse, q, k, v, *, softmax_scale=None, causal=False, **opts):
+    """Check (out, lse) against the float64 reference with tolerances derived from a NumPy run in q's dtype.
+    ``opts``: window_size, softcap, alibi_slopes, as given to the kernel."""
     q, k, v = (to_numpy(x) for x in (q, k, v))
     dtype = np.dtype(q.dtype)
-    truth_o, truth_l = reference.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
-    base_o, base_l = reference.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, dtype=dtype)
+    truth_o, truth_l = reference.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **opts)
+    base_o, base_l = reference.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, dtype=dtype,
+                                                 **opts)
     out, lse = to_numpy(out), to_numpy(lse)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == np.float32
@@ -135,7 +137,7 @@ def check_forward(out, lse, q, k, v, *, softmax_scale=None, causal=False):
     assert_close_to_truth("lse", lse, truth_l, base_l.astype(np.float32))
 
 
-def check_backward(grads, dout, q, k, v, out, lse, *, softmax_scale=None, causal=False):
+def check_backward(grads, dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, **opts):
     """Check (dq, dk, dv) against the float64 reference gradient.
 
     The kernels were given ``out`` and ``lse`` (from the forward kernel); the baseline is the same algorithm
@@ -145,9 +147,9 @@ def check_backward(grads, dout, q, k, v, out, lse, *, softmax_scale=None, causal
     """
     dout, q, k, v, out, lse = (to_numpy(x) for x in (dout, q, k, v, out, lse))
     dtype = np.dtype(q.dtype)
-    truth = reference.attention_backward(dout, q, k, v, softmax_scale=softmax_scale, causal=causal)
+    truth = reference.attention_backward(dout, q, k, v, softmax_scale=softmax_scale, causal=causal, **opts)
     base = reference.attention_backward_blocked(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                                                causal=causal, dtype=dtype)
+                                                causal=causal, dtype=dtype, **opts)
     for name, g, t, bl, like in zip(("dq", "dk", "dv"), grads, truth, base, (q, k, v)):
         g = to_numpy(g)
         assert g.shape == like.shape and g.dtype == dtype, f"{name}: {g.shape} {g.dtype}"

@@ -14,7 +14,8 @@ import pytest
 
 SCRIPT = r"""
 import json, sys
-from flashnumba import resources, api
+from flashnumba import resources, api, forward
+ALL = forward.Variant(has_left=True, has_right=True, softcap=True, alibi=True)
 rows = []
 for kernel in ("v1", "v2", "v3"):
     for d in (40, 64, 128, 256):
@@ -36,6 +37,20 @@ for kernel in ("v1", "v2"):
             dyn = 0 if kernel == "v1" else smem[0 if part == "dkdv" else 1]
             rows.append(dict(kernel=f"bwd_{part}_{kernel}", head_dim=d, dtype="float32", block_m=bm, block_n=bn,
                              threads=nt, dynamic_shared=dyn, **r))
+# every option compiled in (window, softcap, ALiBi): the kernels type-check for the GPU with all of them
+for d in (59, 128):
+    bm, bn, nt, smem = api.resolve_blocks("v3", d)
+    for dtype in ("float32", "float16"):
+        r = resources.ptx_resources(resources.kernel_ptx("v3", d, bm, bn, nt, dtype=dtype, variant=ALL))
+        del r["log"]
+        rows.append(dict(kernel="v3+all", head_dim=d, dtype=dtype, block_m=bm, block_n=bn, threads=nt,
+                         dynamic_shared=smem, **r))
+    bm, bn, nt, smem = api.resolve_blocks_backward(d)
+    for part, ptx in resources.backward_ptx("v2", d, bm, bn, nt, variant=ALL).items():
+        r = resources.ptx_resources(ptx)
+        del r["log"]
+        rows.append(dict(kernel=f"bwd_{part}_v2+all", head_dim=d, dtype="float32", block_m=bm, block_n=bn,
+                         threads=nt, dynamic_shared=smem[0 if part == "dkdv" else 1], **r))
 print(json.dumps(rows))
 """
 
@@ -49,10 +64,10 @@ def test_kernels_compile_for_sm90_and_report_resources():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     print()
-    print(f"{'kernel':12} {'d':>4} {'dtype':8} {'B_r':>4} {'B_c':>4} {'thr':>4} {'regs':>5} "
+    print(f"{'kernel':16} {'d':>4} {'dtype':8} {'B_r':>4} {'B_c':>4} {'thr':>4} {'regs':>5} "
           f"{'smem(static)':>12} {'smem(dyn)':>9} {'spill st/ld':>11}")
     for r in rows:
-        print(f"{r['kernel']:12} {r['head_dim']:4} {r['dtype']:8} {r['block_m']:4} {r['block_n']:4} {r['threads']:4} "
+        print(f"{r['kernel']:16} {r['head_dim']:4} {r['dtype']:8} {r['block_m']:4} {r['block_n']:4} {r['threads']:4} "
               f"{r['registers']:5} {r['shared_bytes']:12} {r['dynamic_shared']:9} "
               f"{r['spill_stores']:5}/{r['spill_loads']:<5}")
         assert 0 < r["registers"] <= 255

@@ -1,0 +1,155 @@
+"""GQA / MQA, sliding window, softcap and ALiBi, forward and backward, against the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, strategies as st
+
+import flashnumba
+from flashnumba import reference
+
+from conftest import AWKWARD_SEQLENS, MAX_SEQLEN, WORK_BUDGET, array_types, check_backward, check_forward, to_type
+
+seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN))
+windows = st.tuples(st.integers(-1, 40), st.integers(-1, 40))
+
+
+@st.composite
+def features(draw):
+    """A random combination of the options; ALiBi slopes of either shape."""
+    batch, nheads_k = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2, 3]))
+    opts = dict(causal=draw(st.booleans()), window_size=draw(windows),
+                softcap=draw(st.sampled_from([0.0, 0.0, 1.0, 5.0])))
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(nheads_k * group,), (batch, nheads_k * group)]))
+        opts["alibi_slopes"] = np.asarray(draw(st.lists(st.floats(0.0, 1.0), min_size=int(np.prod(shape)),
+                                                        max_size=int(np.prod(shape))))).reshape(shape).astype(np.float32)
+    return batch, nheads_k, group, opts
+
+
+def _inputs(rng, batch, seqlen_q, seqlen_k, nheads_k, group, head_dim, dtype):
+    q = rng.standard_normal((batch, seqlen_q, nheads_k * group, head_dim)).astype(dtype)
+    k = rng.standard_normal((batch, seqlen_k, nheads_k, head_dim)).astype(dtype)
+    v = rng.standard_normal((batch, seqlen_k, nheads_k, head_dim)).astype(dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    return q, k, v, dout
+
+
+@given(
+    feats=features(),
+    seqlen_q=seqlens,
+    seqlen_k=seqlens,
+    head_dim=st.sampled_from([8, 24, 40, 59, 64]),
+    kernel=st.sampled_from(["v2", "v3"]),
+    dtype=st.sampled_from([np.float32, np.float16]),
+    array_type=st.sampled_from(array_types()),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_features_forward_and_backward_match_reference(feats, seqlen_q, seqlen_k, head_dim, kernel, dtype,
+                                                       array_type, seed):
+    batch, nheads_k, group, opts = feats
+    pad = lambda n: -(-n // 16) * 16  # noqa: E731
+    assume(4 * batch * nheads_k * group * pad(seqlen_q) * pad(seqlen_k) * head_dim <= WORK_BUDGET)
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = _inputs(rng, batch, seqlen_q, seqlen_k, nheads_k, group, head_dim, dtype)
+    dev = [to_type(x, array_type) for x in (q, k, v, dout)]
+    kopts = dict(opts)
+    if "alibi_slopes" in opts:
+        kopts["alibi_slopes"] = to_type(opts["alibi_slopes"], array_type)
+    blocks = dict(block_m=16, block_n=16, num_threads=32)
+    out, lse = flashnumba.flash_attn_forward(*dev[:3], kernel=kernel, **blocks, **kopts)
+    check_forward(out, lse, q, k, v, **opts)
+    grads = flashnumba.flash_attn_backward(dev[3], *dev[:3], out, lse, **blocks, **kopts)
+    check_backward(grads, dout, q, k, v, out, lse, **opts)
+
+
+def test_causal_is_window_minus_one_zero():
+    rng = np.random.default_rng(1)
+    q, k, v, _ = _inputs(rng, 1, 23, 19, 2, 1, 16, np.float32)
+    a = flashnumba.flash_attn_forward(q, k, v, causal=True, block_m=16, block_n=16, num_threads=32)
+    b = flashnumba.flash_attn_forward(q, k, v, window_size=(-1, 0), block_m=16, block_n=16, num_threads=32)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_gqa_equals_repeated_heads():
+    """GQA gives what the same kernel gives on key/value heads repeated for every query head."""
+    rng = np.random.default_rng(2)
+    q, k, v, dout = _inputs(rng, 1, 17, 21, 2, 3, 8, np.float32)
+    kw = dict(block_m=16, block_n=16, num_threads=32, causal=True)
+    out, dq, dk, dv = flashnumba.attention_with_grad(q, k, v, dout, **kw)
+    kr, vr = np.repeat(k, 3, axis=2), np.repeat(v, 3, axis=2)
+    out2, dq2, dk2, dv2 = flashnumba.attention_with_grad(q, kr, vr, dout, **kw)
+    np.testing.assert_array_equal(out, out2)
+    np.testing.assert_array_equal(dq, dq2)
+    np.testing.assert_allclose(dk, dk2.reshape(1, 21, 2, 3, 8).sum(axis=3), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dv, dv2.reshape(1, 21, 2, 3, 8).sum(axis=3), rtol=1e-5, atol=1e-6)
+
+
+def test_window_with_no_visible_key_gives_zero_and_minus_inf():
+    rng = np.random.default_rng(3)
+    q, k, v, dout = _inputs(rng, 1, 10, 30, 1, 1, 8, np.float32)
+    # seqlen_q 10, seqlen_k 5: the diagonal is j = i - 5, so with window (0, 0) rows 0..4 see no key
+    out, lse = flashnumba.flash_attn_forward(q, k[:, :5], v[:, :5], window_size=(0, 0), block_m=16, block_n=16,
+                                             num_threads=32)
+    ref_o, ref_l = reference.attention_forward(q, k[:, :5], v[:, :5], window_size=(0, 0))
+    assert np.isneginf(ref_l[0, 0, :5]).all() and np.isneginf(lse[0, 0, :5]).all()
+    assert (out[0, :5] == 0).all()
+    check_forward(out, lse, q, k[:, :5], v[:, :5], window_size=(0, 0))
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(window_size=(1,)), ValueError, r"window_size must be a pair"),
+    (dict(window_size=(-2, 0)), ValueError, r"window_size left must be an int >= -1"),
+    (dict(window_size=(0, 1.5)), ValueError, r"window_size right must be an int >= -1"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be finite and >= 0"),
+    (dict(softcap="1"), TypeError, r"softcap must be a real number"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes must have shape \(nheads,\)"),
+    (dict(alibi_slopes=np.ones((2, 2), np.float32)), ValueError, r"alibi_slopes must have shape"),
+    (dict(alibi_slopes=np.ones(4, np.float64)), TypeError, r"alibi_slopes must be float32"),
+    (dict(alibi_slopes=[0.1] * 4), TypeError, r"alibi_slopes"),
+    (dict(kernel="v1", window_size=(3, 0)), ValueError, r"kernel v1 supports causal masking only"),
+    (dict(kernel="v1", softcap=1.0), ValueError, r"kernel v1 supports causal masking only"),
+])
+def test_feature_validation(kw, err, msg):
+    rng = np.random.default_rng(4)
+    q, k, v, _ = _inputs(rng, 1, 5, 6, 2, 2, 8, np.float32)
+    with pytest.raises(err, match=msg):
+        flashnumba.flash_attn_forward(q, k, v, **kw)
+
+
+def test_gqa_validation_and_v1():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 5, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 6, 3, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"multiple of the number of key/value heads"):
+        flashnumba.flash_attn_forward(q, k, k)
+    with pytest.raises(ValueError, match=r"k and v must have the same number of heads"):
+        flashnumba.flash_attn_forward(q, k[:, :, :2], k[:, :, :1])
+    with pytest.raises(ValueError, match=r"kernel v1 supports causal masking only"):
+        flashnumba.flash_attn_forward(q, k[:, :, :2], k[:, :, :2], kernel="v1")
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(dropout_p=0.1), ValueError, r"dropout is not implemented yet"),
+    (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(return_attn_probs=True), ValueError, r"return_attn_probs=True is not implemented yet"),
+    (dict(deterministic="no"), TypeError, r"deterministic must be a bool"),
+])
+def test_flash_attn_func_arguments(kw, err, msg):
+    rng = np.random.default_rng(6)
+    q, k, v, _ = _inputs(rng, 1, 5, 6, 1, 1, 8, np.float32)
+    with pytest.raises(err, match=msg):
+        flashnumba.flash_attn_func(q, k, v, **kw)
+
+
+def test_flash_attn_func_positional_order_matches_flash_attn():
+    rng = np.random.default_rng(7)
+    q, k, v, _ = _inputs(rng, 1, 9, 9, 1, 1, 8, np.float32)
+    # flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, ...)
+    out = flashnumba.flash_attn_func(q, k, v, 0.0, 0.5, True, (3, 0), 2.0, None, block_m=16, block_n=16,
+                                     num_threads=32)
+    ref, _ = reference.attention_forward(q, k, v, softmax_scale=0.5, causal=True, window_size=(3, 0), softcap=2.0)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
