@@ -37,7 +37,12 @@ FWD, BWD, FWDBWD = "fwd", "bwd", "fwd+bwd"
 PASS_FACTOR = {FWD: 1.0, BWD: 2.5, FWDBWD: 3.5}
 
 
-def flops(batch, nheads, seqlen, head_dim, causal, pass_):
+def flops(batch, nheads, seqlen, head_dim, causal, pass_, window_size=None):
+    """The paper's count: 4 * batch * nheads * seqlen^2 * head_dim per forward, halved when causal. With a
+    sliding window, 4 * batch * nheads * head_dim per visible (query, key) pair, counted exactly."""
+    if window_size is not None:
+        mask = reference.visibility_mask(seqlen, seqlen, causal=causal, window_size=window_size)
+        return 4 * batch * nheads * int(mask.sum()) * head_dim * PASS_FACTOR[pass_]
     f = 4 * batch * nheads * seqlen * seqlen * head_dim * PASS_FACTOR[pass_]
     return f / 2 if causal else f
 
@@ -51,13 +56,16 @@ def _flashnumba(kernel):
     """Forward kernel ``kernel``; backward v1 with forward v1 (the simple pair), else backward v2."""
     bkernel = "v1" if kernel == "v1" else "v2"
 
-    def make(q, k, v, dout, causal):
-        out, lse = flash_attn_forward(q, k, v, causal=causal, kernel=kernel)
+    def make(q, k, v, dout, causal, window_size=(-1, -1)):
+        opts = dict(causal=causal, window_size=window_size)
+        out, lse = flash_attn_forward(q, k, v, kernel=kernel, **opts)
         return {
-            FWD: lambda: flash_attn_forward(q, k, v, causal=causal, kernel=kernel),
-            BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal, kernel=bkernel),
-            FWDBWD: lambda: attention_with_grad(q, k, v, dout, causal=causal, kernel=kernel, backward_kernel=bkernel),
+            FWD: lambda: flash_attn_forward(q, k, v, kernel=kernel, **opts),
+            BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, kernel=bkernel, **opts),
+            FWDBWD: lambda: attention_with_grad(q, k, v, dout, kernel=kernel, backward_kernel=bkernel, **opts),
         }
+
+    make.features = True  # takes window_size and GQA-shaped k, v
 
     return make
 
@@ -173,7 +181,7 @@ def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def validate(make, head_dim, causal, dtype, seqlen=96):
+def validate(make, head_dim, causal, dtype, seqlen=96, window_size=None, gqa=1):
     """Run the implementation on a small problem and compare out (and dq) with the float64 reference.
 
     Returns None when it agrees, else a string saying what failed. Tolerance: 10x the error of the same
@@ -182,17 +190,20 @@ def validate(make, head_dim, causal, dtype, seqlen=96):
     """
     xp = _xp()
     rng = np.random.default_rng(0)
-    shape = (1, seqlen, 2, head_dim)
-    hq, hk, hv, hdo = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
+    shape = (1, seqlen, 2 * gqa, head_dim)
+    kv_shape = (1, seqlen, 2, head_dim)
+    hq, hdo = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    hk, hv = (rng.standard_normal(kv_shape).astype(dtype) for _ in range(2))
     q, k, v, dout = (xp.asarray(x) for x in (hq, hk, hv, hdo))
+    opts = {} if window_size is None else dict(window_size=window_size)
     try:
-        fns = make(q, k, v, dout, causal)
+        fns = make(q, k, v, dout, causal, **opts)
         out = fns[FWD]()
         out = out[0] if isinstance(out, tuple) else out
     except Exception as err:  # noqa: BLE001  (a peer that does not support this configuration)
         return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-    truth, _ = reference.attention_forward(hq, hk, hv, causal=causal)
-    base, _ = reference.attention_forward(hq, hk, hv, causal=causal, dtype=dtype)
+    truth, _ = reference.attention_forward(hq, hk, hv, causal=causal, **opts)
+    base, _ = reference.attention_forward(hq, hk, hv, causal=causal, dtype=dtype, **opts)
     err = float(np.abs(_host(out).astype(np.float64) - truth).max())
     tol = 10 * float(np.abs(base - truth).max()) + 1e-5
     if not err <= tol:
@@ -243,12 +254,13 @@ def _progress(total):
 
 
 def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=16384, width=2048, warmup=2,
-              repeat=10, skip_standard_above_gib=60.0, max_call_ms=5000.0, on_row=None):
+              repeat=10, skip_standard_above_gib=60.0, max_call_ms=5000.0, on_row=None, window_size=None, gqa=1):
     """Measure every (head_dim, causal, dtype, seqlen) x implementation x pass; returns the rows.
 
     ``on_row(row)`` is called as each row is measured (the CLI prints it and saves the JSON, so that a run cut
     short keeps what it measured). An implementation whose call took longer than ``max_call_ms`` at one
-    seqlen is not run at the longer ones (recorded as skipped)."""
+    seqlen is not run at the longer ones (recorded as skipped). ``window_size`` (a sliding window) and ``gqa``
+    (query heads per key/value head) time only the implementations that take them (flashnumba's)."""
     xp = _xp()
     rows, invalid, too_slow = [], {}, set()
 
@@ -262,16 +274,22 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
     for d, causal, dtype, n in configs:
         batch, nheads = max(1, tokens // n), max(1, width // d)
         rng = np.random.default_rng(n)
-        shape = (batch, n, nheads, d)
-        q, k, v, dout = (xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype)) for _ in range(4))
+        shape, kv_shape = (batch, n, nheads, d), (batch, n, max(1, nheads // gqa), d)
+        q, dout = (xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype)) for _ in range(2))
+        k, v = (xp.asarray(rng.standard_normal(kv_shape, dtype=np.float32).astype(dtype)) for _ in range(2))
+        opts = {} if window_size is None else dict(window_size=tuple(window_size))
         for name, make in impls.items():
             bar.set_description(f"{name} d={d} N={n} causal={causal} {np.dtype(dtype).name}")
             bar.update()
             key = (name, d, causal, np.dtype(dtype).name)
-            if key not in invalid:
-                invalid[key] = validate(make, d, causal, dtype)
             base = dict(impl=name, head_dim=d, seqlen=n, batch=batch, nheads=nheads, causal=causal,
-                        dtype=np.dtype(dtype).name)
+                        dtype=np.dtype(dtype).name, nheads_k=kv_shape[2],
+                        window_size=None if window_size is None else list(window_size))
+            if (window_size is not None or gqa > 1) and not getattr(make, "features", False):
+                emit(dict(base, error="skipped: this implementation takes no window / GQA here"))
+                continue
+            if key not in invalid:
+                invalid[key] = validate(make, d, causal, dtype, window_size=opts.get("window_size"), gqa=gqa)
             if invalid[key]:
                 emit(dict(base, error=invalid[key]))
                 continue
@@ -284,10 +302,10 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
                 continue
             lib = "torch" if name.startswith("torch") else "cupy"
             try:
-                fns = make(q, k, v, dout, causal)
+                fns = make(q, k, v, dout, causal, **opts)
                 for p in passes:
                     ms, times, peak = _peak_and_time(fns[p], lib, warmup, repeat)
-                    f = flops(batch, nheads, n, d, causal, p)
+                    f = flops(batch, nheads, n, d, causal, p, opts.get("window_size"))
                     emit(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak))
                     if ms > max_call_ms:
                         too_slow.add(key)
@@ -454,6 +472,9 @@ def main(argv=None):
     p.add_argument("--out", default="bench-out")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="find the longest seqlen each implementation runs within this memory")
+    p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                   help="sliding window (flashnumba only); TFLOP/s then count the visible pairs exactly")
+    p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head (flashnumba only)")
     p.add_argument("--from-json", default=None, help="re-print the table and re-draw the plots of a saved run")
     a = p.parse_args(argv)
     if a.from_json:
@@ -494,7 +515,7 @@ def main(argv=None):
         rows = run_sweep(seqlens=a.seqlens, head_dims=a.head_dims, causals=causals,
                          dtypes=[np.dtype(d) for d in a.dtypes], passes=a.passes, impls=impls, tokens=a.tokens,
                          width=a.width, warmup=a.warmup, repeat=a.repeat, max_call_ms=a.max_call_ms,
-                         on_row=on_row)
+                         on_row=on_row, window_size=a.window, gqa=a.gqa)
         print()
         print(table(rows))
         result["plots"] = [os.path.basename(x) for x in plots(rows, a.out)]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: info, the test suite with the GPU profile, the demo, compute-sanitizer.
+# One call on the GPU machine: info, the test suite with the GPU profile, the demo, compute-sanitizer, the
+# backward's memory, the benchmark (and, with STEPS=crosscheck, the comparison with torch SDPA).
 # Usage (device tool): bash scripts/gpu_check.sh   (logs under $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -22,6 +23,7 @@ for step in $STEPS; do
         echo "$tool: exit $?"; tail -3 "$OUT/sanitize_$tool.txt"; cat "$OUT/sanitize_$tool.txt" >> "$OUT/sanitize.log"
         rm "$OUT/sanitize_$tool.txt"
       done ;;
+    crosscheck) python3 scripts/crosscheck_torch.py 2>&1 | tee "$OUT/crosscheck.log" ;;
     memory) python3 scripts/backward_memory.py 4096 16384 2>&1 | tee "$OUT/backward_memory.log" ;;
     bench) timeout ${BENCH_TIMEOUT:-600} python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac

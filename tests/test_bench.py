@@ -36,3 +36,18 @@ def test_validation_rejects_a_wrong_implementation():
 def test_flop_count():
     assert bench.flops(2, 3, 128, 64, False, "fwd") == 4 * 2 * 3 * 128 * 128 * 64
     assert bench.flops(2, 3, 128, 64, True, "fwd+bwd") == 3.5 * 4 * 2 * 3 * 128 * 128 * 64 / 2
+
+
+def test_bench_times_window_and_gqa_workloads(tmp_path):
+    rc = bench.main(["--seqlens", "24", "--head-dims", "8", "--dtypes", "float32", "--causal", "off",
+                     "--tokens", "24", "--width", "16", "--repeat", "1", "--warmup", "0", "--passes", "fwd",
+                     "--window", "4", "0", "--gqa", "2", "--impls", "flashnumba_v3", "standard_cupy",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    timed = [r for r in rows if "ms" in r]
+    assert [r["impl"] for r in timed] == ["flashnumba_v3"] and timed[0]["nheads_k"] == 1
+    assert timed[0]["window_size"] == [4, 0]
+    assert any("skipped" in r.get("error", "") for r in rows if r["impl"] == "standard_cupy")
+    # 24 rows; row i sees keys max(0, i - 4) .. i: 5 keys each but the first four rows
+    assert bench.flops(1, 2, 24, 8, False, "fwd", (4, 0)) == 4 * 2 * 8 * (24 * 5 - (4 + 3 + 2 + 1))
