@@ -7,7 +7,15 @@ The kernels run on an NVIDIA GPU when there is one and in the Numba CUDA simulat
 from . import _backend  # first: chooses GPU or simulator before numba.cuda is imported
 from ._backend import BACKEND, SIMULATOR
 from . import config, reference
-from .api import attention_with_grad, flash_attn_backward, flash_attn_forward, flash_attn_func
+from .api import (
+    attention_with_grad,
+    flash_attn_backward,
+    flash_attn_forward,
+    flash_attn_func,
+    flash_attn_varlen_backward,
+    flash_attn_varlen_forward,
+    flash_attn_varlen_func,
+)
 
 __version__ = "0.1.0"
 
@@ -20,4 +28,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_backward",
     "attention_with_grad",
+    "flash_attn_varlen_forward",
+    "flash_attn_varlen_backward",
+    "flash_attn_varlen_func",
 ]

@@ -67,6 +67,26 @@ def to_kernel(x, k: str):
     return cuda.as_cuda_array(x)
 
 
+class _LeadingAxis:
+    """A (1, *shape) view of a CUDA array, through the __cuda_array_interface__ (no copy)."""
+
+    def __init__(self, x):
+        shape, strides, dtype = shape_strides_dtype(x)
+        cai = dict(x.__cuda_array_interface__)
+        cai.update(shape=(1, *shape), strides=(0, *strides), version=cai.get("version", 2))
+        self.__cuda_array_interface__ = cai
+        self.base = x  # keep the owner alive
+
+
+def with_leading_axis(x, kind):
+    """x viewed with a leading axis of length 1, in its own array type where it has one."""
+    if kind in ("numpy", "cupy"):
+        return x[None]
+    if SIMULATOR:  # a simulator device array: a host copy with the axis added
+        return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[None]))
+    return _LeadingAxis(x)
+
+
 def to_host(x):
     """A NumPy copy of any supported array."""
     if isinstance(x, np.ndarray):

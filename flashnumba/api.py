@@ -116,18 +116,31 @@ class _Options:
     right: int
     alibi: object  # (batch, nheads) float32 device array (a (1, 1) dummy without ALiBi)
     gqa: bool
+    cu_q: object = None  # (batch + 1,) int32 device arrays (varlen), else a (1,) dummy
+    cu_k: object = None
 
     @property
     def plain(self):
-        """Only what kernel v1 supports: no window other than causal, no softcap, no ALiBi, no GQA."""
-        has_left, _, softcap, alibi = self.variant
-        return not (has_left or softcap or alibi or self.gqa or self.right > 0)
+        """Only what kernel v1 supports: no window other than causal, no softcap, ALiBi, GQA or varlen."""
+        has_left, _, softcap, alibi, varlen = self.variant
+        return not (has_left or softcap or alibi or varlen or self.gqa or self.right > 0)
+
+    @property
+    def kernel_args(self):
+        """The trailing arguments of the v2/v3 kernels."""
+        return (self.softcap, np.int64(self.left), np.int64(self.right), self.alibi, self.cu_q, self.cu_k)
 
 
 _no_alibi = {}
 
 
-def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes) -> _Options:
+def _dummy(name, shape, dtype):
+    if name not in _no_alibi:  # small arrays the kernels take but, without the option, never read
+        _no_alibi[name] = cuda.to_device(np.zeros(shape, dtype))
+    return _no_alibi[name]
+
+
+def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=None, varlen=None) -> _Options:
     causal = _check_flag("causal", causal)
     try:
         left, right = window_size
@@ -143,11 +156,10 @@ def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes) -> _Optio
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
     if not (math.isfinite(float(softcap)) and float(softcap) >= 0):
         raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
-    batch, _, nheads, _ = tq.shape
+    nheads = tq.shape[-2]
+    batch = tq.shape[0] if batch is None else batch
     if alibi_slopes is None:
-        if "dummy" not in _no_alibi:  # the kernels always take a slopes array; this one is never read
-            _no_alibi["dummy"] = cuda.to_device(np.zeros((1, 1), np.float32))
-        alibi = _no_alibi["dummy"]
+        alibi = _dummy("alibi", (1, 1), np.float32)
     else:
         try:
             rank = len(_arrays.shape_strides_dtype(alibi_slopes)[0])
@@ -163,8 +175,10 @@ def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes) -> _Optio
         host = alibi_slopes if ta.kind == "numpy" else _arrays.to_host(alibi_slopes)
         alibi = cuda.to_device(np.ascontiguousarray(np.broadcast_to(host.reshape(-1, nheads), (batch, nheads))))
     variant = forward.Variant(has_left=left >= 0, has_right=right >= 0, softcap=float(softcap) > 0,
-                              alibi=alibi_slopes is not None)
-    return _Options(variant, np.float32(softcap), left, right, alibi, gqa=tk.shape[2] != tq.shape[2])
+                              alibi=alibi_slopes is not None, varlen=varlen is not None)
+    cu_q, cu_k = varlen if varlen is not None else (_dummy("cu", (1,), np.int32),) * 2
+    return _Options(variant, np.float32(softcap), left, right, alibi, gqa=tk.shape[-2] != tq.shape[-2],
+                    cu_q=cu_q, cu_k=cu_k)
 
 
 def _check_not_v1(kernel, opts, what):
@@ -279,14 +293,21 @@ def flash_attn_forward(
     block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
     _check_not_v1(kernel, opts, "forward")
 
+    return _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, smem, batch, seqlen_q)
+
+
+def _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, smem, batch, max_seqlen_q):
+    """Allocate the outputs and launch a forward kernel. tq, tk, tv are 4-D (for varlen, (1, total, h, d)
+    views); the grid covers ``batch`` sequences of at most ``max_seqlen_q`` query rows."""
     like = tq.kind
+    _, total_q, nheads, head_dim = tq.shape
     out_user, out_dev = _arrays.empty(tq.shape, tq.dtype, like)
-    lse_user, lse_dev = _arrays.empty((batch, nheads, seqlen_q), np.float32, like)
-    if batch * nheads * seqlen_q == 0:
+    lse_user, lse_dev = _arrays.empty((tq.shape[0], nheads, total_q), np.float32, like)
+    if batch * nheads * max_seqlen_q == 0 or total_q == 0:
         return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
     qd, kd, vd = (_arrays.to_kernel(t.array, t.kind) for t in (tq, tk, tv))
     scale_log2 = np.float32(scale * forward.LOG2E)
-    grid = (-(-seqlen_q // block_m), batch * nheads)
+    grid = (-(-max_seqlen_q // block_m), batch * nheads)
     if kernel == "v1":
         fn = forward.make_forward_v1(head_dim, block_m, block_n, opts.right == 0)
         launch(fn, grid, (block_m,), 0, (qd, kd, vd, out_dev, lse_dev, scale_log2))
@@ -295,9 +316,20 @@ def flash_attn_forward(
         fn = make(head_dim, block_m, block_n, num_threads, opts.variant)
         # with softcap or ALiBi the kernel forms scale * q.k in natural units first (see forward.py)
         scale_q = np.float32(scale) if (opts.variant[2] or opts.variant[3]) else scale_log2
-        launch(fn, grid, (num_threads,), smem, (qd, kd, vd, out_dev, lse_dev, scale_q, opts.softcap,
-                                                np.int64(opts.left), np.int64(opts.right), opts.alibi))
+        launch(fn, grid, (num_threads,), smem, (qd, kd, vd, out_dev, lse_dev, scale_q, *opts.kernel_args))
     return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
+
+
+def _check_func_flags(dropout_p, deterministic, return_attn_probs):
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout is not implemented yet: dropout_p must be 0, got {dropout_p}")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not implemented yet")
+    _check_flag("deterministic", deterministic)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -308,15 +340,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``deterministic`` is accepted (flashnumba is always deterministic). Other keyword arguments (``kernel``,
     block sizes) go to :func:`flash_attn_forward`.
     """
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
-        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p != 0:
-        raise ValueError(f"dropout is not implemented yet: dropout_p must be 0, got {dropout_p}")
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not implemented yet")
-    _check_flag("deterministic", deterministic)
+    _check_func_flags(dropout_p, deterministic, return_attn_probs)
     return flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, **kwargs)[0]
 
@@ -399,43 +423,160 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     block_m, block_n, num_threads, (smem_dkdv, smem_dq) = resolve_blocks_backward(
         head_dim, block_m, block_n, num_threads, kernel)
     _check_not_v1(kernel, opts, "backward")
-    causal = opts.right == 0 and not opts.variant[0]  # what kernel v1 implements
 
+    return _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, num_threads,
+                     (smem_dkdv, smem_dq), batch, seqlen_q, tk.shape[1])
+
+
+def _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, num_threads, smem, batch,
+              max_seqlen_q, max_seqlen_k):
+    """Allocate the gradients and launch the backward kernels (4-D tensors, or (1, total, h, d) views)."""
     like = tq.kind
+    lead, total_q, nheads, head_dim = tq.shape
     dq_user, dq_dev = _arrays.empty(tq.shape, tq.dtype, like)
     dk_user, dk_dev = _arrays.empty(tk.shape, tk.dtype, like)
     dv_user, dv_dev = _arrays.empty(tv.shape, tv.dtype, like)
     result = [(dq_user, dq_dev), (dk_user, dk_dev), (dv_user, dv_dev)]
-    seqlen_k = tk.shape[1]
-    if batch * nheads == 0 or (seqlen_q == 0 and seqlen_k == 0):
+    if batch * nheads == 0 or (total_q == 0 and tk.shape[1] == 0):
         return tuple(_arrays.to_caller(u, d, like) for u, d in result)
 
     dod, qd, kd, vd, od, ld = (_arrays.to_kernel(t.array, t.kind) for t in (tdo, tq, tk, tv, to, tl))
-    delta_user, delta = _arrays.empty((batch, nheads, seqlen_q), np.float32, like)  # D_i, O(seqlen_q)
+    delta_user, delta = _arrays.empty((lead, nheads, total_q), np.float32, like)  # D_i, O(seqlen_q)
     scale32 = np.float32(scale)
-    bh = batch * nheads
-    grid_q, grid_k = (-(-seqlen_q // block_m), bh), (-(-seqlen_k // block_n), batch * tk.shape[2])
-    if seqlen_q:
+    causal = opts.right == 0 and not opts.variant[0]  # what kernel v1 implements
+    grid_q = (-(-max_seqlen_q // block_m), batch * nheads)
+    grid_k = (-(-max_seqlen_k // block_n), batch * tk.shape[2])
+    if total_q:  # D_i = rowsum(dO_i * O_i), row by row over the whole (lead, total_q) layout
         pre = backward.make_backward_preprocess(head_dim, 64)
-        launch(pre, (-(-seqlen_q // 64), bh), (64,), 0, (dod, od, delta))
+        launch(pre, (-(-total_q // 64), lead * nheads), (64,), 0, (dod, od, delta))
     if kernel == "v1":
-        if seqlen_q:
+        if max_seqlen_q:
             dq_fn = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal)
             launch(dq_fn, grid_q, (block_m,), 0, (dod, qd, kd, vd, ld, delta, dq_dev, scale32))
-        if seqlen_k:
+        if max_seqlen_k:
             dkdv_fn = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
             launch(dkdv_fn, grid_k, (block_n,), 0, (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32))
     else:
-        extra = (opts.softcap, np.int64(opts.left), np.int64(opts.right), opts.alibi)
-        if seqlen_q:
+        smem_dkdv, smem_dq = smem
+        if max_seqlen_q:
             dq_fn = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, opts.variant)
-            launch(dq_fn, grid_q, (num_threads,), smem_dq, (dod, qd, kd, vd, ld, delta, dq_dev, scale32, *extra))
-        if seqlen_k:
+            launch(dq_fn, grid_q, (num_threads,), smem_dq,
+                   (dod, qd, kd, vd, ld, delta, dq_dev, scale32, *opts.kernel_args))
+        if max_seqlen_k:
             dkdv_fn = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, opts.variant)
             launch(dkdv_fn, grid_k, (num_threads,), smem_dkdv,
-                   (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32, *extra))
+                   (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32, *opts.kernel_args))
     del delta_user
     return tuple(_arrays.to_caller(u, d, like) for u, d in result)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# variable-length (packed) batches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_varlen(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Validate cu_seqlens and max_seqlen; returns (batch, (cu_q, cu_k) on the device, max_q, max_k)."""
+    host = []
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, tq.shape[0]), ("cu_seqlens_k", cu_seqlens_k, tk.shape[0])):
+        t = _inspect(name, cu, 1)
+        _check_same_place((tq, t))
+        if t.dtype != np.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        h = _arrays.to_host(cu)
+        if h.shape[0] < 1 or h[0] != 0:
+            raise ValueError(f"{name} must start at 0 (shape (batch + 1,)), got {h[:4].tolist()}...")
+        if (np.diff(h) < 0).any():
+            raise ValueError(f"{name} must be non-decreasing, got {h.tolist()}")
+        if h[-1] != total:
+            raise ValueError(f"{name} must end at the total number of rows ({total}), got {int(h[-1])}")
+        host.append(h)
+    if host[0].shape != host[1].shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{host[0].shape[0]} and {host[1].shape[0]}")
+    maxes = []
+    for name, given, h in (("max_seqlen_q", max_seqlen_q, host[0]), ("max_seqlen_k", max_seqlen_k, host[1])):
+        longest = int(np.diff(h).max()) if h.shape[0] > 1 else 0
+        given = _check_int(name, given, 0, 2**31 - 1)
+        if given < longest:
+            raise ValueError(f"{name} must be at least the longest sequence ({longest}), got {given}")
+        maxes.append(given)
+    cu = tuple(cuda.to_device(np.ascontiguousarray(h)) for h in host)
+    return host[0].shape[0] - 1, cu, maxes[0], maxes[1]
+
+
+def _view4(t):
+    """A (1, total, nheads, d) view of a packed (total, nheads, d) tensor, as a _Tensor."""
+    arr = _arrays.with_leading_axis(t.array, t.kind)
+    shape, strides, dtype = _arrays.shape_strides_dtype(arr)
+    return _Tensor(t.name, arr, t.kind, shape, strides, dtype)
+
+
+def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, block_m=None, block_n=None, num_threads=None, kernel="v3"):
+    """Attention over a batch of packed sequences of different lengths (flash-attn's varlen layout).
+
+    q (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b is rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b+1] of q and cu_seqlens_k[b] .. cu_seqlens_k[b+1] of k, v (int32 arrays of shape
+    (batch + 1,), starting at 0, non-decreasing; sequences of length 0 allowed). max_seqlen_q / max_seqlen_k
+    bound the lengths. Every option of :func:`flash_attn_forward` applies per sequence (causal and windows
+    aligned to each sequence's bottom-right corner; ALiBi slopes (nheads,) or (batch, nheads)).
+
+    Returns out (total_q, nheads, d) and lse (nheads, total_q) float32.
+    """
+    tq, tk, tv = (_inspect(n, x, 3) for n, x in (("q", q), ("k", k), ("v", v)))
+    _check_same_place((tq, tk, tv))
+    _check_dtypes((tq, tk, tv))
+    batch, cu, max_q, max_k = _check_varlen(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    tq, tk, tv = (_view4(t) for t in (tq, tk, tv))
+    _check_qkv(tq, tk, tv)
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=batch, varlen=cu)
+    head_dim = tq.shape[3]
+    scale = _check_scale(softmax_scale, head_dim)
+    block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
+    _check_not_v1(kernel, opts, "forward")
+    out, lse = _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, smem, batch, max_q)
+    return out[0], lse[0]
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, block_m=None, block_n=None, num_threads=None, kernel="v2"):
+    """Gradients (dq, dk, dv) of :func:`flash_attn_varlen_forward`; dout and out (total_q, nheads, d), lse
+    (nheads, total_q) as the forward returned them."""
+    tq, tk, tv = (_inspect(n, x, 3) for n, x in (("q", q), ("k", k), ("v", v)))
+    tdo, to, tl = _inspect("dout", dout, 3), _inspect("out", out, 3), _inspect("lse", lse, 2)
+    _check_same_place((tq, tk, tv, tdo, to, tl))
+    _check_dtypes((tq, tk, tv, tdo, to))
+    for t in (tdo, to):
+        if t.shape != tq.shape:
+            raise ValueError(f"{t.name} must have the shape of q {tq.shape}, got {t.shape}")
+    if tl.shape != (tq.shape[1], tq.shape[0]):
+        raise ValueError(f"lse must have shape (nheads, total_q) = {(tq.shape[1], tq.shape[0])}, got {tl.shape}")
+    if tl.dtype != np.float32:
+        raise TypeError(f"lse must be float32 (as flash_attn_varlen_forward returns it), got {tl.dtype}")
+    batch, cu, max_q, max_k = _check_varlen(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    tq, tk, tv, tdo, to, tl = (_view4(t) for t in (tq, tk, tv, tdo, to, tl))
+    _check_qkv(tq, tk, tv)
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=batch, varlen=cu)
+    head_dim = tq.shape[3]
+    scale = _check_scale(softmax_scale, head_dim)
+    block_m, block_n, num_threads, smem = resolve_blocks_backward(head_dim, block_m, block_n, num_threads, kernel)
+    _check_not_v1(kernel, opts, "backward")
+    dq, dk, dv = _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, num_threads, smem,
+                           batch, max_q, max_k)
+    return dq[0], dk[0], dv[0]
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, **kwargs):
+    """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only."""
+    _check_func_flags(dropout_p, deterministic, return_attn_probs)
+    return flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                     softcap=softcap, alibi_slopes=alibi_slopes, **kwargs)[0]
 
 
 def attention_with_grad(q, k, v, dout, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

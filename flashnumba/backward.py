@@ -284,7 +284,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
     that share its key/value head, in order, so dK and dV are summed deterministically. ``variant`` as in
     :func:`flashnumba.forward.make_forward_v2`.
     """
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = variant
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN = variant
     I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
     TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
     KS, QS, PS, OFF_KT, OFF_VT, OFF_QT, OFF_OT, OFF_Q, OFF_O, OFF_P, OFF_S, OFF_L, OFF_D, _ = (
@@ -293,7 +293,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
     uD = I(D)
 
     @cuda.jit
-    def backward_dkdv_v2(dout, q, k, v, lse, delta, dk, dv, scale, softcap, left, right, alibi):
+    def backward_dkdv_v2(dout, q, k, v, lse, delta, dk, dv, scale, softcap, left, right, alibi, cu_q, cu_k):
         nheads = q.shape[2]
         nheads_k = k.shape[2]
         group = nheads // nheads_k  # query heads per key/value head
@@ -305,7 +305,20 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
         b = cuda.blockIdx.y // nheads_k
         hk = cuda.blockIdx.y % nheads_k
         j0 = cuda.blockIdx.x * B_c
+        # Sequence geometry: equal lengths, or (VARLEN) packed sequences; b's rows are
+        # cu_q[b] .. cu_q[b+1] of the (1, total, nheads, d) views.
+        bb = b  # index into the arrays' leading dimension
+        q0 = 0  # offset of this sequence's first query / key row
+        k0 = 0
+        if VARLEN:
+            bb = 0
+            q0 = cu_q[b]
+            k0 = cu_k[b]
+            seqlen_q = cu_q[b + 1] - q0
+            seqlen_k = cu_k[b + 1] - k0
         diag = seqlen_k - seqlen_q  # row i sees key j iff i + diag - left <= j <= i + diag + right
+        if j0 >= seqlen_k:  # (VARLEN) a block past the end of a shorter sequence: nothing to do
+            return
 
         smem = cuda.shared.array(0, float32)
         # K_j^T, V_j^T (D, B_c) at OFF_KT, OFF_VT (row stride KS); Q_i^T, dO_i^T (D, B_r) at OFF_QT, OFF_OT
@@ -327,8 +340,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
             kx = float32(0.0)
             vx = float32(0.0)
             if j0 + jj < seqlen_k:
-                kx = float32(k[I(b), I(j0 + jj), I(hk), I(c)])
-                vx = float32(v[I(b), I(j0 + jj), I(hk), I(c)])
+                kx = float32(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                vx = float32(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
             smem[OFF_KT + I(c) * KS + I(jj)] = kx
             smem[OFF_VT + I(c) * KS + I(jj)] = vx
         for rr in range(TM):
@@ -354,16 +367,16 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
                     qx = float32(0.0)
                     ox = float32(0.0)
                     if i0 + r < seqlen_q:
-                        qx = float32(q[I(b), I(i0 + r), I(h), I(c)])
-                        ox = float32(dout[I(b), I(i0 + r), I(h), I(c)])
+                        qx = float32(q[I(bb), I(q0 + i0 + r), I(h), I(c)])
+                        ox = float32(dout[I(bb), I(q0 + i0 + r), I(h), I(c)])
                     smem[OFF_QT + I(c) * QS + I(r)] = qx
                     smem[OFF_OT + I(c) * QS + I(r)] = ox
                     smem[OFF_Q + I(r) * uD + I(c)] = qx
                     smem[OFF_O + I(r) * uD + I(c)] = ox
                 for r in range(t, B_r, NT):
                     ok = i0 + r < seqlen_q
-                    smem[OFF_L + I(r)] = lse[I(b), I(h), I(i0 + r)] if ok else NEG_INF
-                    smem[OFF_D + I(r)] = delta[I(b), I(h), I(i0 + r)] if ok else float32(0.0)
+                    smem[OFF_L + I(r)] = lse[I(bb), I(h), I(q0 + i0 + r)] if ok else NEG_INF
+                    smem[OFF_D + I(r)] = delta[I(bb), I(h), I(q0 + i0 + r)] if ok else float32(0.0)
                 cuda.syncthreads()  # K^T, V^T (first tile), Q_i, dO_i, L_i, D_i complete before they are read
 
                 # S^T = K_j Q_i^T and dP^T = V_j dO_i^T, this thread's (TM, TN) patch
@@ -433,8 +446,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        dk[I(b), I(j), I(hk), I(c)] = dK[rr, n] * scale
-                        dv[I(b), I(j), I(hk), I(c)] = dV[rr, n]
+                        dk[I(bb), I(k0 + j), I(hk), I(c)] = dK[rr, n] * scale
+                        dv[I(bb), I(k0 + j), I(hk), I(c)] = dV[rr, n]
 
     return backward_dkdv_v2
 
@@ -450,7 +463,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
     Per key tile j:  S = Q_i K_j^T, dP = dO_i V_j^T (registers);  dS^T to shared;  dQ_i += dS K_j.
     ``variant`` as in :func:`flashnumba.forward.make_forward_v2`.
     """
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = variant
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN = variant
     I = uint64  # noqa: E741
     TY, TM, TN, DC = _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")
     QS, KS, SS, OFF_QT, OFF_OT, OFF_KT, OFF_VT, OFF_K, OFF_S, _ = (I(x) for x in _layout_dq_v2(D, B_r, B_c))
@@ -458,7 +471,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
     uD = I(D)
 
     @cuda.jit
-    def backward_dq_v2(dout, q, k, v, lse, delta, dq, scale, softcap, left, right, alibi):
+    def backward_dq_v2(dout, q, k, v, lse, delta, dq, scale, softcap, left, right, alibi, cu_q, cu_k):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -469,8 +482,21 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
         h = cuda.blockIdx.y % nheads
         hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
         i0 = cuda.blockIdx.x * B_r
+        # Sequence geometry: equal lengths, or (VARLEN) packed sequences; b's rows are
+        # cu_q[b] .. cu_q[b+1] of the (1, total, nheads, d) views.
+        bb = b  # index into the arrays' leading dimension
+        q0 = 0  # offset of this sequence's first query / key row
+        k0 = 0
+        if VARLEN:
+            bb = 0
+            q0 = cu_q[b]
+            k0 = cu_k[b]
+            seqlen_q = cu_q[b + 1] - q0
+            seqlen_k = cu_k[b + 1] - k0
         diag = seqlen_k - seqlen_q  # row i sees key j iff i + diag - left <= j <= i + diag + right
         slope = alibi[I(b), I(h)] if ALIBI else float32(0.0)
+        if i0 >= seqlen_q:  # (VARLEN) a block past the end of a shorter sequence: nothing to do
+            return
 
         smem = cuda.shared.array(0, float32)
         # Q_i^T, dO_i^T (D, B_r) at OFF_QT, OFF_OT (stride QS); K_j^T, V_j^T (D, B_c) at OFF_KT, OFF_VT
@@ -490,14 +516,14 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
             qx = float32(0.0)
             ox = float32(0.0)
             if i0 + r < seqlen_q:
-                qx = float32(q[I(b), I(i0 + r), I(h), I(c)])
-                ox = float32(dout[I(b), I(i0 + r), I(h), I(c)])
+                qx = float32(q[I(bb), I(q0 + i0 + r), I(h), I(c)])
+                ox = float32(dout[I(bb), I(q0 + i0 + r), I(h), I(c)])
             smem[OFF_QT + I(c) * QS + I(r)] = qx
             smem[OFF_OT + I(c) * QS + I(r)] = ox
         for rr in range(TM):
             i = i0 + ty * TM + rr
-            L[rr] = lse[I(b), I(h), I(i)] if i < seqlen_q else NEG_INF
-            Di[rr] = delta[I(b), I(h), I(i)] if i < seqlen_q else float32(0.0)
+            L[rr] = lse[I(bb), I(h), I(q0 + i)] if i < seqlen_q else NEG_INF
+            Di[rr] = delta[I(bb), I(h), I(q0 + i)] if i < seqlen_q else float32(0.0)
             for n in range(DC):
                 dQ[rr, n] = 0.0
 
@@ -515,8 +541,8 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if j0 + jj < seqlen_k:
-                    kx = float32(k[I(b), I(j0 + jj), I(hk), I(c)])
-                    vx = float32(v[I(b), I(j0 + jj), I(hk), I(c)])
+                    kx = float32(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                    vx = float32(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
                 smem[OFF_KT + I(c) * KS + I(jj)] = kx
                 smem[OFF_VT + I(c) * KS + I(jj)] = vx
                 smem[OFF_K + I(jj) * uD + I(c)] = kx
@@ -582,6 +608,6 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        dq[I(b), I(i), I(h), I(c)] = dQ[rr, n] * scale
+                        dq[I(bb), I(q0 + i), I(h), I(c)] = dQ[rr, n] * scale
 
     return backward_dq_v2

@@ -193,9 +193,11 @@ def shared_bytes_v2(D, B_r, B_c):
 def make_forward_v2(D, B_r, B_c, num_threads, variant):
     """Forward kernel v2: register-tiled S_ij and O_i.
 
-    ``variant`` = :class:`Variant` (has_left, has_right, softcap, alibi): which masks and score modifiers are
-    compiled in; their values (window bounds, softcap, slopes) are kernel arguments. Causal is has_right with
-    right = 0. Arguments: (q, k, v, out, lse, scale_q, softcap, left, right, alibi (batch, nheads)).
+    ``variant`` = :class:`Variant` (has_left, has_right, softcap, alibi, varlen): which masks, score modifiers
+    and sequence layout are compiled in; their values (window bounds, softcap, slopes, cu_seqlens) are kernel
+    arguments. Causal is has_right with right = 0. Arguments: (q, k, v, out, lse, scale_q, softcap, left,
+    right, alibi (batch, nheads), cu_q, cu_k (batch + 1,) int32). With varlen, q, k, v, out are
+    (1, total, nheads, d) views and lse (1, nheads, total_q).
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
     :func:`shared_bytes_v2` bytes (for D=64, B_r=B_c=64: 66.3 KB; needs the >48 KB opt-in on the GPU).
@@ -224,7 +226,7 @@ def make_forward_v3(D, B_r, B_c, num_threads, variant):
 
 def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
     """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI = variant
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN = variant
     SCORE_MOD = SOFTCAP or ALIBI  # S is then formed in natural units, modified, and only then moved to base 2
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
     QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = (I(x) for x in _smem_layout_v2(D, B_r, B_c))
@@ -232,7 +234,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
     uD, uB_r = I(D), I(B_r)
 
     @cuda.jit(fastmath=False)
-    def forward_register_tiled(q, k, v, out, lse, scale_q, softcap, left, right, alibi):
+    def forward_register_tiled(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -243,8 +245,21 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
         h = cuda.blockIdx.y % nheads
         hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
         i0 = cuda.blockIdx.x * B_r
+        # Sequence geometry: equal lengths, or (VARLEN) packed sequences; b's rows are
+        # cu_q[b] .. cu_q[b+1] of the (1, total, nheads, d) views.
+        bb = b  # index into the arrays' leading dimension
+        q0 = 0  # offset of this sequence's first query / key row
+        k0 = 0
+        if VARLEN:
+            bb = 0
+            q0 = cu_q[b]
+            k0 = cu_k[b]
+            seqlen_q = cu_q[b + 1] - q0
+            seqlen_k = cu_k[b + 1] - k0
         diag = seqlen_k - seqlen_q  # row i sees keys i + diag - left <= j <= i + diag + right
         slope = alibi[I(b), I(h)] if ALIBI else float32(0.0)
+        if i0 >= seqlen_q:  # (VARLEN) a block past the end of a shorter sequence: nothing to do
+            return
 
         smem = cuda.shared.array(0, float32)  # views below are offsets into this one buffer
         # smem[OFF_Q + c*QS + r]   Q_i^T  (D, B_r) fp32, times scale_q (scale*log2(e), or scale)
@@ -268,7 +283,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
             c = e % D
             x = float32(0.0)
             if i0 + r < seqlen_q:
-                x = float32(q[I(b), I(i0 + r), I(h), I(c)]) * scale_q
+                x = float32(q[I(bb), I(q0 + i0 + r), I(h), I(c)]) * scale_q
             smem[OFF_Q + I(c) * QS + I(r)] = x
         for rr in range(TM):
             m[rr] = NEG_INF
@@ -293,8 +308,8 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if j0 + jj < seqlen_k:
-                    kx = float32(k[I(b), I(j0 + jj), I(hk), I(c)])
-                    vx = float32(v[I(b), I(j0 + jj), I(hk), I(c)])
+                    kx = float32(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                    vx = float32(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
                 smem[OFF_K + I(c) * KS + I(jj)] = kx
                 smem[OFF_V + I(jj) * uD + I(c)] = vx
             cuda.syncthreads()  # Q_i^T (first tile), K_j^T, V_j complete before they are read
@@ -379,9 +394,9 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        out[I(b), I(i), I(h), I(c)] = O[rr, n] * inv_l
+                        out[I(bb), I(q0 + i), I(h), I(c)] = O[rr, n] * inv_l
                 if tx == 0:
-                    lse[I(b), I(h), I(i)] = float32(m[rr] * LN2 + math.log(l[rr])) if l[rr] != 0 else NEG_INF
+                    lse[I(bb), I(h), I(q0 + i)] = float32(m[rr] * LN2 + math.log(l[rr])) if l[rr] != 0 else NEG_INF
 
     return forward_register_tiled
 
@@ -390,7 +405,7 @@ KERNELS = ("v1", "v2", "v3")
 
 
 class Variant(tuple):
-    """Compile-time options of the v2/v3 kernels: (has_left, has_right, softcap, alibi), all bool."""
+    """Compile-time options of the v2/v3 kernels: (has_left, has_right, softcap, alibi, varlen), all bool."""
 
-    def __new__(cls, has_left=False, has_right=False, softcap=False, alibi=False):
-        return super().__new__(cls, (bool(has_left), bool(has_right), bool(softcap), bool(alibi)))
+    def __new__(cls, has_left=False, has_right=False, softcap=False, alibi=False, varlen=False):
+        return super().__new__(cls, tuple(map(bool, (has_left, has_right, softcap, alibi, varlen))))

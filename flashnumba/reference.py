@@ -246,3 +246,37 @@ def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, c
             dq[:, :, i0 : i0 + block_m] += dtype(scale) * (dS_ij @ K_j)
     dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, **opts):
+    """Packed variable-length batches, sequence by sequence with :func:`attention_forward`.
+
+    q (total_q, nheads, d), k and v (total_k, nheads_k, d); returns out (total_q, nheads, d) and lse
+    (nheads, total_q). ``opts``: softmax_scale, causal, window_size, softcap, dtype."""
+    dtype = opts.get("dtype", np.float64)
+    nheads = np.shape(q)[1]
+    out = np.zeros(np.shape(q), dtype)
+    lse = np.full((nheads, np.shape(q)[0]), -np.inf, dtype)
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:])):
+        slopes = _batch_slopes(alibi_slopes, b)
+        o, l = attention_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], alibi_slopes=slopes, **opts)
+        out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, lse
+
+
+def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, **opts):
+    """Gradient of :func:`attention_varlen_forward`: (dq, dk, dv), packed like q, k, v."""
+    dtype = opts.get("dtype", np.float64)
+    dq, dk, dv = (np.zeros(np.shape(x), dtype) for x in (q, k, v))
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:])):
+        g = attention_backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                               alibi_slopes=_batch_slopes(alibi_slopes, b), **opts)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = (x[0] for x in g)
+    return dq, dk, dv
+
+
+def _batch_slopes(alibi_slopes, b):
+    if alibi_slopes is None:
+        return None
+    a = np.asarray(alibi_slopes)
+    return a if a.ndim == 1 else a[b]

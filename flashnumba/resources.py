@@ -20,7 +20,7 @@ from ._backend import SIMULATOR, cuda
 _ARRAY = "{}[:, :, :, :]"
 
 
-_OPTS = "float32, int64, int64, float32[:, :]"  # softcap, window left, window right, ALiBi slopes
+_OPTS = "float32, int64, int64, float32[:, :], int32[:], int32[:]"  # softcap, window, ALiBi, cu_seqlens
 
 
 def kernel_signature(kernel: str = "v3", dtype: str = "float32") -> str:
