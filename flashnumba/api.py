@@ -118,17 +118,19 @@ class _Options:
     gqa: bool
     cu_q: object = None  # (batch + 1,) int32 device arrays (varlen), else a (1,) dummy
     cu_k: object = None
+    dropout: tuple = (np.float32(0), np.float32(1), np.uint64(0), np.uint64(0))  # p, 1 / (1 - p), seed, offset
 
     @property
     def plain(self):
-        """Only what kernel v1 supports: no window other than causal, no softcap, ALiBi, GQA or varlen."""
-        has_left, _, softcap, alibi, varlen = self.variant
-        return not (has_left or softcap or alibi or varlen or self.gqa or self.right > 0)
+        """Only what kernel v1 supports: no window other than causal, no softcap, ALiBi, GQA, varlen, dropout."""
+        has_left, _, softcap, alibi, varlen, dropout = self.variant
+        return not (has_left or softcap or alibi or varlen or dropout or self.gqa or self.right > 0)
 
     @property
     def kernel_args(self):
         """The trailing arguments of the v2/v3 kernels."""
-        return (self.softcap, np.int64(self.left), np.int64(self.right), self.alibi, self.cu_q, self.cu_k)
+        return (self.softcap, np.int64(self.left), np.int64(self.right), self.alibi, self.cu_q, self.cu_k,
+                *self.dropout)
 
 
 _no_alibi = {}
@@ -140,7 +142,24 @@ def _dummy(name, shape, dtype):
     return _no_alibi[name]
 
 
-def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=None, varlen=None) -> _Options:
+def _check_dropout(dropout_p, seed, offset):
+    """(p, 1 / (1 - p), seed, offset) for the kernels; a seed is required when dropout_p > 0."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if float(dropout_p) > 0 and seed is None:
+        raise ValueError("dropout_p > 0 needs a dropout_seed (the backward must regenerate the forward's mask "
+                         "from the same dropout_seed and dropout_offset)")
+    for name, value in (("dropout_seed", 0 if seed is None else seed), ("dropout_offset", offset)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**64:
+            raise ValueError(f"{name} must be an int in [0, 2**64), got {value!r}")
+    p = float(dropout_p)
+    return np.float32(p), np.float32(1.0 / (1.0 - p)), np.uint64(0 if seed is None else seed), np.uint64(offset)
+
+
+def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=None, varlen=None,
+                   dropout=(0.0, None, 0)) -> _Options:
     causal = _check_flag("causal", causal)
     try:
         left, right = window_size
@@ -174,16 +193,18 @@ def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=Non
             raise TypeError(f"alibi_slopes must be float32, got {ta.dtype}")
         host = alibi_slopes if ta.kind == "numpy" else _arrays.to_host(alibi_slopes)
         alibi = cuda.to_device(np.ascontiguousarray(np.broadcast_to(host.reshape(-1, nheads), (batch, nheads))))
+    drop = _check_dropout(*dropout)
     variant = forward.Variant(has_left=left >= 0, has_right=right >= 0, softcap=float(softcap) > 0,
-                              alibi=alibi_slopes is not None, varlen=varlen is not None)
+                              alibi=alibi_slopes is not None, varlen=varlen is not None, dropout=drop[0] > 0)
     cu_q, cu_k = varlen if varlen is not None else (_dummy("cu", (1,), np.int32),) * 2
     return _Options(variant, np.float32(softcap), left, right, alibi, gqa=tk.shape[-2] != tq.shape[-2],
-                    cu_q=cu_q, cu_k=cu_k)
+                    cu_q=cu_q, cu_k=cu_k, dropout=drop)
 
 
 def _check_not_v1(kernel, opts, what):
     if kernel == "v1" and not opts.plain:
-        raise ValueError(f"{what} kernel v1 supports causal masking only (no window, softcap, ALiBi or GQA); "
+        raise ValueError(f"{what} kernel v1 supports causal masking only (no window, softcap, ALiBi, GQA, varlen "
+                         f"or dropout); "
                          f"use the default kernel")
 
 
@@ -257,7 +278,7 @@ def launch(kernel_fn, grid, block, shared_bytes, args):
 
 def flash_attn_forward(
     q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    block_m=None, block_n=None, num_threads=None, kernel="v3"
+    dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None, block_n=None, num_threads=None, kernel="v3"
 ):
     """Exact attention by a tiled, fused kernel that never materialises the seqlen_q x seqlen_k matrix.
 
@@ -272,6 +293,9 @@ def flash_attn_forward(
         i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. causal sets right = 0.
     softcap : scores become softcap * tanh(scores / softcap) before the softmax (0: off).
     alibi_slopes : (nheads,) or (batch, nheads) float32: bias -slope * |i + seqlen_k - seqlen_q - j|.
+    dropout_p, dropout_seed, dropout_offset : dropout on P with probability dropout_p; the mask is a function
+        of (dropout_seed, dropout_offset, b, h, i, j) (Philox, :mod:`flashnumba.philox`), so the backward
+        given the same seed and offset regenerates it. A seed is required when dropout_p > 0.
     block_m, block_n : B_r query rows and B_c key rows per tile (defaults: :func:`default_blocks`).
     num_threads : threads per block (kernels v2, v3; v1 uses one thread per query row).
     kernel : "v3" (register-tiled with unsigned index arithmetic, default), "v2" (the same with Numba's
@@ -287,7 +311,8 @@ def flash_attn_forward(
     _check_same_place((tq, tk, tv))
     _check_dtypes((tq, tk, tv))
     _check_qkv(tq, tk, tv)
-    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes)
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
+                          dropout=(dropout_p, dropout_seed, dropout_offset))
     batch, seqlen_q, nheads, head_dim = tq.shape
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
@@ -320,29 +345,33 @@ def _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, sme
     return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
 
 
-def _check_func_flags(dropout_p, deterministic, return_attn_probs):
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
-        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p != 0:
-        raise ValueError(f"dropout is not implemented yet: dropout_p must be 0, got {dropout_p}")
+def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs):
+    """flash-attn's extra arguments; with dropout and no dropout_seed in kwargs, a fresh random seed."""
     if return_attn_probs:
         raise ValueError("return_attn_probs=True is not implemented yet")
     _check_flag("deterministic", deterministic)
+    _check_dropout(dropout_p, 0, 0)
+    if dropout_p and kwargs.get("dropout_seed") is None:
+        kwargs["dropout_seed"] = random_seed()
+
+
+def random_seed() -> int:
+    """A fresh 64-bit dropout seed from the operating system's entropy."""
+    return int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, **kwargs):
     """flash-attn's ``flash_attn_func``, with its argument names and defaults: returns the attention output.
 
-    ``dropout_p`` must be 0 (dropout is not implemented yet) and ``return_attn_probs`` False;
-    ``deterministic`` is accepted (flashnumba is always deterministic). Other keyword arguments (``kernel``,
-    block sizes) go to :func:`flash_attn_forward`.
+    With ``dropout_p`` > 0 the mask comes from ``dropout_seed`` (a keyword argument; a fresh random seed when
+    it is not given). ``return_attn_probs`` must be False (not implemented yet); ``deterministic`` is accepted
+    (flashnumba is always deterministic). Other keyword arguments (``kernel``, block sizes, ``dropout_seed``,
+    ``dropout_offset``) go to :func:`flash_attn_forward`.
     """
-    _check_func_flags(dropout_p, deterministic, return_attn_probs)
+    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs)
     return flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, alibi_slopes=alibi_slopes, **kwargs)[0]
+                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, **kwargs)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -392,12 +421,13 @@ def resolve_blocks_backward(head_dim, block_m=None, block_n=None, num_threads=No
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, block_m=None, block_n=None, num_threads=None, kernel="v2"):
+                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+                        block_m=None, block_n=None, num_threads=None, kernel="v2"):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
 
     ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale,
-    causal, window_size, softcap and alibi_slopes (with GQA, dk and dv are summed over the query heads that
-    share a key/value head); dout is the gradient of the loss with respect to out (like q). Extra device memory is
+    causal, window_size, softcap, alibi_slopes and dropout arguments (with GQA, dk and dv are summed over the
+    query heads that share a key/value head); dout is the gradient of the loss with respect to out (like q). Extra device memory is
     O(batch * nheads * seqlen_q): one float per query row (D_i = rowsum(dout * out)). Deterministic: no atomics.
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2"
@@ -418,7 +448,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
         raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}, got {tl.shape}")
     if tl.dtype != np.float32:
         raise TypeError(f"lse must be float32 (as flash_attn_forward returns it), got {tl.dtype}")
-    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes)
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
+                          dropout=(dropout_p, dropout_seed, dropout_offset))
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, (smem_dkdv, smem_dq) = resolve_blocks_backward(
         head_dim, block_m, block_n, num_threads, kernel)
@@ -514,7 +545,8 @@ def _view4(t):
 
 def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, block_m=None, block_n=None, num_threads=None, kernel="v3"):
+                              alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None,
+                              block_n=None, num_threads=None, kernel="v3"):
     """Attention over a batch of packed sequences of different lengths (flash-attn's varlen layout).
 
     q (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b is rows cu_seqlens_q[b] ..
@@ -531,7 +563,8 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     batch, cu, max_q, max_k = _check_varlen(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     tq, tk, tv = (_view4(t) for t in (tq, tk, tv))
     _check_qkv(tq, tk, tv)
-    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=batch, varlen=cu)
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=batch, varlen=cu,
+                          dropout=(dropout_p, dropout_seed, dropout_offset))
     head_dim = tq.shape[3]
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
@@ -542,7 +575,8 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, block_m=None, block_n=None, num_threads=None, kernel="v2"):
+                               alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None,
+                               block_n=None, num_threads=None, kernel="v2"):
     """Gradients (dq, dk, dv) of :func:`flash_attn_varlen_forward`; dout and out (total_q, nheads, d), lse
     (nheads, total_q) as the forward returned them."""
     tq, tk, tv = (_inspect(n, x, 3) for n, x in (("q", q), ("k", k), ("v", v)))
@@ -559,7 +593,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     batch, cu, max_q, max_k = _check_varlen(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     tq, tk, tv, tdo, to, tl = (_view4(t) for t in (tq, tk, tv, tdo, to, tl))
     _check_qkv(tq, tk, tv)
-    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=batch, varlen=cu)
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=batch, varlen=cu,
+                          dropout=(dropout_p, dropout_seed, dropout_offset))
     head_dim = tq.shape[3]
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, smem = resolve_blocks_backward(head_dim, block_m, block_n, num_threads, kernel)
@@ -573,26 +608,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, **kwargs):
     """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only."""
-    _check_func_flags(dropout_p, deterministic, return_attn_probs)
+    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs)
     return flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                     softcap=softcap, alibi_slopes=alibi_slopes, **kwargs)[0]
+                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, **kwargs)[0]
 
 
 def attention_with_grad(q, k, v, dout, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                        alibi_slopes=None, **kwargs):
+                        alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, **kwargs):
     """Forward and backward together, for users without an autograd system: returns (out, dq, dk, dv).
 
     Equivalent to ``out, lse = flash_attn_forward(q, k, v, ...)`` then
     ``flash_attn_backward(dout, q, k, v, out, lse, ...)``. ``kernel`` chooses the forward kernel,
     ``backward_kernel`` the backward's; ``block_m``, ``block_n`` and ``num_threads`` apply to the backward (the
-    forward uses its defaults).
+    forward uses its defaults). With dropout and no ``dropout_seed``, a fresh random seed serves both passes.
     """
     fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
+    if dropout_p and dropout_seed is None:
+        dropout_seed = random_seed()
     if "backward_kernel" in kwargs:
         kwargs["kernel"] = kwargs.pop("backward_kernel")
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                alibi_slopes=alibi_slopes)
+                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                dropout_offset=dropout_offset)
     out, lse = flash_attn_forward(q, k, v, **opts, **fwd_kw)
     dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, **opts, **kwargs)
     return out, dq, dk, dv

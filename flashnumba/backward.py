@@ -6,7 +6,7 @@ Nothing of size seqlen_q x seqlen_k is stored. Given dO, Q, K, V, O and L (from 
     P_ij  = exp(scale * Q_i K_j^T - L_i)                recomputed, masked entries 0
     dV_j += P_ij^T dO_i
     dP_ij = dO_i V_j^T
-    dS_ij = P_ij * (dP_ij - D_i)
+    dS_ij = P_ij * (dP_ij - D_i)                        (with dropout: P_ij * (Z_ij dP_ij - D_i), dV from P_ij Z_ij)
     dK_j += scale * dS_ij^T Q_i
     dQ_i += scale * dS_ij K_j
 
@@ -35,7 +35,7 @@ import math
 from numba import float32, uint64
 
 from ._backend import cuda
-from .forward import LOG2E, NEG_INF
+from .forward import LOG2E, NEG_INF, dropout_uniform
 
 
 def shared_bytes_dkdv_v1(D, B_r, B_c):
@@ -284,7 +284,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
     that share its key/value head, in order, so dK and dV are summed deterministically. ``variant`` as in
     :func:`flashnumba.forward.make_forward_v2`.
     """
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN = variant
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
     TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
     KS, QS, PS, OFF_KT, OFF_VT, OFF_QT, OFF_OT, OFF_Q, OFF_O, OFF_P, OFF_S, OFF_L, OFF_D, _ = (
@@ -293,7 +293,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
     uD = I(D)
 
     @cuda.jit
-    def backward_dkdv_v2(dout, q, k, v, lse, delta, dk, dv, scale, softcap, left, right, alibi, cu_q, cu_k):
+    def backward_dkdv_v2(dout, q, k, v, lse, delta, dk, dv, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop,
+                         rp_keep, seed, offset):
         nheads = q.shape[2]
         nheads_k = k.shape[2]
         group = nheads // nheads_k  # query heads per key/value head
@@ -418,8 +419,12 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
                         if (j < seqlen_k and L != NEG_INF and (not HAS_LEFT or j >= i + diag - left)
                                 and (not HAS_RIGHT or j <= i + diag + right)):
                             p = float32(math.exp2((x - L) * LOG2E))
-                        smem[OFF_P + I(r) * PS + I(ty * TM + rr)] = p
-                        smem[OFF_S + I(r) * PS + I(ty * TM + rr)] = p * (dP[rr, n] - smem[OFF_D + I(r)]) * dcap
+                        z = float32(1.0)  # Z_ij: the forward's dropout mask times 1 / (1 - p_drop), regenerated
+                        if DROPOUT:
+                            u = dropout_uniform(seed, offset, b * nheads + h, i, j)
+                            z = rp_keep if u >= p_drop else float32(0.0)
+                        smem[OFF_P + I(r) * PS + I(ty * TM + rr)] = p * z  # dV_j uses the dropped P
+                        smem[OFF_S + I(r) * PS + I(ty * TM + rr)] = p * (z * dP[rr, n] - smem[OFF_D + I(r)]) * dcap
                 cuda.syncthreads()  # P_ij and dS_ij complete
 
                 # dV_j += P_ij^T dO_i;  dK_j += dS_ij^T Q_i  (times scale at the end)
@@ -463,7 +468,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
     Per key tile j:  S = Q_i K_j^T, dP = dO_i V_j^T (registers);  dS^T to shared;  dQ_i += dS K_j.
     ``variant`` as in :func:`flashnumba.forward.make_forward_v2`.
     """
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN = variant
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     I = uint64  # noqa: E741
     TY, TM, TN, DC = _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")
     QS, KS, SS, OFF_QT, OFF_OT, OFF_KT, OFF_VT, OFF_K, OFF_S, _ = (I(x) for x in _layout_dq_v2(D, B_r, B_c))
@@ -471,7 +476,8 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
     uD = I(D)
 
     @cuda.jit
-    def backward_dq_v2(dout, q, k, v, lse, delta, dq, scale, softcap, left, right, alibi, cu_q, cu_k):
+    def backward_dq_v2(dout, q, k, v, lse, delta, dq, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep,
+                       seed, offset):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -586,7 +592,11 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
                         if ALIBI:
                             x -= slope * float32(abs(i + diag - j))
                         p = float32(math.exp2((x - L[rr]) * LOG2E))
-                        ds = p * (dP[rr, n] - Di[rr]) * dcap
+                        z = float32(1.0)  # Z_ij, as in the dK/dV kernel
+                        if DROPOUT:
+                            u = dropout_uniform(seed, offset, b * nheads + h, i, j)
+                            z = rp_keep if u >= p_drop else float32(0.0)
+                        ds = p * (z * dP[rr, n] - Di[rr]) * dcap
                     smem[OFF_S + I(jj) * SS + I(ty * TM + rr)] = ds
             cuda.syncthreads()  # dS_ij complete
 

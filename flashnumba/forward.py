@@ -36,8 +36,12 @@ from __future__ import annotations
 import functools
 import math
 
+from . import philox
 from ._backend import SIMULATOR, cuda
 from numba import float32, int64, uint64
+
+# The dropout mask's random numbers (see philox.py), as device functions.
+dropout_uniform = cuda.jit(device=True)(philox.make_uniform(cuda.jit(device=True)(philox.philox4x32_10)))
 
 LOG2E = float32(math.log2(math.e))
 LN2 = float32(math.log(2.0))
@@ -193,11 +197,11 @@ def shared_bytes_v2(D, B_r, B_c):
 def make_forward_v2(D, B_r, B_c, num_threads, variant):
     """Forward kernel v2: register-tiled S_ij and O_i.
 
-    ``variant`` = :class:`Variant` (has_left, has_right, softcap, alibi, varlen): which masks, score modifiers
-    and sequence layout are compiled in; their values (window bounds, softcap, slopes, cu_seqlens) are kernel
-    arguments. Causal is has_right with right = 0. Arguments: (q, k, v, out, lse, scale_q, softcap, left,
-    right, alibi (batch, nheads), cu_q, cu_k (batch + 1,) int32). With varlen, q, k, v, out are
-    (1, total, nheads, d) views and lse (1, nheads, total_q).
+    ``variant`` = :class:`Variant` (has_left, has_right, softcap, alibi, varlen, dropout): which masks, score
+    modifiers, sequence layout and dropout are compiled in; their values are kernel arguments. Causal is
+    has_right with right = 0. Arguments: (q, k, v, out, lse, scale_q, softcap, left, right, alibi (batch,
+    nheads), cu_q, cu_k (batch + 1,) int32, p_drop, rp_keep = 1 / (1 - p_drop), seed, offset (uint64)). With
+    varlen, q, k, v, out are (1, total, nheads, d) views and lse (1, nheads, total_q).
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
     :func:`shared_bytes_v2` bytes (for D=64, B_r=B_c=64: 66.3 KB; needs the >48 KB opt-in on the GPU).
@@ -226,7 +230,7 @@ def make_forward_v3(D, B_r, B_c, num_threads, variant):
 
 def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
     """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
-    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN = variant
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     SCORE_MOD = SOFTCAP or ALIBI  # S is then formed in natural units, modified, and only then moved to base 2
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
     QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = (I(x) for x in _smem_layout_v2(D, B_r, B_c))
@@ -234,7 +238,8 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
     uD, uB_r = I(D), I(B_r)
 
     @cuda.jit(fastmath=False)
-    def forward_register_tiled(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k):
+    def forward_register_tiled(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep,
+                               seed, offset):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -362,7 +367,10 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
                 ps = float32(0.0)
                 for n in range(TN):
                     p = float32(math.exp2(S[rr, n] - m_use[rr]))  # 0 for masked entries
-                    ps += p
+                    ps += p  # l_i sums the probabilities before dropout: L_i is the true logsumexp
+                    if DROPOUT:  # P_ij * Z_ij, Z_ij = keep / (1 - p_drop), keep drawn from (seed, offset, b, h, i, j)
+                        u = dropout_uniform(seed, offset, b * nheads + h, i0 + ty * TM + rr, j0 + tx + TX * n)
+                        p = p * rp_keep if u >= p_drop else float32(0.0)
                     smem[OFF_P + I(tx + TX * n) * uB_r + I(ty * TM + rr)] = p
                 smem[OFF_RED + I((ty * TM + rr) * TX + tx)] = ps
             cuda.syncthreads()  # P_ij^T and the partial row sums complete
@@ -405,7 +413,7 @@ KERNELS = ("v1", "v2", "v3")
 
 
 class Variant(tuple):
-    """Compile-time options of the v2/v3 kernels: (has_left, has_right, softcap, alibi, varlen), all bool."""
+    """Compile-time options of the v2/v3 kernels: (has_left, has_right, softcap, alibi, varlen, dropout)."""
 
-    def __new__(cls, has_left=False, has_right=False, softcap=False, alibi=False, varlen=False):
-        return super().__new__(cls, tuple(map(bool, (has_left, has_right, softcap, alibi, varlen))))
+    def __new__(cls, has_left=False, has_right=False, softcap=False, alibi=False, varlen=False, dropout=False):
+        return super().__new__(cls, tuple(map(bool, (has_left, has_right, softcap, alibi, varlen, dropout))))

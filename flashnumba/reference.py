@@ -116,33 +116,38 @@ def _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, d
 
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, dtype=np.float64):
+                      alibi_slopes=None, dropout_z=None, dtype=np.float64):
     """Dense attention. Returns (out, lse): out like q, lse (batch, nheads, seqlen_q), both in ``dtype``.
 
     S = softmax_scale * Q K^T (then softcap, ALiBi and the mask, see :func:`_scores`),  P = softmax(S)
     (row-wise),  O = P V,  L = logsumexp(S) (row-wise). k and v may have fewer heads than q (GQA / MQA):
-    query head h reads key/value head h // (nheads // nheads_k).
+    query head h reads key/value head h // (nheads // nheads_k). Dropout: ``dropout_z`` (batch, nheads,
+    seqlen_q, seqlen_k) = keep / (1 - p) multiplies P before P V (L is unchanged).
     """
     _, _, v, p, lse, _, _ = _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype)
+    if dropout_z is not None:
+        p = p * np.asarray(dropout_z, dtype)
     return (p @ v).transpose(0, 2, 1, 3), lse
 
 
 def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, dtype=np.float64):
+                       alibi_slopes=None, dropout_z=None, dtype=np.float64):
     """Analytic gradient of :func:`attention_forward`: returns (dq, dk, dv) in ``dtype``.
 
     dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D) with D = rowsum(dO * O),  dS_raw = dS * (1 - tanh^2)
     (softcap),  dQ = scale dS_raw K,  dK = scale dS_raw^T Q; dK and dV summed over the query heads that
-    share a key/value head.
+    share a key/value head. Dropout (``dropout_z`` = Z): O = (P Z) V, so dV = (P Z)^T dO and
+    dS = P * (Z dP - D).
     """
     nheads_k = np.shape(k)[2]
     q, k, v, p, _, dcap, scale = _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype)
+    z = np.ones((), dtype) if dropout_z is None else np.asarray(dropout_z, dtype)
     do = _heads_first(dout, dtype)
-    o = p @ v
-    dv = p.transpose(0, 1, 3, 2) @ do
+    o = (p * z) @ v
+    dv = (p * z).transpose(0, 1, 3, 2) @ do
     dp = do @ v.transpose(0, 1, 3, 2)
     d_i = (do * o).sum(axis=-1, keepdims=True)
-    ds = p * (dp - d_i) * dcap
+    ds = p * (z * dp - d_i) * dcap
     dq = scale * (ds @ k)
     dk = scale * (ds.transpose(0, 1, 3, 2) @ q)
     dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
@@ -200,7 +205,8 @@ def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, wind
 
 
 def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                               softcap=0.0, alibi_slopes=None, block_m=16, block_n=16, dtype=np.float64):
+                               softcap=0.0, alibi_slopes=None, dropout_z=None, block_m=16, block_n=16,
+                               dtype=np.float64):
     """The gradient recomputed tile by tile from the saved lse (FlashAttention-2, Algorithm 2), in ``dtype``.
 
     ``out`` and ``lse`` are the forward's. Nothing of size seqlen_q x seqlen_k exists; for each key tile j
@@ -226,6 +232,8 @@ def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, c
     k, v = _expand_kv(k, nheads), _expand_kv(v, nheads)
     slopes = _slopes(alibi_slopes, batch, nheads, dtype)
     lse = np.asarray(lse).astype(dtype)
+    z_all = None if dropout_z is None else np.broadcast_to(np.asarray(dropout_z, dtype),
+                                                           (batch, nheads, seqlen_q, seqlen_k))
     D = (do * o).sum(axis=-1)  # (batch, nheads, seqlen_q)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for j0 in range(0, seqlen_k, block_n):
@@ -240,8 +248,9 @@ def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, c
             visible = np.isfinite(S_ij) & np.isfinite(L_i)  # a row that saw no key has L_i = -inf and P_ij = 0
             with np.errstate(over="ignore", invalid="ignore"):
                 P_ij = np.where(visible, np.exp(S_ij - L_i), 0).astype(dtype)
-            dv[:, :, j0 : j0 + block_n] += P_ij.swapaxes(-1, -2) @ dO_i
-            dS_ij = P_ij * (dO_i @ V_j.swapaxes(-1, -2) - D_i) * dcap
+            Z_ij = 1 if z_all is None else z_all[:, :, i0 : i0 + block_m, j0 : j0 + block_n]  # dropout
+            dv[:, :, j0 : j0 + block_n] += (P_ij * Z_ij).swapaxes(-1, -2) @ dO_i
+            dS_ij = P_ij * (Z_ij * (dO_i @ V_j.swapaxes(-1, -2)) - D_i) * dcap
             dk[:, :, j0 : j0 + block_n] += dtype(scale) * (dS_ij.swapaxes(-1, -2) @ Q_i)
             dq[:, :, i0 : i0 + block_m] += dtype(scale) * (dS_ij @ K_j)
     dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
@@ -280,3 +289,12 @@ def _batch_slopes(alibi_slopes, b):
         return None
     a = np.asarray(alibi_slopes)
     return a if a.ndim == 1 else a[b]
+
+
+def dropout_z(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p):
+    """Z = keep / (1 - dropout_p), (batch, nheads, seqlen_q, seqlen_k): the kernels' dropout multiplier, from
+    the same Philox stream (:func:`flashnumba.philox.keep_mask`)."""
+    from .philox import keep_mask
+
+    keep = keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p)
+    return keep / (1.0 - np.float32(dropout_p)).astype(np.float64)

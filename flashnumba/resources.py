@@ -20,7 +20,8 @@ from ._backend import SIMULATOR, cuda
 _ARRAY = "{}[:, :, :, :]"
 
 
-_OPTS = "float32, int64, int64, float32[:, :], int32[:], int32[:]"  # softcap, window, ALiBi, cu_seqlens
+_OPTS = ("float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64")
+# softcap, window left and right, ALiBi slopes, cu_seqlens q and k, dropout p, 1 / (1 - p), seed, offset
 
 
 def kernel_signature(kernel: str = "v3", dtype: str = "float32") -> str:
@@ -28,6 +29,29 @@ def kernel_signature(kernel: str = "v3", dtype: str = "float32") -> str:
     a = _ARRAY.format(dtype)
     base = f"{a}, {a}, {a}, {a}, float32[:, :, :], float32"
     return f"void({base})" if kernel == "v1" else f"void({base}, {_OPTS})"
+
+
+class _OfflineDevice:
+    """What numba-cuda asks of the current device when it compiles a device function called by a kernel."""
+
+    def __init__(self, cc):
+        self.compute_capability = cc
+
+
+def _compile_ptx(fn, signature, cc):
+    """cuda.compile_ptx, also without a GPU: numba-cuda compiles the device functions a kernel calls (the
+    dropout generator) for the *current* device's compute capability, so where there is no device the
+    target's is supplied for the duration of the call."""
+    from numba.cuda import dispatcher
+
+    if cuda.is_available():
+        return cuda.compile_ptx(fn, signature, cc=cc)[0]
+    saved = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: _OfflineDevice(cc)
+    try:
+        return cuda.compile_ptx(fn, signature, cc=cc)[0]
+    finally:
+        dispatcher.get_current_device = saved
 
 
 def kernel_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threads: int = 128,
@@ -40,8 +64,7 @@ def kernel_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threa
     else:
         make = forward.make_forward_v2 if kernel == "v2" else forward.make_forward_v3
         fn = make(head_dim, block_m, block_n, num_threads, variant or forward.Variant(has_right=causal))
-    ptx, _ = cuda.compile_ptx(fn.py_func, kernel_signature(kernel, dtype), cc=cc)
-    return ptx
+    return _compile_ptx(fn.py_func, kernel_signature(kernel, dtype), cc)
 
 
 def backward_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threads: int = 128,
@@ -63,8 +86,7 @@ def backward_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_thr
     opts = "" if kernel == "v1" else f", {_OPTS}"
     sig_dq = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, float32{opts})"
     sig_dkdv = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, {a}, float32{opts})"
-    return {"dq": cuda.compile_ptx(dq.py_func, sig_dq, cc=cc)[0],
-            "dkdv": cuda.compile_ptx(dkdv.py_func, sig_dkdv, cc=cc)[0]}
+    return {"dq": _compile_ptx(dq.py_func, sig_dq, cc), "dkdv": _compile_ptx(dkdv.py_func, sig_dkdv, cc)}
 
 
 def ptx_resources(ptx: str, cc=(9, 0)) -> dict:

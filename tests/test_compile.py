@@ -15,7 +15,7 @@ import pytest
 SCRIPT = r"""
 import json, sys
 from flashnumba import resources, api, forward
-ALL = forward.Variant(has_left=True, has_right=True, softcap=True, alibi=True, varlen=True)
+ALL = forward.Variant(has_left=True, has_right=True, softcap=True, alibi=True, varlen=True, dropout=True)
 rows = []
 for kernel in ("v1", "v2", "v3"):
     for d in (40, 64, 128, 256):
