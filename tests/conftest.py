@@ -155,3 +155,23 @@ def check_backward(grads, dout, q, k, v, out, lse, *, softmax_scale=None, causal
         assert g.shape == like.shape and g.dtype == dtype, f"{name}: {g.shape} {g.dtype}"
         assert not np.isnan(g).any(), f"{name} has NaN (an element was not written, or the kernel produced NaN)"
         assert_close_to_truth(name, g, t, bl.astype(dtype))
+
+
+def assert_reference_gradient_matches_finite_differences(q, k, v, dout, **opts):
+    """reference.attention_backward against central differences of reference.attention_forward (float64)."""
+    grads = reference.attention_backward(dout, q, k, v, **opts)
+
+    def loss(q_, k_, v_):
+        return float((reference.attention_forward(q_, k_, v_, **opts)[0] * dout).sum())
+
+    eps = 1e-6
+    for which, g in enumerate(grads):
+        args = [q, k, v]
+        num = np.zeros_like(args[which])
+        for idx in np.ndindex(num.shape):
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            num[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)

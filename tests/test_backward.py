@@ -15,6 +15,7 @@ from conftest import (
     MAX_SEQLEN,
     WORK_BUDGET,
     array_types,
+    assert_reference_gradient_matches_finite_differences,
     check_backward,
     random_qkv,
     to_numpy,
@@ -47,22 +48,7 @@ def test_reference_gradient_matches_finite_differences():
     for causal, (sq, sk) in ((False, (3, 4)), (True, (4, 3)), (True, (3, 5))):
         q, k, v = (x.astype(np.float64) for x in random_qkv(rng, 1, sq, sk, 2, 3))
         dout = rng.standard_normal(q.shape)
-        grads = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=0.8)
-
-        def loss(q_, k_, v_):
-            return float((reference.attention_forward(q_, k_, v_, causal=causal, softmax_scale=0.8)[0] * dout).sum())
-
-        eps = 1e-6
-        for which, g in enumerate(grads):
-            args = [q, k, v]
-            num = np.zeros_like(args[which])
-            for idx in np.ndindex(num.shape):
-                plus = [a.copy() for a in args]
-                minus = [a.copy() for a in args]
-                plus[which][idx] += eps
-                minus[which][idx] -= eps
-                num[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
-            np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+        assert_reference_gradient_matches_finite_differences(q, k, v, dout, causal=causal, softmax_scale=0.8)
 
 
 seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN))

@@ -7,7 +7,7 @@ import pytest
 
 from flashnumba import reference
 
-from conftest import random_qkv
+from conftest import assert_reference_gradient_matches_finite_differences, random_qkv
 
 
 def test_dense_reference_matches_a_row_by_row_softmax():
@@ -86,22 +86,7 @@ def test_reference_features_gradient_matches_finite_differences(opts, hk):
     rng = np.random.default_rng(5)
     q, k, v = _gqa_qkv(rng, 2, 4, 5, 2, hk, 3)
     dout = rng.standard_normal(q.shape)
-    grads = reference.attention_backward(dout, q, k, v, softmax_scale=0.9, **opts)
-
-    def loss(q_, k_, v_):
-        return float((reference.attention_forward(q_, k_, v_, softmax_scale=0.9, **opts)[0] * dout).sum())
-
-    eps = 1e-6
-    for which, g in enumerate(grads):
-        args = [q, k, v]
-        num = np.zeros_like(args[which])
-        for idx in np.ndindex(num.shape):
-            plus = [a.copy() for a in args]
-            minus = [a.copy() for a in args]
-            plus[which][idx] += eps
-            minus[which][idx] -= eps
-            num[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
-        np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+    assert_reference_gradient_matches_finite_differences(q, k, v, dout, softmax_scale=0.9, **opts)
 
 
 @pytest.mark.parametrize("opts", FEATURES)
