@@ -5,7 +5,9 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
-STEPS=${STEPS:-"info tests demo sanitize memory bench"}
+# A full session (about 15-20 minutes of device time): tests (pytest-xdist), crosscheck, sanitize, demo,
+# memory, bench. Run the bench separately when the rest leaves too little of the 10 minutes a call may take.
+STEPS=${STEPS:-"info tests crosscheck sanitize demo memory bench"}
 for step in $STEPS; do
   echo "=== $step $(date -u +%FT%TZ)"
   case $step in

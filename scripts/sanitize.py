@@ -37,3 +37,35 @@ for b, sq, sk, h, d, causal, fkw, bkw in cases:
     grads = flashnumba.reference.attention_backward(hdo, hq, hk, hv, causal=causal)
     errs = [float(np.abs(x.get() - r).max()) for x, r in zip((out, dq, dk, dv), (ref, *grads))]
     print(b, sq, sk, h, d, causal, fkw, bkw, "max err out/dq/dk/dv", " ".join(f"{e:.1e}" for e in errs))
+
+# The options (GQA, window, softcap, ALiBi, dropout) and a packed variable-length batch, default kernels.
+b, sq, sk, h, hk, d = 2, 65, 97, 4, 2, 64
+q, dout = (cupy.asarray(rng.standard_normal((b, sq, h, d), dtype=np.float32)) for _ in range(2))
+k, v = (cupy.asarray(rng.standard_normal((b, sk, hk, d), dtype=np.float32)) for _ in range(2))
+slopes = rng.uniform(0, 0.5, h).astype(np.float32)
+opts = dict(causal=True, window_size=(40, 0), softcap=5.0, dropout_p=0.2, dropout_seed=7)
+out, lse = flashnumba.flash_attn_forward(q, k, v, alibi_slopes=cupy.asarray(slopes), **opts)
+grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, alibi_slopes=cupy.asarray(slopes), **opts)
+cupy.cuda.Device().synchronize()
+z = flashnumba.reference.dropout_z(7, 0, b, h, sq, sk, 0.2)
+ref_opts = dict(causal=True, window_size=(40, 0), softcap=5.0, alibi_slopes=slopes, dropout_z=z)
+hq, hk_, hv, hdo = (x.get() for x in (q, k, v, dout))
+ref, _ = flashnumba.reference.attention_forward(hq, hk_, hv, **ref_opts)
+ref_grads = flashnumba.reference.attention_backward(hdo, hq, hk_, hv, **ref_opts)
+errs = [float(np.abs(x.get() - r).max()) for x, r in zip((out, *grads), (ref, *ref_grads))]
+print("options", opts, "max err out/dq/dk/dv", " ".join(f"{e:.1e}" for e in errs))
+
+lens_q, lens_k = [0, 37, 70], [50, 0, 81]
+cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+q, dout = (cupy.asarray(rng.standard_normal((cu_q[-1], h, d), dtype=np.float32)) for _ in range(2))
+k, v = (cupy.asarray(rng.standard_normal((cu_k[-1], hk, d), dtype=np.float32)) for _ in range(2))
+cq, ck = cupy.asarray(cu_q), cupy.asarray(cu_k)
+out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cq, ck, 70, 81, causal=True)
+grads = flashnumba.flash_attn_varlen_backward(dout, q, k, v, out, lse, cq, ck, 70, 81, causal=True)
+cupy.cuda.Device().synchronize()
+hq, hk_, hv, hdo = (x.get() for x in (q, k, v, dout))
+ref, _ = flashnumba.reference.attention_varlen_forward(hq, hk_, hv, cu_q, cu_k, causal=True)
+ref_grads = flashnumba.reference.attention_varlen_backward(hdo, hq, hk_, hv, cu_q, cu_k, causal=True)
+errs = [float(np.abs(x.get() - r).max()) for x, r in zip((out, *grads), (ref, *ref_grads))]
+print("varlen", lens_q, lens_k, "max err out/dq/dk/dv", " ".join(f"{e:.1e}" for e in errs))
