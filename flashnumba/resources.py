@@ -116,3 +116,28 @@ def ptx_resources(ptx: str, cc=(9, 0)) -> dict:
         "stack_bytes": grab(r"(\d+) bytes stack frame"),
         "log": text,
     }
+
+
+# Per-SM limits of compute capability 9.0 (H100, H200), from the CUDA occupancy calculator's tables.
+SM90 = dict(registers=65536, shared_bytes=233472, reserved_shared_per_block=1024, threads=2048, blocks=32,
+            warps=64, register_granularity=256)
+
+
+def occupancy(registers, shared_bytes, threads, limits=SM90):
+    """Theoretical occupancy of a kernel on one SM: returns (blocks per SM, active warps, fraction, limiter).
+
+    ``shared_bytes`` is the block's static plus dynamic shared memory, without the 1 KB the hardware reserves
+    per block (added here). Registers are allocated per warp in units of 256. Where two resources allow the
+    same number of blocks, the first of registers, shared memory, threads, blocks is named the limiter.
+    """
+    warps = -(-threads // 32)
+    regs_per_warp = -(-registers * 32 // limits["register_granularity"]) * limits["register_granularity"]
+    by = {
+        "registers": limits["registers"] // max(regs_per_warp * warps, 1),
+        "shared memory": limits["shared_bytes"] // (shared_bytes + limits["reserved_shared_per_block"]),
+        "threads": limits["threads"] // threads,
+        "blocks": limits["blocks"],
+    }
+    limiter = min(by, key=by.get)
+    blocks = by[limiter]
+    return blocks, blocks * warps, blocks * warps / limits["warps"], limiter

@@ -72,3 +72,15 @@ def test_kernels_compile_for_sm90_and_report_resources():
               f"{r['spill_stores']:5}/{r['spill_loads']:<5}")
         assert 0 < r["registers"] <= 255
         assert r["shared_bytes"] + r["dynamic_shared"] <= 227 * 1024
+
+
+def test_occupancy_calculator():
+    from flashnumba.resources import occupancy
+
+    # 128 threads, 168 registers (the v3 forward at d=64), 68096 + 1024 bytes of shared memory
+    assert occupancy(168, 68096, 128)[:3] == (3, 12, 12 / 64)  # 3 by registers, and 3 by shared memory
+    assert occupancy(32, 0, 256)[:3] == (8, 64, 1.0)
+    assert occupancy(16, 0, 1024) == (2, 64, 1.0, "threads")
+    assert occupancy(255, 0, 128)[:2] == (2, 8) and occupancy(255, 0, 128)[3] == "registers"
+    assert occupancy(64, 150016, 128)[0] == 1  # the dK/dV kernel at d=128: one block by shared memory
+    assert occupancy(64, 150016, 128)[3] == "shared memory"
