@@ -165,9 +165,9 @@ def tiling_v2(D, B_r, B_c, num_threads):
         raise ValueError(f"num_threads must be a multiple of 32 in [32, 1024], got {num_threads}")
     TY = num_threads // TX
     if B_c % TX:
-        raise ValueError(f"block_n must be a multiple of {TX} for kernel v2, got {B_c}")
+        raise ValueError(f"block_n must be a multiple of {TX} for kernels v2 and v3, got {B_c}")
     if B_r % TY:
-        raise ValueError(f"block_m must be a multiple of num_threads/{TX} = {TY} for kernel v2, got {B_r}")
+        raise ValueError(f"block_m must be a multiple of num_threads/{TX} = {TY} for kernels v2 and v3, got {B_r}")
     return TY, B_r // TY, B_c // TX, (D + TX - 1) // TX
 
 
