@@ -8,6 +8,7 @@ from . import _backend  # first: chooses GPU or simulator before numba.cuda is i
 from ._backend import BACKEND, SIMULATOR
 from . import config, reference
 from .api import (
+    attention_probs,
     attention_with_grad,
     flash_attn_backward,
     flash_attn_forward,
@@ -28,6 +29,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_backward",
     "attention_with_grad",
+    "attention_probs",
     "flash_attn_varlen_forward",
     "flash_attn_varlen_backward",
     "flash_attn_varlen_func",

@@ -345,10 +345,12 @@ def _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, sme
     return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
 
 
+MAX_PROBS_ELEMENTS = 2**26  # return_attn_probs materialises (batch, nheads, seqlen_q, seqlen_k): small sizes only
+
+
 def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs):
     """flash-attn's extra arguments; with dropout and no dropout_seed in kwargs, a fresh random seed."""
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not implemented yet")
+    _check_flag("return_attn_probs", return_attn_probs)
     _check_flag("deterministic", deterministic)
     _check_dropout(dropout_p, 0, 0)
     if dropout_p and kwargs.get("dropout_seed") is None:
@@ -365,13 +367,51 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """flash-attn's ``flash_attn_func``, with its argument names and defaults: returns the attention output.
 
     With ``dropout_p`` > 0 the mask comes from ``dropout_seed`` (a keyword argument; a fresh random seed when
-    it is not given). ``return_attn_probs`` must be False (not implemented yet); ``deterministic`` is accepted
-    (flashnumba is always deterministic). Other keyword arguments (``kernel``, block sizes, ``dropout_seed``,
+    it is not given). ``return_attn_probs=True`` returns (out, lse, P * Z) with the probabilities after dropout
+    (small sizes; :func:`attention_probs`); ``deterministic`` is accepted (flashnumba is always deterministic). Other keyword arguments (``kernel``, block sizes, ``dropout_seed``,
     ``dropout_offset``) go to :func:`flash_attn_forward`.
     """
     _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs)
-    return flash_attn_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, **kwargs)[0]
+    opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    out, lse = flash_attn_forward(q, k, v, **opts, **kwargs)
+    if not return_attn_probs:
+        return out
+    seeds = {n: kwargs[n] for n in ("dropout_seed", "dropout_offset") if n in kwargs}
+    return out, lse, attention_probs(q, k, v, lse, **opts, **seeds)
+
+
+def attention_probs(q, k, v, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+    """The probabilities P_ij = exp(S_ij - L_i), times the dropout multiplier Z_ij (0 where dropped,
+    1 / (1 - dropout_p) where kept), as a (batch, nheads, seqlen_q, seqlen_k) float32 array: the debugging
+    path behind ``return_attn_probs=True``, for small sizes. ``lse`` is the forward's; the dropout arguments
+    must be the forward's. Rows that see no key are 0."""
+    tq, tk, tv = (_inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
+    tl = _inspect("lse", lse, 3)
+    _check_same_place((tq, tk, tv, tl))
+    _check_dtypes((tq, tk, tv))
+    _check_qkv(tq, tk, tv)
+    batch, seqlen_q, nheads, head_dim = tq.shape
+    seqlen_k = tk.shape[1]
+    if tl.shape != (batch, nheads, seqlen_q) or tl.dtype != np.float32:
+        raise ValueError(f"lse must be float32 of shape {(batch, nheads, seqlen_q)}, got {tl.dtype} {tl.shape}")
+    if batch * nheads * seqlen_q * seqlen_k > MAX_PROBS_ELEMENTS:
+        raise ValueError(f"return_attn_probs materialises batch * nheads * seqlen_q * seqlen_k = "
+                         f"{batch * nheads * seqlen_q * seqlen_k} floats, more than the {MAX_PROBS_ELEMENTS} "
+                         f"allowed for this debugging path")
+    opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
+                          dropout=(dropout_p, dropout_seed, dropout_offset))
+    scale = _check_scale(softmax_scale, head_dim)
+    like = tq.kind
+    probs_user, probs_dev = _arrays.empty((batch, nheads, seqlen_q, seqlen_k), np.float32, like)
+    if batch * nheads * seqlen_q * seqlen_k:
+        qd, kd, ld = (_arrays.to_kernel(t.array, t.kind) for t in (tq, tk, tl))
+        fn = forward.make_probs_kernel(head_dim, opts.variant)
+        launch(fn, (seqlen_q, batch * nheads), (min(128, max(32, seqlen_k)),), 0,
+               (qd, kd, ld, probs_dev, np.float32(scale), opts.softcap, np.int64(opts.left), np.int64(opts.right),
+                opts.alibi, *opts.dropout))
+    return _arrays.to_caller(probs_user, probs_dev, like)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -607,8 +647,11 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, **kwargs):
-    """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only."""
+    """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only
+    (``return_attn_probs`` is not available for packed batches)."""
     _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs)
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
     return flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, **kwargs)[0]

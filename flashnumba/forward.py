@@ -412,6 +412,54 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
 KERNELS = ("v1", "v2", "v3")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# debugging: the probabilities themselves
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def make_probs_kernel(D, variant):
+    """P_ij Z_ij = exp(S_ij - L_i) times the dropout multiplier, written out in full (batch, nheads, seqlen_q,
+    seqlen_k): the ``return_attn_probs`` debugging path, for small sizes. S_ij is formed exactly as in the
+    register-tiled kernels (softcap, ALiBi, masks, GQA, dropout; not varlen) from the forward's L_i.
+
+    Launch: grid (seqlen_q, batch * nheads), block (up to 128,): block (i, b*h) is one row, its threads stride
+    over the keys j.
+    """
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+
+    @cuda.jit
+    def attn_probs(q, k, lse, probs, scale, softcap, left, right, alibi, p_drop, rp_keep, seed, offset):
+        nheads = q.shape[2]
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        i = cuda.blockIdx.x
+        b = cuda.blockIdx.y // nheads
+        h = cuda.blockIdx.y % nheads
+        hk = h // (nheads // k.shape[2])
+        diag = seqlen_k - seqlen_q
+        L = lse[b, h, i]
+        slope = alibi[b, h] if ALIBI else float32(0.0)
+        for j in range(cuda.threadIdx.x, seqlen_k, cuda.blockDim.x):
+            x = float32(0.0)
+            for c in range(D):
+                x += float32(q[b, i, h, c]) * float32(k[b, j, hk, c])
+            x *= scale
+            if SOFTCAP:
+                x = softcap * float32(math.tanh(x / softcap))
+            if ALIBI:
+                x -= slope * float32(abs(i + diag - j))
+            p = float32(0.0)
+            if L != NEG_INF and (not HAS_LEFT or j >= i + diag - left) and (not HAS_RIGHT or j <= i + diag + right):
+                p = float32(math.exp2((x - L) * LOG2E))
+            if DROPOUT:
+                u = dropout_uniform(seed, offset, b * nheads + h, i, j)
+                p = p * rp_keep if u >= p_drop else float32(0.0)
+            probs[b, h, i, j] = p
+
+    return attn_probs
+
+
 class Variant(tuple):
     """Compile-time options of the v2/v3 kernels: (has_left, has_right, softcap, alibi, varlen, dropout)."""
 

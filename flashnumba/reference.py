@@ -130,6 +130,14 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     return (p @ v).transpose(0, 2, 1, 3), lse
 
 
+def attention_probs(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, dropout_z=None, dtype=np.float64):
+    """The attention probabilities P (batch, nheads, seqlen_q, seqlen_k), times Z with dropout: what
+    ``flash_attn_func(..., return_attn_probs=True)`` returns."""
+    _, _, _, p, _, _, _ = _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype)
+    return p if dropout_z is None else p * np.asarray(dropout_z, dtype)
+
+
 def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                        alibi_slopes=None, dropout_z=None, dtype=np.float64):
     """Analytic gradient of :func:`attention_forward`: returns (dq, dk, dv) in ``dtype``.

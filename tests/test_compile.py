@@ -51,6 +51,15 @@ for d in (59, 128):
         del r["log"]
         rows.append(dict(kernel=f"bwd_{part}_v2+all", head_dim=d, dtype="float32", block_m=bm, block_n=bn,
                          threads=nt, dynamic_shared=smem[0 if part == "dkdv" else 1], **r))
+# the return_attn_probs debugging kernel, every option but varlen
+probs = forward.make_probs_kernel(64, forward.Variant(True, True, True, True, False, True))
+a = "float32[:, :, :, :]"
+ptx = resources._compile_ptx(probs.py_func, f"void({a}, {a}, float32[:, :, :], {a}, float32, float32, int64, int64, "
+                             "float32[:, :], float32, float32, uint64, uint64)", (9, 0))
+r = resources.ptx_resources(ptx)
+del r["log"]
+rows.append(dict(kernel="probs+all", head_dim=64, dtype="float32", block_m=1, block_n=0, threads=128,
+                 dynamic_shared=0, **r))
 print(json.dumps(rows))
 """
 

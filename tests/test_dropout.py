@@ -91,3 +91,29 @@ def test_flash_attn_func_with_dropout_draws_a_seed():
     assert not np.array_equal(a, b)  # two fresh seeds
     c = flashnumba.flash_attn_func(q, k, v, 0.5, dropout_seed=5, **BLOCKS)
     np.testing.assert_array_equal(c, flashnumba.flash_attn_func(q, k, v, 0.5, dropout_seed=5, **BLOCKS))
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True, window_size=(9, 0), softcap=2.0)])
+def test_return_attn_probs_gives_the_dropped_probabilities(opts):
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 13, 4, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 21, 2, 16)).astype(np.float32) for _ in range(2))
+    slopes = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
+    out, lse, probs = flashnumba.flash_attn_func(q, k, v, 0.4, None, alibi_slopes=slopes, return_attn_probs=True,
+                                                 dropout_seed=11, dropout_offset=2, **opts, **BLOCKS)
+    z = reference.dropout_z(11, 2, 2, 4, 13, 21, 0.4)
+    ref = reference.attention_probs(q, k, v, alibi_slopes=slopes, dropout_z=z, **opts)
+    assert probs.shape == (2, 4, 13, 21) and probs.dtype == np.float32
+    np.testing.assert_array_equal(probs == 0, ref == 0)  # the same entries dropped (or masked)
+    np.testing.assert_allclose(probs, ref, rtol=1e-5, atol=1e-6)
+    ref_out, _ = reference.attention_forward(q, k, v, alibi_slopes=slopes, dropout_z=z, **opts)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_drop_fraction_is_within_001_of_p():
+    """Measured on the kernel's own P * Z: the fraction of (visible) probabilities dropped."""
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 1, 96, 192, 1, 8)
+    for p in (0.2, 0.7):
+        _, _, probs = flashnumba.flash_attn_func(q, k, v, p, return_attn_probs=True, dropout_seed=2024, **BLOCKS)
+        assert abs((probs == 0).mean() - p) < 0.01

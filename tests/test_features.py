@@ -134,7 +134,7 @@ def test_gqa_validation_and_v1():
 
 @pytest.mark.parametrize("kw,err,msg", [
     (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\)"),
-    (dict(return_attn_probs=True), ValueError, r"return_attn_probs=True is not implemented yet"),
+    (dict(return_attn_probs="yes"), TypeError, r"return_attn_probs must be a bool"),
     (dict(deterministic="no"), TypeError, r"deterministic must be a bool"),
 ])
 def test_flash_attn_func_arguments(kw, err, msg):

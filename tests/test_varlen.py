@@ -118,3 +118,10 @@ def test_varlen_func():
     out = flashnumba.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 11, 0.0, None, True, **BLOCKS)
     ref, _ = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=True)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_varlen_func_rejects_return_attn_probs():
+    rng = np.random.default_rng(5)
+    q, k, v, dout, cu_q, cu_k = _packed(rng, [3], [4], 1, 1, 8)
+    with pytest.raises(ValueError, match=r"return_attn_probs=True is not implemented for variable-length"):
+        flashnumba.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 4, return_attn_probs=True)
