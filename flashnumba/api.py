@@ -201,6 +201,17 @@ def _check_options(tq, tk, causal, window_size, softcap, alibi_slopes, batch=Non
                     cu_q=cu_q, cu_k=cu_k, dropout=drop)
 
 
+def _check_forward_results(tq, tdo, to, tl, lse_layout, lse_shape, forward_name):
+    """dout and out shaped like q; lse float32 in the forward's layout."""
+    for t in (tdo, to):
+        if t.shape != tq.shape:
+            raise ValueError(f"{t.name} must have the shape of q {tq.shape}, got {t.shape}")
+    if tl.shape != lse_shape:
+        raise ValueError(f"lse must have shape {lse_layout} = {lse_shape}, got {tl.shape}")
+    if tl.dtype != np.float32:
+        raise TypeError(f"lse must be float32 (as {forward_name} returns it), got {tl.dtype}")
+
+
 def _check_not_v1(kernel, opts, what):
     if kernel == "v1" and not opts.plain:
         raise ValueError(f"{what} kernel v1 supports causal masking only (no window, softcap, ALiBi, GQA, varlen "
@@ -480,14 +491,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     _check_same_place((tq, tk, tv, tdo, to, tl))
     _check_dtypes((tq, tk, tv, tdo, to))
     _check_qkv(tq, tk, tv)
-    for t in (tdo, to):
-        if t.shape != tq.shape:
-            raise ValueError(f"{t.name} must have the shape of q {tq.shape}, got {t.shape}")
     batch, seqlen_q, nheads, head_dim = tq.shape
-    if tl.shape != (batch, nheads, seqlen_q):
-        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}, got {tl.shape}")
-    if tl.dtype != np.float32:
-        raise TypeError(f"lse must be float32 (as flash_attn_forward returns it), got {tl.dtype}")
+    _check_forward_results(tq, tdo, to, tl, "(batch, nheads, seqlen_q)", (batch, nheads, seqlen_q),
+                           "flash_attn_forward")
     opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
                           dropout=(dropout_p, dropout_seed, dropout_offset))
     scale = _check_scale(softmax_scale, head_dim)
@@ -623,13 +629,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     tdo, to, tl = _inspect("dout", dout, 3), _inspect("out", out, 3), _inspect("lse", lse, 2)
     _check_same_place((tq, tk, tv, tdo, to, tl))
     _check_dtypes((tq, tk, tv, tdo, to))
-    for t in (tdo, to):
-        if t.shape != tq.shape:
-            raise ValueError(f"{t.name} must have the shape of q {tq.shape}, got {t.shape}")
-    if tl.shape != (tq.shape[1], tq.shape[0]):
-        raise ValueError(f"lse must have shape (nheads, total_q) = {(tq.shape[1], tq.shape[0])}, got {tl.shape}")
-    if tl.dtype != np.float32:
-        raise TypeError(f"lse must be float32 (as flash_attn_varlen_forward returns it), got {tl.dtype}")
+    _check_forward_results(tq, tdo, to, tl, "(nheads, total_q)", (tq.shape[1], tq.shape[0]),
+                           "flash_attn_varlen_forward")
     batch, cu, max_q, max_k = _check_varlen(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     tq, tk, tv, tdo, to, tl = (_view4(t) for t in (tq, tk, tv, tdo, to, tl))
     _check_qkv(tq, tk, tv)
