@@ -1,6 +1,6 @@
 """The public functions: validation, block-size choice, launch.
 
-Layout as in flash-attn: q ``(batch, seqlen_q, nheads, head_dim)``, k and v ``(batch, seqlen_k, nheads,
+Layout as in flash-attn: q ``(batch, seqlen_q, nheads, head_dim)``, k and v ``(batch, seqlen_k, nheads_k,
 head_dim)``, out like q, lse ``(batch, nheads, seqlen_q)`` float32 (natural log). Arrays may be NumPy arrays (copied
 to the GPU and back, or run in the simulator), CuPy arrays, or any ``__cuda_array_interface__`` object; the
 results have the input's array type (CuPy for a foreign CUDA array when CuPy is installed, else Numba device
@@ -133,13 +133,13 @@ class _Options:
                 *self.dropout)
 
 
-_no_alibi = {}
+_dummies = {}
 
 
 def _dummy(name, shape, dtype):
-    if name not in _no_alibi:  # small arrays the kernels take but, without the option, never read
-        _no_alibi[name] = cuda.to_device(np.zeros(shape, dtype))
-    return _no_alibi[name]
+    if name not in _dummies:  # small arrays the kernels take but, without the option, never read
+        _dummies[name] = cuda.to_device(np.zeros(shape, dtype))
+    return _dummies[name]
 
 
 def _check_dropout(dropout_p, seed, offset):

@@ -20,11 +20,15 @@ kernel             what one block does
                    the Q_i tiles that see it (causal: from the diagonal on), staging Q_i, dO_i, L_i, D_i in shared
 ``dq_v1``          one Q_i tile (one thread per query row, q_i, dO_i, dq_i local); loops over the K_j/V_j tiles it
                    sees (causal: up to the diagonal), staging K_j, V_j in shared
+``dkdv_v2``        register-tiled version of dkdv_v1 (each thread owns a patch of S^T, dP^T, dK_j, dV_j; unsigned
+                   indices as in forward v3); with GQA, loops over the query heads sharing its key/value head
+``dq_v2``          register-tiled version of dq_v1 (the default backward, with every option of forward v3)
 =================  =============================================================================================
 
 P_ij is computed as exp2((scale * s - L_i) * log2(e)): the difference of the two large numbers is taken first,
-in natural units, so that with large logits only the rounding of L_i itself (float32) limits the accuracy. Accumulation is float32 for every input dtype. A query row that saw no key has
-L_i = -inf; its P_ij are 0 (masked), so its dQ_i is 0 and it adds nothing to dK, dV.
+in natural units, so that with large logits only the rounding of L_i itself (float32) limits the accuracy.
+Accumulation is float32 for every input dtype. A query row that saw no key has L_i = -inf; its P_ij are 0
+(masked), so its dQ_i is 0 and it adds nothing to dK, dV.
 """
 
 from __future__ import annotations

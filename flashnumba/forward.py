@@ -1,6 +1,6 @@
 """Forward kernels: FlashAttention-2, Algorithm 1, as Numba ``cuda.jit`` kernels.
 
-Two versions, each a step from the blocked NumPy reference (:func:`flashnumba.reference.attention_forward_blocked`):
+Three versions, each a step from the blocked NumPy reference (:func:`flashnumba.reference.attention_forward_blocked`):
 
 =========  ===========================================================  =========================================
 version    what it adds                                                 what it costs
@@ -11,10 +11,14 @@ version    what it adds                                                 what it 
 ``v2``     register tiling: each thread owns a (TM x TN) patch of S_ij   row max / row sum need a reduction across
            and a (TM x d/8) patch of O_i; Q_i, K_j^T, V_j and P_ij       the 8 threads of a row (through shared
            staged in shared memory; exp2 with log2(e) folded into the    memory); more shared memory (dynamic,
-           scale; tiles beyond the causal diagonal skipped.              opted in above 48 KB)
+           scale; tiles outside the causal / window band skipped; GQA,   opted in above 48 KB)
+           softcap, ALiBi, varlen and dropout as compile-time options.
+``v3``     v2 with unsigned index arithmetic: no negative-index          uint64 casts on every index, which the
+           wraparound code per array access (the Numba-specific step;    reader must see past
+           see :func:`make_forward_v3`). The default.
 =========  ===========================================================  =========================================
 
-Both compute, for every query tile Q_i (B_r rows) of one (batch, head), over the key/value tiles j::
+All compute, for every query tile Q_i (B_r rows) of one (batch, head), over the key/value tiles j::
 
     S_ij = scale * Q_i K_j^T                    masked entries (j past seqlen_k, or causal) are -inf
     m_new = max(m_i, rowmax(S_ij))
@@ -28,7 +32,7 @@ so exp becomes exp2 and L_i = ln(2) * m_i + log(l_i). A row that sees no key kee
 writes O_i = 0 and L_i = -inf. Accumulation is float32 for every input dtype.
 
 Kernels are built by ``make_*`` factories, specialised on compile-time constants (head_dim D, block sizes,
-causal), and cached per process.
+causal for v1, a :class:`Variant` of options for v2/v3), and cached per process.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import functools
 import math
 
 from . import philox
-from ._backend import SIMULATOR, cuda
+from ._backend import cuda
 from numba import float32, int64, uint64
 
 # The dropout mask's random numbers (see philox.py), as device functions.

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, settings, strategies as st
 
 import flashnumba
 from flashnumba import reference
@@ -44,6 +44,8 @@ WORK_BUDGET = 300_000 if PROFILE == "ci" else 10**12
 
 HEAD_DIMS = [1, 8, 16, 24, 40, 59, 64, 80, 96, 128, 256]
 AWKWARD_SEQLENS = [1, 2, 17, 63, 64, 65, 97]
+# The sequence lengths the property tests draw: the awkward ones on purpose, or any up to MAX_SEQLEN.
+seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN))
 
 requires_gpu = pytest.mark.skipif(flashnumba.SIMULATOR, reason="needs a CUDA GPU")
 

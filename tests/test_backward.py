@@ -7,12 +7,10 @@ import pytest
 from hypothesis import assume, given, strategies as st
 
 import flashnumba
-from flashnumba import reference
 
 from conftest import (
-    AWKWARD_SEQLENS,
+    seqlens,
     HEAD_DIMS,
-    MAX_SEQLEN,
     WORK_BUDGET,
     array_types,
     assert_reference_gradient_matches_finite_differences,
@@ -49,9 +47,6 @@ def test_reference_gradient_matches_finite_differences():
         q, k, v = (x.astype(np.float64) for x in random_qkv(rng, 1, sq, sk, 2, 3))
         dout = rng.standard_normal(q.shape)
         assert_reference_gradient_matches_finite_differences(q, k, v, dout, causal=causal, softmax_scale=0.8)
-
-
-seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN))
 
 
 @given(

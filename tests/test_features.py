@@ -9,9 +9,8 @@ from hypothesis import assume, given, strategies as st
 import flashnumba
 from flashnumba import reference
 
-from conftest import AWKWARD_SEQLENS, MAX_SEQLEN, WORK_BUDGET, array_types, check_backward, check_forward, to_type
+from conftest import WORK_BUDGET, array_types, check_backward, check_forward, seqlens, to_type
 
-seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN))
 windows = st.tuples(st.integers(-1, 40), st.integers(-1, 40))
 
 

@@ -10,14 +10,12 @@ import flashnumba
 from flashnumba import reference
 
 from conftest import (
-    AWKWARD_SEQLENS,
+    seqlens,
     HEAD_DIMS,
-    MAX_SEQLEN,
     WORK_BUDGET,
     array_types,
     check_forward,
     random_qkv,
-    to_numpy,
     to_type,
 )
 
@@ -52,9 +50,6 @@ def _fits(kernel, head_dim, block_m, block_n, num_threads):
     except ValueError:
         return False
     return True
-
-
-seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN))
 
 
 @given(
