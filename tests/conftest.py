@@ -99,23 +99,31 @@ def max_err(a, b):
     return float(d.max())
 
 
-# The kernel may have ERR_FACTOR times the baseline's error, plus FLOOR_ULPS ulps of the output dtype at the
-# output's magnitude (so that a baseline that happens to be exact does not demand exactness).
+# The kernel may have ERR_FACTOR times the baseline's error, plus a floor of FLOOR_ULPS ulps of the output dtype at
+# the output's magnitude (so that a baseline that happens to be exact does not demand exactness), plus FLOOR_ULPS
+# float32 ulps times sqrt(n) for the kernel's float32 accumulation of n-term sums.
 ERR_FACTOR = 3.0
 FLOOR_ULPS = 4
 
 
-def assert_close_to_truth(name, got, truth, baseline):
-    """Derived tolerance: |got - truth| <= ERR_FACTOR * |baseline - truth| + FLOOR_ULPS * eps * max(1, |truth|).
+def assert_close_to_truth(name, got, truth, baseline, reduction=1):
+    """Derived tolerance: |got - truth| <= ERR_FACTOR * |baseline - truth| + floor, with
+    floor = FLOOR_ULPS * max(1, |truth|) * (eps(dtype) + sqrt(reduction) * eps(float32)).
 
     ``truth`` is the float64 reference; ``baseline`` the same reference computed in the input's dtype by NumPy
-    (what a plain implementation in that precision achieves).
+    (what a plain implementation in that precision achieves). ``reduction`` is the longest sum the kernel
+    accumulates (head_dim for the dot products, seqlen_k for P V, seqlen_q for dK and dV): the kernels add the
+    terms one after another in float32, whose rounding error grows like sqrt(n) ulps (the statistical estimate
+    for recursive summation, Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., section 4.2),
+    while NumPy's BLAS adds in blocks and pairs; ex2.approx and lg2.approx add a few ulps more. On shapes where
+    the baseline happens to be nearly exact, this term is what the kernel is allowed.
     """
     got = to_numpy(got)
     truth = np.asarray(truth)
     finite = truth[np.isfinite(truth)]
     magnitude = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
-    floor = FLOOR_ULPS * float(np.finfo(got.dtype).eps) * magnitude
+    eps32 = float(np.finfo(np.float32).eps)
+    floor = FLOOR_ULPS * magnitude * (float(np.finfo(got.dtype).eps) + np.sqrt(reduction) * eps32)
     base_err = max_err(baseline, truth)
     err = max_err(got, truth)
     tol = ERR_FACTOR * base_err + floor
@@ -135,8 +143,9 @@ def check_forward(out, lse, q, k, v, *, softmax_scale=None, causal=False, **opts
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == np.float32
     assert not np.isnan(out).any(), "out has NaN (an element was not written, or the kernel produced NaN)"
     assert not np.isnan(lse).any(), "lse has NaN"
-    assert_close_to_truth("out", out, truth_o, base_o.astype(dtype))
-    assert_close_to_truth("lse", lse, truth_l, base_l.astype(np.float32))
+    n = max(q.shape[-1], k.shape[1])
+    assert_close_to_truth("out", out, truth_o, base_o.astype(dtype), reduction=n)
+    assert_close_to_truth("lse", lse, truth_l, base_l.astype(np.float32), reduction=n)
 
 
 def check_backward(grads, dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, **opts):
@@ -152,11 +161,12 @@ def check_backward(grads, dout, q, k, v, out, lse, *, softmax_scale=None, causal
     truth = reference.attention_backward(dout, q, k, v, softmax_scale=softmax_scale, causal=causal, **opts)
     base = reference.attention_backward_blocked(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                                                 causal=causal, dtype=dtype, **opts)
+    n = max(q.shape[-1], q.shape[1], k.shape[1])
     for name, g, t, bl, like in zip(("dq", "dk", "dv"), grads, truth, base, (q, k, v)):
         g = to_numpy(g)
         assert g.shape == like.shape and g.dtype == dtype, f"{name}: {g.shape} {g.dtype}"
         assert not np.isnan(g).any(), f"{name} has NaN (an element was not written, or the kernel produced NaN)"
-        assert_close_to_truth(name, g, t, bl.astype(dtype))
+        assert_close_to_truth(name, g, t, bl.astype(dtype), reduction=n)
 
 
 def assert_reference_gradient_matches_finite_differences(q, k, v, dout, **opts):
