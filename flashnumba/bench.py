@@ -27,7 +27,8 @@ import sys
 import numpy as np
 
 from . import _backend, reference
-from .api import attention_with_grad, flash_attn_backward, flash_attn_forward
+from .api import (attention_with_grad, flash_attn_backward, flash_attn_forward, flash_attn_varlen_backward,
+                  flash_attn_varlen_forward)
 from .standard import _xp as array_module
 from .standard import standard_attention
 from .timing import cuda_time_ms, peak_device_bytes
@@ -66,7 +67,34 @@ def _flashnumba(kernel):
 
     make.features = True  # takes window_size and GQA-shaped k, v
 
+    def make_varlen(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, window_size=(-1, -1)):
+        """The same kernels on a packed batch (q: (total_q, nheads, d), k, v: (total_k, nheads_k, d))."""
+        opts = dict(causal=causal, window_size=window_size, kernel=kernel)
+        out, lse = flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, **opts)
+        bopts = dict(opts, kernel=bkernel)
+        return {
+            FWD: lambda: flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, **opts),
+            BWD: lambda: flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **bopts),
+        }
+
+    if kernel != "v1":
+        make.varlen = make_varlen
     return make
+
+
+def varlen_lengths(tokens, max_seqlen, rng):
+    """Sequence lengths for a packed batch: uniform in [max_seqlen / 4, max_seqlen], summing to ``tokens`` (the
+    last one shortened), so that a varlen run moves as many tokens as the dense one at that max_seqlen."""
+    lens = []
+    while sum(lens) < tokens:
+        lens.append(int(rng.integers(max(1, max_seqlen // 4), max_seqlen + 1)))
+    lens[-1] -= sum(lens) - tokens
+    return [n for n in lens if n > 0]
+
+
+def varlen_flops(lens, nheads, head_dim, causal, pass_):
+    """4 * nheads * len^2 * head_dim per sequence (halved when causal), as for the dense workload."""
+    return sum(flops(1, nheads, n, head_dim, causal, pass_) for n in lens)
 
 
 def standard_attention_backward(dout, q, k, v, p, *, softmax_scale=None):
@@ -210,6 +238,27 @@ def validate(make, head_dim, causal, dtype, seqlen=96, window_size=None, gqa=1):
     return None
 
 
+def validate_varlen(make_varlen, head_dim, causal, dtype, window_size=None, gqa=1):
+    """validate() for a packed batch of three sequences, one of them empty (out against the reference)."""
+    xp = _xp()
+    rng = np.random.default_rng(0)
+    lens_q, lens_k = [37, 0, 70], [50, 0, 81]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    hq, hdo = (rng.standard_normal((cu_q[-1], 2 * gqa, head_dim)).astype(dtype) for _ in range(2))
+    hk, hv = (rng.standard_normal((cu_k[-1], 2, head_dim)).astype(dtype) for _ in range(2))
+    opts = {} if window_size is None else dict(window_size=tuple(window_size))
+    try:
+        fns = make_varlen(*(xp.asarray(x) for x in (hq, hk, hv, hdo, cu_q, cu_k)), 70, 81, causal, **opts)
+        out = fns[FWD]()[0]
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    truth, _ = reference.attention_varlen_forward(hq, hk, hv, cu_q, cu_k, causal=causal, **opts)
+    base, _ = reference.attention_varlen_forward(hq, hk, hv, cu_q, cu_k, causal=causal, dtype=dtype, **opts)
+    err = float(np.abs(_host(out).astype(np.float64) - truth).max())
+    tol = 10 * float(np.abs(base - truth).max()) + 1e-5
+    return None if err <= tol else f"varlen forward error {err:.2e} > {tol:.2e}"
+
+
 def _peak_and_time(fn, lib, warmup, repeat):
     """(median ms, all ms, peak extra bytes) of fn()."""
     if lib == "torch" and not _backend.SIMULATOR:
@@ -253,13 +302,16 @@ def _progress(total):
 
 
 def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=16384, width=2048, warmup=2,
-              repeat=10, skip_standard_above_gib=60.0, max_call_ms=5000.0, on_row=None, window_size=None, gqa=1):
+              repeat=10, skip_standard_above_gib=60.0, max_call_ms=5000.0, on_row=None, window_size=None, gqa=1,
+              varlen=False):
     """Measure every (head_dim, causal, dtype, seqlen) x implementation x pass; returns the rows.
 
     ``on_row(row)`` is called as each row is measured (the CLI prints it and saves the JSON, so that a run cut
     short keeps what it measured). An implementation whose call took longer than ``max_call_ms`` at one
     seqlen is not run at the longer ones (recorded as skipped). ``window_size`` (a sliding window) and ``gqa``
-    (query heads per key/value head) time only the implementations that take them (flashnumba's)."""
+    (query heads per key/value head) time only the implementations that take them (flashnumba's). ``varlen``
+    packs each batch as sequences of random lengths up to seqlen (``varlen_lengths``) and times the varlen entry
+    points, again flashnumba's only."""
     xp = _xp()
     rows, invalid, too_slow = [], {}, set()
 
@@ -274,6 +326,11 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
         batch, nheads = max(1, tokens // n), max(1, width // d)
         rng = np.random.default_rng(n)
         shape, kv_shape = (batch, n, nheads, d), (batch, n, max(1, nheads // gqa), d)
+        lens = None
+        if varlen:  # one packed batch of about the same number of tokens
+            lens = varlen_lengths(batch * n, n, rng)
+            cu = xp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+            shape, kv_shape = (sum(lens), nheads, d), (sum(lens), kv_shape[2], d)
         q, dout = (xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype)) for _ in range(2))
         k, v = (xp.asarray(rng.standard_normal(kv_shape, dtype=np.float32).astype(dtype)) for _ in range(2))
         opts = {} if window_size is None else dict(window_size=tuple(window_size))
@@ -282,13 +339,21 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
             bar.update()
             key = (name, d, causal, np.dtype(dtype).name)
             base = dict(impl=name, head_dim=d, seqlen=n, batch=batch, nheads=nheads, causal=causal,
-                        dtype=np.dtype(dtype).name, nheads_k=kv_shape[2],
+                        dtype=np.dtype(dtype).name, nheads_k=kv_shape[-2],
                         window_size=None if window_size is None else list(window_size))
+            if varlen:
+                base.update(batch=len(lens), varlen_lengths=lens)
+                if not hasattr(make, "varlen"):
+                    emit(dict(base, error="skipped: this implementation has no varlen entry point here"))
+                    continue
             if (window_size is not None or gqa > 1) and not getattr(make, "features", False):
                 emit(dict(base, error="skipped: this implementation takes no window / GQA here"))
                 continue
             if key not in invalid:
-                invalid[key] = validate(make, d, causal, dtype, window_size=opts.get("window_size"), gqa=gqa)
+                check = (lambda: validate_varlen(make.varlen, d, causal, dtype, opts.get("window_size"), gqa)) \
+                    if varlen else (lambda: validate(make, d, causal, dtype, window_size=opts.get("window_size"),
+                                                     gqa=gqa))
+                invalid[key] = check()
             if invalid[key]:
                 emit(dict(base, error=invalid[key]))
                 continue
@@ -301,10 +366,21 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
                 continue
             lib = "torch" if name.startswith("torch") else "cupy"
             try:
-                fns = make(q, k, v, dout, causal, **opts)
+                if varlen:
+                    fns = make.varlen(q, k, v, dout, cu, cu, max(lens), max(lens), causal, **opts)
+                else:
+                    fns = make(q, k, v, dout, causal, **opts)
                 for p in passes:
+                    if p not in fns:
+                        emit(dict(base, error=f"skipped: no {p} pass here"))
+                        continue
                     ms, times, peak = _peak_and_time(fns[p], lib, warmup, repeat)
-                    f = flops(batch, nheads, n, d, causal, p, opts.get("window_size"))
+                    if varlen and opts.get("window_size") is None:
+                        f = varlen_flops(lens, nheads, d, causal, p)
+                    elif varlen:
+                        f = sum(flops(1, nheads, m, d, causal, p, opts["window_size"]) for m in lens)
+                    else:
+                        f = flops(batch, nheads, n, d, causal, p, opts.get("window_size"))
                     emit(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak))
                     if ms > max_call_ms:
                         too_slow.add(key)
@@ -332,10 +408,12 @@ def _free():
         pass
 
 
-def longest_seqlen_in_budget(impls, budget_gib, head_dim=64, nheads=16, dtype=np.float16, start=1024, stop=2**22):
+def longest_seqlen_in_budget(impls, budget_gib, head_dim=64, nheads=16, dtype=np.float16, start=1024, stop=2**16):
     """For each implementation: the longest power-of-two seqlen whose forward+backward (batch 1) fits in budget.
 
-    The memory counted is the inputs (q, k, v, dout) plus the peak extra memory of the call."""
+    The memory counted is the inputs (q, k, v, dout) plus the peak extra memory of the call. The search stops at
+    ``stop`` (the cost of one call grows as seqlen^2): an implementation that still fits there is reported as
+    ``stop`` with ``at_cap`` in the result, meaning "at least this long"."""
     xp = _xp()
     out = {}
     for name, make in impls.items():
@@ -474,6 +552,10 @@ def main(argv=None):
     p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
                    help="sliding window (flashnumba only); TFLOP/s then count the visible pairs exactly")
     p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head (flashnumba only)")
+    p.add_argument("--varlen", action="store_true",
+                   help="packed batches of random lengths up to each seqlen (flashnumba's varlen entry points)")
+    p.add_argument("--budget-max-seqlen", type=int, default=2**16,
+                   help="longest seqlen the budget search tries (one call's cost grows as seqlen^2)")
     p.add_argument("--from-json", default=None, help="re-print the table and re-draw the plots of a saved run")
     a = p.parse_args(argv)
     if a.from_json:
@@ -495,11 +577,13 @@ def main(argv=None):
     result = dict(environment=environment())
     if a.budget_gib is not None:
         result["budget_gib"] = a.budget_gib
-        result["longest_seqlen"] = longest_seqlen_in_budget(impls, a.budget_gib)
+        result["longest_seqlen"] = longest_seqlen_in_budget(impls, a.budget_gib, stop=a.budget_max_seqlen)
+        result["budget_max_seqlen"] = a.budget_max_seqlen
         print(f"longest seqlen (power of two) for forward+backward within {a.budget_gib} GiB "
-              f"(batch 1, 16 heads, head_dim 64, float16):")
+              f"(batch 1, 16 heads, head_dim 64, float16; the search stops at {a.budget_max_seqlen}):")
         for name, n in result["longest_seqlen"].items():
-            print(f"  {name:22} {n}")
+            at_cap = " (the search's limit: at least this)" if n == a.budget_max_seqlen else ""
+            print(f"  {name:22} {n}{at_cap}")
     else:
         causals = {"both": [False, True], "on": [True], "off": [False]}[a.causal]
         result["rows"] = []
@@ -514,7 +598,7 @@ def main(argv=None):
         rows = run_sweep(seqlens=a.seqlens, head_dims=a.head_dims, causals=causals,
                          dtypes=[np.dtype(d) for d in a.dtypes], passes=a.passes, impls=impls, tokens=a.tokens,
                          width=a.width, warmup=a.warmup, repeat=a.repeat, max_call_ms=a.max_call_ms,
-                         on_row=on_row, window_size=a.window, gqa=a.gqa)
+                         on_row=on_row, window_size=a.window, gqa=a.gqa, varlen=a.varlen)
         print()
         print(table(rows))
         result["plots"] = [os.path.basename(x) for x in plots(rows, a.out)]

@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 # A full session (about 15-20 minutes of device time): tests (pytest-xdist), crosscheck, sanitize, demo,
-# memory, bench. Run the bench separately when the rest leaves too little of the 10 minutes a call may take.
+# memory, bench (and, with STEPS=notebooks, the notebooks executed on the GPU). Run the bench separately when the rest leaves too little of the 10 minutes a call may take.
 STEPS=${STEPS:-"info tests crosscheck sanitize demo memory bench"}
 for step in $STEPS; do
   echo "=== $step $(date -u +%FT%TZ)"
@@ -27,6 +27,9 @@ for step in $STEPS; do
       done ;;
     crosscheck) python3 scripts/crosscheck_torch.py 2>&1 | tee "$OUT/crosscheck.log" ;;
     memory) python3 scripts/backward_memory.py 4096 16384 2>&1 | tee "$OUT/backward_memory.log" ;;
+    notebooks) # executed in place (scripts/run_notebook.py: no Jupyter on the GPU machine), copied to $OUT
+      (cd notebooks && timeout ${NOTEBOOK_TIMEOUT:-540} python3 ../scripts/run_notebook.py ${NOTEBOOKS:-*.ipynb}) \
+        2>&1 | tee "$OUT/notebooks.log"; cp notebooks/*.ipynb "$OUT"/ ;;
     bench) timeout ${BENCH_TIMEOUT:-600} python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac
 done

@@ -51,3 +51,28 @@ def test_bench_times_window_and_gqa_workloads(tmp_path):
     assert any("skipped" in r.get("error", "") for r in rows if r["impl"] == "standard_cupy")
     # 24 rows; row i sees keys max(0, i - 4) .. i: 5 keys each but the first four rows
     assert bench.flops(1, 2, 24, 8, False, "fwd", (4, 0)) == 4 * 2 * 8 * (24 * 5 - (4 + 3 + 2 + 1))
+
+
+def test_bench_times_varlen_workloads(tmp_path):
+    rc = bench.main(["--seqlens", "24", "--head-dims", "8", "--dtypes", "float32", "--causal", "on",
+                     "--tokens", "48", "--width", "16", "--repeat", "1", "--warmup", "0", "--passes", "fwd", "bwd",
+                     "--varlen", "--impls", "flashnumba_v3", "standard_cupy", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    timed = [r for r in rows if "ms" in r]
+    assert {r["pass_"] for r in timed} == {"fwd", "bwd"} and {r["impl"] for r in timed} == {"flashnumba_v3"}
+    lens = timed[0]["varlen_lengths"]
+    assert sum(lens) == 48 and all(6 <= n <= 24 for n in lens[:-1]) and 0 < lens[-1] <= 24
+    assert timed[0]["tflops"] == bench.varlen_flops(lens, 2, 8, True, "fwd") / timed[0]["ms"] / 1e9
+    assert any("no varlen" in r.get("error", "") for r in rows if r["impl"] == "standard_cupy")
+
+
+def test_varlen_validation_catches_a_wrong_kernel():
+    def wrong(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal):  # ignores the sequence boundaries
+        def fwd():
+            out, lse = flashnumba.flash_attn_forward(q[None], k[None], v[None], causal=causal)
+            return out[0], lse
+        return {bench.FWD: fwd}
+
+    assert bench.validate_varlen(wrong, 8, False, "float32") is not None
+    assert bench.validate_varlen(bench._flashnumba("v3").varlen, 8, False, "float32") is None
