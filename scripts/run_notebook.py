@@ -75,13 +75,18 @@ def run(path):
             outputs.append(outputs_error)
         cell["outputs"], cell["execution_count"] = outputs, count
         print(f"{path}: cell {count} {'ok' if ok else 'FAILED'} in {time.time() - t0:.1f} s", flush=True)
+        _write(nb, path)  # after every cell: a run cut short keeps what it computed
         if not ok:
             print("".join(outputs_error["traceback"]), file=sys.stderr)
             break
+    _write(nb, path)
+    return ok
+
+
+def _write(nb, path):
     with open(path, "w") as f:
         json.dump(nb, f, indent=1, ensure_ascii=False)
         f.write("\n")
-    return ok
 
 
 if __name__ == "__main__":
