@@ -228,8 +228,11 @@ def default_blocks(kernel: str, head_dim: int) -> tuple[int, int, int]:
     """(block_m, block_n, num_threads) used when the caller gives none."""
     if kernel == "v1":
         return 64, (32 if head_dim <= 128 else 16), 64
+    # From the block-size sweep on an H200 (notebooks/02_block_sizes.ipynb, float32, seqlen 2048).
+    if head_dim <= 64:
+        return 128, 64, 128
     if head_dim <= 128:
-        return 64, 64, 128
+        return 64, 32, 128
     return 32, 32, 128
 
 
@@ -439,9 +442,10 @@ def default_blocks_backward(head_dim: int, kernel: str = "v2") -> tuple[int, int
         if head_dim <= 64:
             return 64, 64, 64
         return (32, 32, 32) if head_dim <= 128 else (16, 16, 16)
+    # From the block-size sweep on an H200 (notebooks/02_block_sizes.ipynb, float32, seqlen 2048).
     if head_dim <= 64:
-        return 64, 64, 128
-    return (32, 64, 128) if head_dim <= 128 else (16, 32, 128)
+        return 64, 128, 256
+    return (64, 64, 256) if head_dim <= 128 else (16, 32, 128)
 
 
 def resolve_blocks_backward(head_dim, block_m=None, block_n=None, num_threads=None, kernel="v2"):
