@@ -1,0 +1,31 @@
+"""One forward and one backward call of the default kernels, between profiler start and stop, for Nsight Compute:
+
+    ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section WarpStateStats \\
+        --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats \\
+        python scripts/profile.py [seqlen] [head_dim]
+
+Workload as in the benchmark (batch = 16384 / seqlen, heads = 2048 / head_dim, float32, non-causal); each kernel
+is compiled and run once before the profiled calls.
+"""
+
+import sys
+
+import cupy
+import numpy as np
+
+import flashnumba
+
+n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
+d = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+rng = np.random.default_rng(0)
+q, k, v, dout = (cupy.asarray(rng.standard_normal((16384 // n, n, 2048 // d, d), dtype=np.float32)) for _ in range(4))
+out, lse = flashnumba.flash_attn_forward(q, k, v)
+flashnumba.flash_attn_backward(dout, q, k, v, out, lse)
+cupy.cuda.Device().synchronize()
+cupy.cuda.profiler.start()
+flashnumba.flash_attn_forward(q, k, v)
+flashnumba.flash_attn_backward(dout, q, k, v, out, lse)
+cupy.cuda.Device().synchronize()
+cupy.cuda.profiler.stop()
+print(f"profiled forward and backward, seqlen {n}, head_dim {d}, defaults {flashnumba.api.default_blocks('v3', d)} "
+      f"/ {flashnumba.api.default_blocks_backward(d)}")
