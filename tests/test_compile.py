@@ -80,10 +80,11 @@ def test_kernels_compile_for_sm90_and_report_resources():
               f"{r['registers']:5} {r['shared_bytes']:12} {r['dynamic_shared']:9} "
               f"{r['spill_stores']:5}/{r['spill_loads']:<5}")
         assert 0 < r["registers"] <= 255
-        # ptxas counts the 1 KB that sm_80+ reserves per block for the system in its "smem"; the 227 KB a block
-        # may opt in to excludes it (the backward at d=128 uses exactly 227 KB of dynamic shared memory on the H200)
-        assert r["shared_bytes"] >= 1024
-        assert r["shared_bytes"] - 1024 + r["dynamic_shared"] <= 227 * 1024
+        # ptxas counts the 1 KB that sm_80+ reserves per block for the system in its "smem" of any kernel that
+        # uses shared memory; the 227 KB a block may opt in to excludes it (the backward at d=128 uses exactly
+        # 227 KB of dynamic shared memory on the H200)
+        own_static = r["shared_bytes"] - 1024 if r["shared_bytes"] >= 1024 else r["shared_bytes"]
+        assert own_static + r["dynamic_shared"] <= 227 * 1024
 
 
 def test_occupancy_calculator():
