@@ -1,8 +1,17 @@
 """Where arrays live, and moving them: NumPy on the host, CuPy / Numba / any ``__cuda_array_interface__`` object on
 the GPU. The kernels always receive Numba device arrays (real or simulated); results come back in the caller's
-array type."""
+array type.
+
+bfloat16 has no NumPy dtype of its own and no Numba type: NumPy arrays of it use the dtype of the optional package
+ml_dtypes, torch's CUDA tensors of it have no ``__cuda_array_interface__`` (kind 'torch' here), and both reach the
+kernels as uint16 arrays of the same memory (:data:`BITS`), which :mod:`flashnumba.bf16` converts element by
+element.
+"""
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import numpy as np
 
@@ -17,12 +26,40 @@ except Exception:  # noqa: BLE001  (ImportError, or a CuPy that cannot find CUDA
     cupy = None
 
 
+BITS = np.dtype(np.uint16)  # what the kernels see of a bfloat16 array: its bit patterns
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16():
+    """NumPy's bfloat16 dtype, from ml_dtypes (imported on first use); None where ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype) -> bool:
+    bf16 = bfloat16()
+    return bf16 is not None and dtype == bf16
+
+
+def _torch_bfloat16(x) -> bool:
+    """Whether x is a torch CUDA tensor of dtype torch.bfloat16 (torch is never imported here: a caller that has
+    a tensor has imported it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == torch.bfloat16
+
+
 def kind(x) -> str:
-    """'numpy', 'cupy', 'numba' or 'cai' (another __cuda_array_interface__ object); TypeError otherwise."""
+    """'numpy', 'cupy', 'numba', 'torch' (a torch.bfloat16 CUDA tensor) or 'cai' (another
+    __cuda_array_interface__ object, torch tensors of other dtypes included); TypeError otherwise."""
     if isinstance(x, np.ndarray):
         return "numpy"
     if cupy is not None and isinstance(x, cupy.ndarray):
         return "cupy"
+    if _torch_bfloat16(x):  # before the check below: torch raises, not AttributeError, for a bfloat16 tensor
+        return "torch"
     if not SIMULATOR and cuda.is_cuda_array(x) and cuda.devicearray.is_cuda_ndarray(x):
         return "numba"
     if hasattr(x, "__cuda_array_interface__"):
@@ -36,11 +73,16 @@ def kind(x) -> str:
 
 
 def on_device(k: str) -> bool:
-    return k in ("cupy", "numba", "cai")
+    return k in ("cupy", "numba", "cai", "torch")
 
 
 def shape_strides_dtype(x):
     """(shape, strides in bytes, numpy dtype) of any supported array, without touching its data."""
+    if _torch_bfloat16(x):
+        if bfloat16() is None:
+            raise ImportError("torch.bfloat16 tensors need the ml_dtypes package (NumPy's bfloat16 dtype): "
+                              "pip install ml_dtypes")
+        return tuple(x.shape), tuple(2 * s for s in x.stride()), bfloat16()
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
         cai = x.__cuda_array_interface__
         dtype = np.dtype(cai["typestr"])
@@ -56,10 +98,23 @@ def shape_strides_dtype(x):
     return tuple(x.shape), tuple(x.strides), np.dtype(x.dtype)
 
 
+class _Bits:
+    """A torch.bfloat16 CUDA tensor seen as uint16 through the __cuda_array_interface__ (no copy): torch gives
+    none for bfloat16, so it is taken from the tensor's int16 view, typed unsigned."""
+
+    def __init__(self, x):
+        self.base = x.detach().view(sys.modules["torch"].int16)  # also keeps the memory alive
+        self.__cuda_array_interface__ = dict(self.base.__cuda_array_interface__, typestr=BITS.str)
+
+
 def to_kernel(x, k: str):
-    """A Numba (device or simulated) array viewing x; NumPy arrays are copied to the device."""
+    """A Numba (device or simulated) array viewing x; NumPy arrays are copied to the device. bfloat16 arrays
+    become uint16 arrays of their bit patterns (:data:`BITS`)."""
     if k == "numpy":  # the copy to the device is needed anyway; make it one contiguous transfer
-        return cuda.to_device(np.ascontiguousarray(x))
+        x = np.ascontiguousarray(x)
+        return cuda.to_device(x.view(BITS) if is_bfloat16(x.dtype) else x)
+    if k == "torch":
+        return cuda.as_cuda_array(_Bits(x))
     if k == "cupy" and SIMULATOR:  # pragma: no cover (CuPy is not imported under the simulator)
         return cuda.to_device(cupy.asnumpy(x))
     if SIMULATOR and k == "numba":
@@ -80,7 +135,7 @@ class _LeadingAxis:
 
 def with_leading_axis(x, kind):
     """x viewed with a leading axis of length 1, in its own array type where it has one."""
-    if kind in ("numpy", "cupy"):
+    if kind in ("numpy", "cupy", "torch"):
         return x[None]
     if SIMULATOR:  # a simulator device array: a host copy with the axis added
         return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[None]))
@@ -99,22 +154,31 @@ def to_host(x):
 
 
 def empty(shape, dtype, like: str):
-    """A new kernel-side output buffer; NaN-filled when ``config.poison_outputs`` is set (tests)."""
+    """A new output buffer: (what the caller gets, what the kernel writes); NaN-filled when
+    ``config.poison_outputs`` is set (tests). A bfloat16 buffer's kernel side is uint16 (NaN: 0x7FC0)."""
+    if like == "torch":  # bfloat16 outputs and, beside them, float32 lse
+        torch = sys.modules["torch"]
+        arr = torch.empty(shape, dtype=torch.bfloat16 if is_bfloat16(dtype) else torch.float32, device="cuda")
+        if config.poison_outputs:
+            arr.fill_(float("nan"))
+        return arr, to_kernel(arr, "torch") if is_bfloat16(dtype) else cuda.as_cuda_array(arr)
     if like in ("cupy", "cai") and cupy is not None:
         arr = cupy.empty(shape, dtype)
         if config.poison_outputs:
             arr.fill(np.nan)
         return arr, cuda.as_cuda_array(arr)
+    bits = is_bfloat16(np.dtype(dtype))
     if config.poison_outputs:
         host = np.full(shape, np.nan, dtype)
-        dev = cuda.to_device(host)
+        dev = cuda.to_device(host.view(BITS) if bits else host)
     else:
-        dev = cuda.device_array(shape, dtype)
+        dev = cuda.device_array(shape, BITS if bits else dtype)
     return dev, dev
 
 
 def to_caller(user_side, kernel_side, like: str):
-    """Return a result in the caller's array type."""
+    """Return a result in the caller's array type (uint16 kernel arrays hold bfloat16: NumPy gets bfloat16)."""
     if like == "numpy":
-        return kernel_side.copy_to_host()
+        host = kernel_side.copy_to_host()
+        return host.view(bfloat16()) if host.dtype == BITS else host
     return user_side

@@ -5,6 +5,10 @@ head_dim)``, out like q, lse ``(batch, nheads, seqlen_q)`` float32 (natural log)
 to the GPU and back, or run in the simulator), CuPy arrays, or any ``__cuda_array_interface__`` object; the
 results have the input's array type (CuPy for a foreign CUDA array when CuPy is installed, else Numba device
 arrays). Inputs are only read; strided inputs whose last dimension is contiguous are used in place.
+
+dtypes: float32, float16 and bfloat16, accumulated in float32. bfloat16 comes as NumPy arrays of
+``ml_dtypes.bfloat16`` or as torch.bfloat16 CUDA tensors (the results are then torch tensors: bfloat16 outputs,
+float32 lse); CuPy has no bfloat16.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from . import _arrays, backward, forward
 from ._backend import SIMULATOR, cuda, max_shared_memory_per_block
 
 MAX_HEAD_DIM = 256
-DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # and bfloat16: see _arrays.bfloat16
+DTYPE_NAMES = ("float32, float16, bfloat16 (NumPy arrays of ml_dtypes.bfloat16, or torch.bfloat16 CUDA "
+               "tensors)")
 STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory per block
 
 
@@ -63,9 +69,8 @@ def _check_same_place(tensors):
 def _check_dtypes(tensors):
     first = tensors[0]
     for t in tensors:
-        if t.dtype not in DTYPES:
-            names = ", ".join(str(d) for d in DTYPES)
-            raise TypeError(f"{t.name} has dtype {t.dtype}; supported dtypes are {names}")
+        if t.dtype not in DTYPES and not _arrays.is_bfloat16(t.dtype):
+            raise TypeError(f"{t.name} has dtype {t.dtype}; supported dtypes are {DTYPE_NAMES}")
         if t.dtype != first.dtype:
             raise TypeError(f"{t.name} has dtype {t.dtype} but {first.name} has dtype {first.dtype}; they must match")
 
@@ -298,7 +303,7 @@ def flash_attn_forward(
 
     Parameters
     ----------
-    q : (batch, seqlen_q, nheads, head_dim) float32 or float16
+    q : (batch, seqlen_q, nheads, head_dim) float32, float16 or bfloat16
     k, v : (batch, seqlen_k, nheads_k, head_dim), same dtype; nheads a multiple of nheads_k (GQA / MQA:
         query head h reads key/value head h // (nheads // nheads_k))
     softmax_scale : float, default 1 / sqrt(head_dim)
@@ -345,14 +350,15 @@ def _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, sme
     if batch * nheads * max_seqlen_q == 0 or total_q == 0:
         return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
     qd, kd, vd = (_arrays.to_kernel(t.array, t.kind) for t in (tq, tk, tv))
+    bf16 = _arrays.is_bfloat16(tq.dtype)  # a kernel of its own, on uint16 bit patterns
     scale_log2 = np.float32(scale * forward.LOG2E)
     grid = (-(-max_seqlen_q // block_m), batch * nheads)
     if kernel == "v1":
-        fn = forward.make_forward_v1(head_dim, block_m, block_n, opts.right == 0)
+        fn = forward.make_forward_v1(head_dim, block_m, block_n, opts.right == 0, bf16=bf16)
         launch(fn, grid, (block_m,), 0, (qd, kd, vd, out_dev, lse_dev, scale_log2))
     else:
         make = forward.make_forward_v2 if kernel == "v2" else forward.make_forward_v3
-        fn = make(head_dim, block_m, block_n, num_threads, opts.variant)
+        fn = make(head_dim, block_m, block_n, num_threads, opts.variant, bf16=bf16)
         # with softcap or ALiBi the kernel forms scale * q.k in natural units first (see forward.py)
         scale_q = np.float32(scale) if (opts.variant[2] or opts.variant[3]) else scale_log2
         launch(fn, grid, (num_threads,), smem, (qd, kd, vd, out_dev, lse_dev, scale_q, *opts.kernel_args))
@@ -421,7 +427,7 @@ def attention_probs(q, k, v, lse, *, softmax_scale=None, causal=False, window_si
     probs_user, probs_dev = _arrays.empty((batch, nheads, seqlen_q, seqlen_k), np.float32, like)
     if batch * nheads * seqlen_q * seqlen_k:
         qd, kd, ld = (_arrays.to_kernel(t.array, t.kind) for t in (tq, tk, tl))
-        fn = forward.make_probs_kernel(head_dim, opts.variant)
+        fn = forward.make_probs_kernel(head_dim, opts.variant, bf16=_arrays.is_bfloat16(tq.dtype))
         launch(fn, (seqlen_q, batch * nheads), (min(128, max(32, seqlen_k)),), 0,
                (qd, kd, ld, probs_dev, np.float32(scale), opts.softcap, np.int64(opts.left), np.int64(opts.right),
                 opts.alibi, *opts.dropout))
@@ -523,28 +529,30 @@ def _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, nu
 
     dod, qd, kd, vd, od, ld = (_arrays.to_kernel(t.array, t.kind) for t in (tdo, tq, tk, tv, to, tl))
     delta_user, delta = _arrays.empty((lead, nheads, total_q), np.float32, like)  # D_i, O(seqlen_q)
+    bf16 = _arrays.is_bfloat16(tq.dtype)
     scale32 = np.float32(scale)
     causal = opts.right == 0 and not opts.variant[0]  # what kernel v1 implements
     grid_q = (-(-max_seqlen_q // block_m), batch * nheads)
     grid_k = (-(-max_seqlen_k // block_n), batch * tk.shape[2])
     if total_q:  # D_i = rowsum(dO_i * O_i), row by row over the whole (lead, total_q) layout
-        pre = backward.make_backward_preprocess(head_dim, 64)
+        pre = backward.make_backward_preprocess(head_dim, 64, bf16=bf16)
         launch(pre, (-(-total_q // 64), lead * nheads), (64,), 0, (dod, od, delta))
     if kernel == "v1":
         if max_seqlen_q:
-            dq_fn = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal)
+            dq_fn = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal, bf16=bf16)
             launch(dq_fn, grid_q, (block_m,), 0, (dod, qd, kd, vd, ld, delta, dq_dev, scale32))
         if max_seqlen_k:
-            dkdv_fn = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
+            dkdv_fn = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal, bf16=bf16)
             launch(dkdv_fn, grid_k, (block_n,), 0, (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32))
     else:
         smem_dkdv, smem_dq = smem
         if max_seqlen_q:
-            dq_fn = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, opts.variant)
+            dq_fn = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, opts.variant, bf16=bf16)
             launch(dq_fn, grid_q, (num_threads,), smem_dq,
                    (dod, qd, kd, vd, ld, delta, dq_dev, scale32, *opts.kernel_args))
         if max_seqlen_k:
-            dkdv_fn = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, opts.variant)
+            dkdv_fn = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, opts.variant,
+                                                     bf16=bf16)
             launch(dkdv_fn, grid_k, (num_threads,), smem_dkdv,
                    (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, scale32, *opts.kernel_args))
     del delta_user

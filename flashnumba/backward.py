@@ -29,6 +29,10 @@ P_ij is computed as exp2((scale * s - L_i) * log2(e)): the difference of the two
 in natural units, so that with large logits only the rounding of L_i itself (float32) limits the accuracy.
 Accumulation is float32 for every input dtype. A query row that saw no key has L_i = -inf; its P_ij are 0
 (masked), so its dQ_i is 0 and it adds nothing to dK, dV.
+
+As in the forward kernels, q, k, v, dout and out are read through ``load`` and dq, dk, dv written through
+``store`` (:func:`flashnumba.bf16.load_store`): with ``bf16``, the arrays are bfloat16 bit patterns (uint16).
+lse and D_i are float32 for every dtype.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import math
 
 from numba import float32, uint64
 
+from . import bf16 as _bf16
 from ._backend import cuda
 from .forward import LOG2E, NEG_INF, dropout_uniform
 
@@ -53,8 +58,9 @@ def shared_bytes_dq_v1(D, B_r, B_c):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_preprocess(D, B_r):
+def make_backward_preprocess(D, B_r, bf16=False):
     """D_i = rowsum(dO_i * O_i). Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (B_r,)."""
+    load, _ = _bf16.load_store(bf16)
 
     @cuda.jit
     def backward_preprocess(dout, out, delta):
@@ -66,19 +72,20 @@ def make_backward_preprocess(D, B_r):
         if i < seqlen_q:
             acc = float32(0.0)
             for c in range(D):
-                acc += float32(dout[b, i, h, c]) * float32(out[b, i, h, c])
+                acc += load(dout[b, i, h, c]) * load(out[b, i, h, c])
             delta[b, h, i] = acc
 
     return backward_preprocess
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_v1(D, B_r, B_c, causal):
+def make_backward_dkdv_v1(D, B_r, B_c, causal, bf16=False):
     """dK_j, dV_j for one key tile per block, one thread per key row.
 
     Launch: grid (ceil(seqlen_k / B_c), batch * nheads), block (B_c,). Shared memory: Q_i, dO_i (B_r, D), L_i,
     D_i (B_r,), :func:`shared_bytes_dkdv_v1` bytes. Thread t owns key row j = blockIdx.x * B_c + t.
     """
+    load, store = _bf16.load_store(bf16)
 
     @cuda.jit
     def backward_dkdv_v1(dout, q, k, v, lse, delta, dk, dv, scale):
@@ -102,8 +109,8 @@ def make_backward_dkdv_v1(D, B_r, B_c, causal):
 
         col_ok = j < seqlen_k
         for c in range(D):
-            k_j[c] = float32(k[b, j, h, c]) if col_ok else float32(0.0)
-            v_j[c] = float32(v[b, j, h, c]) if col_ok else float32(0.0)
+            k_j[c] = load(k[b, j, h, c]) if col_ok else float32(0.0)
+            v_j[c] = load(v[b, j, h, c]) if col_ok else float32(0.0)
             dk_j[c] = 0.0
             dv_j[c] = 0.0
 
@@ -117,8 +124,8 @@ def make_backward_dkdv_v1(D, B_r, B_c, causal):
                 r = e // D
                 c = e % D
                 ok = i0 + r < seqlen_q
-                Q_i[r, c] = float32(q[b, i0 + r, h, c]) if ok else float32(0.0)
-                dO_i[r, c] = float32(dout[b, i0 + r, h, c]) if ok else float32(0.0)
+                Q_i[r, c] = load(q[b, i0 + r, h, c]) if ok else float32(0.0)
+                dO_i[r, c] = load(dout[b, i0 + r, h, c]) if ok else float32(0.0)
             for r in range(t, B_r, B_c):
                 ok = i0 + r < seqlen_q
                 L_i[r] = lse[b, h, i0 + r] if ok else NEG_INF
@@ -145,19 +152,20 @@ def make_backward_dkdv_v1(D, B_r, B_c, causal):
 
         if col_ok:
             for c in range(D):
-                dk[b, j, h, c] = dk_j[c] * scale
-                dv[b, j, h, c] = dv_j[c]
+                dk[b, j, h, c] = store(dk_j[c] * scale)
+                dv[b, j, h, c] = store(dv_j[c])
 
     return backward_dkdv_v1
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_v1(D, B_r, B_c, causal):
+def make_backward_dq_v1(D, B_r, B_c, causal, bf16=False):
     """dQ_i for one query tile per block, one thread per query row; no atomics.
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (B_r,). Shared memory: K_j, V_j (B_c, D),
     :func:`shared_bytes_dq_v1` bytes. Thread t owns query row i = blockIdx.x * B_r + t.
     """
+    load, store = _bf16.load_store(bf16)
 
     @cuda.jit
     def backward_dq_v1(dout, q, k, v, lse, delta, dq, scale):
@@ -183,8 +191,8 @@ def make_backward_dq_v1(D, B_r, B_c, causal):
             L = lse[b, h, i]
             D_row = delta[b, h, i]
         for c in range(D):
-            q_i[c] = float32(q[b, i, h, c]) if row_ok else float32(0.0)
-            do_i[c] = float32(dout[b, i, h, c]) if row_ok else float32(0.0)
+            q_i[c] = load(q[b, i, h, c]) if row_ok else float32(0.0)
+            do_i[c] = load(dout[b, i, h, c]) if row_ok else float32(0.0)
             dq_i[c] = 0.0
 
         n_end = seqlen_k
@@ -196,8 +204,8 @@ def make_backward_dq_v1(D, B_r, B_c, causal):
                 r = e // D
                 c = e % D
                 ok = j0 + r < seqlen_k
-                K_j[r, c] = float32(k[b, j0 + r, h, c]) if ok else float32(0.0)
-                V_j[r, c] = float32(v[b, j0 + r, h, c]) if ok else float32(0.0)
+                K_j[r, c] = load(k[b, j0 + r, h, c]) if ok else float32(0.0)
+                V_j[r, c] = load(v[b, j0 + r, h, c]) if ok else float32(0.0)
             cuda.syncthreads()  # K_j, V_j complete before any thread reads them
 
             if row_ok and L != NEG_INF:
@@ -218,7 +226,7 @@ def make_backward_dq_v1(D, B_r, B_c, causal):
 
         if row_ok:
             for c in range(D):
-                dq[b, i, h, c] = dq_i[c] * scale
+                dq[b, i, h, c] = store(dq_i[c] * scale)
 
     return backward_dq_v1
 
@@ -276,7 +284,7 @@ def check_blocks_v2(D, B_r, B_c, num_threads):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
+def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     """dK_j, dV_j for one key tile per block, register-tiled.
 
     Launch: grid (ceil(seqlen_k / B_c), batch * nheads_k), block (num_threads,), dynamic shared memory
@@ -285,9 +293,10 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
 
     Per query tile i:  S^T = K_j Q_i^T and dP^T = V_j dO_i^T (registers, TM x TN);  P^T, dS^T to shared;
     dV_j += P^T dO_i and dK_j += dS^T Q_i (registers, TM x DC). With GQA the block loops over the query heads
-    that share its key/value head, in order, so dK and dV are summed deterministically. ``variant`` as in
-    :func:`flashnumba.forward.make_forward_v2`.
+    that share its key/value head, in order, so dK and dV are summed deterministically. ``variant`` and
+    ``bf16`` as in :func:`flashnumba.forward.make_forward_v2`.
     """
+    load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
     TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
@@ -345,8 +354,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
             kx = float32(0.0)
             vx = float32(0.0)
             if j0 + jj < seqlen_k:
-                kx = float32(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
-                vx = float32(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                kx = load(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                vx = load(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
             smem[OFF_KT + I(c) * KS + I(jj)] = kx
             smem[OFF_VT + I(c) * KS + I(jj)] = vx
         for rr in range(TM):
@@ -372,8 +381,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
                     qx = float32(0.0)
                     ox = float32(0.0)
                     if i0 + r < seqlen_q:
-                        qx = float32(q[I(bb), I(q0 + i0 + r), I(h), I(c)])
-                        ox = float32(dout[I(bb), I(q0 + i0 + r), I(h), I(c)])
+                        qx = load(q[I(bb), I(q0 + i0 + r), I(h), I(c)])
+                        ox = load(dout[I(bb), I(q0 + i0 + r), I(h), I(c)])
                     smem[OFF_QT + I(c) * QS + I(r)] = qx
                     smem[OFF_OT + I(c) * QS + I(r)] = ox
                     smem[OFF_Q + I(r) * uD + I(c)] = qx
@@ -455,14 +464,14 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        dk[I(bb), I(k0 + j), I(hk), I(c)] = dK[rr, n] * scale
-                        dv[I(bb), I(k0 + j), I(hk), I(c)] = dV[rr, n]
+                        dk[I(bb), I(k0 + j), I(hk), I(c)] = store(dK[rr, n] * scale)
+                        dv[I(bb), I(k0 + j), I(hk), I(c)] = store(dV[rr, n])
 
     return backward_dkdv_v2
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
+def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     """dQ_i for one query tile per block, register-tiled; no atomics.
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
@@ -470,8 +479,9 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
     tx + 8n; in dQ, feature columns tx + 8n.
 
     Per key tile j:  S = Q_i K_j^T, dP = dO_i V_j^T (registers);  dS^T to shared;  dQ_i += dS K_j.
-    ``variant`` as in :func:`flashnumba.forward.make_forward_v2`.
+    ``variant`` and ``bf16`` as in :func:`flashnumba.forward.make_forward_v2`.
     """
+    load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     I = uint64  # noqa: E741
     TY, TM, TN, DC = _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")
@@ -526,8 +536,8 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
             qx = float32(0.0)
             ox = float32(0.0)
             if i0 + r < seqlen_q:
-                qx = float32(q[I(bb), I(q0 + i0 + r), I(h), I(c)])
-                ox = float32(dout[I(bb), I(q0 + i0 + r), I(h), I(c)])
+                qx = load(q[I(bb), I(q0 + i0 + r), I(h), I(c)])
+                ox = load(dout[I(bb), I(q0 + i0 + r), I(h), I(c)])
             smem[OFF_QT + I(c) * QS + I(r)] = qx
             smem[OFF_OT + I(c) * QS + I(r)] = ox
         for rr in range(TM):
@@ -551,8 +561,8 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if j0 + jj < seqlen_k:
-                    kx = float32(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
-                    vx = float32(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                    kx = load(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                    vx = load(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
                 smem[OFF_KT + I(c) * KS + I(jj)] = kx
                 smem[OFF_VT + I(c) * KS + I(jj)] = vx
                 smem[OFF_K + I(jj) * uD + I(c)] = kx
@@ -622,6 +632,6 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        dq[I(bb), I(q0 + i), I(h), I(c)] = dQ[rr, n] * scale
+                        dq[I(bb), I(q0 + i), I(h), I(c)] = store(dQ[rr, n] * scale)
 
     return backward_dq_v2

@@ -31,8 +31,12 @@ then O_i / l_i and L_i = m_i + log(l_i). In the kernels S is kept in base 2 (sca
 so exp becomes exp2 and L_i = ln(2) * m_i + log(l_i). A row that sees no key keeps m_i = -inf and l_i = 0; it
 writes O_i = 0 and L_i = -inf. Accumulation is float32 for every input dtype.
 
+Every element of q, k, v is read through ``load`` (to float32) and every element of out is written through
+``store`` (from float32): for float32 and float16 a plain conversion, for bfloat16 (uint16 bit patterns) the
+conversions of :mod:`flashnumba.bf16`, chosen when the kernel is built.
+
 Kernels are built by ``make_*`` factories, specialised on compile-time constants (head_dim D, block sizes,
-causal for v1, a :class:`Variant` of options for v2/v3), and cached per process.
+causal for v1, a :class:`Variant` of options for v2/v3, ``bf16``), and cached per process.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from __future__ import annotations
 import functools
 import math
 
-from . import philox
+from . import bf16 as _bf16, philox
 from ._backend import cuda
 from numba import float32, int64, uint64
 
@@ -63,13 +67,15 @@ def shared_bytes_v1(D, B_r, B_c):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_v1(D, B_r, B_c, causal):
-    """Forward kernel v1: one thread per query row, K_j/V_j tiles in shared memory.
+def make_forward_v1(D, B_r, B_c, causal, bf16=False):
+    """Forward kernel v1: one thread per query row, K_j/V_j tiles in shared memory (bfloat16 arrays, as
+    uint16 bit patterns, when ``bf16``).
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (B_r,). Thread t owns query row i = blockIdx.x *
     B_r + t: it keeps q_i (scaled), o_i (D floats) and s (B_c floats) in local memory and m_i, l_i in
     registers. Shared memory: K_j and V_j, 2 * B_c * D * 4 bytes.
     """
+    load, store = _bf16.load_store(bf16)
 
     @cuda.jit
     def forward_v1(q, k, v, out, lse, scale_log2):
@@ -90,7 +96,7 @@ def make_forward_v1(D, B_r, B_c, causal):
 
         row_ok = i < seqlen_q
         for c in range(D):
-            q_i[c] = float32(q[b, i, h, c]) * scale_log2 if row_ok else float32(0.0)
+            q_i[c] = load(q[b, i, h, c]) * scale_log2 if row_ok else float32(0.0)
             o_i[c] = 0.0
         m_i = NEG_INF
         l_i = float32(0.0)
@@ -107,8 +113,8 @@ def make_forward_v1(D, B_r, B_c, causal):
                 r = e // D
                 c = e % D
                 if j0 + r < seqlen_k:
-                    K_j[r, c] = k[b, j0 + r, h, c]
-                    V_j[r, c] = v[b, j0 + r, h, c]
+                    K_j[r, c] = load(k[b, j0 + r, h, c])
+                    V_j[r, c] = load(v[b, j0 + r, h, c])
                 else:
                     K_j[r, c] = 0.0
                     V_j[r, c] = 0.0
@@ -146,7 +152,7 @@ def make_forward_v1(D, B_r, B_c, causal):
             # (l_i is NaN, not 0, when an input was NaN: the NaN then reaches out and lse)
             inv_l = float32(1.0) / l_i if l_i != 0 else float32(0.0)
             for c in range(D):
-                out[b, i, h, c] = o_i[c] * inv_l
+                out[b, i, h, c] = store(o_i[c] * inv_l)
             lse[b, h, i] = float32(m_i * LN2 + math.log(l_i)) if l_i != 0 else NEG_INF
 
     return forward_v1
@@ -198,7 +204,7 @@ def shared_bytes_v2(D, B_r, B_c):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_v2(D, B_r, B_c, num_threads, variant):
+def make_forward_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     """Forward kernel v2: register-tiled S_ij and O_i.
 
     ``variant`` = :class:`Variant` (has_left, has_right, softcap, alibi, varlen, dropout): which masks, score
@@ -213,12 +219,13 @@ def make_forward_v2(D, B_r, B_c, num_threads, variant):
 
     Per key tile: load K_j^T, V_j; S = Q_i K_j^T from shared (TM + TN loads per TM * TN FMAs); row max and
     row sum reduced over the 8 threads of a row through ``red``; P_ij^T to shared; O += P_ij V_j.
+    ``bf16``: q, k, v, out are bfloat16 (uint16 bit patterns).
     """
-    return _make_register_tiled(D, B_r, B_c, num_threads, variant, int64)
+    return _make_register_tiled(D, B_r, B_c, num_threads, variant, int64, bf16)
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_v3(D, B_r, B_c, num_threads, variant):
+def make_forward_v3(D, B_r, B_c, num_threads, variant, bf16=False):
     """Forward kernel v3: v2 with unsigned index arithmetic (shared and global memory).
 
     The trick, specific to Numba: an array index of a *signed* integer type gets a negative-index wraparound
@@ -229,11 +236,12 @@ def make_forward_v3(D, B_r, B_c, num_threads, variant):
     The same holds for the 4-D global arrays (four wraparounds per element loaded); v3 indexes them unsigned
     too. The arithmetic is otherwise identical to v2.
     """
-    return _make_register_tiled(D, B_r, B_c, num_threads, variant, uint64)
+    return _make_register_tiled(D, B_r, B_c, num_threads, variant, uint64, bf16)
 
 
-def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
+def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
     """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
+    load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     SCORE_MOD = SOFTCAP or ALIBI  # S is then formed in natural units, modified, and only then moved to base 2
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
@@ -292,7 +300,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
             c = e % D
             x = float32(0.0)
             if i0 + r < seqlen_q:
-                x = float32(q[I(bb), I(q0 + i0 + r), I(h), I(c)]) * scale_q
+                x = load(q[I(bb), I(q0 + i0 + r), I(h), I(c)]) * scale_q
             smem[OFF_Q + I(c) * QS + I(r)] = x
         for rr in range(TM):
             m[rr] = NEG_INF
@@ -317,8 +325,8 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
                 kx = float32(0.0)
                 vx = float32(0.0)
                 if j0 + jj < seqlen_k:
-                    kx = float32(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
-                    vx = float32(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                    kx = load(k[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
+                    vx = load(v[I(bb), I(k0 + j0 + jj), I(hk), I(c)])
                 smem[OFF_K + I(c) * KS + I(jj)] = kx
                 smem[OFF_V + I(jj) * uD + I(c)] = vx
             cuda.syncthreads()  # Q_i^T (first tile), K_j^T, V_j complete before they are read
@@ -406,7 +414,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I):
                 for n in range(DC):
                     c = tx + TX * n
                     if c < D:
-                        out[I(bb), I(q0 + i), I(h), I(c)] = O[rr, n] * inv_l
+                        out[I(bb), I(q0 + i), I(h), I(c)] = store(O[rr, n] * inv_l)
                 if tx == 0:
                     lse[I(bb), I(h), I(q0 + i)] = float32(m[rr] * LN2 + math.log(l[rr])) if l[rr] != 0 else NEG_INF
 
@@ -422,15 +430,16 @@ KERNELS = ("v1", "v2", "v3")
 
 
 @functools.lru_cache(maxsize=None)
-def make_probs_kernel(D, variant):
+def make_probs_kernel(D, variant, bf16=False):
     """P_ij Z_ij = exp(S_ij - L_i) times the dropout multiplier, written out in full (batch, nheads, seqlen_q,
     seqlen_k): the ``return_attn_probs`` debugging path, for small sizes. S_ij is formed exactly as in the
     register-tiled kernels (softcap, ALiBi, masks, GQA, dropout; not varlen) from the forward's L_i.
 
     Launch: grid (seqlen_q, batch * nheads), block (up to 128,): block (i, b*h) is one row, its threads stride
-    over the keys j.
+    over the keys j. ``bf16``: q and k are bfloat16 (uint16 bit patterns); probs is float32 always.
     """
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    load, _ = _bf16.load_store(bf16)
 
     @cuda.jit
     def attn_probs(q, k, lse, probs, scale, softcap, left, right, alibi, p_drop, rp_keep, seed, offset):
@@ -447,7 +456,7 @@ def make_probs_kernel(D, variant):
         for j in range(cuda.threadIdx.x, seqlen_k, cuda.blockDim.x):
             x = float32(0.0)
             for c in range(D):
-                x += float32(q[b, i, h, c]) * float32(k[b, j, hk, c])
+                x += load(q[b, i, h, c]) * load(k[b, j, hk, c])
             x *= scale
             if SOFTCAP:
                 x = softcap * float32(math.tanh(x / softcap))

@@ -10,10 +10,16 @@ out like q, lse ``(batch, nheads, seqlen_q)`` (natural log).
 
 Causal masking is bottom-right aligned (flash-attn >= 2.1): query i sees key j iff j <= i + seqlen_k - seqlen_q.
 A query row that sees no key has out = 0 and lse = -inf.
+
+``dtype`` chooses the precision of the computation: float64 (the truth), float32, float16 (NumPy's own
+arithmetic), or ``ml_dtypes.bfloat16``, in which NumPy cannot compute (ml_dtypes multiplies matrices in float32
+but sums in bfloat16): there the computation runs in float32 on the bfloat16 inputs and its results are rounded
+to bfloat16, what an implementation that accumulates in float32 and stores bfloat16 achieves.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -44,6 +50,19 @@ def visibility_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1), r
     if right >= 0:
         mask &= j <= i + diag + right
     return mask
+
+
+def _bfloat16_in_float32(fn):
+    """Let ``fn(..., dtype=ml_dtypes.bfloat16)`` compute in float32 and round its results to bfloat16."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, dtype=np.float64, **kwargs):
+        if np.dtype(dtype).name != "bfloat16":
+            return fn(*args, dtype=dtype, **kwargs)
+        result = fn(*args, dtype=np.float32, **kwargs)
+        return tuple(r.astype(dtype) for r in result) if isinstance(result, tuple) else result.astype(dtype)
+
+    return wrapper
 
 
 def _heads_first(x, dtype):
@@ -115,6 +134,7 @@ def _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, d
     return q, k, v, p, lse, dcap, scale
 
 
+@_bfloat16_in_float32
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None, dropout_z=None, dtype=np.float64):
     """Dense attention. Returns (out, lse): out like q, lse (batch, nheads, seqlen_q), both in ``dtype``.
@@ -130,6 +150,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     return (p @ v).transpose(0, 2, 1, 3), lse
 
 
+@_bfloat16_in_float32
 def attention_probs(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, dropout_z=None, dtype=np.float64):
     """The attention probabilities P (batch, nheads, seqlen_q, seqlen_k), times Z with dropout: what
@@ -138,6 +159,7 @@ def attention_probs(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return p if dropout_z is None else p * np.asarray(dropout_z, dtype)
 
 
+@_bfloat16_in_float32
 def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                        alibi_slopes=None, dropout_z=None, dtype=np.float64):
     """Analytic gradient of :func:`attention_forward`: returns (dq, dk, dv) in ``dtype``.
@@ -212,6 +234,7 @@ def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, wind
     return out.transpose(0, 2, 1, 3), lse
 
 
+@_bfloat16_in_float32
 def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                                softcap=0.0, alibi_slopes=None, dropout_z=None, block_m=16, block_n=16,
                                dtype=np.float64):

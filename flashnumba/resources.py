@@ -20,13 +20,18 @@ from ._backend import SIMULATOR, cuda
 _ARRAY = "{}[:, :, :, :]"
 
 
+def _array(dtype: str) -> str:
+    """A 4-D array type of the kernels' signatures; bfloat16 arrays reach the kernels as uint16 bit patterns."""
+    return _ARRAY.format("uint16" if dtype == "bfloat16" else dtype)
+
+
 _OPTS = ("float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64")
 # softcap, window left and right, ALiBi slopes, cu_seqlens q and k, dropout p, 1 / (1 - p), seed, offset
 
 
 def kernel_signature(kernel: str = "v3", dtype: str = "float32") -> str:
     """Signature of the forward kernels: (q, k, v, out, lse, scale[, softcap, left, right, alibi])."""
-    a = _ARRAY.format(dtype)
+    a = _array(dtype)
     base = f"{a}, {a}, {a}, {a}, float32[:, :, :], float32"
     return f"void({base})" if kernel == "v1" else f"void({base}, {_OPTS})"
 
@@ -56,14 +61,16 @@ def _compile_ptx(fn, signature, cc):
 
 def kernel_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threads: int = 128,
                causal: bool = False, dtype: str = "float32", cc=(9, 0), variant=None) -> str:
-    """PTX of one specialised forward kernel (``variant``: a forward.Variant for v2/v3; default from causal)."""
+    """PTX of one specialised forward kernel (``variant``: a forward.Variant for v2/v3; default from causal;
+    ``dtype``: "float32", "float16" or "bfloat16")."""
     if SIMULATOR:
         raise RuntimeError("kernel_ptx needs the real numba.cuda: start Python with FLASHNUMBA_SIMULATOR=0")
+    bf16 = dtype == "bfloat16"
     if kernel == "v1":
-        fn = forward.make_forward_v1(head_dim, block_m, block_n, causal)
+        fn = forward.make_forward_v1(head_dim, block_m, block_n, causal, bf16=bf16)
     else:
         make = forward.make_forward_v2 if kernel == "v2" else forward.make_forward_v3
-        fn = make(head_dim, block_m, block_n, num_threads, variant or forward.Variant(has_right=causal))
+        fn = make(head_dim, block_m, block_n, num_threads, variant or forward.Variant(has_right=causal), bf16=bf16)
     return _compile_ptx(fn.py_func, kernel_signature(kernel, dtype), cc)
 
 
@@ -74,15 +81,16 @@ def backward_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_thr
 
     if SIMULATOR:
         raise RuntimeError("backward_ptx needs the real numba.cuda: start Python with FLASHNUMBA_SIMULATOR=0")
-    a = _ARRAY.format(dtype)
+    a = _array(dtype)
     l3 = "float32[:, :, :]"
+    bf16 = dtype == "bfloat16"
     if kernel == "v1":
-        dq = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal)
-        dkdv = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal)
+        dq = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal, bf16=bf16)
+        dkdv = backward.make_backward_dkdv_v1(head_dim, block_m, block_n, causal, bf16=bf16)
     else:
         variant = variant or forward.Variant(has_right=causal)
-        dq = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, variant)
-        dkdv = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, variant)
+        dq = backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, variant, bf16=bf16)
+        dkdv = backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, variant, bf16=bf16)
     opts = "" if kernel == "v1" else f", {_OPTS}"
     sig_dq = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, float32{opts})"
     sig_dkdv = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, {a}, float32{opts})"

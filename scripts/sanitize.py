@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import cupy
+import ml_dtypes
 
 import flashnumba
 
@@ -69,3 +70,15 @@ ref, _ = flashnumba.reference.attention_varlen_forward(hq, hk_, hv, cu_q, cu_k, 
 ref_grads = flashnumba.reference.attention_varlen_backward(hdo, hq, hk_, hv, cu_q, cu_k, causal=True)
 errs = [float(np.abs(x.get() - r).max()) for x, r in zip((out, *grads), (ref, *ref_grads))]
 print("varlen", lens_q, lens_k, "max err out/dq/dk/dv", " ".join(f"{e:.1e}" for e in errs))
+
+# bfloat16 (NumPy arrays of ml_dtypes.bfloat16, copied to the GPU and back): the shapes and options of the options
+# case above, default kernels.
+bf16 = ml_dtypes.bfloat16
+q, dout = (rng.standard_normal((b, sq, h, d)).astype(bf16) for _ in range(2))
+k, v = (rng.standard_normal((b, sk, hk, d)).astype(bf16) for _ in range(2))
+out, lse = flashnumba.flash_attn_forward(q, k, v, alibi_slopes=slopes, **opts)
+grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, alibi_slopes=slopes, **opts)
+ref, _ = flashnumba.reference.attention_forward(q, k, v, **ref_opts)
+ref_grads = flashnumba.reference.attention_backward(dout, q, k, v, **ref_opts)
+errs = [float(np.abs(x.astype(np.float64) - r).max()) for x, r in zip((out, *grads), (ref, *ref_grads))]
+print("bfloat16", opts, "max err out/dq/dk/dv", " ".join(f"{e:.1e}" for e in errs))

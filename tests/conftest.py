@@ -68,12 +68,26 @@ def to_type(x, kind):
         import cupy
 
         return cupy.asarray(x)
+    if kind == "torch":  # bfloat16 as torch.bfloat16, through its bits (torch cannot read NumPy's bfloat16)
+        import torch
+
+        if x.dtype.name == "bfloat16":
+            return torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+        return torch.from_numpy(x).cuda()
     return x
 
 
 def to_numpy(x):
     if isinstance(x, np.ndarray):
         return x
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return x.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+        return x.cpu().numpy()
     if hasattr(x, "get"):
         return x.get()
     return x.copy_to_host()
@@ -99,6 +113,16 @@ def max_err(a, b):
     return float(d.max())
 
 
+def eps(dtype):
+    """Machine epsilon of a float dtype; NumPy's finfo does not know ml_dtypes.bfloat16 (2**-7)."""
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).eps)
+    return float(np.finfo(dtype).eps)
+
+
 # The kernel may have ERR_FACTOR times the baseline's error, plus a floor of FLOOR_ULPS ulps of the output dtype at
 # the output's magnitude (so that a baseline that happens to be exact does not demand exactness), plus FLOOR_ULPS
 # float32 ulps times sqrt(n) for the kernel's float32 accumulation of n-term sums.
@@ -122,8 +146,7 @@ def assert_close_to_truth(name, got, truth, baseline, reduction=1):
     truth = np.asarray(truth)
     finite = truth[np.isfinite(truth)]
     magnitude = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
-    eps32 = float(np.finfo(np.float32).eps)
-    floor = FLOOR_ULPS * magnitude * (float(np.finfo(got.dtype).eps) + np.sqrt(reduction) * eps32)
+    floor = FLOOR_ULPS * magnitude * (eps(got.dtype) + np.sqrt(reduction) * eps(np.float32))
     base_err = max_err(baseline, truth)
     err = max_err(got, truth)
     tol = ERR_FACTOR * base_err + floor

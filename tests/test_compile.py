@@ -19,7 +19,7 @@ ALL = forward.Variant(has_left=True, has_right=True, softcap=True, alibi=True, v
 rows = []
 for kernel in ("v1", "v2", "v3"):
     for d in (40, 64, 128, 256):
-        for dtype in ("float32", "float16"):
+        for dtype in ("float32", "float16") + (("bfloat16",) if d == 128 else ()):
             bm, bn, nt, smem = api.resolve_blocks(kernel, d)
             ptx = resources.kernel_ptx(kernel, d, bm, bn, nt, causal=True, dtype=dtype)
             assert ".target sm_90" in ptx
@@ -37,29 +37,39 @@ for kernel in ("v1", "v2"):
             dyn = 0 if kernel == "v1" else smem[0 if part == "dkdv" else 1]
             rows.append(dict(kernel=f"bwd_{part}_{kernel}", head_dim=d, dtype="float32", block_m=bm, block_n=bn,
                              threads=nt, dynamic_shared=dyn, **r))
+# bfloat16 (uint16 bit patterns, converted on load and store): the v1 backward at one head_dim; the forward
+# kernels at head_dim 128 above, and the v2 backward with every option below
+bm, bn, nt, smem = api.resolve_blocks_backward(64, kernel="v1")
+for part, ptx in resources.backward_ptx("v1", 64, bm, bn, nt, causal=True, dtype="bfloat16").items():
+    r = resources.ptx_resources(ptx)
+    del r["log"]
+    rows.append(dict(kernel=f"bwd_{part}_v1", head_dim=64, dtype="bfloat16", block_m=bm, block_n=bn, threads=nt,
+                     dynamic_shared=0, **r))
 # every option compiled in (window, softcap, ALiBi): the kernels type-check for the GPU with all of them
 for d in (59, 128):
     bm, bn, nt, smem = api.resolve_blocks("v3", d)
-    for dtype in ("float32", "float16"):
+    for dtype in ("float32", "float16", "bfloat16"):
         r = resources.ptx_resources(resources.kernel_ptx("v3", d, bm, bn, nt, dtype=dtype, variant=ALL))
         del r["log"]
         rows.append(dict(kernel="v3+all", head_dim=d, dtype=dtype, block_m=bm, block_n=bn, threads=nt,
                          dynamic_shared=smem, **r))
     bm, bn, nt, smem = api.resolve_blocks_backward(d)
-    for part, ptx in resources.backward_ptx("v2", d, bm, bn, nt, variant=ALL).items():
-        r = resources.ptx_resources(ptx)
-        del r["log"]
-        rows.append(dict(kernel=f"bwd_{part}_v2+all", head_dim=d, dtype="float32", block_m=bm, block_n=bn,
-                         threads=nt, dynamic_shared=smem[0 if part == "dkdv" else 1], **r))
+    for dtype in ("float32", "bfloat16"):
+        for part, ptx in resources.backward_ptx("v2", d, bm, bn, nt, dtype=dtype, variant=ALL).items():
+            r = resources.ptx_resources(ptx)
+            del r["log"]
+            rows.append(dict(kernel=f"bwd_{part}_v2+all", head_dim=d, dtype=dtype, block_m=bm, block_n=bn,
+                             threads=nt, dynamic_shared=smem[0 if part == "dkdv" else 1], **r))
 # the return_attn_probs debugging kernel, every option but varlen
-probs = forward.make_probs_kernel(64, forward.Variant(True, True, True, True, False, True))
-a = "float32[:, :, :, :]"
-ptx = resources._compile_ptx(probs.py_func, f"void({a}, {a}, float32[:, :, :], {a}, float32, float32, int64, int64, "
-                             "float32[:, :], float32, float32, uint64, uint64)", (9, 0))
-r = resources.ptx_resources(ptx)
-del r["log"]
-rows.append(dict(kernel="probs+all", head_dim=64, dtype="float32", block_m=1, block_n=0, threads=128,
-                 dynamic_shared=0, **r))
+for dtype, bf16 in (("float32", False), ("bfloat16", True)):
+    probs = forward.make_probs_kernel(64, forward.Variant(True, True, True, True, False, True), bf16=bf16)
+    a = "uint16[:, :, :, :]" if bf16 else "float32[:, :, :, :]"
+    ptx = resources._compile_ptx(probs.py_func, f"void({a}, {a}, float32[:, :, :], float32[:, :, :, :], float32, "
+                                 "float32, int64, int64, float32[:, :], float32, float32, uint64, uint64)", (9, 0))
+    r = resources.ptx_resources(ptx)
+    del r["log"]
+    rows.append(dict(kernel="probs+all", head_dim=64, dtype=dtype, block_m=1, block_n=0, threads=128,
+                     dynamic_shared=0, **r))
 print(json.dumps(rows))
 """
 

@@ -55,7 +55,7 @@ def test_mixed_dtypes():
 @pytest.mark.parametrize("dtype", [np.float64, np.int32, np.complex64])
 def test_unsupported_dtype(dtype):
     q, k, v = qkv(dtype=dtype)
-    with pytest.raises(TypeError, match=r"q has dtype .*; supported dtypes are float32, float16"):
+    with pytest.raises(TypeError, match=r"q has dtype .*; supported dtypes are float32, float16, bfloat16"):
         flashnumba.flash_attn_forward(q, k, v)
 
 
