@@ -260,8 +260,10 @@ def _sim_cp_async_wait_all():
 
 def _sim_pack_f16x2(lo, hi):
     """uint32 holding float16(lo) in bits 0-15 and float16(hi) in bits 16-31, rounded to nearest even."""
-    bits = np.array([lo, hi], np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
-    bits[np.isnan(np.array([lo, hi], np.float32))] = 0x7FFF  # NaN becomes the canonical NaN
+    x = np.array([lo, hi], np.float32)
+    with np.errstate(over="ignore"):  # beyond 65520 rounds to inf, as on the GPU
+        bits = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    bits[np.isnan(x)] = 0x7FFF  # NaN becomes the canonical NaN
     return np.uint32(bits[0] | (bits[1] << 16))
 
 
