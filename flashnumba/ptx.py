@@ -401,26 +401,32 @@ def _gpu_intrinsics():
         pack.__name__ = f"pack_{kind}x2"
         return intrinsic(pack)
 
-    return dict(
+    found = dict(
         mma_m16n8k16_f16=make_mma("f16"), mma_m16n8k16_bf16=make_mma("bf16"),
         ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True),
         cp_async_16=cp_async_16, cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
         cp_async_wait=cp_async_wait, cp_async_wait_all=statement("cp_async_wait_all", "cp.async.wait_all;"),
         pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
     )
+    # each intrinsic carries the docstring of its stand-in, which states the semantics and the layout
+    stand_ins = _simulator_stand_ins()
+    for name, fn in found.items():
+        fn.__doc__ = stand_ins[name].__doc__
+    return found
+
+
+def _simulator_stand_ins():
+    return dict(
+        mma_m16n8k16_f16=_make_sim_mma(_halves_f16, "float16"),
+        mma_m16n8k16_bf16=_make_sim_mma(_halves_bf16, "bfloat16"),
+        ldmatrix_x4=_make_sim_ldmatrix(trans=False), ldmatrix_x4_trans=_make_sim_ldmatrix(trans=True),
+        cp_async_16=_sim_cp_async_16, cp_async_commit=_sim_cp_async_commit, cp_async_wait=_sim_cp_async_wait,
+        cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
+    )
 
 
 if SIMULATOR:
-    mma_m16n8k16_f16 = _make_sim_mma(_halves_f16, "float16")
-    mma_m16n8k16_bf16 = _make_sim_mma(_halves_bf16, "bfloat16")
-    ldmatrix_x4 = _make_sim_ldmatrix(trans=False)
-    ldmatrix_x4_trans = _make_sim_ldmatrix(trans=True)
-    cp_async_16 = _sim_cp_async_16
-    cp_async_commit = _sim_cp_async_commit
-    cp_async_wait = _sim_cp_async_wait
-    cp_async_wait_all = _sim_cp_async_wait_all
-    pack_f16x2 = _sim_pack_f16x2
-    pack_bf16x2 = _sim_pack_bf16x2
+    globals().update(_simulator_stand_ins())
 else:
     globals().update(_gpu_intrinsics())
 
