@@ -110,15 +110,20 @@ def ldmatrix_kernel(src, addr, out, out_trans):  # src (512,) uint16; addr (32,)
     out_trans[lane, 3] = r3
 
 
+WARPS_PER_BLOCK = 2
+
+
 @cuda.jit
-def gemm_16x16x16_kernel(AB, D):  # AB (512,) float16 bits: A (16, 16) then B (16, 16) row-major; D (16, 16) f32
-    tile = cuda.shared.array(512, uint16)  # A at elements 0..255, B at 256..511, shared
-    lane = cuda.threadIdx.x
+def gemm_16x16x16_kernel(AB, D):  # AB (n, 512) float16 bits: A (16, 16) then B (16, 16), row-major; D (n, 16, 16)
+    tile = cuda.shared.array((WARPS_PER_BLOCK, 512), uint16)  # per warp: A at 0..255, B at 256..511, shared
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    n = cuda.blockIdx.x * WARPS_PER_BLOCK + warp  # the product this warp computes
     for j in range(16):
-        tile[lane * 16 + j] = AB[lane * 16 + j]
+        tile[warp, lane * 16 + j] = AB[n, lane * 16 + j]
     cuda.syncthreads()  # A and B are in shared memory before ldmatrix reads them
     # lane l points at row l % 16, column 8 * (l // 16): the four 8x8 quadrants, top-left, bottom-left, ...
-    row_start = (lane % 16) * 16 + 8 * (lane // 16)
+    row_start = warp * 512 + (lane % 16) * 16 + 8 * (lane // 16)  # element index into the whole tile array
     a0, a1, a2, a3 = ptx.ldmatrix_x4(tile, row_start)  # the A fragment
     b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(tile, 256 + row_start)  # B fragments of columns 0..7 and 8..15
     zero = float32(0.0)
@@ -127,14 +132,14 @@ def gemm_16x16x16_kernel(AB, D):  # AB (512,) float16 bits: A (16, 16) then B (1
     e0, e1, e2, e3 = ptx.mma_m16n8k16_f16(a0, a1, a2, a3, b2, b3, zero, zero, zero, zero)
     g = lane >> 2
     t = lane & 3
-    D[g, 2 * t] = d0
-    D[g, 2 * t + 1] = d1
-    D[g + 8, 2 * t] = d2
-    D[g + 8, 2 * t + 1] = d3
-    D[g, 2 * t + 8] = e0
-    D[g, 2 * t + 9] = e1
-    D[g + 8, 2 * t + 8] = e2
-    D[g + 8, 2 * t + 9] = e3
+    D[n, g, 2 * t] = d0
+    D[n, g, 2 * t + 1] = d1
+    D[n, g + 8, 2 * t] = d2
+    D[n, g + 8, 2 * t + 1] = d3
+    D[n, g, 2 * t + 8] = e0
+    D[n, g, 2 * t + 9] = e1
+    D[n, g + 8, 2 * t + 8] = e2
+    D[n, g + 8, 2 * t + 9] = e3
 
 
 @cuda.jit
@@ -174,7 +179,7 @@ SIGNATURES = {
     "mma_f16_kernel": "void(uint16[:, :], uint16[:, :], float32[:, :], float32[:, :])",
     "mma_bf16_kernel": "void(uint16[:, :], uint16[:, :], float32[:, :], float32[:, :])",
     "ldmatrix_kernel": "void(uint16[:], int32[:], uint32[:, :], uint32[:, :])",
-    "gemm_16x16x16_kernel": "void(uint16[:], float32[:, :])",
+    "gemm_16x16x16_kernel": "void(uint16[:, :], float32[:, :, :])",
     "cp_async_kernel": "void(float32[:], float32[:], float32[:])",
     "pack_f16_kernel": "void(float32[:], float32[:], uint32[:])",
     "pack_bf16_kernel": "void(float32[:], float32[:], uint32[:])",
@@ -225,12 +230,14 @@ def test_mma_random_inputs(dtype):
 
 
 def test_ldmatrix_then_mma_is_a_16x16x16_gemm():
+    """Two blocks of two warps, each warp its own product: the warps of a block do not mix their lanes."""
     rng = np.random.default_rng(2)
-    A = rng.integers(-8, 9, (16, 16)).astype(np.float16)
-    B = rng.integers(-8, 9, (16, 16)).astype(np.float16)
-    AB = np.concatenate([A.reshape(-1), B.reshape(-1)]).view(np.uint16)
-    D = cuda.to_device(np.full((16, 16), np.nan, np.float32))
-    gemm_16x16x16_kernel[1, 32](cuda.to_device(AB), D)
+    n = 2 * WARPS_PER_BLOCK
+    A = rng.integers(-8, 9, (n, 16, 16)).astype(np.float16)
+    B = rng.integers(-8, 9, (n, 16, 16)).astype(np.float16)
+    AB = np.concatenate([A.reshape(n, -1), B.reshape(n, -1)], axis=1).view(np.uint16)
+    D = cuda.to_device(np.full((n, 16, 16), np.nan, np.float32))
+    gemm_16x16x16_kernel[2, 32 * WARPS_PER_BLOCK](cuda.to_device(AB), D)
     np.testing.assert_array_equal(D.copy_to_host(), A.astype(np.float64) @ B.astype(np.float64))
 
 
