@@ -1,0 +1,434 @@
+"""Inline PTX for tensor-core kernels: mma.sync, ldmatrix, cp.async and f16/bf16 packing.
+
+Numba exposes no tensor-core instruction, so the instructions a FlashAttention-2 kernel on Ampere and Hopper is
+built from (the warp-level matrix multiply ``mma.sync``, the shared-memory fragment load ``ldmatrix`` and the
+asynchronous global-to-shared copy ``cp.async``) are written here as Numba intrinsics that emit one inline PTX
+instruction each (``numba.cuda.extending.intrinsic`` + ``llvmlite.ir.InlineAsm``). They need sm_80 or newer.
+
+The CUDA simulator cannot run inline PTX, so under the simulator every name below is bound instead to a
+pure-Python stand-in that reproduces the instruction: the same arguments, the same per-lane fragment layout, the
+same rounding. A kernel calls ``ptx.mma_m16n8k16_f16(...)`` the same way in both modes; which implementation it
+gets is chosen once, at import, from ``flashnumba._backend.SIMULATOR``.
+
+| name | PTX | what one lane gives and gets |
+| --- | --- | --- |
+| ``mma_m16n8k16_f16`` | ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` | 4 + 2 uint32, 4 float32 -> 4 float32 |
+| ``mma_m16n8k16_bf16`` | ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` | as above, bf16 halves |
+| ``ldmatrix_x4`` | ``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` | one row address -> 4 uint32 |
+| ``ldmatrix_x4_trans`` | ``ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`` | one row address -> 4 uint32 |
+| ``cp_async_16`` | ``cp.async.cg.shared.global [dst], [src], 16`` | 16 bytes, global -> shared |
+| ``cp_async_commit`` | ``cp.async.commit_group`` | closes a group of copies |
+| ``cp_async_wait(n)`` | ``cp.async.wait_group n`` (n a compile-time constant) | waits until <= n groups pend |
+| ``cp_async_wait_all`` | ``cp.async.wait_all`` | waits for every copy |
+| ``pack_f16x2(lo, hi)`` | ``cvt.rn.f16x2.f32`` | 2 float32 -> uint32 (lo in bits 0-15) |
+| ``pack_bf16x2(lo, hi)`` | ``cvt.rn.bf16x2.f32`` | 2 float32 -> uint32 (lo in bits 0-15) |
+
+Registers. A "packed" uint32 holds two 16-bit values: the element with the smaller column (or row) index in
+bits 0-15, the other in bits 16-31, which is how two consecutive 16-bit elements lie in memory.
+
+Addresses. ``ldmatrix_x4`` and ``cp_async_16`` take an array and an element index into it (the element at that
+index, in the array's C order, is where the 16 bytes begin). The address must be 16-byte aligned. Numba aligns a
+shared array only to its element size, so the index alone does not guarantee it: keep each tile that these
+instructions touch at a 16-byte multiple from the start of one shared array, and declare that array first (or
+use dynamic shared memory). The stand-ins check the index part (byte offset a multiple of 16).
+
+The stand-ins. Under the simulator every CUDA thread is a Python thread and all threads of a block run at once
+(blocks run one after another), so the 32 lanes of a warp can meet: each warp-collective stand-in (mma,
+ldmatrix) puts its lane's registers in a slot, waits on a ``threading.Barrier(32)`` until the whole warp has,
+computes its own result from all 32 slots, and waits once more so that no lane reuses the slots before every
+lane has read them. As on the GPU, all 32 lanes must make the call (a warp whose lanes diverge around it waits
+until the barrier's timeout and fails). ``cp_async_16`` reads its 16 source bytes when issued but writes them
+only when a ``cp_async_wait``/``cp_async_wait_all`` retires their group, so a kernel that forgets the wait reads
+stale shared memory in the simulator, as it may on the GPU. The mma stand-in adds the exact products in float64
+and rounds once to float32; the tensor cores' own summation rounds differently in the last bits (exact for
+integer-valued inputs of moderate size).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ._backend import SIMULATOR
+
+MMA_DOC = """D = A B + C for one 16x8x16 tile, A (16 x 16) and B (16 x 8) in {dtype}, C and D (16 x 8) in float32.
+
+    Warp-collective: all 32 lanes call it; lane ``l`` passes its registers of the fragments, with
+    g = l >> 2 (groupID, 0..7) and t = l & 3 (threadID_in_group, 0..3):
+
+      A, row-major 16x16, 4 packed registers a0..a3 (lo half = even column, hi half = odd column):
+        a0 = A[g,     2t : 2t+2]          cols  0..7 | cols 8..15
+        a1 = A[g + 8, 2t : 2t+2]         +-----------+-----------+
+        a2 = A[g,     2t+8 : 2t+10]  rows 0..7  |    a0     |    a2     |
+        a3 = A[g + 8, 2t+8 : 2t+10]  rows 8..15 |    a1     |    a3     |
+
+      B, 16x8 (k x n) read column by column ("col"), 2 packed registers b0, b1 (lo half = even row):
+        b0 = B[2t : 2t+2,     g]         rows 0..7 of B -> b0, rows 8..15 -> b1
+        b1 = B[2t+8 : 2t+10, g]
+
+      C and D, 16x8 float32, 4 registers each:
+        c0 = C[g, 2t]    c1 = C[g, 2t+1]    c2 = C[g+8, 2t]    c3 = C[g+8, 2t+1]
+
+    So lane l owns rows g and g+8 of the output, columns 2t and 2t+1. Returns (d0, d1, d2, d3) in C's layout.
+    """
+
+LDMATRIX_DOC = """Load four 8x8 matrices of 16-bit elements from shared memory, one fragment register each.
+
+    Warp-collective. Lane l gives the address of one 8-element (16-byte) row, as ``ary`` and the element
+    ``index`` of its first element: lanes 0-7 the rows 0..7 of matrix 0, lanes 8-15 those of matrix 1, lanes
+    16-23 of matrix 2, lanes 24-31 of matrix 3 (rows may lie anywhere, each 16-byte aligned). With
+    g = l >> 2 and t = l & 3, lane l receives r_i from matrix M_i:
+
+      ldmatrix_x4:        r_i = M_i[g, 2t]  (lo) | M_i[g, 2t+1]  (hi)     row g, columns 2t, 2t+1
+      ldmatrix_x4_trans:  r_i = M_i[2t, g]  (lo) | M_i[2t+1, g]  (hi)     column g, rows 2t, 2t+1
+
+    E.g. with A (16 x 16, row-major) and lane l pointing at A[l % 16, 8 * (l // 16)], ldmatrix_x4 returns
+    exactly the A fragment (a0, a1, a2, a3) of ``mma_m16n8k16_*``; with B (16 x 16, k x n, row-major) and the
+    same addressing, ldmatrix_x4_trans returns (b0, b1) of the n-tile B[:, 0:8] and (b0, b1) of B[:, 8:16].
+    """
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Simulator stand-ins
+# ---------------------------------------------------------------------------------------------------------------
+
+_WARP = 32
+_BARRIER_TIMEOUT_S = 300.0  # the simulator is slow; a lane that never arrives fails the kernel after this
+
+
+class _WarpRendezvous:
+    """Where the 32 simulated lanes of one warp exchange their registers for a warp-collective instruction."""
+
+    def __init__(self):
+        self.barrier = threading.Barrier(_WARP, timeout=_BARRIER_TIMEOUT_S)
+        self.slots = [None] * _WARP
+
+    def exchange(self, lane, value):
+        """Put this lane's value in, return all 32 lanes' values once every lane has put its own."""
+        self.slots[lane] = value
+        self.barrier.wait()  # every lane has written its slot
+        values = list(self.slots)
+        self.barrier.wait()  # every lane has read the slots: they may be reused
+        return values
+
+
+_rendezvous_lock = threading.Lock()
+
+
+def _warp_exchange(value):
+    """(lane, values of all 32 lanes) for the calling simulated CUDA thread."""
+    thread = threading.current_thread()
+    manager = thread._manager  # the simulator's BlockManager: one per launch, runs the blocks one by one
+    tid = thread.thread_id  # threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
+    nthreads = int(np.prod(manager._block_dim))
+    warp = tid // _WARP
+    if (warp + 1) * _WARP > nthreads:
+        raise RuntimeError(f"a warp-collective instruction needs all 32 lanes; warp {warp} of a block of "
+                           f"{nthreads} threads is partial")
+    with _rendezvous_lock:
+        warps = manager.__dict__.setdefault("_flashnumba_warps", {})
+        key = (tuple(thread.blockIdx), warp)
+        if key not in warps:
+            warps[key] = _WarpRendezvous()
+        rendezvous = warps[key]
+    lane = tid % _WARP
+    return lane, rendezvous.exchange(lane, value)
+
+
+def _host_array(ary):
+    """The NumPy array behind a simulated kernel's array argument (shared and local arrays already are)."""
+    item = getattr(ary, "_item", None)  # a global array inside a simulated kernel
+    if item is not None:
+        return item._ary
+    return np.asarray(ary)
+
+
+def _bytes_at(ary, index, nbytes):
+    """A writable uint8 view of nbytes of ``ary`` starting at element ``index`` (C order)."""
+    a = _host_array(ary)
+    if not a.flags.c_contiguous:
+        raise ValueError("ldmatrix / cp.async addresses must lie in a C-contiguous array")
+    start = int(index) * a.itemsize
+    if start % 16:
+        raise ValueError(f"address of element {index} is {start} bytes into its array, not 16-byte aligned")
+    flat = a.reshape(-1).view(np.uint8)
+    if start + nbytes > flat.size:
+        raise IndexError(f"{nbytes} bytes at element {index} run past the end of an array of {flat.size} bytes")
+    return flat[start:start + nbytes]
+
+
+def _u32(x):
+    return int(x) & 0xFFFFFFFF
+
+
+def _halves_f16(reg):
+    """The two float16 of a packed register, (lo, hi), as float64."""
+    bits = np.array([reg & 0xFFFF, reg >> 16], np.uint16)
+    return bits.view(np.float16).astype(np.float64)
+
+
+def _halves_bf16(reg):
+    """The two bfloat16 of a packed register, (lo, hi), as float64 (a bf16 is the top half of a float32)."""
+    bits = np.array([(reg & 0xFFFF) << 16, reg & 0xFFFF0000], np.uint32)
+    return bits.view(np.float32).astype(np.float64)
+
+
+def _sim_mma(halves, lane_regs):
+    """D for every lane, from all lanes' (a0..a3, b0, b1, c0..c3), following the layout in MMA_DOC."""
+    A = np.empty((16, 16))
+    B = np.empty((16, 8))
+    C = np.empty((16, 8))
+    for lane, regs in enumerate(lane_regs):
+        g, t = lane >> 2, lane & 3
+        a0, a1, a2, a3, b0, b1, c0, c1, c2, c3 = regs
+        A[g, 2 * t:2 * t + 2] = halves(a0)
+        A[g + 8, 2 * t:2 * t + 2] = halves(a1)
+        A[g, 2 * t + 8:2 * t + 10] = halves(a2)
+        A[g + 8, 2 * t + 8:2 * t + 10] = halves(a3)
+        B[2 * t:2 * t + 2, g] = halves(b0)
+        B[2 * t + 8:2 * t + 10, g] = halves(b1)
+        C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = c0, c1, c2, c3
+    # products of 16-bit floats are exact in float64, and so are sums of 16 of them in all but extreme cases
+    return (A @ B + C).astype(np.float32)
+
+
+def _make_sim_mma(halves, dtype):
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        regs = tuple(_u32(r) for r in (a0, a1, a2, a3, b0, b1)) + tuple(float(c) for c in (c0, c1, c2, c3))
+        lane, everyone = _warp_exchange(regs)
+        D = _sim_mma(halves, everyone)
+        g, t = lane >> 2, lane & 3
+        return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+
+    mma.__doc__ = MMA_DOC.format(dtype=dtype)
+    return mma
+
+
+def _make_sim_ldmatrix(trans):
+    def ldmatrix(ary, index):
+        row = _bytes_at(ary, index, 16).view(np.uint16).astype(np.uint32)  # this lane's 8-element row
+        lane, rows = _warp_exchange(row)
+        g, t = lane >> 2, lane & 3
+        regs = []
+        for i in range(4):  # matrix i: rows given by lanes 8i .. 8i+7
+            M = rows[8 * i:8 * i + 8]
+            lo, hi = (M[2 * t][g], M[2 * t + 1][g]) if trans else (M[g][2 * t], M[g][2 * t + 1])
+            regs.append(np.uint32(lo | (hi << 16)))
+        return tuple(regs)
+
+    ldmatrix.__doc__ = LDMATRIX_DOC
+    return ldmatrix
+
+
+def _cp_async_state():
+    """This simulated thread's copies: (issued but not committed, committed groups oldest first)."""
+    thread = threading.current_thread()
+    state = getattr(thread, "_flashnumba_cp_async", None)
+    if state is None:
+        state = thread._flashnumba_cp_async = ([], [])
+    return state
+
+
+def _sim_cp_async_16(dst, dst_index, src, src_index):
+    """Copy 16 bytes from global ``src[src_index:]`` to shared ``dst[dst_index:]`` asynchronously: they are
+    guaranteed to have landed only after a cp_async_wait that retires their group."""
+    data = _bytes_at(src, src_index, 16).copy()  # the source is read when the copy is issued
+    _cp_async_state()[0].append((_bytes_at(dst, dst_index, 16), data))
+
+
+def _sim_cp_async_commit():
+    """Close the group of cp_async_16 copies issued by this thread since the last commit."""
+    pending, groups = _cp_async_state()
+    groups.append(list(pending))
+    pending.clear()
+
+
+def _sim_cp_async_wait(n):
+    """Wait until at most ``n`` of this thread's committed groups are still in flight (n: a constant)."""
+    groups = _cp_async_state()[1]
+    while len(groups) > n:
+        for target, data in groups.pop(0):
+            target[:] = data
+
+
+def _sim_cp_async_wait_all():
+    """Wait for every copy this thread issued, committed or not."""
+    _sim_cp_async_commit()
+    _sim_cp_async_wait(0)
+
+
+def _sim_pack_f16x2(lo, hi):
+    """uint32 holding float16(lo) in bits 0-15 and float16(hi) in bits 16-31, rounded to nearest even."""
+    x = np.array([lo, hi], np.float32)
+    with np.errstate(over="ignore"):  # beyond 65520 rounds to inf, as on the GPU
+        bits = x.astype(np.float16).view(np.uint16).astype(np.uint32)
+    bits[np.isnan(x)] = 0x7FFF  # NaN becomes the canonical NaN
+    return np.uint32(bits[0] | (bits[1] << 16))
+
+
+def _bf16_bits(x):
+    """bfloat16 bits of float32 x, rounded to nearest even: add 0x7FFF plus the lowest kept bit, truncate."""
+    u = int(np.array(x, np.float32).view(np.uint32))
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return 0x7FFF  # NaN becomes the canonical NaN
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF  # overflow of the 32 bits cannot happen below NaN
+
+
+def _sim_pack_bf16x2(lo, hi):
+    """uint32 holding bfloat16(lo) in bits 0-15 and bfloat16(hi) in bits 16-31, rounded to nearest even."""
+    return np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GPU: one inline PTX instruction per intrinsic
+# ---------------------------------------------------------------------------------------------------------------
+
+def _gpu_intrinsics():
+    """Build the intrinsics (only with the real numba.cuda: the simulator has no code generator)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.cuda.extending import intrinsic
+
+    i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+    def asm(builder, ret, args, text, constraints, side_effect):
+        fnty = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+    def address(context, builder, aryty, ary, idxty, idx):
+        """Generic 64-bit address of ary.flat[idx] (Numba's array data pointer is a generic pointer)."""
+        data = context.make_array(aryty)(context, builder, ary).data
+        ptr = builder.gep(data, [context.cast(builder, idx, idxty, types.intp)])
+        return builder.ptrtoint(ptr, i64)
+
+    def check_address(aryty, idxty, what):
+        if not isinstance(aryty, types.Array) or not isinstance(idxty, types.Integer):
+            raise TypingError(f"{what}: expected (array, integer element index), got ({aryty}, {idxty})")
+
+    def make_mma(kind):
+        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+            def codegen(context, builder, sig, args):
+                regs = [context.cast(builder, v, ty, types.uint32) for v, ty in zip(args[:6], sig.args[:6])]
+                accs = [context.cast(builder, v, ty, types.float32) for v, ty in zip(args[6:], sig.args[6:])]
+                d = asm(builder, ir.LiteralStructType([f32] * 4), regs + accs, text,
+                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
+
+            return sig, codegen
+
+        mma.__name__ = f"mma_m16n8k16_{kind}"
+        return intrinsic(mma)
+
+    def make_ldmatrix(trans):
+        qualifier = ".trans" if trans else ""
+        # ldmatrix wants a shared-window address: convert the generic one
+        text = ("{ .reg .u64 smem_addr; cvta.to.shared.u64 smem_addr, $4; "
+                f"ldmatrix.sync.aligned.m8n8.x4{qualifier}.shared.b16 {{$0, $1, $2, $3}}, [smem_addr]; }}")
+
+        def ldmatrix(typingctx, ary, index):
+            check_address(ary, index, "ldmatrix")
+            sig = types.UniTuple(types.uint32, 4)(ary, index)
+
+            def codegen(context, builder, sig, args):
+                addr = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                r = asm(builder, ir.LiteralStructType([i32] * 4), [addr], text, "=r,=r,=r,=r,l,~{memory}",
+                        side_effect=True)
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, i) for i in range(4)])
+
+            return sig, codegen
+
+        ldmatrix.__name__ = "ldmatrix_x4_trans" if trans else "ldmatrix_x4"
+        return intrinsic(ldmatrix)
+
+    @intrinsic
+    def cp_async_16(typingctx, dst, dst_index, src, src_index):
+        check_address(dst, dst_index, "cp_async_16 destination")
+        check_address(src, src_index, "cp_async_16 source")
+        sig = types.none(dst, dst_index, src, src_index)
+
+        def codegen(context, builder, sig, args):
+            d = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            s = address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            asm(builder, ir.VoidType(), [d, s],
+                "{ .reg .u64 dst_addr, src_addr; cvta.to.shared.u64 dst_addr, $0; cvta.to.global.u64 src_addr, $1; "
+                "cp.async.cg.shared.global [dst_addr], [src_addr], 16; }", "l,l,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def statement(name, text):
+        def stmt(typingctx):
+            def codegen(context, builder, sig, args):
+                asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+                return context.get_dummy_value()
+
+            return types.none(), codegen
+
+        stmt.__name__ = name
+        return intrinsic(stmt)
+
+    @intrinsic
+    def cp_async_wait(typingctx, n):
+        if not isinstance(n, types.IntegerLiteral):
+            raise TypingError("cp_async_wait(n): n must be a compile-time integer constant")
+        text = f"cp.async.wait_group {n.literal_value};"
+
+        def codegen(context, builder, sig, args):
+            asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(n), codegen
+
+    def make_pack(kind):
+        text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"  # the first source goes to the upper half
+
+        def pack(typingctx, lo, hi):
+            sig = types.uint32(lo, hi)
+
+            def codegen(context, builder, sig, args):
+                lo_, hi_ = (context.cast(builder, v, ty, types.float32) for v, ty in zip(args, sig.args))
+                return asm(builder, i32, [hi_, lo_], text, "=r,f,f", side_effect=False)
+
+            return sig, codegen
+
+        pack.__name__ = f"pack_{kind}x2"
+        return intrinsic(pack)
+
+    found = dict(
+        mma_m16n8k16_f16=make_mma("f16"), mma_m16n8k16_bf16=make_mma("bf16"),
+        ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True),
+        cp_async_16=cp_async_16, cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
+        cp_async_wait=cp_async_wait, cp_async_wait_all=statement("cp_async_wait_all", "cp.async.wait_all;"),
+        pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
+    )
+    # each intrinsic carries the docstring of its stand-in, which states the semantics and the layout
+    stand_ins = _simulator_stand_ins()
+    for name, fn in found.items():
+        fn.__doc__ = stand_ins[name].__doc__
+    return found
+
+
+def _simulator_stand_ins():
+    return dict(
+        mma_m16n8k16_f16=_make_sim_mma(_halves_f16, "float16"),
+        mma_m16n8k16_bf16=_make_sim_mma(_halves_bf16, "bfloat16"),
+        ldmatrix_x4=_make_sim_ldmatrix(trans=False), ldmatrix_x4_trans=_make_sim_ldmatrix(trans=True),
+        cp_async_16=_sim_cp_async_16, cp_async_commit=_sim_cp_async_commit, cp_async_wait=_sim_cp_async_wait,
+        cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
+    )
+
+
+if SIMULATOR:
+    globals().update(_simulator_stand_ins())
+else:
+    globals().update(_gpu_intrinsics())
+
+__all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
+           "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2"]
