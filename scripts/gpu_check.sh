@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: info, the test suite with the GPU profile, the demo, compute-sanitizer, the
-# backward's memory, the benchmark (and, with STEPS=crosscheck, the comparison with torch SDPA).
+# One call on the GPU machine: info, the test suite with the GPU profile, the comparison with torch SDPA,
+# compute-sanitizer, the demo, the backward's memory, the benchmark, the notebooks (each a STEP).
 # Usage (device tool): bash scripts/gpu_check.sh   (logs under $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
-# A full session (about 15-20 minutes of device time): tests (pytest-xdist), crosscheck, sanitize, demo,
-# memory, bench (and, with STEPS=notebooks, the notebooks executed on the GPU). Run the bench separately when the rest leaves too little of the 10 minutes a call may take.
+# Measured on the H200 (2026-11-29): info+tests+crosscheck+sanitize(SANITIZE_CASES=defaults)+demo+memory 364 s
+# (tests 214 s with 16 workers); the float32 bench sweep with --passes fwd bwd --max-call-ms 250, 369 s;
+# the notebooks 300 s. One call may take 10 minutes: split them across calls.
 STEPS=${STEPS:-"info tests crosscheck sanitize demo memory bench"}
 for step in $STEPS; do
   echo "=== $step $(date -u +%FT%TZ)"
@@ -14,9 +15,10 @@ for step in $STEPS; do
     info) python3 -m flashnumba info; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv ;;
     tests) # pytest-xdist, where installed, spreads the (CPU-bound) Numba compilations over processes
            workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-16}")
-           timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $workers \
+           FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $workers \
              --durations=25 --hypothesis-show-statistics ${TESTS:-tests} > "$OUT/tests.log" 2>&1
-           echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15 ;;
+           echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15
+           grep -h "^FAILED" "$OUT/failures.log" 2>/dev/null ;;  # written as failures happen
     demo) python3 -m flashnumba demo 2>&1 | tee "$OUT/demo.log" ;;
     sanitize)
       for tool in memcheck racecheck; do

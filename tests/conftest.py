@@ -210,3 +210,12 @@ def assert_reference_gradient_matches_finite_differences(q, k, v, dout, **opts):
             minus[which][idx] -= eps
             num[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
         np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+
+
+def pytest_runtest_logreport(report):
+    """With FLASHNUMBA_FAILURE_LOG set, append each failure to that file as it happens (pytest prints its summary
+    only at the end, which a run stopped at a time limit never reaches; each xdist worker appends too)."""
+    path = os.environ.get("FLASHNUMBA_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
