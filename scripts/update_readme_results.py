@@ -1,8 +1,10 @@
-"""Regenerate the README's results table from a committed benchmark JSON.
+"""Regenerate the README's results tables from committed benchmark JSON files.
 
-    python scripts/update_readme_results.py docs/results/h200-2026-11-29-a6f76f5.json
+    python scripts/update_readme_results.py docs/results/RUN1.json:4096 docs/results/RUN2.json:1024,4096
 
-Replaces what stands between the README's `<!-- results:begin -->` and `<!-- results:end -->` markers.
+One table per file, in the order given, of its float32 rows (at the listed seqlens, after the colon; all when
+none are listed). Replaces what stands between the README's `<!-- results:begin -->` and `<!-- results:end -->`
+markers.
 """
 
 import json
@@ -13,10 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def markdown(result, source):
+def markdown(result, source, seqlens=None):
     env = result["environment"]
     v = env["versions"]
-    rows = [r for r in result["rows"] if "ms" in r and r["dtype"] == "float32"]  # the full table: docs/
+    rows = [r for r in result["rows"] if "ms" in r and r["dtype"] == "float32"  # the full table: docs/
+            and (not seqlens or r["seqlen"] in seqlens)]
     std = {(r["dtype"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"]): r["ms"]
            for r in rows if r["impl"] == "standard_cupy"}
     lines = [
@@ -29,8 +32,8 @@ def markdown(result, source):
         "| impl | dtype | head_dim | seqlen | causal | pass | ms | TFLOP/s | x standard | peak extra MiB |",
         "| --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for r in sorted(rows, key=lambda r: (r["dtype"] != "float32", r["head_dim"], r["causal"], r["pass_"],
-                                         -r["tflops"])):
+    for r in sorted(rows, key=lambda r: (r["dtype"] != "float32", r["head_dim"], r["seqlen"], r["causal"],
+                                         r["pass_"], -r["tflops"])):
         s = std.get((r["dtype"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"]))
         x = f"{s / r['ms']:.2f}" if s else "-"
         lines.append(f"| {r['impl']} | {r['dtype']} | {r['head_dim']} | {r['seqlen']} | {r['causal']} | "
@@ -38,11 +41,16 @@ def markdown(result, source):
     return "\n".join(lines)
 
 
-def main(path):
-    result = json.loads(Path(path).read_text())
+def main(specs):
+    blocks = []
+    for spec in specs:
+        path, _, which = spec.partition(":")
+        seqlens = {int(n) for n in which.split(",")} if which else None
+        result = json.loads(Path(path).read_text())
+        blocks.append(markdown(result, Path(path).resolve().relative_to(ROOT).as_posix(), seqlens))
     readme = ROOT / "README.md"
     text = readme.read_text()
-    block = markdown(result, Path(path).resolve().relative_to(ROOT).as_posix())
+    block = "\n\n".join(blocks)
     new, n = re.subn(r"(<!-- results:begin -->\n).*?(<!-- results:end -->)",
                      lambda m: m.group(1) + block + "\n" + m.group(2), text, flags=re.S)
     if n != 1:
@@ -51,4 +59,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
