@@ -47,6 +47,13 @@ AWKWARD_SEQLENS = [1, 2, 17, 63, 64, 65, 97]
 # The sequence lengths the property tests draw: the awkward ones on purpose, or any up to MAX_SEQLEN.
 seqlens = st.one_of(st.sampled_from(AWKWARD_SEQLENS), st.integers(1, MAX_SEQLEN))
 
+def shard(n):
+    """Settings for one of ``n`` pytest-parametrized shards of a property test: each runs 1/n of the profile's
+    examples, so the shards together run as many as one test would, and pytest-xdist spreads them over workers
+    (on a GPU, where each example compiles its own kernel specialisation, one long test is the slowest worker)."""
+    return settings(max_examples=max(1, -(-settings().max_examples // n)))
+
+
 requires_gpu = pytest.mark.skipif(flashnumba.SIMULATOR, reason="needs a CUDA GPU")
 
 

@@ -16,6 +16,7 @@ from conftest import (
     assert_reference_gradient_matches_finite_differences,
     check_backward,
     random_qkv,
+    shard,
     to_numpy,
     to_type,
 )
@@ -49,16 +50,17 @@ def test_reference_gradient_matches_finite_differences():
         assert_reference_gradient_matches_finite_differences(q, k, v, dout, causal=causal, softmax_scale=0.8)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@shard(4)
 @given(
     batch=st.integers(1, 2),
     nheads=st.integers(1, 3),
     seqlen_q=seqlens,
     seqlen_k=seqlens,
     head_dim=st.sampled_from(HEAD_DIMS),
-    causal=st.booleans(),
     blocks=st.sampled_from(BLOCKS),
     scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
-    dtype=st.sampled_from([np.float32, np.float16]),
     array_type=st.sampled_from(array_types()),
     seed=st.integers(0, 2**32 - 1),
 )

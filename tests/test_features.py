@@ -9,7 +9,7 @@ from hypothesis import assume, given, strategies as st
 import flashnumba
 from flashnumba import reference
 
-from conftest import WORK_BUDGET, array_types, check_backward, check_forward, seqlens, to_type
+from conftest import WORK_BUDGET, array_types, check_backward, check_forward, seqlens, shard, to_type
 
 windows = st.tuples(st.integers(-1, 40), st.integers(-1, 40))
 
@@ -36,13 +36,14 @@ def _inputs(rng, batch, seqlen_q, seqlen_k, nheads_k, group, head_dim, dtype):
     return q, k, v, dout
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("kernel", ["v2", "v3"])
+@shard(4)
 @given(
     feats=features(),
     seqlen_q=seqlens,
     seqlen_k=seqlens,
     head_dim=st.sampled_from([8, 24, 40, 59, 64]),
-    kernel=st.sampled_from(["v2", "v3"]),
-    dtype=st.sampled_from([np.float32, np.float16]),
     array_type=st.sampled_from(array_types()),
     seed=st.integers(0, 2**32 - 1),
 )

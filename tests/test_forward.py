@@ -16,6 +16,7 @@ from conftest import (
     array_types,
     check_forward,
     random_qkv,
+    shard,
     to_type,
 )
 
@@ -52,16 +53,17 @@ def _fits(kernel, head_dim, block_m, block_n, num_threads):
     return True
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@shard(4)
 @given(
     batch=st.integers(1, 2),
     nheads=st.integers(1, 3),
     seqlen_q=seqlens,
     seqlen_k=seqlens,
     head_dim=st.sampled_from(HEAD_DIMS),
-    causal=st.booleans(),
     blocks=st.sampled_from(BLOCKS),
     scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
-    dtype=st.sampled_from([np.float32, np.float16]),
     array_type=st.sampled_from(array_types()),
     seed=st.integers(0, 2**32 - 1),
 )

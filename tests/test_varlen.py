@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 import flashnumba
 from flashnumba import reference
 
-from conftest import array_types, assert_close_to_truth, to_numpy, to_type
+from conftest import array_types, assert_close_to_truth, shard, to_numpy, to_type
 
 BLOCKS = dict(block_m=16, block_n=16, num_threads=32)
 
@@ -43,15 +43,16 @@ def _check(q, k, v, dout, cu_q, cu_k, out, lse, grads, opts):
         assert_close_to_truth(name, g, t, bl.astype(dtype), reduction=max(n, longest_q))
 
 
+@pytest.mark.parametrize("alibi", [False, True], ids=["no-alibi", "alibi"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@shard(4)
 @given(
     lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
     nheads_k=st.integers(1, 2),
     group=st.integers(1, 2),
     head_dim=st.sampled_from([8, 24, 59]),
-    causal=st.booleans(),
     window=st.sampled_from([(-1, -1), (8, 0), (5, 3)]),
     softcap=st.sampled_from([0.0, 2.0]),
-    alibi=st.booleans(),
     array_type=st.sampled_from(array_types()),
     seed=st.integers(0, 2**32 - 1),
 )
