@@ -114,6 +114,13 @@ def to_kernel(x, k: str):
         x = np.ascontiguousarray(x)
         return cuda.to_device(x.view(BITS) if is_bfloat16(x.dtype) else x)
     if k == "torch":
+        device = cuda.get_current_device().id
+        if x.device.index != device:
+            raise ValueError(f"a torch tensor is on {x.device}, but the kernels run on cuda:{device} (Numba's current "
+                             f"device); move the tensor there or select that device with numba.cuda.select_device")
+        # The kernels run on the legacy default stream: let work queued on torch's current stream (which made
+        # this tensor, perhaps) finish first.
+        sys.modules["torch"].cuda.current_stream(x.device).synchronize()
         return cuda.as_cuda_array(_Bits(x))
     if k == "cupy" and SIMULATOR:  # pragma: no cover (CuPy is not imported under the simulator)
         return cuda.to_device(cupy.asnumpy(x))
@@ -158,7 +165,8 @@ def empty(shape, dtype, like: str):
     ``config.poison_outputs`` is set (tests). A bfloat16 buffer's kernel side is uint16 (NaN: 0x7FC0)."""
     if like == "torch":  # bfloat16 outputs and, beside them, float32 lse
         torch = sys.modules["torch"]
-        arr = torch.empty(shape, dtype=torch.bfloat16 if is_bfloat16(dtype) else torch.float32, device="cuda")
+        arr = torch.empty(shape, dtype=torch.bfloat16 if is_bfloat16(dtype) else torch.float32,
+                          device=f"cuda:{cuda.get_current_device().id}")
         if config.poison_outputs:
             arr.fill_(float("nan"))
         return arr, to_kernel(arr, "torch") if is_bfloat16(dtype) else cuda.as_cuda_array(arr)

@@ -70,7 +70,12 @@ def _check_dtypes(tensors):
     first = tensors[0]
     for t in tensors:
         if t.dtype not in DTYPES and not _arrays.is_bfloat16(t.dtype):
-            raise TypeError(f"{t.name} has dtype {t.dtype}; supported dtypes are {DTYPE_NAMES}")
+            hint = " (bfloat16 is taken as a NumPy ml_dtypes.bfloat16 array or a torch.bfloat16 CUDA tensor)" \
+                if t.dtype.kind == "V" and t.dtype.itemsize == 2 else ""
+            raise TypeError(f"{t.name} has dtype {t.dtype}; supported dtypes are {DTYPE_NAMES}{hint}")
+        if _arrays.is_bfloat16(t.dtype) and t.kind not in ("numpy", "torch"):
+            raise TypeError(f"{t.name} is a bfloat16 {t.kind} array; bfloat16 is taken as a NumPy "
+                            "ml_dtypes.bfloat16 array or a torch.bfloat16 CUDA tensor")
         if t.dtype != first.dtype:
             raise TypeError(f"{t.name} has dtype {t.dtype} but {first.name} has dtype {first.dtype}; they must match")
 

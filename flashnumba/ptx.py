@@ -306,6 +306,8 @@ def _gpu_intrinsics():
     def check_address(aryty, idxty, what):
         if not isinstance(aryty, types.Array) or not isinstance(idxty, types.Integer):
             raise TypingError(f"{what}: expected (array, integer element index), got ({aryty}, {idxty})")
+        if aryty.layout != "C":  # the address is data + index: only right for a C-contiguous array
+            raise TypingError(f"{what}: the array must be C-contiguous (layout 'C'), got layout {aryty.layout!r}")
 
     def make_mma(kind):
         text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
@@ -318,7 +320,9 @@ def _gpu_intrinsics():
                 regs = [context.cast(builder, v, ty, types.uint32) for v, ty in zip(args[:6], sig.args[:6])]
                 accs = [context.cast(builder, v, ty, types.float32) for v, ty in zip(args[6:], sig.args[6:])]
                 d = asm(builder, ir.LiteralStructType([f32] * 4), regs + accs, text,
-                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
+                        # side_effect: a warp-collective instruction must not be moved into a branch where
+                        # only some lanes would run it (as CUTLASS marks its mma asm volatile)
+                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)
                 return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
 
             return sig, codegen

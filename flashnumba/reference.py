@@ -52,15 +52,20 @@ def visibility_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1), r
     return mask
 
 
-def _bfloat16_in_float32(fn):
-    """Let ``fn(..., dtype=ml_dtypes.bfloat16)`` compute in float32 and round its results to bfloat16."""
+def _bfloat16_in_float32(fn=None, *, keep_float32=()):
+    """Let ``fn(..., dtype=ml_dtypes.bfloat16)`` compute in float32 and round its results to bfloat16, except
+    the results at the positions ``keep_float32`` (the logsumexp, which the kernels return in float32)."""
+    if fn is None:
+        return functools.partial(_bfloat16_in_float32, keep_float32=keep_float32)
 
     @functools.wraps(fn)
     def wrapper(*args, dtype=np.float64, **kwargs):
         if np.dtype(dtype).name != "bfloat16":
             return fn(*args, dtype=dtype, **kwargs)
         result = fn(*args, dtype=np.float32, **kwargs)
-        return tuple(r.astype(dtype) for r in result) if isinstance(result, tuple) else result.astype(dtype)
+        if not isinstance(result, tuple):
+            return result.astype(dtype)
+        return tuple(r if i in keep_float32 else r.astype(dtype) for i, r in enumerate(result))
 
     return wrapper
 
@@ -134,7 +139,7 @@ def _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, d
     return q, k, v, p, lse, dcap, scale
 
 
-@_bfloat16_in_float32
+@_bfloat16_in_float32(keep_float32=(1,))
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                       alibi_slopes=None, dropout_z=None, dtype=np.float64):
     """Dense attention. Returns (out, lse): out like q, lse (batch, nheads, seqlen_q), both in ``dtype``.
@@ -296,7 +301,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slope
     dtype = opts.get("dtype", np.float64)
     nheads = np.shape(q)[1]
     out = np.zeros(np.shape(q), dtype)
-    lse = np.full((nheads, np.shape(q)[0]), -np.inf, dtype)
+    lse_dtype = np.float32 if np.dtype(dtype).name == "bfloat16" else dtype  # as attention_forward returns it
+    lse = np.full((nheads, np.shape(q)[0]), -np.inf, lse_dtype)
     for b, (q0, q1, k0, k1) in enumerate(zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:])):
         slopes = _batch_slopes(alibi_slopes, b)
         o, l = attention_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], alibi_slopes=slopes, **opts)

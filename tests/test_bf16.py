@@ -257,3 +257,15 @@ def test_torch_bf16_tensors_in_and_out():
         flashnumba.flash_attn_forward(tq, k, v)
     with pytest.raises(TypeError, match=r"k has dtype float16 but q has dtype bfloat16"):
         flashnumba.flash_attn_forward(tq, tk.half(), tv)
+
+
+def test_bf16_device_arrays_other_than_torch_are_refused():
+    """A bfloat16 array that is neither NumPy nor torch (here a Numba device array) cannot be given to the kernels
+    as bits without guessing: it is refused, not computed on as numbers."""
+    q = np.zeros((1, 4, 1, 8), BF16)
+    try:
+        dq = cuda.to_device(q)
+    except Exception as err:  # noqa: BLE001
+        pytest.skip(f"Numba cannot hold a bfloat16 device array here: {err}")
+    with pytest.raises(TypeError, match="bfloat16 is taken as a NumPy ml_dtypes.bfloat16 array or a torch"):
+        flashnumba.flash_attn_forward(dq, dq, dq)

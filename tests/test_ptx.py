@@ -175,14 +175,14 @@ pack_f16_kernel = make_pack_kernel(ptx.pack_f16x2)
 pack_bf16_kernel = make_pack_kernel(ptx.pack_bf16x2)
 
 # Every kernel above with its argument types, for the offline sm_90 compile
-SIGNATURES = {
-    "mma_f16_kernel": "void(uint16[:, :], uint16[:, :], float32[:, :], float32[:, :])",
-    "mma_bf16_kernel": "void(uint16[:, :], uint16[:, :], float32[:, :], float32[:, :])",
-    "ldmatrix_kernel": "void(uint16[:], int32[:], uint32[:, :], uint32[:, :])",
-    "gemm_16x16x16_kernel": "void(uint16[:, :], float32[:, :, :])",
-    "cp_async_kernel": "void(float32[:], float32[:], float32[:])",
-    "pack_f16_kernel": "void(float32[:], float32[:], uint32[:])",
-    "pack_bf16_kernel": "void(float32[:], float32[:], uint32[:])",
+SIGNATURES = {  # C-contiguous arrays, as a launch with contiguous device arrays types them
+    "mma_f16_kernel": "void(uint16[:, ::1], uint16[:, ::1], float32[:, ::1], float32[:, ::1])",
+    "mma_bf16_kernel": "void(uint16[:, ::1], uint16[:, ::1], float32[:, ::1], float32[:, ::1])",
+    "ldmatrix_kernel": "void(uint16[::1], int32[::1], uint32[:, ::1], uint32[:, ::1])",
+    "gemm_16x16x16_kernel": "void(uint16[:, ::1], float32[:, :, ::1])",
+    "cp_async_kernel": "void(float32[::1], float32[::1], float32[::1])",
+    "pack_f16_kernel": "void(float32[::1], float32[::1], uint32[::1])",
+    "pack_bf16_kernel": "void(float32[::1], float32[::1], uint32[::1])",
 }
 
 
