@@ -44,7 +44,7 @@ from numba import float32, uint64
 
 from . import bf16 as _bf16
 from ._backend import cuda
-from .forward import LOG2E, NEG_INF, dropout_uniform
+from .forward import LOG2E, NEG_INF, dropout_uniform, make_sequence_geometry
 
 
 def shared_bytes_dkdv_v1(D, B_r, B_c):
@@ -298,6 +298,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    sequence = make_sequence_geometry(VARLEN)
     I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
     TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
     KS, QS, PS, OFF_KT, OFF_VT, OFF_QT, OFF_OT, OFF_Q, OFF_O, OFF_P, OFF_S, OFF_L, OFF_D, _ = (
@@ -319,17 +320,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
         b = cuda.blockIdx.y // nheads_k
         hk = cuda.blockIdx.y % nheads_k
         j0 = cuda.blockIdx.x * B_c
-        # Sequence geometry: equal lengths, or (VARLEN) packed sequences; b's rows are
-        # cu_q[b] .. cu_q[b+1] of the (1, total, nheads, d) views.
-        bb = b  # index into the arrays' leading dimension
-        q0 = 0  # offset of this sequence's first query / key row
-        k0 = 0
-        if VARLEN:
-            bb = 0
-            q0 = cu_q[b]
-            k0 = cu_k[b]
-            seqlen_q = cu_q[b + 1] - q0
-            seqlen_k = cu_k[b + 1] - k0
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, seqlen_q, seqlen_k, cu_q, cu_k)
         diag = seqlen_k - seqlen_q  # row i sees key j iff i + diag - left <= j <= i + diag + right
         if j0 >= seqlen_k:  # (VARLEN) a block past the end of a shorter sequence: nothing to do
             return
@@ -483,6 +474,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    sequence = make_sequence_geometry(VARLEN)
     I = uint64  # noqa: E741
     TY, TM, TN, DC = _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")
     QS, KS, SS, OFF_QT, OFF_OT, OFF_KT, OFF_VT, OFF_K, OFF_S, _ = (I(x) for x in _layout_dq_v2(D, B_r, B_c))
@@ -502,17 +494,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
         h = cuda.blockIdx.y % nheads
         hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
         i0 = cuda.blockIdx.x * B_r
-        # Sequence geometry: equal lengths, or (VARLEN) packed sequences; b's rows are
-        # cu_q[b] .. cu_q[b+1] of the (1, total, nheads, d) views.
-        bb = b  # index into the arrays' leading dimension
-        q0 = 0  # offset of this sequence's first query / key row
-        k0 = 0
-        if VARLEN:
-            bb = 0
-            q0 = cu_q[b]
-            k0 = cu_k[b]
-            seqlen_q = cu_q[b + 1] - q0
-            seqlen_k = cu_k[b + 1] - k0
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, seqlen_q, seqlen_k, cu_q, cu_k)
         diag = seqlen_k - seqlen_q  # row i sees key j iff i + diag - left <= j <= i + diag + right
         slope = alibi[I(b), I(h)] if ALIBI else float32(0.0)
         if i0 >= seqlen_q:  # (VARLEN) a block past the end of a shorter sequence: nothing to do

@@ -239,10 +239,32 @@ def make_forward_v3(D, B_r, B_c, num_threads, variant, bf16=False):
     return _make_register_tiled(D, B_r, B_c, num_threads, variant, uint64, bf16)
 
 
+def make_sequence_geometry(varlen):
+    """The device function that places batch entry ``b`` in the arrays, for the register-tiled kernels:
+
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, seqlen_q, seqlen_k, cu_q, cu_k)
+
+    ``bb`` indexes the arrays' leading dimension, ``q0`` and ``k0`` are the rows of its first query and key,
+    and seqlen_q, seqlen_k its lengths. Equal lengths: (b, 0, 0, seqlen_q, seqlen_k) as given. ``varlen``
+    (packed sequences, the arrays viewed as (1, total, nheads, d)): entry b is rows cu_q[b] .. cu_q[b+1] of q
+    and cu_k[b] .. cu_k[b+1] of k and v."""
+
+    @cuda.jit(device=True)
+    def sequence(b, seqlen_q, seqlen_k, cu_q, cu_k):
+        if varlen:
+            q0 = cu_q[b]
+            k0 = cu_k[b]
+            return 0, q0, k0, cu_q[b + 1] - q0, cu_k[b + 1] - k0
+        return b, 0, 0, seqlen_q, seqlen_k
+
+    return sequence
+
+
 def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
     """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    sequence = make_sequence_geometry(VARLEN)
     SCORE_MOD = SOFTCAP or ALIBI  # S is then formed in natural units, modified, and only then moved to base 2
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
     QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = (I(x) for x in _smem_layout_v2(D, B_r, B_c))
@@ -262,17 +284,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
         h = cuda.blockIdx.y % nheads
         hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
         i0 = cuda.blockIdx.x * B_r
-        # Sequence geometry: equal lengths, or (VARLEN) packed sequences; b's rows are
-        # cu_q[b] .. cu_q[b+1] of the (1, total, nheads, d) views.
-        bb = b  # index into the arrays' leading dimension
-        q0 = 0  # offset of this sequence's first query / key row
-        k0 = 0
-        if VARLEN:
-            bb = 0
-            q0 = cu_q[b]
-            k0 = cu_k[b]
-            seqlen_q = cu_q[b + 1] - q0
-            seqlen_k = cu_k[b + 1] - k0
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, seqlen_q, seqlen_k, cu_q, cu_k)
         diag = seqlen_k - seqlen_q  # row i sees keys i + diag - left <= j <= i + diag + right
         slope = alibi[I(b), I(h)] if ALIBI else float32(0.0)
         if i0 >= seqlen_q:  # (VARLEN) a block past the end of a shorter sequence: nothing to do
