@@ -92,9 +92,10 @@ def varlen_lengths(tokens, max_seqlen, rng):
     return [n for n in lens if n > 0]
 
 
-def varlen_flops(lens, nheads, head_dim, causal, pass_):
-    """4 * nheads * len^2 * head_dim per sequence (halved when causal), as for the dense workload."""
-    return sum(flops(1, nheads, n, head_dim, causal, pass_) for n in lens)
+def varlen_flops(lens, nheads, head_dim, causal, pass_, window_size=None):
+    """4 * nheads * len^2 * head_dim per sequence (halved when causal; with a window, per visible pair), as
+    :func:`flops` counts the dense workload."""
+    return sum(flops(1, nheads, n, head_dim, causal, pass_, window_size) for n in lens)
 
 
 def standard_attention_backward(dout, q, k, v, p, *, softmax_scale=None):
@@ -231,11 +232,15 @@ def validate(make, head_dim, causal, dtype, seqlen=96, window_size=None, gqa=1):
         return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
     truth, _ = reference.attention_forward(hq, hk, hv, causal=causal, **opts)
     base, _ = reference.attention_forward(hq, hk, hv, causal=causal, dtype=dtype, **opts)
+    return _forward_error(out, truth, base, "forward")
+
+
+def _forward_error(out, truth, base, what):
+    """None where out's error against the float64 truth is at most 10x the NumPy baseline's plus 1e-5, else
+    a message saying by how much it is not."""
     err = float(np.abs(_host(out).astype(np.float64) - truth).max())
     tol = 10 * float(np.abs(base - truth).max()) + 1e-5
-    if not err <= tol:
-        return f"forward error {err:.2e} > {tol:.2e}"
-    return None
+    return None if err <= tol else f"{what} error {err:.2e} > {tol:.2e}"
 
 
 def validate_varlen(make_varlen, head_dim, causal, dtype, window_size=None, gqa=1):
@@ -254,9 +259,7 @@ def validate_varlen(make_varlen, head_dim, causal, dtype, window_size=None, gqa=
         return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
     truth, _ = reference.attention_varlen_forward(hq, hk, hv, cu_q, cu_k, causal=causal, **opts)
     base, _ = reference.attention_varlen_forward(hq, hk, hv, cu_q, cu_k, causal=causal, dtype=dtype, **opts)
-    err = float(np.abs(_host(out).astype(np.float64) - truth).max())
-    tol = 10 * float(np.abs(base - truth).max()) + 1e-5
-    return None if err <= tol else f"varlen forward error {err:.2e} > {tol:.2e}"
+    return _forward_error(out, truth, base, "varlen forward")
 
 
 def _peak_and_time(fn, lib, warmup, repeat):
@@ -375,12 +378,8 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
                         emit(dict(base, error=f"skipped: no {p} pass here"))
                         continue
                     ms, times, peak = _peak_and_time(fns[p], lib, warmup, repeat)
-                    if varlen and opts.get("window_size") is None:
-                        f = varlen_flops(lens, nheads, d, causal, p)
-                    elif varlen:
-                        f = sum(flops(1, nheads, m, d, causal, p, opts["window_size"]) for m in lens)
-                    else:
-                        f = flops(batch, nheads, n, d, causal, p, opts.get("window_size"))
+                    f = varlen_flops(lens, nheads, d, causal, p, opts.get("window_size")) if varlen else \
+                        flops(batch, nheads, n, d, causal, p, opts.get("window_size"))
                     emit(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak))
                     if ms > max_call_ms:
                         too_slow.add(key)
