@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+import flashnumba
 from conftest import check_forward, random_qkv
 from flashnumba import forward_tc
 
@@ -54,6 +55,22 @@ def test_forward_tc_rejects_what_it_does_not_support():
     q, k, v = random_qkv(rng, 1, 4, 4, 2, 64, np.float16)
     with pytest.raises(ValueError, match="GQA"):
         forward_tc.flash_attn_forward_tc(q, k[:, :, :1], v[:, :, :1])
+
+
+def test_flash_attn_forward_kernel_tc():
+    """The opt-in through the public API: the same kernel; window (-1, 0) is causal."""
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 16, 20, 1, 64, np.float16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, window_size=(-1, 0), kernel="tc")
+    check_forward(out, lse, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("opts", [dict(softcap=1.0), dict(window_size=(3, 0)), dict(block_m=64),
+                                  dict(dropout_p=0.1, dropout_seed=1)])
+def test_flash_attn_forward_kernel_tc_rejects_other_options(opts):
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 4, 4, 1, 64, np.float16)
+    with pytest.raises(ValueError, match="kernel 'tc'"):
+        flashnumba.flash_attn_forward(q, k, v, kernel="tc", **opts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
