@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, backward, forward
+from . import _arrays, backward, forward, forward_tc
 from ._backend import SIMULATOR, cuda, max_shared_memory_per_block
 
 MAX_HEAD_DIM = 256
@@ -324,6 +324,8 @@ def flash_attn_forward(
     num_threads : threads per block (kernels v2, v3; v1 uses one thread per query row).
     kernel : "v3" (register-tiled with unsigned index arithmetic, default), "v2" (the same with Numba's
         default signed indexing) or "v1" (one thread per row, the readable one). See flashnumba.forward.
+        "tc": the tensor-core kernel (opt-in; float16, head_dim 64 or 128, causal or not, no other option
+        and its own block sizes). See flashnumba.forward_tc.
 
     Returns
     -------
@@ -338,6 +340,11 @@ def flash_attn_forward(
     opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
                           dropout=(dropout_p, dropout_seed, dropout_offset))
     batch, seqlen_q, nheads, head_dim = tq.shape
+    if kernel == "tc":
+        if not opts.plain or (block_m, block_n, num_threads) != (None, None, None):
+            raise ValueError("kernel 'tc' supports causal masking only (no window, softcap, ALiBi, GQA, varlen or "
+                             "dropout) and chooses its own block sizes")
+        return forward_tc.flash_attn_forward_tc(q, k, v, causal=opts.right == 0, softmax_scale=softmax_scale)
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
     _check_not_v1(kernel, opts, "forward")
