@@ -82,6 +82,13 @@ def _flashnumba(kernel):
     return make
 
 
+def _flashnumba_tc(q, k, v, dout, causal):
+    """The tensor-core forward (``kernel="tc"``: float16, head_dim 64 or 128); it has no backward yet."""
+    opts = dict(causal=causal, kernel="tc")
+    flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
+    return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
+
+
 def varlen_lengths(tokens, max_seqlen, rng):
     """Sequence lengths for a packed batch: uniform in [max_seqlen / 4, max_seqlen], summing to ``tokens`` (the
     last one shortened), so that a varlen run moves as many tokens as the dense one at that max_seqlen."""
@@ -174,6 +181,7 @@ def _torch_sdpa(backend_name):
 
 def available_implementations(include_peers=True):
     impls = {f"flashnumba_{k}": _flashnumba(k) for k in ("v1", "v2", "v3")}
+    impls["flashnumba_tc"] = _flashnumba_tc
     impls["standard_cupy"] = _standard
     if include_peers and not _backend.SIMULATOR:
         try:
