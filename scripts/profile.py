@@ -2,10 +2,11 @@
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats \\
-        python scripts/profile.py [seqlen] [head_dim]
+        python scripts/profile.py [seqlen] [head_dim] [tc]
 
 Workload as in the benchmark (batch = 16384 / seqlen, heads = 2048 / head_dim, float32, non-causal); each kernel
-is compiled and run once before the profiled calls.
+is compiled and run once before the profiled calls. With ``tc``: the tensor-core forward on float16 instead
+(forward only: it has no backward).
 """
 
 import sys
@@ -17,8 +18,19 @@ import flashnumba
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 d = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+tc = len(sys.argv) > 3 and sys.argv[3] == "tc"
 rng = np.random.default_rng(0)
 q, k, v, dout = (cupy.asarray(rng.standard_normal((16384 // n, n, 2048 // d, d), dtype=np.float32)) for _ in range(4))
+if tc:
+    q, k, v = (x.astype(np.float16) for x in (q, k, v))
+    flashnumba.flash_attn_forward(q, k, v, kernel="tc")
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.start()
+    flashnumba.flash_attn_forward(q, k, v, kernel="tc")
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.stop()
+    print(f"profiled the tensor-core forward, float16, seqlen {n}, head_dim {d}")
+    sys.exit()
 out, lse = flashnumba.flash_attn_forward(q, k, v)
 flashnumba.flash_attn_backward(dout, q, k, v, out, lse)
 cupy.cuda.Device().synchronize()
