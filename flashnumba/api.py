@@ -324,8 +324,8 @@ def flash_attn_forward(
     num_threads : threads per block (kernels v2, v3; v1 uses one thread per query row).
     kernel : "v3" (register-tiled with unsigned index arithmetic, default), "v2" (the same with Numba's
         default signed indexing) or "v1" (one thread per row, the readable one). See flashnumba.forward.
-        "tc": the tensor-core kernel (opt-in; float16, head_dim 64 or 128, causal or not, no other option
-        and its own block sizes). See flashnumba.forward_tc.
+        "tc": the tensor-core kernel (opt-in; float16 or bfloat16, head_dim 64 or 128, causal or not, no other
+        option; block_m in 16, 32, 64, 128, block_n a multiple of 16). See flashnumba.forward_tc.
 
     Returns
     -------
@@ -341,10 +341,13 @@ def flash_attn_forward(
                           dropout=(dropout_p, dropout_seed, dropout_offset))
     batch, seqlen_q, nheads, head_dim = tq.shape
     if kernel == "tc":
-        if not opts.plain or (block_m, block_n, num_threads) != (None, None, None):
+        if not opts.plain or num_threads is not None:
             raise ValueError("kernel 'tc' supports causal masking only (no window, softcap, ALiBi, GQA, varlen or "
-                             "dropout) and chooses its own block sizes")
-        return forward_tc.flash_attn_forward_tc(q, k, v, causal=opts.right == 0, softmax_scale=softmax_scale)
+                             "dropout), and its threads follow from block_m (32 per 16 query rows)")
+        if block_m is not None and block_m not in (16, 32, 64, 128):
+            raise ValueError(f"kernel 'tc' takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {block_m}")
+        return forward_tc.flash_attn_forward_tc(q, k, v, causal=opts.right == 0, softmax_scale=softmax_scale,
+                                                block_n=block_n, warps=None if block_m is None else block_m // 16)
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
     _check_not_v1(kernel, opts, "forward")

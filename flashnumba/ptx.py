@@ -22,6 +22,7 @@ gets is chosen once, at import, from ``flashnumba._backend.SIMULATOR``.
 | ``cp_async_wait_all`` | ``cp.async.wait_all`` | waits for every copy |
 | ``pack_f16x2(lo, hi)`` | ``cvt.rn.f16x2.f32`` | 2 float32 -> uint32 (lo in bits 0-15) |
 | ``pack_bf16x2(lo, hi)`` | ``cvt.rn.bf16x2.f32`` | 2 float32 -> uint32 (lo in bits 0-15) |
+| ``shfl_xor_f32(x, mask)`` | ``shfl.sync.bfly.b32`` (all 32 lanes) | float32 -> lane ``l ^ mask``'s float32 |
 
 Registers. A "packed" uint32 holds two 16-bit values: the element with the smaller column (or row) index in
 bits 0-15, the other in bits 16-31, which is how two consecutive 16-bit elements lie in memory.
@@ -36,8 +37,8 @@ The stand-ins. Under the simulator every CUDA thread is a Python thread and all 
 (blocks run one after another), so the 32 lanes of a warp can meet: each warp-collective stand-in (mma,
 ldmatrix) puts its lane's registers in a slot, waits on a ``threading.Barrier(32)`` until the whole warp has,
 computes its own result from all 32 slots, and waits once more so that no lane reuses the slots before every
-lane has read them. As on the GPU, all 32 lanes must make the call (a warp whose lanes diverge around it waits
-until the barrier's timeout and fails). ``cp_async_16`` reads its 16 source bytes when issued but writes them
+lane has read them (``shfl_xor_f32`` likewise). As on the GPU, all 32 lanes must make the call (a warp whose
+lanes diverge around it waits until the barrier's timeout and fails). ``cp_async_16`` reads its 16 source bytes when issued but writes them
 only when a ``cp_async_wait``/``cp_async_wait_all`` retires their group, so a kernel that forgets the wait reads
 stale shared memory in the simulator, as it may on the GPU. The mma stand-in adds the exact products in float64
 and rounds once to float32; the tensor cores' own summation rounds differently in the last bits (exact for
@@ -267,6 +268,14 @@ def _sim_pack_f16x2(lo, hi):
     return np.uint32(bits[0] | (bits[1] << 16))
 
 
+def _sim_shfl_xor_f32(x, lane_mask):
+    """The float32 ``x`` of lane ``l ^ lane_mask``, for lane l (a butterfly exchange; all 32 lanes call it).
+    With lane_mask 1 then 2, the four lanes of a quad (the lanes sharing g = l >> 2 of an mma fragment) each
+    see the other three: how a row's statistic, spread over the quad, is combined."""
+    lane, values = _warp_exchange(np.float32(x))
+    return values[lane ^ int(lane_mask)]
+
+
 def _bf16_bits(x):
     """bfloat16 bits of float32 x, rounded to nearest even: add 0x7FFF plus the lowest kept bit, truncate."""
     u = int(np.array(x, np.float32).view(np.uint32))
@@ -405,7 +414,21 @@ def _gpu_intrinsics():
         pack.__name__ = f"pack_{kind}x2"
         return intrinsic(pack)
 
+    @intrinsic
+    def shfl_xor_f32(typingctx, x, lane_mask):
+        sig = types.float32(x, lane_mask)
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            m = context.cast(builder, args[1], sig.args[1], types.uint32)
+            # side_effect: warp-collective, like mma; c = 0x1f (the whole warp is one segment), all lanes take part
+            return asm(builder, f32, [v, m], "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=f,f,r",
+                       side_effect=True)
+
+        return sig, codegen
+
     found = dict(
+        shfl_xor_f32=shfl_xor_f32,
         mma_m16n8k16_f16=make_mma("f16"), mma_m16n8k16_bf16=make_mma("bf16"),
         ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True),
         cp_async_16=cp_async_16, cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
@@ -426,6 +449,7 @@ def _simulator_stand_ins():
         ldmatrix_x4=_make_sim_ldmatrix(trans=False), ldmatrix_x4_trans=_make_sim_ldmatrix(trans=True),
         cp_async_16=_sim_cp_async_16, cp_async_commit=_sim_cp_async_commit, cp_async_wait=_sim_cp_async_wait,
         cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
+        shfl_xor_f32=_sim_shfl_xor_f32,
     )
 
 
@@ -435,4 +459,4 @@ else:
     globals().update(_gpu_intrinsics())
 
 __all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
-           "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2"]
+           "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2", "shfl_xor_f32"]

@@ -183,6 +183,7 @@ SIGNATURES = {  # C-contiguous arrays, as a launch with contiguous device arrays
     "cp_async_kernel": "void(float32[::1], float32[::1], float32[::1])",
     "pack_f16_kernel": "void(float32[::1], float32[::1], uint32[::1])",
     "pack_bf16_kernel": "void(float32[::1], float32[::1], uint32[::1])",
+    "shfl_kernel": "void(float32[:, ::1], float32[:, ::1])",
 }
 
 
@@ -332,6 +333,24 @@ def test_bf16_reference_against_float64_rounding():
     np.testing.assert_array_equal(bf16_bits(x), [0x3F80, 0x3F82, 0x3F81, 0x7F80, 0x8000])
 
 
+@cuda.jit
+def shfl_kernel(x, out):  # x, out (nwarps * 32, 5): column c of out is x's column c shuffled with mask 1 << c
+    tid = cuda.threadIdx.x
+    for c in range(5):
+        out[tid, c] = ptx.shfl_xor_f32(x[tid, c], 1 << c)
+
+
+def test_shfl_xor_exchanges_within_the_warp():
+    x = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32)
+    x[3, 0] = np.inf
+    x[5, 1] = -np.inf
+    out = cuda.to_device(np.full_like(x, np.nan))
+    shfl_kernel[1, 64](cuda.to_device(x), out)
+    lanes = np.arange(64)
+    expected = np.stack([x[lanes ^ (1 << c), c] for c in range(5)], axis=1)  # lane ^ mask stays in its warp
+    np.testing.assert_array_equal(out.copy_to_host(), expected)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The GPU path compiles: PTX for sm_90, assembled by nvJitLink, without a GPU
 # ---------------------------------------------------------------------------------------------------------------
@@ -370,6 +389,7 @@ def test_kernels_compile_for_sm90():
                             "cp.async.wait_all"],
         "pack_f16_kernel": ["cvt.rn.f16x2.f32"],
         "pack_bf16_kernel": ["cvt.rn.bf16x2.f32"],
+        "shfl_kernel": ["shfl.sync.bfly.b32"],
     }
     for name, needles in expected.items():
         text = kernels[name]["ptx"]

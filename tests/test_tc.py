@@ -20,35 +20,72 @@ from conftest import check_forward, random_qkv
 from flashnumba import forward_tc
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads", [(16, 16, 1), (17, 80, 1), (80, 17, 2), (64, 64, 1)])
-def test_forward_tc_matches_reference(seqlen_q, seqlen_k, nheads):
+# (block_n, warps): the smallest blocks (16 keys, 1 warp) in the simulator, where every mma is 32 Python threads
+# meeting at a barrier; on a GPU, the defaults as well
+BLOCKS = [(16, 1)] + ([] if flashnumba.SIMULATOR else [(None, None), (32, 8)])
+
+
+@pytest.mark.parametrize("blocks", BLOCKS)
+@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads", [(16, 16, 1), (17, 80, 1), (40, 17, 2), (33, 33, 1)])
+def test_forward_tc_matches_reference(seqlen_q, seqlen_k, nheads, blocks):
     rng = np.random.default_rng(seqlen_q * 100 + seqlen_k)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, nheads, 64, np.float16)
-    out, lse = forward_tc.flash_attn_forward_tc(q, k, v)
+    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, block_n=blocks[0], warps=blocks[1])
     check_forward(out, lse, q, k, v)
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(17, 80), (80, 17)])
-def test_forward_tc_causal(seqlen_q, seqlen_k):
+@pytest.mark.parametrize("blocks", BLOCKS)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(17, 80), (40, 17)])
+def test_forward_tc_causal(seqlen_q, seqlen_k, blocks):
     """Bottom-right aligned; with seqlen_q > seqlen_k the first rows see no key (out 0, lse -inf)."""
     rng = np.random.default_rng(7 + seqlen_q)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 1, 64, np.float16)
-    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, causal=True)
+    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, causal=True, block_n=blocks[0], warps=blocks[1])
     check_forward(out, lse, q, k, v, causal=True)
 
 
-def test_forward_tc_head_dim_128_and_scale():
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal, block_n, warps", [
+    (20, 97, False, 16, 1),  # seven key tiles: both buffers, refilled in turn; the last tile partial
+    (33, 65, True, 16, 1),  # causal across tiles: unmasked tiles below the diagonal, masked ones on it
+    (50, 50, True, 16, 1),  # several query blocks, each stopping at its own diagonal
+])
+def test_forward_tc_pipeline_over_many_tiles(seqlen_q, seqlen_k, causal, block_n, warps):
+    """Double buffering: every key tile reaches the kernel once, through both buffers, whatever the block sizes."""
+    rng = np.random.default_rng(seqlen_k)
+    q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 1, 64, np.float16)
+    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, causal=causal, block_n=block_n, warps=warps)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+def test_forward_tc_bfloat16():
+    """bfloat16 in and out (the bf16 mma; P_ij rounded to bfloat16), checked like test_bf16's kernels."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 1, 20, 40, 1, 64, ml_dtypes.bfloat16)
+    for causal in (False, True):
+        out, lse = forward_tc.flash_attn_forward_tc(q, k, v, causal=causal, block_n=16, warps=1)
+        assert out.dtype == ml_dtypes.bfloat16 and lse.dtype == np.float32
+        check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("blocks", BLOCKS)
+def test_forward_tc_head_dim_128_and_scale(blocks):
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, 1, 17, 40, 1, 128, np.float16)
-    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, softmax_scale=0.3)
+    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, softmax_scale=0.3, block_n=blocks[0], warps=blocks[1])
     check_forward(out, lse, q, k, v, softmax_scale=0.3)
 
 
 def test_forward_tc_rejects_what_it_does_not_support():
     rng = np.random.default_rng(0)
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 64)
-    with pytest.raises(TypeError, match="float16"):
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
         forward_tc.flash_attn_forward_tc(q, k, v)
+    q, k, v = random_qkv(rng, 1, 4, 4, 1, 64, np.float16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        forward_tc.flash_attn_forward_tc(q, k, v, block_n=24)
+    with pytest.raises(ValueError, match="warps"):
+        forward_tc.flash_attn_forward_tc(q, k, v, warps=3)
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 40, np.float16)
     with pytest.raises(ValueError, match="head_dim"):
         forward_tc.flash_attn_forward_tc(q, k, v)
@@ -61,12 +98,28 @@ def test_flash_attn_forward_kernel_tc():
     """The opt-in through the public API: the same kernel; window (-1, 0) is causal."""
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, 1, 16, 20, 1, 64, np.float16)
-    out, lse = flashnumba.flash_attn_forward(q, k, v, window_size=(-1, 0), kernel="tc")
+    out, lse = flashnumba.flash_attn_forward(q, k, v, window_size=(-1, 0), kernel="tc", block_m=16, block_n=16)
     check_forward(out, lse, q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("opts", [dict(softcap=1.0), dict(window_size=(3, 0)), dict(block_m=64),
-                                  dict(dropout_p=0.1, dropout_seed=1)])
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (1, 300, True), (63, 65, True),
+                                                         (97, 1000, False), (1000, 97, True), (513, 2047, True),
+                                                         (2048, 2048, False)])
+def test_forward_tc_gpu_sizes(seqlen_q, seqlen_k, causal, D, dtype):
+    """On the GPU: awkward and long sequences with the default blocks, 2 batches x 3 heads."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(seqlen_q + seqlen_k + D)
+    q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D, dtype)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="tc")
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("opts", [dict(softcap=1.0), dict(window_size=(3, 0)), dict(num_threads=64),
+                                  dict(block_m=48), dict(dropout_p=0.1, dropout_seed=1)])
 def test_flash_attn_forward_kernel_tc_rejects_other_options(opts):
     q, k, v = random_qkv(np.random.default_rng(0), 1, 4, 4, 1, 64, np.float16)
     with pytest.raises(ValueError, match="kernel 'tc'"):
@@ -80,14 +133,16 @@ def test_flash_attn_forward_kernel_tc_rejects_other_options(opts):
 COMPILE = r"""
 import json
 from flashnumba import forward_tc, resources
-a = "float16[:, :, :, :]"
-sig = f"void({a}, {a}, {a}, {a}, float32[:, :, :], float32)"
 out = {}
-for D in (64, 128):
-    for causal in (False, True):
-        text = resources._compile_ptx(forward_tc.make_forward_tc(D, causal).py_func, sig, (9, 0))
-        r = resources.ptx_resources(text)
-        out[f"D={D} causal={causal}"] = dict(ptx=text, **r)
+for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
+    a = f"{elem}[:, :, :, ::1]"  # C-contiguous, as the launch passes them
+    sig = f"void({a}, {a}, {a}, {a}, float32[:, :, ::1], float32)"
+    for D in (64, 128):
+        for causal in (False, True):
+            fn = forward_tc.make_forward_tc(D, causal, dtype=dtype)
+            text = resources._compile_ptx(fn.py_func, sig, (9, 0))
+            r = resources.ptx_resources(text)
+            out[f"{dtype} D={D} causal={causal}"] = dict(ptx=text, **r)
 print(json.dumps(out))
 """
 
@@ -105,8 +160,11 @@ def test_forward_tc_compiles_for_sm90():
     for name, r in kernels.items():
         text = r["ptx"]
         assert ".target sm_90" in text
-        for needle in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared",
-                       "ldmatrix.sync.aligned.m8n8.x4.trans", "cvt.rn.f16x2.f32"):
+        kind = "bf16" if name.startswith("bfloat16") else "f16"
+        for needle in (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32",
+                       "ldmatrix.sync.aligned.m8n8.x4.shared",
+                       "ldmatrix.sync.aligned.m8n8.x4.trans", f"cvt.rn.{kind}x2.f32", "cp.async.cg.shared.global",
+                       "cp.async.wait_group 1", "shfl.sync.bfly.b32"):
             assert needle in text, f"{name}: no {needle!r} in its PTX"
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores, {r['spill_loads']} spill loads")
-        assert 0 < r["registers"] <= 255
+        assert 0 < r["registers"] <= 255 and r["spill_stores"] + r["spill_loads"] == 0
