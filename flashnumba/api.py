@@ -300,9 +300,31 @@ def launch(kernel_fn, grid, block, shared_bytes, args):
     kernel_fn[grid, block, 0, shared_bytes](*args)
 
 
+def tensor_core_applies(tensors, opts, block_m=None, block_n=None, num_threads=None) -> bool:
+    """Whether ``kernel=None`` chooses the tensor-core forward: a GPU of compute capability >= 8.0 (not the
+    simulator), float16 or bfloat16, head_dim 64 or 128, no option but causal, no block sizes given, and arrays
+    the kernel can address (C-contiguous, or CuPy or torch arrays, which it copies)."""
+    tq = tensors[0]
+    if SIMULATOR or (block_m, block_n, num_threads) != (None, None, None) or not opts.plain:
+        return False
+    if not (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype)) or tq.shape[-1] not in forward_tc.HEAD_DIMS:
+        return False
+    if any(t.kind in ("numba", "cai") and t.strides != _c_strides(t.shape, t.dtype.itemsize) for t in tensors):
+        return False
+    return cuda.get_current_device().compute_capability >= (8, 0)
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 def flash_attn_forward(
     q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None, block_n=None, num_threads=None, kernel="v3"
+    dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None, block_n=None, num_threads=None, kernel=None
 ):
     """Exact attention by a tiled, fused kernel that never materialises the seqlen_q x seqlen_k matrix.
 
@@ -322,10 +344,11 @@ def flash_attn_forward(
         given the same seed and offset regenerates it. A seed is required when dropout_p > 0.
     block_m, block_n : B_r query rows and B_c key rows per tile (defaults: :func:`default_blocks`).
     num_threads : threads per block (kernels v2, v3; v1 uses one thread per query row).
-    kernel : "v3" (register-tiled with unsigned index arithmetic, default), "v2" (the same with Numba's
-        default signed indexing) or "v1" (one thread per row, the readable one). See flashnumba.forward.
-        "tc": the tensor-core kernel (opt-in; float16 or bfloat16, head_dim 64 or 128, causal or not, no other
-        option; block_m in 16, 32, 64, 128, block_n a multiple of 16). See flashnumba.forward_tc.
+    kernel : "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with Numba's default signed
+        indexing) or "v1" (one thread per row, the readable one): the SIMT kernels of flashnumba.forward.
+        "tc": the tensor-core kernel (float16 or bfloat16, head_dim 64 or 128, causal or not, no other option;
+        block_m in 16, 32, 64, 128, block_n a multiple of 16; a GPU of compute capability >= 8.0). See
+        flashnumba.forward_tc. None (default): "tc" where it applies (:func:`tensor_core_applies`), else "v3".
 
     Returns
     -------
@@ -340,6 +363,8 @@ def flash_attn_forward(
     opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
                           dropout=(dropout_p, dropout_seed, dropout_offset))
     batch, seqlen_q, nheads, head_dim = tq.shape
+    if kernel is None:
+        kernel = "tc" if tensor_core_applies((tq, tk, tv), opts, block_m, block_n, num_threads) else "v3"
     if kernel == "tc":
         if not opts.plain or num_threads is not None:
             raise ValueError("kernel 'tc' supports causal masking only (no window, softcap, ALiBi, GQA, varlen or "

@@ -6,7 +6,8 @@ matrix products of each key tile to the tensor cores, through the intrinsics of 
 float16 or bfloat16 inputs, float32 accumulation. The online softmax recurrence, the masking and lse are v1's,
 done on the accumulator fragments in registers. head_dim 64 or 128, nheads_k == nheads.
 
-Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 W.
+Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 W;
+block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest causal rows first).
 Warp w owns query rows 16w .. 16w + 15 of the tile Q_i; lane l of it, with g = l >> 2 and t = l & 3 (the PTX
 ISA's groupID and threadID_in_group), owns rows g and g + 8 of those 16, and of every (16 x 8) accumulator tile
 the columns 2t and 2t + 1 (the C layout drawn in ``ptx.MMA_DOC``).
@@ -66,8 +67,9 @@ PAD = 8  # elements added to each shared-memory row (16 bytes): conflict-free ld
 
 
 def default_blocks(D):
-    """(B_c, warps): 64 keys per tile, 4 warps (B_r = 64 query rows)."""
-    return 64, 4
+    """(B_c, warps): B_r = 128 query rows (8 warps) and B_c = 32 keys for D = 64, 64 keys for D = 128: the fastest
+    of a sweep on the H200 (scripts/tc_sweep.py, float16, seqlen 4096, causal and not; docs/benchmarks.md)."""
+    return (32 if D <= 64 else 64), 8
 
 
 def shared_bytes(D, B_c, warps):
@@ -141,7 +143,9 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
         t = lane & 3  # threadID_in_group: columns 2t, 2t + 1 of each 8-wide tile
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
-        i0 = cuda.blockIdx.x * B_R  # first query row of Q_i
+        # first query row of Q_i: the last tile first, so that with causal masking the blocks with the most key
+        # tiles start first and the short ones fill the tail of the launch
+        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R
         r0 = warp * WARP_ROWS  # first row of this warp inside Q_i
         diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
 

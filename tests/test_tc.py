@@ -168,3 +168,17 @@ def test_forward_tc_compiles_for_sm90():
             assert needle in text, f"{name}: no {needle!r} in its PTX"
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores, {r['spill_loads']} spill loads")
         assert 0 < r["registers"] <= 255 and r["spill_stores"] + r["spill_loads"] == 0
+
+
+def test_default_kernel_is_tc_where_it_applies():
+    """kernel=None picks the tensor-core forward on a GPU for float16 without options, and v3 otherwise (always
+    in the simulator): the results are those of the kernel it names, bit for bit."""
+    rng = np.random.default_rng(2)
+    q, k, v = random_qkv(rng, 1, 20, 24, 1, 64, np.float16)
+    chosen = "v3" if flashnumba.SIMULATOR else "tc"
+    for got, want in [(flashnumba.flash_attn_forward(q, k, v, causal=True),
+                       flashnumba.flash_attn_forward(q, k, v, causal=True, kernel=chosen)),
+                      (flashnumba.flash_attn_forward(q, k, v, softcap=2.0),  # an option tc lacks: v3
+                       flashnumba.flash_attn_forward(q, k, v, softcap=2.0, kernel="v3"))]:
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
