@@ -77,6 +77,136 @@ def shared_bytes(D, B_c, warps):
     return (WARP_ROWS * warps + 4 * B_c) * (D + PAD) * 2
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# One warp's tile operations, shared with flashnumba.backward_tc. Matrices in shared memory are row-major with
+# rows of D + PAD elements; ``off`` is the element offset of a matrix's first row in the one shared array.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _kind(dtype):
+    """(mma, pack) intrinsics for "float16" or "bfloat16"."""
+    if dtype == "bfloat16":
+        return ptx.mma_m16n8k16_bf16, ptx.pack_bf16x2
+    return ptx.mma_m16n8k16_f16, ptx.pack_f16x2
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_rows(D, NT):
+    """load_rows(smem, off, src, b, row0, seqlen, h, rows, tid): start the copy of ``rows`` rows of
+    src[b, row0 + r, h, :] (a C-contiguous (batch, seqlen, nheads, D) array) to smem rows off + r, 16 bytes per
+    cp.async, spread over the NT threads of the block; rows at or past ``seqlen`` become zeros (plain stores)."""
+    LD = D + PAD
+    CH = D // 8  # 16-byte chunks per row
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(smem, off, src, b, row0, seqlen, h, rows, tid):
+        nheads = src.shape[2]
+        for it in range((rows * CH + NT - 1) // NT):
+            e = tid + it * NT
+            if e < rows * CH:
+                r = e // CH
+                c = (e % CH) * 8
+                if row0 + r < seqlen:
+                    ptx.cp_async_16(smem, off + r * LD + c, src, ((b * seqlen + row0 + r) * nheads + h) * D + c)
+                else:
+                    for x in range(8):
+                        smem[off + r * LD + c + x] = 0  # (a float16 constant captured from Python fails NVVM)
+
+    return load_rows
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_a(D):
+    """load_a(frag, smem, off, lane): the A fragments frag[kk, 0..3] (one per 16 columns) of the 16 rows
+    starting at element ``off``: lane l points at row l % 16, column 16 kk + 8 (l // 16)."""
+    LD = D + PAD
+
+    @cuda.jit(device=True, inline=True)
+    def load_a(frag, smem, off, lane):
+        for kk in range(D // 16):
+            a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, off + (lane % 16) * LD + 16 * kk + 8 * (lane // 16))
+            frag[kk, 0] = a0
+            frag[kk, 1] = a1
+            frag[kk, 2] = a2
+            frag[kk, 3] = a3
+
+    return load_a
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_abt(D, N, dtype):
+    """mma_abt(acc, frag, smem, off, lane): acc = A X^T, A (16 x D) given by its fragments ``frag`` (load_a),
+    X (N x D) the N rows of smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns
+    8n .. 8n + 7.
+
+    B = X^T (D x N) in "col" layout is X row-major: non-transposing ldmatrix. One x4 load covers 16 rows of X
+    x 16 columns: lanes 0-7 rows n0..n0+7, columns 16kk..+7 (b0 of tile n0), lanes 8-15 the same rows, columns
+    +8..+15 (b1), lanes 16-31 the same for rows n0+8..n0+15."""
+    LD = D + PAD
+    mma, _ = _kind(dtype)
+
+    @cuda.jit(device=True, inline=True)
+    def mma_abt(acc, frag, smem, off, lane):
+        for n in range(N // 8):
+            for x in range(4):
+                acc[n, x] = 0.0
+        for kk in range(D // 16):
+            for n2 in range(N // 16):
+                row = 16 * n2 + (lane & 7) + 8 * (lane >> 4)
+                col = 16 * kk + 8 * ((lane >> 3) & 1)
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, off + row * LD + col)
+                d0, d1, d2, d3 = mma(frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b0, b1,
+                                     acc[2 * n2, 0], acc[2 * n2, 1], acc[2 * n2, 2], acc[2 * n2, 3])
+                acc[2 * n2, 0] = d0
+                acc[2 * n2, 1] = d1
+                acc[2 * n2, 2] = d2
+                acc[2 * n2, 3] = d3
+                d0, d1, d2, d3 = mma(frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b2, b3,
+                                     acc[2 * n2 + 1, 0], acc[2 * n2 + 1, 1], acc[2 * n2 + 1, 2], acc[2 * n2 + 1, 3])
+                acc[2 * n2 + 1, 0] = d0
+                acc[2 * n2 + 1, 1] = d1
+                acc[2 * n2 + 1, 2] = d2
+                acc[2 * n2 + 1, 3] = d3
+
+    return mma_abt
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_ab(N, D, dtype):
+    """mma_ab(acc, p, smem, off, lane): acc += P X, P (16 x N) given as C fragments p[n, 0..3] (rounded to 16
+    bits here; the module docstring shows why a C fragment is already the A fragment), X (N x D) the N rows of
+    smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns 8n .. 8n + 7 (D / 8 of them).
+
+    B = X (N x D) row-major is "row" layout for B: transposing ldmatrix. Lane l points at row 16c + l % 16,
+    column 16 n2 + 8 (l // 16): (b0, b1) of columns 16 n2 .. +7, then of columns 16 n2 + 8 .. +15."""
+    LD = D + PAD
+    mma, pack = _kind(dtype)
+
+    @cuda.jit(device=True, inline=True)
+    def mma_ab(acc, p, smem, off, lane):
+        for c in range(N // 16):
+            a0 = pack(p[2 * c, 0], p[2 * c, 1])
+            a1 = pack(p[2 * c, 2], p[2 * c, 3])
+            a2 = pack(p[2 * c + 1, 0], p[2 * c + 1, 1])
+            a3 = pack(p[2 * c + 1, 2], p[2 * c + 1, 3])
+            for n2 in range(D // 16):
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, off + (16 * c + lane % 16) * LD + 16 * n2
+                                                       + 8 * (lane // 16))
+                d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[2 * n2, 0], acc[2 * n2, 1], acc[2 * n2, 2],
+                                     acc[2 * n2, 3])
+                acc[2 * n2, 0] = d0
+                acc[2 * n2, 1] = d1
+                acc[2 * n2, 2] = d2
+                acc[2 * n2, 3] = d3
+                d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, acc[2 * n2 + 1, 0], acc[2 * n2 + 1, 1],
+                                     acc[2 * n2 + 1, 2], acc[2 * n2 + 1, 3])
+                acc[2 * n2 + 1, 0] = d0
+                acc[2 * n2 + 1, 1] = d1
+                acc[2 * n2 + 1, 2] = d2
+                acc[2 * n2 + 1, 3] = d3
+
+    return mma_ab
+
+
 @functools.lru_cache(maxsize=None)
 def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
     """The tensor-core forward kernel for head_dim D (64 or 128), B_c keys per tile (a multiple of 16), ``warps``
@@ -99,37 +229,22 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     is_bf16 = dtype == "bfloat16"
-    mma = ptx.mma_m16n8k16_bf16 if is_bf16 else ptx.mma_m16n8k16_f16
-    pack = ptx.pack_bf16x2 if is_bf16 else ptx.pack_f16x2
-    store = bf16.load_store(is_bf16)[1]  # float32 -> the output's element (bf16 bits, or float32 that the store rounds)
+    store = bf16.load_store(is_bf16)[1]  # float32 -> the output element (bf16 bits, or float32 the store rounds)
     elem = uint16 if is_bf16 else float16  # shared memory holds the 16-bit patterns as they come
     B_R = WARP_ROWS * warps
     NT = 32 * warps  # threads per block
     LD = D + PAD  # shared-memory row stride, elements
-    CH = D // 8  # 16-byte chunks per row
     KD = D // 16  # k-steps of S = Q K^T (16 head dims each)
     NS = B_c // 8  # (16 x 8) tiles of S per warp
-    KC = B_c // 16  # k-steps of O += P V (16 keys each)
     NO = D // 8  # (16 x 8) tiles of O per warp
     OFF_K = B_R * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
     OFF_V = B_c * LD
     BUF = 2 * B_c * LD
 
-    @cuda.jit(device=True, inline=True)
-    def load_rows(smem, off, src, b, row0, seqlen, h, rows, tid):
-        """Start the copy of ``rows`` rows of src[b, row0 + r, h, :] to smem[off + r * LD:], 16 bytes per
-        cp.async; rows at or past ``seqlen`` become zeros (plain stores)."""
-        nheads = src.shape[2]
-        for it in range((rows * CH + NT - 1) // NT):
-            e = tid + it * NT
-            if e < rows * CH:
-                r = e // CH
-                c = (e % CH) * 8
-                if row0 + r < seqlen:
-                    ptx.cp_async_16(smem, off + r * LD + c, src, ((b * seqlen + row0 + r) * nheads + h) * D + c)
-                else:
-                    for x in range(8):
-                        smem[off + r * LD + c + x] = 0  # (a float16 constant captured from Python fails NVVM)
+    load_rows = make_load_rows(D, NT)
+    load_a = make_load_a(D)
+    mma_abt = make_mma_abt(D, B_c, dtype)  # S_ij = Q_i K_j^T
+    mma_ab = make_mma_ab(B_c, D, dtype)  # O_i += P_ij V_j
 
     @cuda.jit
     def forward_tc(q, k, v, out, lse, scale_log2):
@@ -190,37 +305,8 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
             cuda.syncthreads()  # every thread's copies (and zero stores) of tile j are visible to all
 
             if jt == 0:
-                # Q_i's A fragments: lane l points at row r0 + l % 16, column 16 kk + 8 (l // 16)
-                for kk in range(KD):
-                    a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, (r0 + lane % 16) * LD + 16 * kk + 8 * (lane // 16))
-                    qa[kk, 0] = a0
-                    qa[kk, 1] = a1
-                    qa[kk, 2] = a2
-                    qa[kk, 3] = a3
-
-            # S_ij = Q_i K_j^T. B = K_j^T (D x B_c) in "col" layout is K_j row-major: non-transposing ldmatrix.
-            # One x4 load covers 16 keys x 16 dims: lanes 0-7 keys n0..n0+7, dims 16kk..+7 (b0 of tile n0),
-            # lanes 8-15 the same keys, dims +8..+15 (b1), lanes 16-31 the same for keys n0+8..n0+15.
-            for n in range(NS):
-                for x in range(4):
-                    s[n, x] = 0.0
-            for kk in range(KD):
-                for n2 in range(NS // 2):
-                    key = 16 * n2 + (lane & 7) + 8 * (lane >> 4)
-                    col = 16 * kk + 8 * ((lane >> 3) & 1)
-                    b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, buf + key * LD + col)
-                    d0, d1, d2, d3 = mma(qa[kk, 0], qa[kk, 1], qa[kk, 2], qa[kk, 3], b0, b1,
-                                         s[2 * n2, 0], s[2 * n2, 1], s[2 * n2, 2], s[2 * n2, 3])
-                    s[2 * n2, 0] = d0
-                    s[2 * n2, 1] = d1
-                    s[2 * n2, 2] = d2
-                    s[2 * n2, 3] = d3
-                    d0, d1, d2, d3 = mma(qa[kk, 0], qa[kk, 1], qa[kk, 2], qa[kk, 3], b2, b3,
-                                         s[2 * n2 + 1, 0], s[2 * n2 + 1, 1], s[2 * n2 + 1, 2], s[2 * n2 + 1, 3])
-                    s[2 * n2 + 1, 0] = d0
-                    s[2 * n2 + 1, 1] = d1
-                    s[2 * n2 + 1, 2] = d2
-                    s[2 * n2 + 1, 3] = d3
+                load_a(qa, smem, r0 * LD, lane)  # Q_i's A fragments (this warp's 16 rows), kept in registers
+            mma_abt(s, qa, smem, buf, lane)  # S_ij = Q_i K_j^T
 
             # scale to base 2; mask only where the tile reaches past the sequence or (causal) past the diagonal
             # of its first row; this lane's partial max of rows g (x = 0, 1) and g + 8 (x = 2, 3)
@@ -267,34 +353,13 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
             l[0] = alpha[0] * l[0] + ps0
             l[1] = alpha[1] * l[1] + ps1
 
-            # O_i = alpha O_i + P_ij V_j. A = P_ij from the S fragments (see the module docstring); B = V_j
-            # (B_c x D) row-major is "row" layout for B: transposing ldmatrix. Lane l points at key 16c + l % 16,
-            # dim 16 n2 + 8 (l // 16): (b0, b1) of dims 16 n2 .. +7, then of dims 16 n2 + 8 .. +15.
+            # O_i = alpha O_i + P_ij V_j (P_ij: the S fragments, rounded to 16 bits)
             for n in range(NO):
                 o[n, 0] *= alpha[0]
                 o[n, 1] *= alpha[0]
                 o[n, 2] *= alpha[1]
                 o[n, 3] *= alpha[1]
-            for c in range(KC):
-                a0 = pack(s[2 * c, 0], s[2 * c, 1])
-                a1 = pack(s[2 * c, 2], s[2 * c, 3])
-                a2 = pack(s[2 * c + 1, 0], s[2 * c + 1, 1])
-                a3 = pack(s[2 * c + 1, 2], s[2 * c + 1, 3])
-                for n2 in range(NO // 2):
-                    b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, buf + OFF_V + (16 * c + lane % 16) * LD + 16 * n2
-                                                           + 8 * (lane // 16))
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, o[2 * n2, 0], o[2 * n2, 1], o[2 * n2, 2],
-                                         o[2 * n2, 3])
-                    o[2 * n2, 0] = d0
-                    o[2 * n2, 1] = d1
-                    o[2 * n2, 2] = d2
-                    o[2 * n2, 3] = d3
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, o[2 * n2 + 1, 0], o[2 * n2 + 1, 1],
-                                         o[2 * n2 + 1, 2], o[2 * n2 + 1, 3])
-                    o[2 * n2 + 1, 0] = d0
-                    o[2 * n2 + 1, 1] = d1
-                    o[2 * n2 + 1, 2] = d2
-                    o[2 * n2 + 1, 3] = d3
+            mma_ab(o, s, smem, buf + OFF_V, lane)  # O_i += P_ij V_j
             cuda.syncthreads()  # every warp is done with this buffer before iteration j + 1 copies tile j + 2 in
 
         # l_i: the sum of the quad's four partial sums
