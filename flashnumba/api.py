@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, backward, forward, forward_tc
+from . import _arrays, backward, backward_tc, forward, forward_tc
 from ._backend import SIMULATOR, cuda, max_shared_memory_per_block
 
 MAX_HEAD_DIM = 256
@@ -523,7 +523,7 @@ def resolve_blocks_backward(head_dim, block_m=None, block_n=None, num_threads=No
 
 def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-                        block_m=None, block_n=None, num_threads=None, kernel="v2"):
+                        block_m=None, block_n=None, num_threads=None, kernel=None):
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
 
     ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale,
@@ -532,7 +532,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     O(batch * nheads * seqlen_q): one float per query row (D_i = rowsum(dout * out)). Deterministic: no atomics.
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2"
-    (register-tiled, default) or "v1" (one thread per row, the readable one). See flashnumba.backward.
+    (register-tiled) or "v1" (one thread per row, the readable one), see flashnumba.backward; "tc" (tensor
+    cores: float16 or bfloat16, head_dim 64 or 128, causal or not, no other option; block_m and block_n in
+    16, 32, 64, 128), see flashnumba.backward_tc. None (default): "tc" where it applies (as for the forward,
+    :func:`tensor_core_applies`), else "v2".
 
     Returns dq like q, dk and dv like k, in the input dtype (float32 accumulation).
     """
@@ -546,6 +549,15 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
                            "flash_attn_forward")
     opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
                           dropout=(dropout_p, dropout_seed, dropout_offset))
+    if kernel is None:
+        tc = tensor_core_applies((tq, tk, tv, tdo, to), opts, block_m, block_n, num_threads)
+        kernel = "tc" if tc else "v2"
+    if kernel == "tc":
+        if not opts.plain or num_threads is not None:
+            raise ValueError("kernel 'tc' supports causal masking only (no window, softcap, ALiBi, GQA, varlen or "
+                             "dropout), and its threads follow from block_m and block_n (32 per 16 rows)")
+        return backward_tc.flash_attn_backward_tc(dout, q, k, v, out, lse, causal=opts.right == 0,
+                                                  softmax_scale=softmax_scale, block_m=block_m, block_n=block_n)
     scale = _check_scale(softmax_scale, head_dim)
     block_m, block_n, num_threads, (smem_dkdv, smem_dq) = resolve_blocks_backward(
         head_dim, block_m, block_n, num_threads, kernel)

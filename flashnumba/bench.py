@@ -83,10 +83,14 @@ def _flashnumba(kernel):
 
 
 def _flashnumba_tc(q, k, v, dout, causal):
-    """The tensor-core forward (``kernel="tc"``: float16, head_dim 64 or 128); it has no backward yet."""
+    """The tensor-core kernels (``kernel="tc"``: float16 or bfloat16, head_dim 64 or 128), forward and backward."""
     opts = dict(causal=causal, kernel="tc")
-    flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
-    return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
+    out, lse = flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
+    return {
+        FWD: lambda: flash_attn_forward(q, k, v, **opts),
+        BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, **opts),
+        FWDBWD: lambda: attention_with_grad(q, k, v, dout, causal=causal, kernel="tc", backward_kernel="tc"),
+    }
 
 
 def varlen_lengths(tokens, max_seqlen, rng):

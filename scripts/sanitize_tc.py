@@ -1,4 +1,4 @@
-"""The tensor-core forward (kernel="tc") on a few awkward shapes, for compute-sanitizer (scripts/sanitize.py runs
+"""The tensor-core forward and backward (kernel="tc") on a few awkward shapes, for compute-sanitizer (scripts/sanitize.py runs
 it too):
 
     compute-sanitizer --tool racecheck python scripts/sanitize_tc.py
@@ -23,8 +23,14 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, head_dim, causal, dtype, block_
 ]
 for b, sq, sk, h, d, causal, dtype, bm, bn in cases:
     hq, hk, hv = (rng.standard_normal((b, s, h, d)).astype(dtype) for s in (sq, sk, sk))
+    hdo = rng.standard_normal((b, sq, h, d)).astype(dtype)
     out, lse = flashnumba.flash_attn_forward(hq, hk, hv, causal=causal, kernel="tc", block_m=bm, block_n=bn)
+    grads = flashnumba.flash_attn_backward(hdo, hq, hk, hv, out, lse, causal=causal, kernel="tc",
+                                           block_m=bm if bm != 128 else 64, block_n=bn)
     cupy.cuda.Device().synchronize()
-    ref, _ = flashnumba.reference.attention_forward(*(x.astype(np.float32) for x in (hq, hk, hv)), causal=causal)
-    err = float(np.abs(out.astype(np.float64) - ref).max())
-    print("tc", b, sq, sk, h, d, causal, np.dtype(dtype).name, bm, bn, f"max err out {err:.1e}")
+    f32 = [x.astype(np.float32) for x in (hq, hk, hv, hdo)]
+    ref, _ = flashnumba.reference.attention_forward(*f32[:3], causal=causal)
+    ref_grads = flashnumba.reference.attention_backward(f32[3], *f32[:3], causal=causal)
+    errs = [float(np.abs(x.astype(np.float64) - r).max()) for x, r in zip((out, *grads), (ref, *ref_grads))]
+    print("tc", b, sq, sk, h, d, causal, np.dtype(dtype).name, bm, bn, "max err out/dq/dk/dv",
+          " ".join(f"{e:.1e}" for e in errs))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import flashnumba
-from conftest import check_forward, random_qkv
+from conftest import check_backward, check_forward, random_qkv
 from flashnumba import forward_tc
 
 
@@ -132,7 +132,7 @@ def test_flash_attn_forward_kernel_tc_rejects_other_options(opts):
 
 COMPILE = r"""
 import json
-from flashnumba import forward_tc, resources
+from flashnumba import backward_tc, forward_tc, resources
 out = {}
 for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
     a = f"{elem}[:, :, :, ::1]"  # C-contiguous, as the launch passes them
@@ -143,6 +143,13 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
             text = resources._compile_ptx(fn.py_func, sig, (9, 0))
             r = resources.ptx_resources(text)
             out[f"{dtype} D={D} causal={causal}"] = dict(ptx=text, **r)
+            bm, bn = backward_tc.default_blocks(D)
+            f3 = "float32[:, :, ::1]"
+            for name, make, n in (("dq", backward_tc.make_backward_dq_tc, 1),
+                                  ("dkdv", backward_tc.make_backward_dkdv_tc, 2)):  # n gradient arrays
+                bsig = f"void({a}, {a}, {a}, {a}, {f3}, {f3}, {', '.join([a] * n)}, float32, float32)"
+                text = resources._compile_ptx(make(D, causal, bm, bn, dtype).py_func, bsig, (9, 0))
+                out[f"{dtype} D={D} causal={causal} {name}"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))
 """
 
@@ -161,10 +168,12 @@ def test_forward_tc_compiles_for_sm90():
         text = r["ptx"]
         assert ".target sm_90" in text
         kind = "bf16" if name.startswith("bfloat16") else "f16"
-        for needle in (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32",
-                       "ldmatrix.sync.aligned.m8n8.x4.shared",
-                       "ldmatrix.sync.aligned.m8n8.x4.trans", f"cvt.rn.{kind}x2.f32", "cp.async.cg.shared.global",
-                       "cp.async.wait_group 1", "shfl.sync.bfly.b32"):
+        needles = [f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32", "ldmatrix.sync.aligned.m8n8.x4.shared",
+                   "ldmatrix.sync.aligned.m8n8.x4.trans", f"cvt.rn.{kind}x2.f32", "cp.async.cg.shared.global",
+                   "cp.async.wait_group 1"]
+        if not name.endswith(("dq", "dkdv")):
+            needles.append("shfl.sync.bfly.b32")  # the forward's row max
+        for needle in needles:
             assert needle in text, f"{name}: no {needle!r} in its PTX"
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores, {r['spill_loads']} spill loads")
         assert 0 < r["registers"] <= 255 and r["spill_stores"] + r["spill_loads"] == 0
@@ -182,3 +191,85 @@ def test_default_kernel_is_tc_where_it_applies():
                        flashnumba.flash_attn_forward(q, k, v, softcap=2.0, kernel="v3"))]:
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backward (flashnumba.backward_tc)
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_backward_tc(rng, batch, seqlen_q, seqlen_k, nheads, D, dtype, causal, **blocks):
+    """Forward (any kernel) then the tensor-core backward; returns (grads, dout, q, k, v, out, lse)."""
+    q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, D, dtype)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, kernel="tc", **blocks)
+    return grads, dout, q, k, v, out, lse
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal, D", [
+    (17, 40, False, 64),  # three key tiles per query block, two query tiles per key block: both buffers
+    (40, 17, True, 64),  # bottom-right causal: the first rows see no key (zero gradient)
+    (20, 33, True, 128),
+])
+def test_backward_tc_matches_reference(seqlen_q, seqlen_k, causal, D):
+    rng = np.random.default_rng(seqlen_q * 7 + seqlen_k)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, seqlen_q, seqlen_k, 1, D, np.float16, causal,
+                                                     block_m=16, block_n=16)
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+def test_backward_tc_bfloat16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(4)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 20, 24, 1, 64, ml_dtypes.bfloat16, True,
+                                                     block_m=16, block_n=16)
+    assert all(g.dtype == ml_dtypes.bfloat16 for g in grads)
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+
+
+def test_backward_tc_rejects_what_it_does_not_support():
+    rng = np.random.default_rng(0)
+    q, k, v = random_qkv(rng, 1, 4, 4, 2, 64, np.float16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v)
+    with pytest.raises(ValueError, match="block_m"):
+        flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="tc", block_m=24)
+    with pytest.raises(ValueError, match="kernel 'tc'"):
+        flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="tc", softcap=2.0)
+    with pytest.raises(ValueError, match="GQA"):
+        kk, vv = k[:, :, :1], v[:, :, :1]
+        o2, l2 = flashnumba.flash_attn_forward(q, kk, vv)
+        flashnumba.flash_attn_backward(q, q, kk, vv, o2, l2, kernel="tc")
+    q32, k32, v32 = random_qkv(rng, 1, 4, 4, 1, 64)
+    o32, l32 = flashnumba.flash_attn_forward(q32, k32, v32)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        flashnumba.flash_attn_backward(q32, q32, k32, v32, o32, l32, kernel="tc")
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (1, 300, True), (63, 65, True),
+                                                         (97, 1000, False), (1000, 97, True), (513, 2047, True),
+                                                         (2048, 2048, False)])
+def test_backward_tc_gpu_sizes(seqlen_q, seqlen_k, causal, D, dtype):
+    """On the GPU: awkward and long sequences, default tiles, 2 batches x 3 heads; and deterministic."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(seqlen_q + 3 * seqlen_k + D)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 2, seqlen_q, seqlen_k, 3, D, dtype, causal)
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+    again = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, kernel="tc")
+    for g, h in zip(grads, again):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), np.asarray(h).view(np.uint16))
+
+
+def test_default_backward_kernel_is_tc_where_it_applies():
+    rng = np.random.default_rng(6)
+    q, k, v = random_qkv(rng, 1, 16, 20, 1, 64, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
+    chosen = "v2" if flashnumba.SIMULATOR else "tc"
+    got = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    want = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True, kernel=chosen)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
