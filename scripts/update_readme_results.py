@@ -1,10 +1,10 @@
 """Regenerate the README's results tables from committed benchmark JSON files.
 
-    python scripts/update_readme_results.py docs/results/RUN1.json:4096 docs/results/RUN2.json:1024,4096
+    python scripts/update_readme_results.py docs/results/RUN1.json:4096 docs/results/RUN2.json:1024,4096:float16
 
-One table per file, in the order given, of its float32 rows (at the listed seqlens, after the colon; all when
-none are listed). Replaces what stands between the README's `<!-- results:begin -->` and `<!-- results:end -->`
-markers.
+One table per file, in the order given, of its rows of one dtype (after the second colon; float32 when none is
+given) at the listed seqlens (after the first colon; all when none are listed). Replaces what stands between the
+README's `<!-- results:begin -->` and `<!-- results:end -->` markers.
 """
 
 import json
@@ -15,10 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def markdown(result, source, seqlens=None):
+def markdown(result, source, seqlens=None, dtype="float32"):
     env = result["environment"]
     v = env["versions"]
-    rows = [r for r in result["rows"] if "ms" in r and r["dtype"] == "float32"  # the full table: docs/
+    rows = [r for r in result["rows"] if "ms" in r and r["dtype"] == dtype  # the full table: docs/
             and (not seqlens or r["seqlen"] in seqlens)]
     std = {(r["dtype"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"]): r["ms"]
            for r in rows if r["impl"] == "standard_cupy"}
@@ -26,13 +26,13 @@ def markdown(result, source, seqlens=None):
         f"Measured on {env['device']}, {env['date'][:10]}; numba {v.get('numba')}, numba-cuda {v.get('numba-cuda')}, "
         f"numpy {v.get('numpy')}, CuPy {v.get('cupy-cuda13x') or v.get('cupy')}, torch {v.get('torch')}. "
         f"Command: `{env['command']}`. Source: [`{source}`]({source}). Workload: batch = 16384 / seqlen, "
-        f"heads = 2048 / head_dim; median of 10 runs, CUDA events. float32 rows; float16 and the analysis are in "
+        f"heads = 2048 / head_dim; median of 10 runs, CUDA events. {dtype} rows; the rest and the analysis are in "
         f"[docs/benchmarks.md](docs/benchmarks.md).",
         "",
         "| impl | dtype | head_dim | seqlen | causal | pass | ms | TFLOP/s | x standard | peak extra MiB |",
         "| --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for r in sorted(rows, key=lambda r: (r["dtype"] != "float32", r["head_dim"], r["seqlen"], r["causal"],
+    for r in sorted(rows, key=lambda r: (r["head_dim"], r["seqlen"], r["causal"],
                                          r["pass_"], -r["tflops"])):
         s = std.get((r["dtype"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"]))
         x = f"{s / r['ms']:.2f}" if s else "-"
@@ -44,10 +44,11 @@ def markdown(result, source, seqlens=None):
 def main(specs):
     blocks = []
     for spec in specs:
-        path, _, which = spec.partition(":")
+        path, _, rest = spec.partition(":")
+        which, _, dtype = rest.partition(":")
         seqlens = {int(n) for n in which.split(",")} if which else None
         result = json.loads(Path(path).read_text())
-        blocks.append(markdown(result, Path(path).resolve().relative_to(ROOT).as_posix(), seqlens))
+        blocks.append(markdown(result, Path(path).resolve().relative_to(ROOT).as_posix(), seqlens, dtype or "float32"))
     readme = ROOT / "README.md"
     text = readme.read_text()
     block = "\n\n".join(blocks)
