@@ -101,12 +101,19 @@ def test_flash_attn_forward_kernel_tc():
     check_forward(out, lse, q, k, v, causal=True)
 
 
-@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (1, 300, True), (63, 65, True),
-                                                         (97, 1000, False), (1000, 97, True), (513, 2047, True),
-                                                         (2048, 2048, False)])
+def gpu_sizes(test):
+    """GPU only: float16 and bfloat16, d 64 and 128, awkward and long sequences, causal and not."""
+    for mark in (pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [
+                     (1, 1, False), (1, 300, True), (63, 65, True), (97, 1000, False), (1000, 97, True),
+                     (513, 2047, True), (2048, 2048, False)]),
+                 pytest.mark.parametrize("D", [64, 128]),
+                 pytest.mark.parametrize("dtype", ["float16", "bfloat16"]),
+                 pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")):
+        test = mark(test)
+    return test
+
+
+@gpu_sizes
 def test_forward_tc_gpu_sizes(seqlen_q, seqlen_k, causal, D, dtype):
     """On the GPU: awkward and long sequences with the default blocks, 2 batches x 3 heads."""
     if dtype == "bfloat16":
@@ -244,12 +251,7 @@ def test_backward_tc_rejects_what_it_does_not_support():
         flashnumba.flash_attn_backward(q32, q32, k32, v32, o32, l32, kernel="tc")
 
 
-@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (1, 300, True), (63, 65, True),
-                                                         (97, 1000, False), (1000, 97, True), (513, 2047, True),
-                                                         (2048, 2048, False)])
+@gpu_sizes
 def test_backward_tc_gpu_sizes(seqlen_q, seqlen_k, causal, D, dtype):
     """On the GPU: awkward and long sequences, default tiles, 2 batches x 3 heads; and deterministic."""
     if dtype == "bfloat16":
