@@ -184,6 +184,7 @@ def make_backward_dq_tc(D, causal, block_m, block_n, dtype="float16"):
 
             mma_ab(acc, dp, smem, buf, lane)  # dQ_i += dS K_j
             cuda.syncthreads()  # every warp is done with this buffer before iteration j + 1 copies tile j + 2 in
+        ptx.cp_async_wait_all()  # no copy outlives the block (with no key tile, the prologue's are still in flight)
 
         for x in range(2):
             i = i0 + r0 + g + 8 * x
@@ -222,12 +223,12 @@ def make_backward_dkdv_tc(D, causal, block_m, block_n, dtype="float16"):
     @cuda.jit(device=True, inline=True)
     def load_stats(lsm, dsm, sel, lse, delta, b, h, i0, seqlen_q, tid):
         """log2(e) L_i and D_i of the query tile at row i0 into buffer ``sel`` (0 past the end, and 0 for a row
-        that sees no key: its entries are all masked)."""
-        if tid < B_R:
-            i = i0 + tid
+        that sees no key: its entries are all masked); B_R rows over the NT threads (B_R may exceed NT)."""
+        for r in range(tid, B_R, NT):
+            i = i0 + r
             L = lse[b, h, i] if i < seqlen_q else float32(0.0)
-            lsm[sel, tid] = L * LOG2E if L != NEG_INF else float32(0.0)
-            dsm[sel, tid] = delta[b, h, i] if i < seqlen_q else float32(0.0)
+            lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
+            dsm[sel, r] = delta[b, h, i] if i < seqlen_q else float32(0.0)
 
     @cuda.jit
     def backward_dkdv_tc(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale):
@@ -305,6 +306,7 @@ def make_backward_dkdv_tc(D, causal, block_m, block_n, dtype="float16"):
             mma_ab(dv_acc, s, smem, buf + OFF_DO, lane)  # dV_j += P^T dO_i
             mma_ab(dk_acc, dp, smem, buf, lane)  # dK_j += dS^T Q_i
             cuda.syncthreads()  # every warp is done with these buffers before iteration i + 1 refills them
+        ptx.cp_async_wait_all()  # no copy outlives the block (with no query tile, the prologue's are still in flight)
 
         for x in range(2):
             j = j0 + r0 + g + 8 * x
