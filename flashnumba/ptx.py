@@ -41,11 +41,11 @@ The stand-ins. Under the simulator every CUDA thread is a Python thread and all 
 ldmatrix) puts its lane's registers in a slot, waits on a ``threading.Barrier(32)`` until the whole warp has,
 computes its own result from all 32 slots, and waits once more so that no lane reuses the slots before every
 lane has read them (``shfl_xor_f32`` likewise). As on the GPU, all 32 lanes must make the call (a warp whose
-lanes diverge around it waits until the barrier's timeout and fails). ``cp_async_16`` reads its 16 source bytes when issued but writes them
-only when a ``cp_async_wait``/``cp_async_wait_all`` retires their group, so a kernel that forgets the wait reads
-stale shared memory in the simulator, as it may on the GPU. The mma stand-in adds the exact products in float64
-and rounds once to float32; the tensor cores' own summation rounds differently in the last bits (exact for
-integer-valued inputs of moderate size).
+lanes diverge around it waits until the barrier's timeout and fails). ``cp_async_16`` reads its 16 source bytes
+when issued but writes them only when a ``cp_async_wait``/``cp_async_wait_all`` retires their group, so a
+kernel that forgets the wait reads stale shared memory in the simulator, as it may on the GPU. The mma stand-in
+adds the exact products in float64 and rounds once to float32; the tensor cores' own summation rounds
+differently in the last bits (exact for integer-valued inputs of moderate size).
 """
 
 from __future__ import annotations
