@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, backward, backward_tc, forward, forward_tc
+from . import _arrays, backward, backward_tc, forward, forward_tc, forward_tf32
 from ._backend import SIMULATOR, cuda, max_shared_memory_per_block
 
 MAX_HEAD_DIM = 256
@@ -349,6 +349,9 @@ def flash_attn_forward(
         "tc": the tensor-core kernel (float16 or bfloat16, head_dim 64 or 128, every option; block_m in 16,
         32, 64, 128, block_n a multiple of 16; a GPU of compute capability >= 8.0). See
         flashnumba.forward_tc. None (default): "tc" where it applies (:func:`tensor_core_applies`), else "v3".
+        "tf32", "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option):
+        operands rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three
+        times (about float32's precision). See flashnumba.forward_tf32.
 
     Returns
     -------
@@ -363,6 +366,12 @@ def flash_attn_forward(
     opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
                           dropout=(dropout_p, dropout_seed, dropout_offset))
     batch, seqlen_q, nheads, head_dim = tq.shape
+    if kernel in forward_tf32.PRECISIONS:
+        if not opts.plain or num_threads is not None or block_m is not None:
+            raise ValueError(f"kernel {kernel!r} supports causal masking only (no window, softcap, ALiBi, GQA, varlen "
+                             f"or dropout) and takes block_n only")
+        return forward_tf32.flash_attn_forward_tf32(q, k, v, causal=opts.right == 0, softmax_scale=softmax_scale,
+                                                    precision=kernel, block_n=block_n)
     scale = _check_scale(softmax_scale, head_dim)
     kernel, block_m, block_n, num_threads, smem = _forward_plan(kernel, (tq, tk, tv), opts, block_m, block_n,
                                                                 num_threads)

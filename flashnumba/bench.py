@@ -93,6 +93,17 @@ def _flashnumba_tc(q, k, v, dout, causal):
     }
 
 
+def _flashnumba_tf32(precision):
+    """The float32 forward on tensor cores (``kernel="tf32"`` or ``"3xtf32"``, head_dim 64 or 128)."""
+
+    def make(q, k, v, dout, causal):
+        opts = dict(causal=causal, kernel=precision)
+        flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
+        return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
+
+    return make
+
+
 def varlen_lengths(tokens, max_seqlen, rng):
     """Sequence lengths for a packed batch: uniform in [max_seqlen / 4, max_seqlen], summing to ``tokens`` (the
     last one shortened), so that a varlen run moves as many tokens as the dense one at that max_seqlen."""
@@ -186,6 +197,8 @@ def _torch_sdpa(backend_name):
 def available_implementations(include_peers=True):
     impls = {f"flashnumba_{k}": _flashnumba(k) for k in ("v1", "v2", "v3")}
     impls["flashnumba_tc"] = _flashnumba_tc
+    impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
+    impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
     impls["standard_cupy"] = _standard
     if include_peers and not _backend.SIMULATOR:
         try:

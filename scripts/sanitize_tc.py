@@ -1,5 +1,5 @@
-"""The tensor-core forward and backward (kernel="tc") on a few awkward shapes, for compute-sanitizer (scripts/sanitize.py runs
-it too):
+"""The tensor-core forward and backward (kernel="tc") on a few awkward shapes, for compute-sanitizer
+(scripts/sanitize.py runs it too):
 
     compute-sanitizer --tool racecheck python scripts/sanitize_tc.py
 
