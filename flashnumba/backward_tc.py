@@ -109,7 +109,8 @@ def make_entry(variant):
         else:
             p = float32(math.exp2(sv * scale_log2 - l2))
         if masked:
-            if i >= seqlen_q or j >= seqlen_k or (HAS_LEFT and j < i + diag - left) or (HAS_RIGHT and j > i + diag + right):
+            if (i >= seqlen_q or j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
+                    or (HAS_RIGHT and j > i + diag + right)):
                 p = float32(0.0)
         z = float32(1.0)
         if DROPOUT:
@@ -231,6 +232,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
 
             mma_ab(acc, dp, smem, buf, lane)  # dQ_i += dS K_j
             cuda.syncthreads()  # every warp is done with this buffer before iteration j + 1 copies tile j + 2 in
+        ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
         for x in range(2):
             i = i0 + r0 + g + 8 * x
@@ -274,11 +276,11 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
     def load_stats(lsm, dsm, sel, lse, delta, bb, h, row0, row_end, tid):
         """log2(e) L_i and D_i of the B_R query rows from row0 into buffer ``sel`` (0 past row_end, and 0 for a
         row that sees no key: its entries are all masked)."""
-        if tid < B_R:
-            i = row0 + tid
+        for r in range(tid, B_R, NT):  # (B_R may exceed the block's NT threads)
+            i = row0 + r
             L = lse[bb, h, i] if i < row_end else float32(0.0)
-            lsm[sel, tid] = L * LOG2E if L != NEG_INF else float32(0.0)
-            dsm[sel, tid] = delta[bb, h, i] if i < row_end else float32(0.0)
+            lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
+            dsm[sel, r] = delta[bb, h, i] if i < row_end else float32(0.0)
 
     @cuda.jit
     def backward_dkdv_tc(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q,
@@ -369,6 +371,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
             mma_ab(dv_acc, s, smem, buf + OFF_DO, lane)  # dV_j += (P Z)^T dO_i
             mma_ab(dk_acc, dp, smem, buf, lane)  # dK_j += dS^T Q_i
             cuda.syncthreads()  # every warp is done with these buffers before the next iteration refills them
+        ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
         for x in range(2):
             j = j0 + r0 + g + 8 * x

@@ -392,6 +392,7 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16"):
                 o[n, 3] *= alpha[1]
             mma_ab(o, s, smem, buf + OFF_V, lane)  # O_i += P_ij V_j
             cuda.syncthreads()  # every warp is done with this buffer before iteration j + 1 copies tile j + 2 in
+        ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
         # l_i: the sum of the quad's four partial sums
         for x in range(2):

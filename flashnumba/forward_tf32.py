@@ -292,6 +292,7 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None):
                     o[nd, 0], o[nd, 1], o[nd, 2], o[nd, 3] = mma3(pb, psm, bb, bs, o[nd, 0], o[nd, 1], o[nd, 2],
                                                                   o[nd, 3], 0, 1, 2, 3)
             cuda.syncthreads()  # every warp is done with these buffers before iteration j + 1 refills them
+        ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
         for x in range(2):
             l[x] += ptx.shfl_xor_f32(l[x], 1)

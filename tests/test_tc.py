@@ -226,6 +226,14 @@ def test_backward_tc_matches_reference(seqlen_q, seqlen_k, causal, D):
     check_backward(grads, dout, q, k, v, out, lse, causal=causal)
 
 
+def test_backward_tc_query_tile_larger_than_the_block():
+    """block_m > 2 block_n: the dK/dV kernel's 2 block_n threads load the L_i, D_i of block_m query rows."""
+    rng = np.random.default_rng(12)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 40, 16, 1, 64, np.float16, False, block_m=64,
+                                                     block_n=16)
+    check_backward(grads, dout, q, k, v, out, lse)
+
+
 def test_backward_tc_bfloat16():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(4)
