@@ -135,7 +135,10 @@ class _LeadingAxis:
     def __init__(self, x):
         shape, strides, dtype = shape_strides_dtype(x)
         cai = dict(x.__cuda_array_interface__)
-        cai.update(shape=(1, *shape), strides=(0, *strides), version=cai.get("version", 2))
+        # the new axis's stride: the span of the whole array (a stride of 0 would mark a broadcast axis, which
+        # Numba treats as not contiguous)
+        lead = shape[0] * abs(strides[0]) if shape else np.dtype(dtype).itemsize
+        cai.update(shape=(1, *shape), strides=(max(lead, 1), *strides), version=cai.get("version", 2))
         self.__cuda_array_interface__ = cai
         self.base = x  # keep the owner alive
 

@@ -24,7 +24,7 @@ already the A operand of the next product (the module docstring of forward_tc sh
     P_ij^T  = exp2(scale log2(e) S_ij^T - log2(e) L_i)  (L_i per column)
     dP_ij^T = V_j dO_i^T                   mma_abt: A = V_j, B = dO_i^T
     dS_ij^T = P_ij^T * (dP_ij^T - D_i)
-    dV_j   += (P_ij Z_ij)^T dO_i           mma_ab: A = (P_ij Z_ij)^T, B = dO_i
+    dV_j   += (P_ij keep_ij)^T dO_i        mma_ab: A = (P_ij keep_ij)^T, B = dO_i (times 1 / (1 - p_drop) at the end)
     dK_j   += dS_ij^T Q_i                  mma_ab: A = dS_ij^T, B = Q_i
     finally dK_j *= scale
 
@@ -86,7 +86,7 @@ def _store_bf16(x):
 
 @functools.lru_cache(maxsize=None)
 def make_entry(variant):
-    """entry(sv, dpv, i, j, l2, di, masked, ...) -> (P_ij Z_ij, dS_ij) of one entry, from sv = (Q_i K_j^T)_ij,
+    """entry(sv, dpv, i, j, l2, di, masked, ...) -> (P_ij keep_ij, dS_ij) of one entry, from sv = (Q_i K_j^T)_ij,
     dpv = (dO_i V_j^T)_ij, l2 = log2(e) L_i and di = D_i: the score as the forward formed it (softcap, ALiBi), P
     recomputed from the logsumexp, 0 where ``masked`` and the entry lies outside the sequence or the band, the
     forward's dropout mask regenerated, and dS = P (Z dP - D_i) times the softcap's derivative."""
@@ -112,11 +112,12 @@ def make_entry(variant):
             if (i >= seqlen_q or j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                     or (HAS_RIGHT and j > i + diag + right)):
                 p = float32(0.0)
-        z = float32(1.0)
         if DROPOUT:
             u = dropout_uniform(seed, offset, bh, i, j)
-            z = rp_keep if u >= p_drop else float32(0.0)
-        return p * z, p * (z * dpv - di) * dcap
+            if u >= p_drop:  # kept: Z_ij = 1 / (1 - p_drop)
+                return p, p * (rp_keep * dpv - di) * dcap
+            return float32(0.0), -p * di * dcap
+        return p, p * (dpv - di) * dcap
 
     return entry
 
@@ -306,7 +307,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
         lsm = cuda.shared.array((2, B_R), float32)  # log2(e) L_i of the query tile, two buffers, shared
         dsm = cuda.shared.array((2, B_R), float32)  # D_i of the query tile, two buffers, shared
         af = cuda.local.array((KD, 4), uint32)  # A fragments: this warp's rows of K_j, then of V_j
-        s = cuda.local.array((NS, 4), float32)  # S^T, then (P Z)^T (this warp's 16 keys x B_R queries)
+        s = cuda.local.array((NS, 4), float32)  # S^T, then (P keep)^T (this warp's 16 keys x B_R queries)
         dp = cuda.local.array((NS, 4), float32)  # dP^T, then dS^T
         dv_acc = cuda.local.array((NO, 4), float32)  # dV_j
         dk_acc = cuda.local.array((NO, 4), float32)  # dK_j
@@ -368,19 +369,20 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
                     s[n, x] = pz
                     dp[n, x] = ds
 
-            mma_ab(dv_acc, s, smem, buf + OFF_DO, lane)  # dV_j += (P Z)^T dO_i
+            mma_ab(dv_acc, s, smem, buf + OFF_DO, lane)  # dV_j += (P keep)^T dO_i
             mma_ab(dk_acc, dp, smem, buf, lane)  # dK_j += dS^T Q_i
             cuda.syncthreads()  # every warp is done with these buffers before the next iteration refills them
         ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
+        zscale = rp_keep if DROPOUT else float32(1.0)  # dV_j = (P Z)^T dO with Z = keep / (1 - p_drop)
         for x in range(2):
             j = j0 + r0 + g + 8 * x
             if j < seqlen_k:
                 for n in range(NO):
                     dk[bb, k0 + j, hk, 8 * n + 2 * t] = store(dk_acc[n, 2 * x] * scale)
                     dk[bb, k0 + j, hk, 8 * n + 2 * t + 1] = store(dk_acc[n, 2 * x + 1] * scale)
-                    dv[bb, k0 + j, hk, 8 * n + 2 * t] = store(dv_acc[n, 2 * x])
-                    dv[bb, k0 + j, hk, 8 * n + 2 * t + 1] = store(dv_acc[n, 2 * x + 1])
+                    dv[bb, k0 + j, hk, 8 * n + 2 * t] = store(dv_acc[n, 2 * x] * zscale)
+                    dv[bb, k0 + j, hk, 8 * n + 2 * t + 1] = store(dv_acc[n, 2 * x + 1] * zscale)
 
     return backward_dkdv_tc
 

@@ -366,7 +366,9 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16"):
                 m[x] = mx
 
             # P_ij = exp2(S_ij - m_new) (0 where masked); l_i = alpha l_i + rowsum(P_ij) over this lane's
-            # columns, before dropout (L_i is the true logsumexp); then P_ij Z_ij for the product with V_j
+            # columns, before dropout (L_i is the true logsumexp); then P_ij keep_ij for the product with V_j (the
+            # 1 / (1 - p_drop) of Z_ij = keep_ij / (1 - p_drop) waits for the epilogue: P_ij stays <= 1, so its
+            # 16-bit rounding cannot overflow however close p_drop is to 1)
             ps0 = float32(0.0)
             ps1 = float32(0.0)
             for n in range(NS):
@@ -376,10 +378,11 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16"):
                         ps0 += p
                     else:
                         ps1 += p
-                    if DROPOUT:  # Z_ij = keep / (1 - p_drop), keep drawn from (seed, offset, b, h, i, j)
+                    if DROPOUT:  # keep_ij drawn from (seed, offset, b, h, i, j)
                         u = dropout_uniform(seed, offset, b * nheads + h, i0 + r0 + g + 8 * (x >> 1),
                                             j0 + 8 * n + 2 * t + (x & 1))
-                        p = p * rp_keep if u >= p_drop else float32(0.0)
+                        if u < p_drop:
+                            p = float32(0.0)
                     s[n, x] = p
             l[0] = alpha[0] * l[0] + ps0
             l[1] = alpha[1] * l[1] + ps1
@@ -399,11 +402,12 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16"):
             l[x] += ptx.shfl_xor_f32(l[x], 1)
             l[x] += ptx.shfl_xor_f32(l[x], 2)
 
-        # O_i = O_i / l_i, L_i = ln(2) m_i + log(l_i); a row that saw no key gets 0 and -inf
+        # O_i = O_i / l_i (times 1 / (1 - p_drop) with dropout), L_i = ln(2) m_i + log(l_i); a row that saw no
+        # key gets 0 and -inf
         for x in range(2):
             i = i0 + r0 + g + 8 * x
             if i < seqlen_q:
-                inv_l = float32(1.0) / l[x] if l[x] != 0 else float32(0.0)
+                inv_l = (rp_keep if DROPOUT else float32(1.0)) / l[x] if l[x] != 0 else float32(0.0)
                 for n in range(NO):
                     out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[n, 2 * x] * inv_l)
                     out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[n, 2 * x + 1] * inv_l)
