@@ -181,9 +181,10 @@ def test_forward_tc_compiles_for_sm90():
             assert needle in text, f"{name}: no {needle!r} in its PTX"
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores, {r['spill_loads']} spill loads")
         # no spills; but the dK/dV kernel at d=128 holds dK_j and dV_j (128 registers per thread) beside S^T, dP^T
-        # and the masks' state, at the 255-register limit: the causal variant spills a few bytes (4 + 8 measured
-        # with nvJitLink of CUDA 13), which is allowed there
-        allowed = 32 if name.endswith("dkdv") and "D=128" in name else 0
+        # and the masks' state, at the 255-register limit, and the assembler spills some bytes; how many depends
+        # on its version (the H200 machine's: 8 + 8 plain, 12 + 16 causal, 80 + 108 with every option; here
+        # 0, 4 + 8, 0). Allowed there, up to 256 bytes.
+        allowed = 256 if name.endswith("dkdv") and "D=128" in name else 0
         assert 0 < r["registers"] <= 255 and r["spill_stores"] + r["spill_loads"] <= allowed
 
 
@@ -395,8 +396,8 @@ def test_tc_varlen_device_arrays_take_the_tensor_cores():
     lens = [70, 0, 200]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     q, k, v = (rng.standard_normal((cu[-1], 2, 64)).astype(np.float16) for _ in range(3))
-    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
-    args = (cu, cu, max(lens), max(lens))
+    dq, dk, dv, dcu = (cuda.to_device(x) for x in (q, k, v, cu))
+    args = (dcu, dcu, max(lens), max(lens))
     o_tc, l_tc = flashnumba.flash_attn_varlen_forward(dq, dk, dv, *args, causal=True, kernel="tc")
     o_def, l_def = flashnumba.flash_attn_varlen_forward(dq, dk, dv, *args, causal=True)
     o_simt, _ = flashnumba.flash_attn_varlen_forward(dq, dk, dv, *args, causal=True, kernel="v3")
