@@ -415,7 +415,7 @@ def _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, sme
     if kernel == "tc":
         qd, kd, vd = (forward_tc.to_kernel_c(t) for t in (tq, tk, tv))
         fn = forward_tc.make_forward_tc(head_dim, opts.variant, block_n, block_m // 16,
-                                        "bfloat16" if bf16 else "float16")
+                                        "bfloat16" if bf16 else "float16", gqa=tk.shape[2] != nheads)
         launch(fn, grid, (2 * block_m,), smem, (qd, kd, vd, out_dev, lse_dev, scale_q, *opts.kernel_args))
         return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
     qd, kd, vd = (_arrays.to_kernel(t.array, t.kind) for t in (tq, tk, tv))

@@ -210,10 +210,13 @@ def make_mma_ab(N, D, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16"):
+def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False):
     """The tensor-core forward kernel for head_dim D (64 or 128), B_c keys per tile (a multiple of 16), ``warps``
     warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by ``variant``
-    (a :class:`flashnumba.forward.Variant`: window bounds, softcap, ALiBi, varlen, dropout; GQA needs nothing).
+    (a :class:`flashnumba.forward.Variant`: window bounds, softcap, ALiBi, varlen, dropout). ``gqa``: fewer
+    key/value heads than query heads. It is compiled in because the integer division that maps a query head to
+    its key/value head, although computed once per thread, made the d=64 causal kernel 30% slower on the H200
+    (2.05 ms against 1.55 ms at seqlen 4096, the same output bits; docs/benchmarks.md).
 
     Arguments, as the SIMT kernels' (flashnumba.forward.make_forward_v3): (q, k, v, out, lse, scale_q, softcap,
     left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset); q, k, v, out (batch, seqlen, nheads(_k), D)
@@ -237,6 +240,7 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     SCORE_MOD = SOFTCAP or ALIBI
+    GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     is_bf16 = dtype == "bfloat16"
     store = bf16.load_store(is_bf16)[1]  # float32 -> the output element (bf16 bits, or float32 the store rounds)
@@ -267,7 +271,9 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16"):
         t = lane & 3  # threadID_in_group: columns 2t, 2t + 1 of each 8-wide tile
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
-        hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
+        hk = h  # the key/value head of query head h (GQA / MQA: see the docstring for why this is compiled in)
+        if GQA:
+            hk = h // (nheads // k.shape[2])
         # first query row of Q_i: the last tile first, so that with causal masking the blocks with the most key
         # tiles start first and the short ones fill the tail of the launch
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R

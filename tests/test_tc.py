@@ -145,7 +145,9 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
                               ("every option", Variant(True, True, True, True, True, True))):
             key = f"{dtype} D={D} {name}"
             sig = f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS})"
-            text = resources._compile_ptx(forward_tc.make_forward_tc(D, variant, dtype=dtype).py_func, sig, (9, 0))
+            gqa = name == "every option"
+            text = resources._compile_ptx(forward_tc.make_forward_tc(D, variant, dtype=dtype, gqa=gqa).py_func, sig,
+                                          (9, 0))
             out[key] = dict(ptx=text, **resources.ptx_resources(text))
             bm, bn = backward_tc.default_blocks(D)
             for kname, make, n in (("dq", backward_tc.make_backward_dq_tc, 1),
