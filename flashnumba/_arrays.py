@@ -129,21 +129,32 @@ def to_kernel(x, k: str):
     return cuda.as_cuda_array(x)
 
 
+def _leading_stride(shape, strides, itemsize):
+    """The stride of a new leading axis of length 1: the span of the array. (x[None] gives it stride 0, which
+    Numba takes for a broadcast axis and so for an array that is not contiguous.)"""
+    return max(shape[0] * abs(strides[0]) if shape else itemsize, itemsize)
+
+
 class _LeadingAxis:
     """A (1, *shape) view of a CUDA array, through the __cuda_array_interface__ (no copy)."""
 
     def __init__(self, x):
         shape, strides, dtype = shape_strides_dtype(x)
         cai = dict(x.__cuda_array_interface__)
-        cai.update(shape=(1, *shape), strides=(0, *strides), version=cai.get("version", 2))
+        lead = _leading_stride(shape, strides, dtype.itemsize)
+        cai.update(shape=(1, *shape), strides=(lead, *strides), version=cai.get("version", 2))
         self.__cuda_array_interface__ = cai
         self.base = x  # keep the owner alive
 
 
 def with_leading_axis(x, kind):
-    """x viewed with a leading axis of length 1, in its own array type where it has one."""
-    if kind in ("numpy", "cupy", "torch"):
-        return x[None]
+    """x viewed with a leading axis of length 1 (no copy), in its own array type where it has one."""
+    if kind == "torch":
+        return x.unsqueeze(0)  # stride: size(0) * stride(0)
+    if kind in ("numpy", "cupy"):
+        lib = np if kind == "numpy" else cupy
+        lead = _leading_stride(x.shape, x.strides, x.itemsize)
+        return lib.lib.stride_tricks.as_strided(x, (1, *x.shape), (lead, *x.strides))
     if SIMULATOR:  # a simulator device array: a host copy with the axis added
         return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[None]))
     return _LeadingAxis(x)

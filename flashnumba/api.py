@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, backward, backward_tc, forward, forward_tc
+from . import _arrays, backward, backward_tc, forward, forward_tc, forward_tf32
 from ._backend import SIMULATOR, cuda, max_shared_memory_per_block
 
 MAX_HEAD_DIM = 256
@@ -301,25 +301,27 @@ def launch(kernel_fn, grid, block, shared_bytes, args):
 
 
 def tensor_core_applies(tensors, opts, block_m=None, block_n=None, num_threads=None) -> bool:
-    """Whether ``kernel=None`` chooses the tensor-core forward: a GPU of compute capability >= 8.0 (not the
-    simulator), float16 or bfloat16, head_dim 64 or 128, no option but causal, no block sizes given, and arrays
-    the kernel can address (C-contiguous, or CuPy or torch arrays, which it copies)."""
+    """Whether ``kernel=None`` chooses the tensor-core kernels: a GPU of compute capability >= 8.0 (not the
+    simulator), float16 or bfloat16, head_dim 64 or 128, no block sizes given, and arrays the kernels can
+    address (C-contiguous, or CuPy or torch arrays, which they copy). Every option is supported."""
     tq = tensors[0]
-    if SIMULATOR or (block_m, block_n, num_threads) != (None, None, None) or not opts.plain:
+    if SIMULATOR or (block_m, block_n, num_threads) != (None, None, None):
         return False
     if not (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype)) or tq.shape[-1] not in forward_tc.HEAD_DIMS:
         return False
-    if any(t.kind in ("numba", "cai") and t.strides != _c_strides(t.shape, t.dtype.itemsize) for t in tensors):
+    if any(t.kind in ("numba", "cai") and not _c_contiguous(t.shape, t.strides, t.dtype.itemsize) for t in tensors):
         return False
     return cuda.get_current_device().compute_capability >= (8, 0)
 
 
-def _c_strides(shape, itemsize):
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.append(step)
+def _c_contiguous(shape, strides, itemsize):
+    """Whether (shape, strides) lay the elements out in C order (an axis of length 1 may have any stride)."""
+    step = itemsize
+    for n, stride in zip(reversed(shape), reversed(strides)):
+        if n != 1 and stride != step:
+            return False
         step *= n
-    return tuple(reversed(strides))
+    return True
 
 
 def flash_attn_forward(
@@ -346,9 +348,12 @@ def flash_attn_forward(
     num_threads : threads per block (kernels v2, v3; v1 uses one thread per query row).
     kernel : "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with Numba's default signed
         indexing) or "v1" (one thread per row, the readable one): the SIMT kernels of flashnumba.forward.
-        "tc": the tensor-core kernel (float16 or bfloat16, head_dim 64 or 128, causal or not, no other option;
-        block_m in 16, 32, 64, 128, block_n a multiple of 16; a GPU of compute capability >= 8.0). See
+        "tc": the tensor-core kernel (float16 or bfloat16, head_dim 64 or 128, every option; block_m in 16,
+        32, 64, 128, block_n a multiple of 16; a GPU of compute capability >= 8.0). See
         flashnumba.forward_tc. None (default): "tc" where it applies (:func:`tensor_core_applies`), else "v3".
+        "tf32", "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option):
+        operands rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three
+        times (about float32's precision). See flashnumba.forward_tf32.
 
     Returns
     -------
@@ -363,21 +368,34 @@ def flash_attn_forward(
     opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
                           dropout=(dropout_p, dropout_seed, dropout_offset))
     batch, seqlen_q, nheads, head_dim = tq.shape
-    if kernel is None:
-        kernel = "tc" if tensor_core_applies((tq, tk, tv), opts, block_m, block_n, num_threads) else "v3"
-    if kernel == "tc":
-        if not opts.plain or num_threads is not None:
-            raise ValueError("kernel 'tc' supports causal masking only (no window, softcap, ALiBi, GQA, varlen or "
-                             "dropout), and its threads follow from block_m (32 per 16 query rows)")
-        if block_m is not None and block_m not in (16, 32, 64, 128):
-            raise ValueError(f"kernel 'tc' takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {block_m}")
-        return forward_tc.flash_attn_forward_tc(q, k, v, causal=opts.right == 0, softmax_scale=softmax_scale,
-                                                block_n=block_n, warps=None if block_m is None else block_m // 16)
+    if kernel in forward_tf32.PRECISIONS:
+        if not opts.plain or num_threads is not None or block_m is not None:
+            raise ValueError(f"kernel {kernel!r} supports causal masking only (no window, softcap, ALiBi, GQA, varlen "
+                             f"or dropout) and takes block_n only")
+        return forward_tf32.flash_attn_forward_tf32(q, k, v, causal=opts.right == 0, softmax_scale=softmax_scale,
+                                                    precision=kernel, block_n=block_n)
     scale = _check_scale(softmax_scale, head_dim)
-    block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
-    _check_not_v1(kernel, opts, "forward")
+    kernel, block_m, block_n, num_threads, smem = _forward_plan(kernel, (tq, tk, tv), opts, block_m, block_n,
+                                                                num_threads)
 
     return _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, smem, batch, seqlen_q)
+
+
+def _forward_plan(kernel, tensors, opts, block_m, block_n, num_threads):
+    """(kernel, block_m, block_n, num_threads, shared bytes) of a forward call: kernel None chooses "tc" where
+    it applies, else "v3"; the blocks are validated (or chosen) for that kernel."""
+    if kernel is None:
+        kernel = "tc" if tensor_core_applies(tensors, opts, block_m, block_n, num_threads) else "v3"
+    if kernel == "tc":
+        if num_threads is not None:
+            raise ValueError("kernel 'tc' takes no num_threads: its threads follow from block_m (32 per 16 rows)")
+        forward_tc.check_inputs(tensors[0])
+        block_m, block_n, smem = forward_tc.resolve_blocks(tensors[0].shape[-1], block_m, block_n)
+        return kernel, block_m, block_n, None, smem
+    block_m, block_n, num_threads, smem = resolve_blocks(kernel, tensors[0].shape[-1], block_m, block_n,
+                                                         num_threads)
+    _check_not_v1(kernel, opts, "forward")
+    return kernel, block_m, block_n, num_threads, smem
 
 
 def _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, smem, batch, max_seqlen_q):
@@ -389,18 +407,24 @@ def _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, sme
     lse_user, lse_dev = _arrays.empty((tq.shape[0], nheads, total_q), np.float32, like)
     if batch * nheads * max_seqlen_q == 0 or total_q == 0:
         return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
-    qd, kd, vd = (_arrays.to_kernel(t.array, t.kind) for t in (tq, tk, tv))
     bf16 = _arrays.is_bfloat16(tq.dtype)  # a kernel of its own, on uint16 bit patterns
     scale_log2 = np.float32(scale * forward.LOG2E)
     grid = (-(-max_seqlen_q // block_m), batch * nheads)
+    # with softcap or ALiBi the register-tiled and tensor-core kernels form scale * q.k in natural units first
+    scale_q = np.float32(scale) if (opts.variant[2] or opts.variant[3]) else scale_log2
+    if kernel == "tc":
+        qd, kd, vd = (forward_tc.to_kernel_c(t) for t in (tq, tk, tv))
+        fn = forward_tc.make_forward_tc(head_dim, opts.variant, block_n, block_m // 16,
+                                        "bfloat16" if bf16 else "float16", gqa=tk.shape[2] != nheads)
+        launch(fn, grid, (2 * block_m,), smem, (qd, kd, vd, out_dev, lse_dev, scale_q, *opts.kernel_args))
+        return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
+    qd, kd, vd = (_arrays.to_kernel(t.array, t.kind) for t in (tq, tk, tv))
     if kernel == "v1":
         fn = forward.make_forward_v1(head_dim, block_m, block_n, opts.right == 0, bf16=bf16)
         launch(fn, grid, (block_m,), 0, (qd, kd, vd, out_dev, lse_dev, scale_log2))
     else:
         make = forward.make_forward_v2 if kernel == "v2" else forward.make_forward_v3
         fn = make(head_dim, block_m, block_n, num_threads, opts.variant, bf16=bf16)
-        # with softcap or ALiBi the kernel forms scale * q.k in natural units first (see forward.py)
-        scale_q = np.float32(scale) if (opts.variant[2] or opts.variant[3]) else scale_log2
         launch(fn, grid, (num_threads,), smem, (qd, kd, vd, out_dev, lse_dev, scale_q, *opts.kernel_args))
     return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
 
@@ -533,7 +557,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2"
     (register-tiled) or "v1" (one thread per row, the readable one), see flashnumba.backward; "tc" (tensor
-    cores: float16 or bfloat16, head_dim 64 or 128, causal or not, no other option; block_m and block_n in
+    cores: float16 or bfloat16, head_dim 64 or 128, every option; block_m and block_n in
     16, 32, 64, 128), see flashnumba.backward_tc. None (default): "tc" where it applies (as for the forward,
     :func:`tensor_core_applies`), else "v2".
 
@@ -549,22 +573,29 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
                            "flash_attn_forward")
     opts = _check_options(tq, tk, causal, window_size, softcap, alibi_slopes,
                           dropout=(dropout_p, dropout_seed, dropout_offset))
-    if kernel is None:
-        tc = tensor_core_applies((tq, tk, tv, tdo, to), opts, block_m, block_n, num_threads)
-        kernel = "tc" if tc else "v2"
-    if kernel == "tc":
-        if not opts.plain or num_threads is not None:
-            raise ValueError("kernel 'tc' supports causal masking only (no window, softcap, ALiBi, GQA, varlen or "
-                             "dropout), and its threads follow from block_m and block_n (32 per 16 rows)")
-        return backward_tc.flash_attn_backward_tc(dout, q, k, v, out, lse, causal=opts.right == 0,
-                                                  softmax_scale=softmax_scale, block_m=block_m, block_n=block_n)
     scale = _check_scale(softmax_scale, head_dim)
-    block_m, block_n, num_threads, (smem_dkdv, smem_dq) = resolve_blocks_backward(
-        head_dim, block_m, block_n, num_threads, kernel)
-    _check_not_v1(kernel, opts, "backward")
+    kernel, block_m, block_n, num_threads, smem = _backward_plan(kernel, (tq, tk, tv, tdo, to), opts, block_m,
+                                                                 block_n, num_threads)
+    return _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, num_threads, smem, batch,
+                     seqlen_q, tk.shape[1])
 
-    return _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, num_threads,
-                     (smem_dkdv, smem_dq), batch, seqlen_q, tk.shape[1])
+
+def _backward_plan(kernel, tensors, opts, block_m, block_n, num_threads):
+    """(kernel, block_m, block_n, num_threads, (shared bytes of dK/dV, of dQ)) of a backward call: kernel None
+    chooses "tc" where it applies, else "v2"; the blocks are validated (or chosen) for that kernel."""
+    if kernel is None:
+        kernel = "tc" if tensor_core_applies(tensors, opts, block_m, block_n, num_threads) else "v2"
+    if kernel == "tc":
+        if num_threads is not None:
+            raise ValueError("kernel 'tc' takes no num_threads: its threads follow from block_m and block_n (32 per "
+                             "16 rows)")
+        forward_tc.check_inputs(tensors[0])
+        block_m, block_n, smem = backward_tc.resolve_blocks(tensors[0].shape[-1], block_m, block_n)
+        return kernel, block_m, block_n, None, smem
+    block_m, block_n, num_threads, smem = resolve_blocks_backward(tensors[0].shape[-1], block_m, block_n,
+                                                                  num_threads, kernel)
+    _check_not_v1(kernel, opts, "backward")
+    return kernel, block_m, block_n, num_threads, smem
 
 
 def _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, num_threads, smem, batch,
@@ -579,7 +610,11 @@ def _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, nu
     if batch * nheads == 0 or (total_q == 0 and tk.shape[1] == 0):
         return tuple(_arrays.to_caller(u, d, like) for u, d in result)
 
-    dod, qd, kd, vd, od, ld = (_arrays.to_kernel(t.array, t.kind) for t in (tdo, tq, tk, tv, to, tl))
+    if kernel == "tc":  # cp.async and ldmatrix address C-contiguous arrays
+        dod, qd, kd, vd = (forward_tc.to_kernel_c(t) for t in (tdo, tq, tk, tv))
+    else:
+        dod, qd, kd, vd = (_arrays.to_kernel(t.array, t.kind) for t in (tdo, tq, tk, tv))
+    od, ld = (_arrays.to_kernel(t.array, t.kind) for t in (to, tl))
     delta_user, delta = _arrays.empty((lead, nheads, total_q), np.float32, like)  # D_i, O(seqlen_q)
     bf16 = _arrays.is_bfloat16(tq.dtype)
     scale32 = np.float32(scale)
@@ -589,7 +624,17 @@ def _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, nu
     if total_q:  # D_i = rowsum(dO_i * O_i), row by row over the whole (lead, total_q) layout
         pre = backward.make_backward_preprocess(head_dim, 64, bf16=bf16)
         launch(pre, (-(-total_q // 64), lead * nheads), (64,), 0, (dod, od, delta))
-    if kernel == "v1":
+    if kernel == "tc":
+        dtype = "bfloat16" if bf16 else "float16"
+        smem_dkdv, smem_dq = smem
+        args = (np.float32(scale * forward.LOG2E), scale32, *opts.kernel_args)
+        if max_seqlen_q:
+            dq_fn = backward_tc.make_backward_dq_tc(head_dim, opts.variant, block_m, block_n, dtype)
+            launch(dq_fn, grid_q, (2 * block_m,), smem_dq, (dod, qd, kd, vd, ld, delta, dq_dev, *args))
+        if max_seqlen_k:
+            dkdv_fn = backward_tc.make_backward_dkdv_tc(head_dim, opts.variant, block_m, block_n, dtype)
+            launch(dkdv_fn, grid_k, (2 * block_n,), smem_dkdv, (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, *args))
+    elif kernel == "v1":
         if max_seqlen_q:
             dq_fn = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal, bf16=bf16)
             launch(dq_fn, grid_q, (block_m,), 0, (dod, qd, kd, vd, ld, delta, dq_dev, scale32))
@@ -656,7 +701,7 @@ def _view4(t):
 def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None,
-                              block_n=None, num_threads=None, kernel="v3"):
+                              block_n=None, num_threads=None, kernel=None):
     """Attention over a batch of packed sequences of different lengths (flash-attn's varlen layout).
 
     q (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b is rows cu_seqlens_q[b] ..
@@ -677,8 +722,8 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           dropout=(dropout_p, dropout_seed, dropout_offset))
     head_dim = tq.shape[3]
     scale = _check_scale(softmax_scale, head_dim)
-    block_m, block_n, num_threads, smem = resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
-    _check_not_v1(kernel, opts, "forward")
+    kernel, block_m, block_n, num_threads, smem = _forward_plan(kernel, (tq, tk, tv), opts, block_m, block_n,
+                                                                num_threads)
     out, lse = _forward(tq, tk, tv, opts, scale, kernel, block_m, block_n, num_threads, smem, batch, max_q)
     return out[0], lse[0]
 
@@ -686,7 +731,7 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None,
-                               block_n=None, num_threads=None, kernel="v2"):
+                               block_n=None, num_threads=None, kernel=None):
     """Gradients (dq, dk, dv) of :func:`flash_attn_varlen_forward`; dout and out (total_q, nheads, d), lse
     (nheads, total_q) as the forward returned them."""
     tq, tk, tv = (_inspect(n, x, 3) for n, x in (("q", q), ("k", k), ("v", v)))
@@ -702,8 +747,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                           dropout=(dropout_p, dropout_seed, dropout_offset))
     head_dim = tq.shape[3]
     scale = _check_scale(softmax_scale, head_dim)
-    block_m, block_n, num_threads, smem = resolve_blocks_backward(head_dim, block_m, block_n, num_threads, kernel)
-    _check_not_v1(kernel, opts, "backward")
+    kernel, block_m, block_n, num_threads, smem = _backward_plan(kernel, (tq, tk, tv, tdo, to), opts, block_m,
+                                                                 block_n, num_threads)
     dq, dk, dv = _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, num_threads, smem,
                            batch, max_q, max_k)
     return dq[0], dk[0], dv[0]

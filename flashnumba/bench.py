@@ -93,6 +93,19 @@ def _flashnumba_tc(q, k, v, dout, causal):
     }
 
 
+def _flashnumba_tf32(precision):
+    """The float32 forward on tensor cores (``kernel="tf32"`` or ``"3xtf32"``, head_dim 64 or 128)."""
+
+    def make(q, k, v, dout, causal):
+        opts = dict(causal=causal, kernel=precision)
+        flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
+        return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
+
+    if precision == "tf32":  # operands rounded to 10 mantissa bits: float16's precision, float32's range
+        make.baseline_dtype = np.float16
+    return make
+
+
 def varlen_lengths(tokens, max_seqlen, rng):
     """Sequence lengths for a packed batch: uniform in [max_seqlen / 4, max_seqlen], summing to ``tokens`` (the
     last one shortened), so that a varlen run moves as many tokens as the dense one at that max_seqlen."""
@@ -186,6 +199,8 @@ def _torch_sdpa(backend_name):
 def available_implementations(include_peers=True):
     impls = {f"flashnumba_{k}": _flashnumba(k) for k in ("v1", "v2", "v3")}
     impls["flashnumba_tc"] = _flashnumba_tc
+    impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
+    impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
     impls["standard_cupy"] = _standard
     if include_peers and not _backend.SIMULATOR:
         try:
@@ -225,7 +240,8 @@ def validate(make, head_dim, causal, dtype, seqlen=96, window_size=None, gqa=1):
     """Run the implementation on a small problem and compare out (and dq) with the float64 reference.
 
     Returns None when it agrees, else a string saying what failed. Tolerance: 10x the error of the same
-    computation in NumPy at the input's dtype (plus 1e-5): loose enough for any correct kernel, tight enough
+    computation in NumPy at the input's dtype, or at the precision an implementation declares in its
+    ``baseline_dtype`` attribute (TF32: float16), plus 1e-5: loose enough for any correct kernel, tight enough
     to catch wrong masking or indexing.
     """
     xp = _xp()
@@ -243,7 +259,9 @@ def validate(make, head_dim, causal, dtype, seqlen=96, window_size=None, gqa=1):
     except Exception as err:  # noqa: BLE001  (a peer that does not support this configuration)
         return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
     truth, _ = reference.attention_forward(hq, hk, hv, causal=causal, **opts)
-    base, _ = reference.attention_forward(hq, hk, hv, causal=causal, dtype=dtype, **opts)
+    # the baseline: NumPy at the input's dtype, or at the precision the implementation declares (TF32: float16)
+    base_dtype = getattr(make, "baseline_dtype", dtype)
+    base, _ = reference.attention_forward(hq, hk, hv, causal=causal, dtype=base_dtype, **opts)
     return _forward_error(out, truth, base, "forward")
 
 

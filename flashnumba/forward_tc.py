@@ -4,7 +4,8 @@ The SIMT kernels of :mod:`flashnumba.forward` compute every product with float32
 matrix products of each key tile to the tensor cores, through the intrinsics of :mod:`flashnumba.ptx`
 (``mma_m16n8k16_*``, ``ldmatrix_x4``, ``ldmatrix_x4_trans``, ``pack_*x2``, ``cp_async_16``, ``shfl_xor_f32``):
 float16 or bfloat16 inputs, float32 accumulation. The online softmax recurrence, the masking and lse are v1's,
-done on the accumulator fragments in registers. head_dim 64 or 128, nheads_k == nheads.
+done on the accumulator fragments in registers. head_dim 64 or 128, with every option of the SIMT kernels
+(GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked for, as there.
 
 Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 W;
 block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest causal rows first).
@@ -57,7 +58,7 @@ import numpy as np
 
 from . import _arrays, bf16, ptx
 from ._backend import cuda
-from .forward import LN2, LOG2E, NEG_INF
+from .forward import LN2, LOG2E, NEG_INF, dropout_uniform, make_sequence_geometry
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16  # numba-cuda's own float16 (numba.types.float16 does not type in kernels)
 
@@ -91,22 +92,23 @@ def _kind(dtype):
 
 @functools.lru_cache(maxsize=None)
 def make_load_rows(D, NT):
-    """load_rows(smem, off, src, b, row0, seqlen, h, rows, tid): start the copy of ``rows`` rows of
+    """load_rows(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` rows of
     src[b, row0 + r, h, :] (a C-contiguous (batch, seqlen, nheads, D) array) to smem rows off + r, 16 bytes per
-    cp.async, spread over the NT threads of the block; rows at or past ``seqlen`` become zeros (plain stores)."""
+    cp.async, spread over the NT threads of the block; rows at or past ``row_end`` (the end of the sequence)
+    become zeros (plain stores)."""
     LD = D + PAD
     CH = D // 8  # 16-byte chunks per row
 
     @cuda.jit(device=True, inline=True)
-    def load_rows(smem, off, src, b, row0, seqlen, h, rows, tid):
-        nheads = src.shape[2]
+    def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
         for it in range((rows * CH + NT - 1) // NT):
             e = tid + it * NT
             if e < rows * CH:
                 r = e // CH
                 c = (e % CH) * 8
-                if row0 + r < seqlen:
-                    ptx.cp_async_16(smem, off + r * LD + c, src, ((b * seqlen + row0 + r) * nheads + h) * D + c)
+                if row0 + r < row_end:
+                    ptx.cp_async_16(smem, off + r * LD + c, src,
+                                    ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + c)
                 else:
                     for x in range(8):
                         smem[off + r * LD + c + x] = 0  # (a float16 constant captured from Python fails NVVM)
@@ -208,14 +210,22 @@ def make_mma_ab(N, D, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
+def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False):
     """The tensor-core forward kernel for head_dim D (64 or 128), B_c keys per tile (a multiple of 16), ``warps``
-    warps of 16 query rows each, ``dtype`` "float16" or "bfloat16".
+    warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by ``variant``
+    (a :class:`flashnumba.forward.Variant`: window bounds, softcap, ALiBi, varlen, dropout). ``gqa``: fewer
+    key/value heads than query heads. It is compiled in because the integer division that maps a query head to
+    its key/value head, although computed once per thread, made the d=64 causal kernel 30% slower on the H200
+    (2.05 ms against 1.55 ms at seqlen 4096, the same output bits; docs/benchmarks.md).
 
-    Arguments: (q, k, v, out, lse, scale_log2): q, k, v, out (batch, seqlen, nheads, D), C-contiguous, float16,
-    or uint16 holding bfloat16 bits; lse (batch, nheads, seqlen_q) float32; scale_log2 = softmax_scale * log2(e).
-    Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (32 * warps,), dynamic shared memory
-    :func:`shared_bytes`. ``causal``: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    Arguments, as the SIMT kernels' (flashnumba.forward.make_forward_v3): (q, k, v, out, lse, scale_q, softcap,
+    left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset); q, k, v, out (batch, seqlen, nheads(_k), D)
+    C-contiguous, float16 or uint16 holding bfloat16 bits ((1, total, nheads, D) for varlen); lse
+    (batch, nheads, seqlen_q) float32; scale_q = softmax_scale * log2(e), or softmax_scale with softcap or
+    ALiBi (the score is then modified in natural units first). Query i sees key j iff
+    i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q (each bound only where compiled in).
+    Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (32 * warps,), dynamic shared memory
+    :func:`shared_bytes`.
     """
     dB_c, dwarps = default_blocks(D)
     B_c = dB_c if B_c is None else B_c
@@ -228,6 +238,10 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
         raise ValueError(f"warps must be 1, 2, 4 or 8, got {warps}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    SCORE_MOD = SOFTCAP or ALIBI
+    GQA = bool(gqa)
+    sequence = make_sequence_geometry(VARLEN)
     is_bf16 = dtype == "bfloat16"
     store = bf16.load_store(is_bf16)[1]  # float32 -> the output element (bf16 bits, or float32 the store rounds)
     elem = uint16 if is_bf16 else float16  # shared memory holds the 16-bit patterns as they come
@@ -247,10 +261,9 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
     mma_ab = make_mma_ab(B_c, D, dtype)  # O_i += P_ij V_j
 
     @cuda.jit
-    def forward_tc(q, k, v, out, lse, scale_log2):
+    def forward_tc(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
+                   offset):
         nheads = q.shape[2]
-        seqlen_q = q.shape[1]
-        seqlen_k = k.shape[1]
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -258,11 +271,18 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
         t = lane & 3  # threadID_in_group: columns 2t, 2t + 1 of each 8-wide tile
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
+        hk = h  # the key/value head of query head h (GQA / MQA: see the docstring for why this is compiled in)
+        if GQA:
+            hk = h // (nheads // k.shape[2])
         # first query row of Q_i: the last tile first, so that with causal masking the blocks with the most key
         # tiles start first and the short ones fill the tail of the launch
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R
         r0 = warp * WARP_ROWS  # first row of this warp inside Q_i
-        diag = seqlen_k - seqlen_q  # causal: row i sees keys j <= i + diag
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
+        diag = seqlen_k - seqlen_q  # row i sees keys i + diag - left <= j <= i + diag + right
+        slope = alibi[b, h] if ALIBI else float32(0.0)
+        if i0 >= seqlen_q:  # (VARLEN) a block past the end of a shorter sequence: nothing to do
+            return
 
         smem = cuda.shared.array(0, elem)  # Q_i | K, V buffer 0 | K, V buffer 1 (dynamic), shared
         qa = cuda.local.array((KD, 4), uint32)  # A fragments of this warp's 16 rows of Q_i, one per k-step
@@ -279,27 +299,31 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
             for x in range(4):
                 o[n, x] = 0.0
 
-        # Key tiles to visit: all, or (causal) up to the last key the block's last row sees
+        # Key tiles to visit: those that meet the band the block's rows see (causal / window)
+        last_row = min(i0 + B_R, seqlen_q) - 1
+        n_start = 0
         n_end = seqlen_k
-        if causal:
-            n_end = max(0, min(seqlen_k, min(i0 + B_R, seqlen_q) - 1 + diag + 1))
-        n_tiles = (n_end + B_c - 1) // B_c
+        if HAS_LEFT:
+            n_start = max(0, i0 + diag - left) // B_c * B_c
+        if HAS_RIGHT:
+            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
+        n_tiles = max(0, (n_end - n_start + B_c - 1) // B_c)
 
-        # Prologue: Q_i and tile 0 in flight, one commit group
-        load_rows(smem, 0, q, b, i0, seqlen_q, h, B_R, tid)
+        # Prologue: Q_i and the first key tile in flight, one commit group
+        load_rows(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
         if n_tiles > 0:
-            load_rows(smem, OFF_K, k, b, 0, seqlen_k, h, B_c, tid)
-            load_rows(smem, OFF_K + OFF_V, v, b, 0, seqlen_k, h, B_c, tid)
+            load_rows(smem, OFF_K, k, bb, k0 + n_start, k0 + seqlen_k, hk, B_c, tid)
+            load_rows(smem, OFF_K + OFF_V, v, bb, k0 + n_start, k0 + seqlen_k, hk, B_c, tid)
         ptx.cp_async_commit()
 
         for jt in range(n_tiles):
-            j0 = jt * B_c
+            j0 = n_start + jt * B_c
             buf = OFF_K + (jt & 1) * BUF
             # Tile j + 1 into the other buffer (freed by the barrier that ended iteration j - 1), its own group
             if jt + 1 < n_tiles:
                 nxt = OFF_K + ((jt + 1) & 1) * BUF
-                load_rows(smem, nxt, k, b, j0 + B_c, seqlen_k, h, B_c, tid)
-                load_rows(smem, nxt + OFF_V, v, b, j0 + B_c, seqlen_k, h, B_c, tid)
+                load_rows(smem, nxt, k, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, B_c, tid)
+                load_rows(smem, nxt + OFF_V, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, B_c, tid)
             ptx.cp_async_commit()  # (an empty group on the last tile keeps the count below uniform)
             ptx.cp_async_wait(1)  # every group but the newest has landed: tile j (and Q_i)
             cuda.syncthreads()  # every thread's copies (and zero stores) of tile j are visible to all
@@ -308,18 +332,26 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
                 load_a(qa, smem, r0 * LD, lane)  # Q_i's A fragments (this warp's 16 rows), kept in registers
             mma_abt(s, qa, smem, buf, lane)  # S_ij = Q_i K_j^T
 
-            # scale to base 2; mask only where the tile reaches past the sequence or (causal) past the diagonal
-            # of its first row; this lane's partial max of rows g (x = 0, 1) and g + 8 (x = 2, 3)
-            masked = j0 + B_c > seqlen_k or (causal and j0 + B_c - 1 > i0 + diag)
+            # scores in base 2 (softcap and ALiBi in natural units first); the mask only where the tile reaches
+            # past the sequence or out of some row's band; this lane's partial max of rows g (x = 0, 1) and
+            # g + 8 (x = 2, 3)
+            masked = (j0 + B_c > seqlen_k or (HAS_RIGHT and j0 + B_c - 1 > i0 + diag + right)
+                      or (HAS_LEFT and j0 < last_row + diag - left))
             mx0 = NEG_INF
             mx1 = NEG_INF
             for n in range(NS):
                 for x in range(4):
-                    val = s[n, x] * scale_log2
+                    i = i0 + r0 + g + 8 * (x >> 1)
+                    j = j0 + 8 * n + 2 * t + (x & 1)
+                    val = s[n, x] * scale_q
+                    if SCORE_MOD:
+                        if SOFTCAP:
+                            val = softcap * float32(math.tanh(val / softcap))
+                        if ALIBI:
+                            val -= slope * float32(abs(i + diag - j))
+                        val *= LOG2E
                     if masked:
-                        i = i0 + r0 + g + 8 * (x >> 1)
-                        j = j0 + 8 * n + 2 * t + (x & 1)
-                        if j >= seqlen_k or (causal and j > i + diag):
+                        if j >= seqlen_k or (HAS_LEFT and j < i + diag - left) or (HAS_RIGHT and j > i + diag + right):
                             val = NEG_INF
                     s[n, x] = val
                     if x < 2:
@@ -339,17 +371,25 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
                 alpha[x] = float32(math.exp2(m[x] - m_use[x]))
                 m[x] = mx
 
-            # P_ij = exp2(S_ij - m_new) (0 where masked); l_i = alpha l_i + rowsum(P_ij) over this lane's columns
+            # P_ij = exp2(S_ij - m_new) (0 where masked); l_i = alpha l_i + rowsum(P_ij) over this lane's
+            # columns, before dropout (L_i is the true logsumexp); then P_ij keep_ij for the product with V_j (the
+            # 1 / (1 - p_drop) of Z_ij = keep_ij / (1 - p_drop) waits for the epilogue: P_ij stays <= 1, so its
+            # 16-bit rounding cannot overflow however close p_drop is to 1)
             ps0 = float32(0.0)
             ps1 = float32(0.0)
             for n in range(NS):
                 for x in range(4):
                     p = float32(math.exp2(s[n, x] - m_use[x >> 1]))
-                    s[n, x] = p
                     if x < 2:
                         ps0 += p
                     else:
                         ps1 += p
+                    if DROPOUT:  # keep_ij drawn from (seed, offset, b, h, i, j)
+                        u = dropout_uniform(seed, offset, b * nheads + h, i0 + r0 + g + 8 * (x >> 1),
+                                            j0 + 8 * n + 2 * t + (x & 1))
+                        if u < p_drop:
+                            p = float32(0.0)
+                    s[n, x] = p
             l[0] = alpha[0] * l[0] + ps0
             l[1] = alpha[1] * l[1] + ps1
 
@@ -361,23 +401,24 @@ def make_forward_tc(D, causal, B_c=None, warps=None, dtype="float16"):
                 o[n, 3] *= alpha[1]
             mma_ab(o, s, smem, buf + OFF_V, lane)  # O_i += P_ij V_j
             cuda.syncthreads()  # every warp is done with this buffer before iteration j + 1 copies tile j + 2 in
-        ptx.cp_async_wait_all()  # no copy outlives the block (with no key tile, the prologue's are still in flight)
+        ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
         # l_i: the sum of the quad's four partial sums
         for x in range(2):
             l[x] += ptx.shfl_xor_f32(l[x], 1)
             l[x] += ptx.shfl_xor_f32(l[x], 2)
 
-        # O_i = O_i / l_i, L_i = ln(2) m_i + log(l_i); a row that saw no key gets 0 and -inf
+        # O_i = O_i / l_i (times 1 / (1 - p_drop) with dropout), L_i = ln(2) m_i + log(l_i); a row that saw no
+        # key gets 0 and -inf
         for x in range(2):
             i = i0 + r0 + g + 8 * x
             if i < seqlen_q:
-                inv_l = float32(1.0) / l[x] if l[x] != 0 else float32(0.0)
+                inv_l = (rp_keep if DROPOUT else float32(1.0)) / l[x] if l[x] != 0 else float32(0.0)
                 for n in range(NO):
-                    out[b, i, h, 8 * n + 2 * t] = store(o[n, 2 * x] * inv_l)
-                    out[b, i, h, 8 * n + 2 * t + 1] = store(o[n, 2 * x + 1] * inv_l)
+                    out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[n, 2 * x] * inv_l)
+                    out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[n, 2 * x + 1] * inv_l)
                 if t == 0:
-                    lse[b, h, i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
+                    lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
 
     return forward_tc
 
@@ -393,48 +434,48 @@ def _c_contiguous(t):
     return x
 
 
+def to_kernel_c(t):
+    """The kernel-side array of an inspected argument, C-contiguous (see :func:`_c_contiguous`)."""
+    x = _arrays.to_kernel(_c_contiguous(t), t.kind)
+    if not x.is_c_contiguous():
+        raise ValueError(f"the tensor-core kernels need C-contiguous arrays; {t.name} is not (copy it, e.g. with "
+                         f"cupy.ascontiguousarray)")
+    return x
+
+
+def check_inputs(tq):
+    """TypeError / ValueError unless q (and so k, v: the API checks they match) suits the tensor-core kernels."""
+    if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
+        raise TypeError(f"the tensor-core kernels take float16 or bfloat16; q has dtype {tq.dtype}")
+    if tq.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"the tensor-core kernels support head_dim in {HEAD_DIMS}, got {tq.shape[-1]}")
+
+
+def resolve_blocks(D, block_m=None, block_n=None):
+    """(block_m, block_n, shared bytes) of the forward: block_m = B_r in 16, 32, 64, 128 (16 rows a warp),
+    block_n = B_c a positive multiple of 16; defaults :func:`default_blocks`; checked against the device's
+    shared memory."""
+    from ._backend import max_shared_memory_per_block
+
+    dB_c, dwarps = default_blocks(D)
+    block_m = WARP_ROWS * dwarps if block_m is None else block_m
+    block_n = dB_c if block_n is None else block_n
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"kernel 'tc' takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {block_m}")
+    if block_n <= 0 or block_n % 16:
+        raise ValueError(f"kernel 'tc' takes block_n a positive multiple of 16, got {block_n}")
+    smem = shared_bytes(D, block_n, block_m // WARP_ROWS)
+    limit = max_shared_memory_per_block()
+    if smem > limit:
+        raise ValueError(f"head_dim {D}, block_m {block_m}, block_n {block_n} need {smem} bytes of shared memory, "
+                         f"more than the {limit} a block may use; choose smaller tiles")
+    return block_m, block_n, smem
+
+
 def flash_attn_forward_tc(q, k, v, causal=False, softmax_scale=None, block_n=None, warps=None):
-    """Attention by the tensor-core kernel: q (batch, seqlen_q, nheads, D), k and v (batch, seqlen_k, nheads, D),
-    float16 or bfloat16, D in (64, 128). Arrays as :func:`flashnumba.flash_attn_forward` takes them (NumPy,
-    CuPy, torch, Numba device arrays; non-contiguous CuPy and torch arrays are copied first). ``block_n``
-    (B_c) and ``warps`` (B_r = 16 warps) default to :func:`default_blocks`. Returns out (like q) and lse
-    (batch, nheads, seqlen_q) float32 (natural log)."""
+    """``flashnumba.flash_attn_forward(q, k, v, kernel="tc", ...)`` with the tiles given as B_c (``block_n``) and
+    a number of warps (B_r = 16 warps); every other option through flash_attn_forward itself."""
     from . import api
 
-    tq, tk, tv = (api._inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
-    api._check_same_place((tq, tk, tv))
-    api._check_dtypes((tq, tk, tv))
-    for t in (tq, tk, tv):
-        if t.dtype != np.float16 and not _arrays.is_bfloat16(t.dtype):
-            raise TypeError(f"the tensor-core kernel takes float16 or bfloat16; {t.name} has dtype {t.dtype}")
-    api._check_qkv(tq, tk, tv)
-    batch, seqlen_q, nheads, D = tq.shape
-    if tk.shape[2] != nheads:
-        raise ValueError(f"the tensor-core kernel needs as many key/value heads as query heads (no GQA), got "
-                         f"{tk.shape[2]} and {nheads}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"the tensor-core kernel supports head_dim in {HEAD_DIMS}, got {D}")
-    causal = api._check_flag("causal", causal)
-    scale = api._check_scale(softmax_scale, D)
-    dB_c, dwarps = default_blocks(D)
-    B_c = dB_c if block_n is None else block_n
-    warps = dwarps if warps is None else warps
-    dtype = "bfloat16" if _arrays.is_bfloat16(tq.dtype) else "float16"
-    fn = make_forward_tc(D, causal, B_c, warps, dtype)  # validates B_c and warps
-    smem = shared_bytes(D, B_c, warps)
-    limit = api.max_shared_memory_per_block()
-    if smem > limit:
-        raise ValueError(f"head_dim {D}, block_n {B_c}, {warps} warps need {smem} bytes of shared memory, more "
-                         f"than the {limit} a block may use; choose a smaller block_n or fewer warps")
-    like = tq.kind
-    out_user, out_dev = _arrays.empty(tq.shape, tq.dtype, like)
-    lse_user, lse_dev = _arrays.empty((batch, nheads, seqlen_q), np.float32, like)
-    if batch * nheads * seqlen_q:
-        qd, kd, vd = (_arrays.to_kernel(_c_contiguous(t), t.kind) for t in (tq, tk, tv))
-        for name, x in zip("qkv", (qd, kd, vd)):
-            if not x.is_c_contiguous():
-                raise ValueError(f"the tensor-core kernel needs C-contiguous arrays; {name} is not (copy it, e.g. "
-                                 f"with cupy.ascontiguousarray)")
-        grid = (-(-seqlen_q // (WARP_ROWS * warps)), batch * nheads)
-        api.launch(fn, grid, (32 * warps,), smem, (qd, kd, vd, out_dev, lse_dev, np.float32(scale * LOG2E)))
-    return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)
+    return api.flash_attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, kernel="tc",
+                                  block_m=None if warps is None else WARP_ROWS * warps, block_n=block_n)

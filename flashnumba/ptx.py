@@ -23,6 +23,9 @@ gets is chosen once, at import, from ``flashnumba._backend.SIMULATOR``.
 | ``pack_f16x2(lo, hi)`` | ``cvt.rn.f16x2.f32`` | 2 float32 -> uint32 (lo in bits 0-15) |
 | ``pack_bf16x2(lo, hi)`` | ``cvt.rn.bf16x2.f32`` | 2 float32 -> uint32 (lo in bits 0-15) |
 | ``shfl_xor_f32(x, mask)`` | ``shfl.sync.bfly.b32`` (all 32 lanes) | float32 -> lane ``l ^ mask``'s float32 |
+| ``mma_m16n8k8_tf32`` | ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32`` | 4 + 2 uint32 (tf32), 4 float32 -> 4 |
+| ``to_tf32(x)`` | ``cvt.rna.tf32.f32`` | float32 -> uint32: x rounded to tf32 (10 mantissa bits) |
+| ``split_tf32(x)`` | two ``cvt.rna.tf32.f32`` | float32 -> (big, small) tf32 with big + small = x to ~2^-22 |
 
 Registers. A "packed" uint32 holds two 16-bit values: the element with the smaller column (or row) index in
 bits 0-15, the other in bits 16-31, which is how two consecutive 16-bit elements lie in memory.
@@ -72,6 +75,27 @@ MMA_DOC = """D = A B + C for one 16x8x16 tile, A (16 x 16) and B (16 x 8) in {dt
         c0 = C[g, 2t]    c1 = C[g, 2t+1]    c2 = C[g+8, 2t]    c3 = C[g+8, 2t+1]
 
     So lane l owns rows g and g+8 of the output, columns 2t and 2t+1. Returns (d0, d1, d2, d3) in C's layout.
+    """
+
+MMA_TF32_DOC = """D = A B + C for one 16x8x8 tile, A (16 x 8) and B (8 x 8) in tf32, C and D (16 x 8) in float32.
+
+    TF32 is float32 with 10 mantissa bits (1 + 8 + 10 of its 32; the low 13 bits zero): ``to_tf32`` rounds a
+    float32 to it. One element per register, not two: with g = l >> 2 and t = l & 3, lane l passes
+
+      A, row-major 16x8, 4 registers:      B, 8x8 (k x n) read by column, 2 registers:
+        a0 = A[g,     t]                     b0 = B[t,     g]
+        a1 = A[g + 8, t]                     b1 = B[t + 4, g]
+        a2 = A[g,     t + 4]
+        a3 = A[g + 8, t + 4]
+
+      C and D as for the 16-bit mma: c0 = C[g, 2t], c1 = C[g, 2t+1], c2 = C[g+8, 2t], c3 = C[g+8, 2t+1].
+
+    A float32 row-major tile in shared memory gives (a0, a1, a2, a3) to ``ldmatrix_x4`` read as 16-bit pairs:
+    matrix i is then 8 rows x 4 float32 (16 bytes), and lane (g, t) receives float t of row g, i.e. matrices
+    (rows 0-7, cols 0-3), (rows 8-15, cols 0-3), (rows 0-7, cols 4-7), (rows 8-15, cols 4-7). The stand-in
+    reads each operand with its low 13 bits cleared; pass ``to_tf32`` (or ``split_tf32``) results, whose low
+    bits are zero. 3xTF32 (CUTLASS's float32 emulation): with x = big + small for both operands,
+    A B ~ A_big B_big + A_big B_small + A_small B_big, three mma into one accumulator, about float32's accuracy.
     """
 
 LDMATRIX_DOC = """Load four 8x8 matrices of 16-bit elements from shared memory, one fragment register each.
@@ -276,6 +300,52 @@ def _sim_shfl_xor_f32(x, lane_mask):
     return values[lane ^ int(lane_mask)]
 
 
+def _tf32_bits(x):
+    """tf32 bits (in a uint32) of float32 x, rounded to nearest, ties away from zero, as cvt.rna.tf32.f32: add
+    half of the lowest kept bit to the magnitude and clear the 13 bits below it."""
+    u = int(np.array(x, np.float32).view(np.uint32))
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return 0x7FFFFFFF  # NaN stays a NaN
+    return ((u + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF  # a carry out of the mantissa raises the exponent (to inf)
+
+
+def _bits_value(bits):
+    return float(np.uint32(bits).view(np.float32))
+
+
+def _sim_to_tf32(x):
+    """uint32 holding float32 ``x`` rounded to tf32 (nearest, ties away from zero; the low 13 bits zero)."""
+    return np.uint32(_tf32_bits(x))
+
+
+def _sim_split_tf32(x):
+    """(big, small): big = to_tf32(x), small = to_tf32(x - big) (the difference is exact in float32)."""
+    big = _tf32_bits(x)
+    with np.errstate(invalid="ignore"):  # inf - inf is NaN, as on the GPU
+        rest = np.float32(np.float32(x) - np.float32(_bits_value(big)))
+    return np.uint32(big), np.uint32(_tf32_bits(rest))
+
+
+def _sim_mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    regs = tuple(_u32(r) for r in (a0, a1, a2, a3, b0, b1)) + tuple(float(c) for c in (c0, c1, c2, c3))
+    lane, everyone = _warp_exchange(regs)
+    A = np.empty((16, 8))
+    B = np.empty((8, 8))
+    C = np.empty((16, 8))
+    value = lambda r: _bits_value(r & 0xFFFFE000)  # noqa: E731  (the hardware reads the top 19 bits)
+    for ln, (ra0, ra1, ra2, ra3, rb0, rb1, rc0, rc1, rc2, rc3) in enumerate(everyone):
+        g, t = ln >> 2, ln & 3
+        A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = (value(r) for r in (ra0, ra1, ra2, ra3))
+        B[t, g], B[t + 4, g] = value(rb0), value(rb1)
+        C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = rc0, rc1, rc2, rc3
+    D = (A @ B + C).astype(np.float32)  # products of tf32 values are exact in float64
+    g, t = lane >> 2, lane & 3
+    return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+
+
+_sim_mma_tf32.__doc__ = MMA_TF32_DOC
+
+
 def _bf16_bits(x):
     """bfloat16 bits of float32 x, rounded to nearest even: add 0x7FFF plus the lowest kept bit, truncate."""
     u = int(np.array(x, np.float32).view(np.uint32))
@@ -415,6 +485,44 @@ def _gpu_intrinsics():
         return intrinsic(pack)
 
     @intrinsic
+    def mma_m16n8k8_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        text = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            regs = [context.cast(builder, v, ty, types.uint32) for v, ty in zip(args[:6], sig.args[:6])]
+            accs = [context.cast(builder, v, ty, types.float32) for v, ty in zip(args[6:], sig.args[6:])]
+            d = asm(builder, ir.LiteralStructType([f32] * 4), regs + accs, text,
+                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=True)  # side effect: as the 16-bit mma
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def to_tf32(typingctx, x):
+        sig = types.uint32(x)
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            return asm(builder, i32, [v], "cvt.rna.tf32.f32 $0, $1;", "=r,f", side_effect=False)
+
+        return sig, codegen
+
+    @intrinsic
+    def split_tf32(typingctx, x):
+        sig = types.UniTuple(types.uint32, 2)(x)
+        text = ("{ .reg .b32 big; .reg .f32 fbig, rest; cvt.rna.tf32.f32 big, $2; mov.b32 fbig, big; "
+                "sub.f32 rest, $2, fbig; cvt.rna.tf32.f32 $1, rest; mov.b32 $0, big; }")
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            r = asm(builder, ir.LiteralStructType([i32, i32]), [v], text, "=r,=r,f", side_effect=False)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, i) for i in range(2)])
+
+        return sig, codegen
+
+    @intrinsic
     def shfl_xor_f32(typingctx, x, lane_mask):
         sig = types.float32(x, lane_mask)
 
@@ -428,7 +536,7 @@ def _gpu_intrinsics():
         return sig, codegen
 
     found = dict(
-        shfl_xor_f32=shfl_xor_f32,
+        shfl_xor_f32=shfl_xor_f32, mma_m16n8k8_tf32=mma_m16n8k8_tf32, to_tf32=to_tf32, split_tf32=split_tf32,
         mma_m16n8k16_f16=make_mma("f16"), mma_m16n8k16_bf16=make_mma("bf16"),
         ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True),
         cp_async_16=cp_async_16, cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
@@ -449,7 +557,8 @@ def _simulator_stand_ins():
         ldmatrix_x4=_make_sim_ldmatrix(trans=False), ldmatrix_x4_trans=_make_sim_ldmatrix(trans=True),
         cp_async_16=_sim_cp_async_16, cp_async_commit=_sim_cp_async_commit, cp_async_wait=_sim_cp_async_wait,
         cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
-        shfl_xor_f32=_sim_shfl_xor_f32,
+        shfl_xor_f32=_sim_shfl_xor_f32, mma_m16n8k8_tf32=_sim_mma_tf32, to_tf32=_sim_to_tf32,
+        split_tf32=_sim_split_tf32,
     )
 
 
@@ -459,4 +568,5 @@ else:
     globals().update(_gpu_intrinsics())
 
 __all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
-           "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2", "shfl_xor_f32"]
+           "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2", "shfl_xor_f32",
+           "mma_m16n8k8_tf32", "to_tf32", "split_tf32"]

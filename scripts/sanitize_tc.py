@@ -34,3 +34,22 @@ for b, sq, sk, h, d, causal, dtype, bm, bn in cases:
     errs = [float(np.abs(x.astype(np.float64) - r).max()) for x, r in zip((out, *grads), (ref, *ref_grads))]
     print("tc", b, sq, sk, h, d, causal, np.dtype(dtype).name, bm, bn, "max err out/dq/dk/dv",
           " ".join(f"{e:.1e}" for e in errs))
+
+# Every option at once (GQA, window, softcap, ALiBi, dropout), float16 and bfloat16, default tiles
+for d, dtype in ((64, np.float16), (128, ml_dtypes.bfloat16)):
+    hq, hdo = (rng.standard_normal((2, 150, 4, d)).astype(dtype) for _ in range(2))
+    hk, hv = (rng.standard_normal((2, 211, 2, d)).astype(dtype) for _ in range(2))
+    opts = dict(causal=True, window_size=(60, 0), softcap=5.0, alibi_slopes=np.float32([0.1, 0.2, 0.3, 0.4]),
+                dropout_p=0.2, dropout_seed=7, kernel="tc")
+    out, lse = flashnumba.flash_attn_forward(hq, hk, hv, **opts)
+    grads = flashnumba.flash_attn_backward(hdo, hq, hk, hv, out, lse, **opts)
+    cupy.cuda.Device().synchronize()
+    print("tc every option", d, np.dtype(dtype).name, "finite:", all(np.isfinite(np.asarray(x, np.float32)).all()
+                                                                  for x in (out, *grads)))
+
+# The TF32 forward (float32 on tensor cores), both modes
+hq, hk, hv = (rng.standard_normal((1, 97, 2, 64)).astype(np.float32) for _ in range(3))
+ref, _ = flashnumba.reference.attention_forward(hq, hk, hv, causal=True)
+for kernel in ("tf32", "3xtf32"):
+    out, _ = flashnumba.flash_attn_forward(hq, hk, hv, causal=True, kernel=kernel)
+    print(kernel, "max err out", f"{float(np.abs(out - ref).max()):.1e}")

@@ -1,9 +1,10 @@
 """Regenerate the README's results tables from committed benchmark JSON files.
 
-    python scripts/update_readme_results.py docs/results/RUN1.json:4096 docs/results/RUN2.json:1024,4096:float16
+    python scripts/update_readme_results.py docs/results/RUN1.json:4096 docs/results/RUN2.json:1024,4096:float16:128
 
 One table per file, in the order given, of its rows of one dtype (after the second colon; float32 when none is
-given) at the listed seqlens (after the first colon; all when none are listed). Replaces what stands between the
+given) at the listed seqlens (after the first colon; all when none are listed) and head dims (after the third
+colon; all when none are listed). Replaces what stands between the
 README's `<!-- results:begin -->` and `<!-- results:end -->` markers.
 """
 
@@ -15,18 +16,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def markdown(result, source, seqlens=None, dtype="float32"):
+def markdown(result, source, seqlens=None, dtype="float32", head_dims=None):
     env = result["environment"]
     v = env["versions"]
     rows = [r for r in result["rows"] if "ms" in r and r["dtype"] == dtype  # the full table: docs/
-            and (not seqlens or r["seqlen"] in seqlens)]
+            and (not seqlens or r["seqlen"] in seqlens) and (not head_dims or r["head_dim"] in head_dims)]
     std = {(r["dtype"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"]): r["ms"]
            for r in rows if r["impl"] == "standard_cupy"}
+    at_dims = " at head_dim " + ", ".join(map(str, sorted(head_dims))) if head_dims else ""
     lines = [
         f"Measured on {env['device']}, {env['date'][:10]}; numba {v.get('numba')}, numba-cuda {v.get('numba-cuda')}, "
         f"numpy {v.get('numpy')}, CuPy {v.get('cupy-cuda13x') or v.get('cupy')}, torch {v.get('torch')}. "
         f"Command: `{env['command']}`. Source: [`{source}`]({source}). Workload: batch = 16384 / seqlen, "
-        f"heads = 2048 / head_dim; median of 10 runs, CUDA events. {dtype} rows; the rest and the analysis are in "
+        f"heads = 2048 / head_dim; median of 10 runs, CUDA events. {dtype} rows{at_dims}; the rest and the "
+        f"analysis are in "
         f"[docs/benchmarks.md](docs/benchmarks.md).",
         "",
         "| impl | dtype | head_dim | seqlen | causal | pass | ms | TFLOP/s | x standard | peak extra MiB |",
@@ -45,10 +48,13 @@ def main(specs):
     blocks = []
     for spec in specs:
         path, _, rest = spec.partition(":")
-        which, _, dtype = rest.partition(":")
+        which, _, rest = rest.partition(":")
+        dtype, _, dims = rest.partition(":")
         seqlens = {int(n) for n in which.split(",")} if which else None
+        head_dims = {int(n) for n in dims.split(",")} if dims else None
         result = json.loads(Path(path).read_text())
-        blocks.append(markdown(result, Path(path).resolve().relative_to(ROOT).as_posix(), seqlens, dtype or "float32"))
+        blocks.append(markdown(result, Path(path).resolve().relative_to(ROOT).as_posix(), seqlens, dtype or "float32",
+                               head_dims))
     readme = ROOT / "README.md"
     text = readme.read_text()
     block = "\n\n".join(blocks)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import flashnumba
 from flashnumba import bench
 
@@ -76,3 +78,22 @@ def test_varlen_validation_catches_a_wrong_kernel():
 
     assert bench.validate_varlen(wrong, 8, False, "float32") is not None
     assert bench.validate_varlen(bench._flashnumba("v3").varlen, 8, False, "float32") is None
+
+
+def test_tf32_is_validated_against_a_float16_class_baseline():
+    """TF32 rounds operands to float16's 10 mantissa bits: an implementation that declares
+    ``baseline_dtype = float16`` is checked against NumPy's float16 run. Here a stand-in computes attention on
+    inputs rounded to 10 mantissa bits: within the float16-class tolerance, outside the float32 one."""
+    assert bench.available_implementations(include_peers=False)["flashnumba_tf32"].baseline_dtype == np.float16
+
+    def tf32_like(q, k, v, dout, causal):
+        def to_tf32(x):  # keep 10 of float32's 23 mantissa bits (round to nearest)
+            bits = np.asarray(x, np.float32).view(np.uint32)
+            return ((bits + np.uint32(1 << 12)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+        return {bench.FWD: lambda: flashnumba.reference.attention_forward(to_tf32(q), to_tf32(k), to_tf32(v),
+                                                                          causal=causal)[0].astype(np.float32)}
+
+    assert bench.validate(tf32_like, 64, True, np.float32, seqlen=40) is not None  # float32's tolerance
+    tf32_like.baseline_dtype = np.float16
+    assert bench.validate(tf32_like, 64, True, np.float32, seqlen=40) is None

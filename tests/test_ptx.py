@@ -184,6 +184,8 @@ SIGNATURES = {  # C-contiguous arrays, as a launch with contiguous device arrays
     "pack_f16_kernel": "void(float32[::1], float32[::1], uint32[::1])",
     "pack_bf16_kernel": "void(float32[::1], float32[::1], uint32[::1])",
     "shfl_kernel": "void(float32[:, ::1], float32[:, ::1])",
+    "tf32_kernel": "void(float32[::1], uint32[::1], uint32[::1], uint32[::1])",
+    "mma_tf32_kernel": "void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1])",
 }
 
 
@@ -352,6 +354,111 @@ def test_shfl_xor_exchanges_within_the_warp():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# TF32: the conversion, the 3xTF32 split, and the m16n8k8 mma
+# ---------------------------------------------------------------------------------------------------------------
+
+def tf32_host(x):
+    """tf32 bit patterns of float32 values, rounded to nearest with ties away from zero, worked from the values:
+    the two tf32 neighbours of |x| and the nearer one (the upper one on a tie)."""
+    x = np.asarray(x, np.float32)
+    out = np.empty(x.shape, np.uint32)
+    for idx, v in np.ndenumerate(x):
+        u = int(np.float32(v).view(np.uint32))
+        sign, mag = u & 0x80000000, u & 0x7FFFFFFF
+        if mag > 0x7F800000:
+            out[idx] = 0x7FFFFFFF
+            continue
+        down = mag & 0xFFFFE000
+        up = down + 0x2000
+        lo = float(np.uint32(down).view(np.float32))
+        hi = float(np.uint32(up).view(np.float32)) if up < 0x7F800000 else float(np.float32(2.0**128 - 2.0**104))
+        if mag == 0x7F800000:
+            out[idx] = u
+            continue
+        a = float(np.uint32(mag).view(np.float32))
+        pick = up if (a - lo) >= (hi - a) else down  # ties away from zero
+        out[idx] = (min(pick, 0x7F800000)) | sign
+    return out
+
+
+@cuda.jit
+def tf32_kernel(x, bits, big, small):
+    i = cuda.grid(1)
+    if i < x.size:
+        bits[i] = ptx.to_tf32(x[i])
+        b, s = ptx.split_tf32(x[i])
+        big[i] = b
+        small[i] = s
+
+
+def run_tf32(x):
+    outs = [cuda.to_device(np.zeros(x.size, np.uint32)) for _ in range(3)]
+    tf32_kernel[(x.size + 63) // 64, 64](cuda.to_device(x), *outs)
+    return [o.copy_to_host() for o in outs]
+
+
+def test_to_tf32_rounds_to_nearest_ties_away():
+    ulp = 2.0**-10  # tf32's spacing in [1, 2)
+    x = np.array([1.0, 1.0 + ulp / 2, 1.0 + ulp / 2 - 2.0**-23, 1.0 + 1.5 * ulp, -(1.0 + ulp / 2), 3.0e38,
+                  3.4028235e38, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 2.0**-126], np.float32)
+    rng = np.random.default_rng(0)
+    scales = np.float32(10.0) ** rng.integers(-30, 30, 2000).astype(np.float32)
+    x = np.concatenate([x, rng.standard_normal(2000).astype(np.float32) * scales])
+    bits, _, _ = run_tf32(x.astype(np.float32))
+    np.testing.assert_array_equal(bits, tf32_host(x))
+    assert (bits & 0x1FFF == 0).all()
+    nan_bits, _, _ = run_tf32(np.array([np.nan], np.float32))
+    assert np.isnan(nan_bits.view(np.float32)).all()
+
+
+def test_split_tf32_is_big_plus_small():
+    x = np.random.default_rng(1).standard_normal(4096).astype(np.float32)
+    bits, big, small = run_tf32(x)
+    np.testing.assert_array_equal(big, bits)
+    total = big.view(np.float32).astype(np.float64) + small.view(np.float32).astype(np.float64)
+    # x - big is exact, and small keeps its top 11 significant bits: the rest is below 2^-11 of it
+    assert (np.abs(total - x) <= 2.0**-11 * np.abs(x - big.view(np.float32)) + 1e-45).all()
+    assert (np.abs(total - x) <= 2.0**-21 * np.abs(x)).all()
+
+
+@cuda.jit
+def mma_tf32_kernel(A, B, C, D):  # A (16, 8), B (8, 8), C, D (16, 8) float32; operands rounded to tf32 here
+    lane = cuda.threadIdx.x
+    g = lane >> 2
+    t = lane & 3
+    d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(ptx.to_tf32(A[g, t]), ptx.to_tf32(A[g + 8, t]), ptx.to_tf32(A[g, t + 4]),
+                                          ptx.to_tf32(A[g + 8, t + 4]), ptx.to_tf32(B[t, g]), ptx.to_tf32(B[t + 4, g]),
+                                          C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1])
+    D[g, 2 * t] = d0
+    D[g, 2 * t + 1] = d1
+    D[g + 8, 2 * t] = d2
+    D[g + 8, 2 * t + 1] = d3
+
+
+def run_mma_tf32(A, B, C):
+    D = cuda.to_device(np.full((16, 8), np.nan, np.float32))
+    mma_tf32_kernel[1, 32](*(cuda.to_device(np.ascontiguousarray(x, np.float32)) for x in (A, B, C)), D)
+    return D.copy_to_host()
+
+
+def test_mma_tf32_follows_the_documented_layout():
+    """Integer inputs (exact in tf32, every partial sum exact): any misplaced element changes D."""
+    rng = np.random.default_rng(3)
+    A, B, C = (rng.integers(-8, 9, shape).astype(np.float32) for shape in ((16, 8), (8, 8), (16, 8)))
+    np.testing.assert_array_equal(run_mma_tf32(A, B, C), A.astype(np.float64) @ B + C)
+
+
+def test_mma_tf32_random_inputs():
+    rng = np.random.default_rng(4)
+    A, B, C = (rng.standard_normal(shape).astype(np.float32) for shape in ((16, 8), (8, 8), (16, 8)))
+    A32, B32 = (tf32_host(x).view(np.float32).astype(np.float64) for x in (A, B))
+    truth = A32 @ B32 + C
+    tol = 9 * np.finfo(np.float32).eps * (np.abs(A32) @ np.abs(B32) + np.abs(C))  # float32 sums of 9 terms
+    D = run_mma_tf32(A, B, C)
+    assert (np.abs(D - truth) <= tol).all(), np.abs(D - truth).max()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The GPU path compiles: PTX for sm_90, assembled by nvJitLink, without a GPU
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -390,6 +497,8 @@ def test_kernels_compile_for_sm90():
         "pack_f16_kernel": ["cvt.rn.f16x2.f32"],
         "pack_bf16_kernel": ["cvt.rn.bf16x2.f32"],
         "shfl_kernel": ["shfl.sync.bfly.b32"],
+        "tf32_kernel": ["cvt.rna.tf32.f32"],
+        "mma_tf32_kernel": ["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32"],
     }
     for name, needles in expected.items():
         text = kernels[name]["ptx"]
