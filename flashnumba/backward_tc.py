@@ -43,7 +43,8 @@ import math
 from . import bf16, ptx
 from ._backend import cuda
 from .forward import LOG2E, NEG_INF, dropout_uniform, make_sequence_geometry
-from .forward_tc import HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_rows, make_mma_ab, make_mma_abt
+from .forward_tc import (HEAD_DIMS, PAD, WARP_ROWS, make_key_tiles, make_load_a, make_load_rows, make_mma_ab,
+                         make_mma_abt)
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16
 
@@ -151,6 +152,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_C, dtype)  # S = Q_i K_j^T, dP = dO_i V_j^T
     mma_ab = make_mma_ab(B_C, D, dtype)  # dQ_i += dS K_j
+    key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
 
     @cuda.jit
     def backward_dq_tc(dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
@@ -188,14 +190,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
             for x in range(4):
                 acc[n, x] = 0.0
 
-        last_row = min(i0 + B_R, seqlen_q) - 1
-        n_start = 0
-        n_end = seqlen_k
-        if HAS_LEFT:
-            n_start = max(0, i0 + diag - left) // B_C * B_C
-        if HAS_RIGHT:
-            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
-        n_tiles = max(0, (n_end - n_start + B_C - 1) // B_C)
+        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)  # (as the forward)
 
         load_rows(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
         load_rows(smem, OFF_DO, dout, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)

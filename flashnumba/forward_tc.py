@@ -84,10 +84,26 @@ def shared_bytes(D, B_c, warps):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _kind(dtype):
-    """(mma, pack) intrinsics for "float16" or "bfloat16"."""
+    """(mma_into, pack) for "float16" or "bfloat16": see :func:`make_mma_into`; pack is the intrinsic."""
     if dtype == "bfloat16":
-        return ptx.mma_m16n8k16_bf16, ptx.pack_bf16x2
-    return ptx.mma_m16n8k16_f16, ptx.pack_f16x2
+        return make_mma_into(ptx.mma_m16n8k16_bf16), ptx.pack_bf16x2
+    return make_mma_into(ptx.mma_m16n8k16_f16), ptx.pack_f16x2
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_into(mma):
+    """mma_into(acc, n, a0, a1, a2, a3, b0, b1): acc[n, 0..3] += A B for one m16n8k16 tile, A given by its
+    fragment registers a0..a3 and B by b0, b1, with ``mma`` (the float16 or bfloat16 intrinsic)."""
+
+    @cuda.jit(device=True, inline=True)
+    def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+        acc[n, 0] = d0
+        acc[n, 1] = d1
+        acc[n, 2] = d2
+        acc[n, 3] = d3
+
+    return mma_into
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,7 +160,7 @@ def make_mma_abt(D, N, dtype):
     x 16 columns: lanes 0-7 rows n0..n0+7, columns 16kk..+7 (b0 of tile n0), lanes 8-15 the same rows, columns
     +8..+15 (b1), lanes 16-31 the same for rows n0+8..n0+15."""
     LD = D + PAD
-    mma, _ = _kind(dtype)
+    mma_into, _ = _kind(dtype)
 
     @cuda.jit(device=True, inline=True)
     def mma_abt(acc, frag, smem, off, lane):
@@ -156,18 +172,8 @@ def make_mma_abt(D, N, dtype):
                 row = 16 * n2 + (lane & 7) + 8 * (lane >> 4)
                 col = 16 * kk + 8 * ((lane >> 3) & 1)
                 b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, off + row * LD + col)
-                d0, d1, d2, d3 = mma(frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b0, b1,
-                                     acc[2 * n2, 0], acc[2 * n2, 1], acc[2 * n2, 2], acc[2 * n2, 3])
-                acc[2 * n2, 0] = d0
-                acc[2 * n2, 1] = d1
-                acc[2 * n2, 2] = d2
-                acc[2 * n2, 3] = d3
-                d0, d1, d2, d3 = mma(frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b2, b3,
-                                     acc[2 * n2 + 1, 0], acc[2 * n2 + 1, 1], acc[2 * n2 + 1, 2], acc[2 * n2 + 1, 3])
-                acc[2 * n2 + 1, 0] = d0
-                acc[2 * n2 + 1, 1] = d1
-                acc[2 * n2 + 1, 2] = d2
-                acc[2 * n2 + 1, 3] = d3
+                mma_into(acc, 2 * n2, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b0, b1)
+                mma_into(acc, 2 * n2 + 1, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b2, b3)
 
     return mma_abt
 
@@ -181,7 +187,7 @@ def make_mma_ab(N, D, dtype):
     B = X (N x D) row-major is "row" layout for B: transposing ldmatrix. Lane l points at row 16c + l % 16,
     column 16 n2 + 8 (l // 16): (b0, b1) of columns 16 n2 .. +7, then of columns 16 n2 + 8 .. +15."""
     LD = D + PAD
-    mma, pack = _kind(dtype)
+    mma_into, pack = _kind(dtype)
 
     @cuda.jit(device=True, inline=True)
     def mma_ab(acc, p, smem, off, lane):
@@ -193,20 +199,32 @@ def make_mma_ab(N, D, dtype):
             for n2 in range(D // 16):
                 b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, off + (16 * c + lane % 16) * LD + 16 * n2
                                                        + 8 * (lane // 16))
-                d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[2 * n2, 0], acc[2 * n2, 1], acc[2 * n2, 2],
-                                     acc[2 * n2, 3])
-                acc[2 * n2, 0] = d0
-                acc[2 * n2, 1] = d1
-                acc[2 * n2, 2] = d2
-                acc[2 * n2, 3] = d3
-                d0, d1, d2, d3 = mma(a0, a1, a2, a3, b2, b3, acc[2 * n2 + 1, 0], acc[2 * n2 + 1, 1],
-                                     acc[2 * n2 + 1, 2], acc[2 * n2 + 1, 3])
-                acc[2 * n2 + 1, 0] = d0
-                acc[2 * n2 + 1, 1] = d1
-                acc[2 * n2 + 1, 2] = d2
-                acc[2 * n2 + 1, 3] = d3
+                mma_into(acc, 2 * n2, a0, a1, a2, a3, b0, b1)
+                mma_into(acc, 2 * n2 + 1, a0, a1, a2, a3, b2, b3)
 
     return mma_ab
+
+
+@functools.lru_cache(maxsize=None)
+def make_key_tiles(B_r, B_c, has_left, has_right):
+    """key_tiles(i0, seqlen_q, seqlen_k, diag, left, right) -> (last_row, n_start, n_tiles): the key tiles of B_c
+    keys that the query rows i0 .. i0 + B_r - 1 (the last one ``last_row``, within the sequence) can see: from
+    key n_start (a multiple of B_c), n_tiles of them, the last possibly reaching past seqlen_k. Row i sees keys
+    i + diag - left .. i + diag + right, each bound only where compiled in (``has_left``, ``has_right``).
+    Shared by the forward and the dQ kernel."""
+
+    @cuda.jit(device=True, inline=True)
+    def key_tiles(i0, seqlen_q, seqlen_k, diag, left, right):
+        last_row = min(i0 + B_r, seqlen_q) - 1
+        n_start = 0
+        n_end = seqlen_k
+        if has_left:
+            n_start = max(0, i0 + diag - left) // B_c * B_c
+        if has_right:
+            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
+        return last_row, n_start, max(0, (n_end - n_start + B_c - 1) // B_c)
+
+    return key_tiles
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,6 +277,7 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_c, dtype)  # S_ij = Q_i K_j^T
     mma_ab = make_mma_ab(B_c, D, dtype)  # O_i += P_ij V_j
+    key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
 
     @cuda.jit
     def forward_tc(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
@@ -300,14 +319,7 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
                 o[n, x] = 0.0
 
         # Key tiles to visit: those that meet the band the block's rows see (causal / window)
-        last_row = min(i0 + B_R, seqlen_q) - 1
-        n_start = 0
-        n_end = seqlen_k
-        if HAS_LEFT:
-            n_start = max(0, i0 + diag - left) // B_c * B_c
-        if HAS_RIGHT:
-            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
-        n_tiles = max(0, (n_end - n_start + B_c - 1) // B_c)
+        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
 
         # Prologue: Q_i and the first key tile in flight, one commit group
         load_rows(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
