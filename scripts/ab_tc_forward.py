@@ -25,7 +25,8 @@ def per_launch_ms(fn, n):
 mods = {n: importlib.import_module(f"flashnumba._ab_{n}") for n in ("v4",)}
 for D, causal in ((64, True), (64, False), (128, True)):
     N = 4096; batch = 16384 // N; H = 2048 // D
-    q, k, v = (cupy.asarray(np.random.default_rng(i).standard_normal((batch, N, H, D)).astype(np.float16)) for i in range(3))
+    q, k, v = (cupy.asarray(np.random.default_rng(i).standard_normal((batch, N, H, D)).astype(np.float16))
+               for i in range(3))
     cap = {}
     orig = api.launch
     def spy(fn, grid, block, smem, args):
@@ -43,7 +44,8 @@ for D, causal in ((64, True), (64, False), (128, True)):
         o2 = cupy.full_like(q, np.nan)
         kern[n] = (mod.make_forward_tc(D, variant), (*args[:3], cuda.as_cuda_array(o2), *args[4:]))
         kern[n + "_out"] = o2
-    runs = {n: (lambda f=f, a=a: orig(f, grid, block, smem, a)) for n, x in kern.items() if not n.endswith("_out") for f, a in [x]}
+    runs = {n: (lambda f=f, a=a: orig(f, grid, block, smem, a))
+            for n, x in kern.items() if not n.endswith("_out") for f, a in [x]}
     for f in runs.values():
         f()
     cupy.cuda.Device().synchronize()
@@ -65,7 +67,8 @@ for D, causal in ((64, True), (64, False), (128, True)):
 
 # where the API's host time goes: 200 calls under cProfile (kernels queued, not waited for)
 import cProfile, pstats, io  # (run with python -P: scripts/profile.py would shadow the stdlib module)
-q, k, v = (cupy.asarray(np.random.default_rng(i).standard_normal((4, 4096, 16, 128)).astype(np.float16)) for i in range(3))
+q, k, v = (cupy.asarray(np.random.default_rng(i).standard_normal((4, 4096, 16, 128)).astype(np.float16))
+           for i in range(3))
 flashnumba.flash_attn_forward(q, k, v, causal=True)
 cupy.cuda.Device().synchronize()
 import time

@@ -23,8 +23,9 @@ def features(draw):
                 softcap=draw(st.sampled_from([0.0, 0.0, 1.0, 5.0])))
     if draw(st.booleans()):
         shape = draw(st.sampled_from([(nheads_k * group,), (batch, nheads_k * group)]))
-        opts["alibi_slopes"] = np.asarray(draw(st.lists(st.floats(0.0, 1.0), min_size=int(np.prod(shape)),
-                                                        max_size=int(np.prod(shape))))).reshape(shape).astype(np.float32)
+        n = int(np.prod(shape))
+        slopes = draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n))
+        opts["alibi_slopes"] = np.asarray(slopes).reshape(shape).astype(np.float32)
     return batch, nheads_k, group, opts
 
 
