@@ -628,13 +628,14 @@ def _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, nu
         launch(pre, (-(-total_q // 64), lead * nheads), (64,), 0, (dod, od, delta))
     if kernel == "tc":
         dtype = "bfloat16" if bf16 else "float16"
+        gqa = tk.shape[2] != nheads
         smem_dkdv, smem_dq = smem
         args = (np.float32(scale * forward.LOG2E), scale32, *opts.kernel_args)
         if max_seqlen_q:
-            dq_fn = backward_tc.make_backward_dq_tc(head_dim, opts.variant, block_m, block_n, dtype)
+            dq_fn = backward_tc.make_backward_dq_tc(head_dim, opts.variant, block_m, block_n, dtype, gqa)
             launch(dq_fn, grid_q, (2 * block_m,), smem_dq, (dod, qd, kd, vd, ld, delta, dq_dev, *args))
         if max_seqlen_k:
-            dkdv_fn = backward_tc.make_backward_dkdv_tc(head_dim, opts.variant, block_m, block_n, dtype)
+            dkdv_fn = backward_tc.make_backward_dkdv_tc(head_dim, opts.variant, block_m, block_n, dtype, gqa)
             launch(dkdv_fn, grid_k, (2 * block_n,), smem_dkdv, (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, *args))
     elif kernel == "v1":
         if max_seqlen_q:

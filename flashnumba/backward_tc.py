@@ -124,7 +124,7 @@ def make_entry(variant):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
+def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False):
     """The dQ kernel: grid (ceil(max_seqlen_q / block_m), batch * nheads), block (2 * block_m,) (block_m / 16
     warps), dynamic shared memory :func:`shared_bytes_dq`.
 
@@ -135,6 +135,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see forward_tc.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant)
     is_bf16 = dtype == "bfloat16"
@@ -165,7 +166,9 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
         t = lane & 3
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
-        hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
+        hk = h  # the key/value head of query head h (compiled in only for GQA, as in forward_tc)
+        if GQA:
+            hk = h // (nheads // k.shape[2])
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first, as in the forward
         r0 = warp * WARP_ROWS
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
@@ -241,7 +244,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
+def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False):
     """The dK/dV kernel: grid (ceil(max_seqlen_k / block_n), batch * nheads_k), block (2 * block_n,) (block_n / 16
     warps), dynamic shared memory :func:`shared_bytes_dkdv`. With GQA a block sums over the nheads / nheads_k
     query heads of its key/value head, in order.
@@ -250,6 +253,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see forward_tc.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant)
     is_bf16 = dtype == "bfloat16"
@@ -331,13 +335,19 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
         ptx.cp_async_commit()
 
         for it in range(total):
-            h = hk * group + it // nt
-            i0 = (m_begin + it % nt) * B_R
+            h = hk  # without GQA the loop is over the query tiles of head hk alone: no division
+            i0 = (m_begin + it) * B_R
+            if GQA:
+                h = hk * group + uint32(it) // uint32(nt)
+                i0 = (m_begin + uint32(it) % uint32(nt)) * B_R
             sel = it & 1
             buf = OFF_Q + sel * BUF
             if it + 1 < total:  # the next query tile into the other buffers, freed by the barrier ending it - 1
-                h2 = hk * group + (it + 1) // nt
-                row2 = q0 + (m_begin + (it + 1) % nt) * B_R
+                h2 = hk
+                row2 = q0 + i0 + B_R
+                if GQA:
+                    h2 = hk * group + uint32(it + 1) // uint32(nt)
+                    row2 = q0 + (m_begin + uint32(it + 1) % uint32(nt)) * B_R
                 nxt = OFF_Q + (1 - sel) * BUF
                 load_rows(smem, nxt, q, bb, row2, q0 + seqlen_q, h2, B_R, tid)
                 load_rows(smem, nxt + OFF_DO, dout, bb, row2, q0 + seqlen_q, h2, B_R, tid)
