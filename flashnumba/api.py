@@ -26,6 +26,7 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # and bfloat16: see _arra
 DTYPE_NAMES = ("float32, float16, bfloat16 (NumPy arrays of ml_dtypes.bfloat16, or torch.bfloat16 CUDA "
                "tensors)")
 STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory per block
+PREPROCESS_ROWS = 8  # query rows per block of the backward's D_i kernel (a warp each)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -624,8 +625,13 @@ def _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, nu
     grid_q = (-(-max_seqlen_q // block_m), batch * nheads)
     grid_k = (-(-max_seqlen_k // block_n), batch * tk.shape[2])
     if total_q:  # D_i = rowsum(dO_i * O_i), row by row over the whole (lead, total_q) layout
-        pre = backward.make_backward_preprocess(head_dim, 64, bf16=bf16)
-        launch(pre, (-(-total_q // 64), lead * nheads), (64,), 0, (dod, od, delta))
+        if SIMULATOR:  # a thread per row (32x fewer simulated threads)
+            pre = backward.make_backward_preprocess(head_dim, 64, bf16=bf16)
+            launch(pre, (-(-total_q // 64), lead * nheads), (64,), 0, (dod, od, delta))
+        else:  # a warp per row: coalesced loads
+            rows = PREPROCESS_ROWS
+            pre = backward.make_backward_preprocess_warp(head_dim, rows, bf16=bf16)
+            launch(pre, (-(-total_q // rows), lead * nheads), (32 * rows,), 0, (dod, od, delta))
     if kernel == "tc":
         dtype = "bfloat16" if bf16 else "float16"
         gqa = tk.shape[2] != nheads
