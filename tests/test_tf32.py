@@ -51,6 +51,23 @@ def test_tf32_matches_float16_class_reference():
         check_tf32(out, lse, q, k, v, causal)
 
 
+@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
+def test_presplit_gives_the_same_bits(precision):
+    """presplit (operands rounded or split once per tile in shared memory) computes the same products from the
+    same operands as the per-warp conversion: the outputs are bitwise equal, for both precisions, causal, over
+    three key tiles (the last partial) and two warps."""
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 1, 33, 40, 1, 64)
+    runs = [forward_tf32.flash_attn_forward_tf32(q, k, v, causal=True, precision=precision, block_n=16, warps=2,
+                                                 presplit=presplit) for presplit in (False, True)]
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    if precision == "3xtf32":
+        check_forward(*runs[1], q, k, v, causal=True)
+    else:
+        check_tf32(*runs[1], q, k, v, True)
+
+
 def test_tf32_rejects_what_it_does_not_support():
     rng = np.random.default_rng(0)
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 64, np.float16)
@@ -93,6 +110,10 @@ for precision in ("tf32", "3xtf32"):
         for causal in (False, True):
             text = resources._compile_ptx(forward_tf32.make_forward_tf32(D, causal, precision).py_func, sig, (9, 0))
             out[f"{precision} D={D} causal={causal}"] = dict(ptx=text, **resources.ptx_resources(text))
+for precision, D in (("tf32", 64), ("3xtf32", 128)):  # presplit operands, 8 warps (the configuration to time)
+    fn = forward_tf32.make_forward_tf32(D, True, precision, 32, 8, presplit=True).py_func
+    text = resources._compile_ptx(fn, sig, (9, 0))
+    out[f"{precision} D={D} causal=True presplit"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))
 """
 
