@@ -338,16 +338,16 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
             h = hk  # without GQA the loop is over the query tiles of head hk alone: no division
             i0 = (m_begin + it) * B_R
             if GQA:
-                h = hk * group + uint32(it) // uint32(nt)
-                i0 = (m_begin + uint32(it) % uint32(nt)) * B_R
+                h = hk * group + int(uint32(it) // uint32(nt))  # (signed again: i0, h enter signed sums)
+                i0 = (m_begin + int(uint32(it) % uint32(nt))) * B_R
             sel = it & 1
             buf = OFF_Q + sel * BUF
             if it + 1 < total:  # the next query tile into the other buffers, freed by the barrier ending it - 1
                 h2 = hk
                 row2 = q0 + i0 + B_R
                 if GQA:
-                    h2 = hk * group + uint32(it + 1) // uint32(nt)
-                    row2 = q0 + (m_begin + uint32(it + 1) % uint32(nt)) * B_R
+                    h2 = hk * group + int(uint32(it + 1) // uint32(nt))
+                    row2 = q0 + (m_begin + int(uint32(it + 1) % uint32(nt))) * B_R
                 nxt = OFF_Q + (1 - sel) * BUF
                 load_rows(smem, nxt, q, bb, row2, q0 + seqlen_q, h2, B_R, tid)
                 load_rows(smem, nxt + OFF_DO, dout, bb, row2, q0 + seqlen_q, h2, B_R, tid)
