@@ -51,11 +51,21 @@ from numba.cuda.types import float16
 TILES = (16, 32, 64, 128)  # block_m and block_n: multiples of the 16 rows of one warp
 
 
+# (block_m, block_n) of each kernel when the caller gives none, from the H200 sweep (scripts/tc_sweep_backward.py,
+# docs/benchmarks.md): the dQ kernel has block_m / 16 warps, the dK/dV kernel block_n / 16.
+DEFAULT_TILES = {
+    64: {"dq": (64, 64), "dkdv": (32, 64)},
+    # dQ: 4 warps on 32-row K_j, V_j tiles (69 KB of shared memory) instead of 2 warps on 64-row tiles (87 KB),
+    # 2.5x faster; dK/dV: (32, 64) keeps its dK_j, dV_j accumulators (2 x 64 registers a lane) and its P, dP tiles
+    # under 255 registers
+    128: {"dq": (64, 32), "dkdv": (32, 64)},
+}
+
+
 def default_blocks(D):
-    """(block_m, block_n): query and key tile sizes of both kernels (the dQ kernel has block_m / 16 warps, the
-    dK/dV kernel block_n / 16). (64, 64) for D = 64; (32, 64) for D = 128, which keeps the dK/dV kernel's
-    accumulators (dK_j and dV_j rows: 2 x 64 registers a lane) and its P, dP tiles under 255 registers."""
-    return (64 if D <= 64 else 32), 64
+    """((block_m, block_n) of the dQ kernel, (block_m, block_n) of the dK/dV kernel) for head_dim D."""
+    tiles = DEFAULT_TILES[64 if D <= 64 else 128]
+    return tiles["dq"], tiles["dkdv"]
 
 
 def shared_bytes_dq(D, block_m, block_n):
@@ -393,19 +403,24 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
 
 
 def resolve_blocks(D, block_m=None, block_n=None):
-    """(block_m, block_n, (shared bytes of dK/dV, of dQ)), validated (or chosen: :func:`default_blocks`)."""
+    """(dQ tiles, dK/dV tiles, (shared bytes of dK/dV, of dQ)), each tiles a (block_m, block_n) pair, validated.
+    A block_m or block_n given applies to both kernels; what is not given is each kernel's default
+    (:data:`DEFAULT_TILES`)."""
     from ._backend import max_shared_memory_per_block
 
-    dm, dn = default_blocks(D)
-    block_m = dm if block_m is None else block_m
-    block_n = dn if block_n is None else block_n
-    _check(D, block_m, block_n, "float16")
-    smem_dkdv, smem_dq = shared_bytes_dkdv(D, block_m, block_n), shared_bytes_dq(D, block_m, block_n)
     limit = max_shared_memory_per_block()
-    if max(smem_dq, smem_dkdv) > limit:
-        raise ValueError(f"head_dim {D}, block_m {block_m}, block_n {block_n} need {max(smem_dq, smem_dkdv)} bytes "
-                         f"of shared memory, more than the {limit} a block may use; choose smaller tiles")
-    return block_m, block_n, (smem_dkdv, smem_dq)
+    tiles = []
+    for name, (dm, dn), nbytes in zip(("dQ", "dK/dV"), default_blocks(D), (shared_bytes_dq, shared_bytes_dkdv)):
+        bm = dm if block_m is None else block_m
+        bn = dn if block_n is None else block_n
+        _check(D, bm, bn, "float16")
+        if nbytes(D, bm, bn) > limit:
+            raise ValueError(f"head_dim {D}, block_m {bm}, block_n {bn} need {nbytes(D, bm, bn)} bytes of shared "
+                             f"memory in the {name} kernel, more than the {limit} a block may use; choose smaller "
+                             f"tiles")
+        tiles.append((bm, bn))
+    dq, dkdv = tiles
+    return dq, dkdv, (shared_bytes_dkdv(D, *dkdv), shared_bytes_dq(D, *dq))
 
 
 def flash_attn_backward_tc(dout, q, k, v, out, lse, causal=False, softmax_scale=None, block_m=None,

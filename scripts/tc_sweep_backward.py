@@ -85,7 +85,8 @@ for d in head_dims:
                     err = float(cupy.abs(cupy.asarray(args[6]).astype(np.float32)
                                          - dq_ref.astype(np.float32)).max())
                     extra = f"  max |dQ - dQ(default)| {err:.2e}"
-                regs = fn.get_regs_per_thread() if hasattr(fn, "get_regs_per_thread") else "?"
+                regs = fn.get_regs_per_thread()
+                regs = ",".join(map(str, regs.values())) if isinstance(regs, dict) else regs
                 print(f"d={d} {kind:5} block_m={bm:3} block_n={bn:3}: {t:.3f} ms ({flops / t / 1e9:.0f}) "
                       f"smem {smem} regs {regs}{extra}", flush=True)
             except Exception as err:  # noqa: BLE001  (a pair that does not fit)

@@ -2,7 +2,7 @@
 (operands rounded or split once per tile in shared memory), on the benchmark's workload (batch = 16384 /
 seqlen, nheads = 2048 / head_dim, float32):
 
-    python scripts/tf32_sweep.py [seqlen] [causal]
+    python scripts/tf32_sweep.py [seqlen] [causal] [head_dims, e.g. 64,128]
 
 TFLOP/s (4 * batch * nheads * seqlen^2 * head_dim per forward, halved when causal); CUDA events, median of 10
 runs after 3 warm-up runs, through flashnumba.forward_tf32.flash_attn_forward_tf32.
@@ -18,8 +18,9 @@ from flashnumba.timing import cuda_time_ms
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 causal = len(sys.argv) > 2 and sys.argv[2] in ("1", "causal", "True")
+head_dims = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [64, 128]
 rng = np.random.default_rng(0)
-for d in (64, 128):
+for d in head_dims:
     batch, nheads = 16384 // n, 2048 // d
     q, k, v = (cupy.asarray(rng.standard_normal((batch, n, nheads, d), dtype=np.float32)) for _ in range(3))
     fl = 4 * batch * nheads * n * n * d / (2 if causal else 1)
