@@ -43,16 +43,18 @@ PAD_K = 4  # floats added to a row of Q_i and K_j: conflict-free reads of (row p
 PAD_V = 8  # floats added to a row of V_j: conflict-free reads of (row t, column g)
 
 
-def default_blocks(D):
-    """(B_c, warps)."""
-    return (32 if D > 64 else 64), 4
+def default_blocks(D, precision="3xtf32"):
+    """(B_c, warps) when the caller gives none. At D = 128, from the H200 sweep (scripts/tf32_sweep.py, seqlen
+    4096): 8 warps (128 query rows a block) with B_c = 16 for TF32 (49 TFLOP/s against 37 at (32, 4)) and B_c = 32
+    for 3xTF32 (30 against 25); at D = 64, (64, 4)."""
+    if D <= 64:
+        return 64, 4
+    return (16 if precision == "tf32" else 32), 8
 
 
-def shared_bytes(D, B_c, warps, precision="3xtf32", presplit=False):
-    """Q_i (16 warps rows) and two K_j, V_j buffers (B_c rows each), float32; with ``presplit`` and 3xTF32, one
-    more K_j and V_j for their small parts."""
-    small = B_c * (2 * D + PAD_K + PAD_V) if presplit and precision == "3xtf32" else 0
-    return (WARP_ROWS * warps * (D + PAD_K) + 2 * B_c * (D + PAD_K) + 2 * B_c * (D + PAD_V) + small) * 4
+def shared_bytes(D, B_c, warps):
+    """Q_i (16 warps rows) and two K_j, V_j buffers (B_c rows each), float32."""
+    return (WARP_ROWS * warps * (D + PAD_K) + 2 * B_c * (D + PAD_K) + 2 * B_c * (D + PAD_V)) * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,17 +82,12 @@ def make_load_rows32(D, NT, LD):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presplit=False):
+def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None):
     """The TF32 forward kernel. Arguments: (q, k, v, out, lse, scale_log2), q, k, v, out (batch, seqlen,
     nheads, D) float32 C-contiguous, lse (batch, nheads, seqlen_q) float32. Launch: grid
     (ceil(seqlen_q / (16 warps)), batch * nheads), block (32 * warps,), dynamic shared memory :func:`shared_bytes`.
-
-    ``presplit``: once a K_j, V_j tile has landed, the block's threads round (TF32) or split (3xTF32) each of its
-    elements once, in shared memory (the small parts in a buffer of their own), and the warps read the operands
-    ready; without it every warp rounds or splits every operand it reads, which the H200 profile of 3xTF32
-    showed busying the ALU pipe (58%) more than the tensor cores. Not yet the default: not yet timed on a GPU.
     """
-    dB_c, dwarps = default_blocks(D)
+    dB_c, dwarps = default_blocks(D, precision)
     B_c = dB_c if B_c is None else B_c
     warps = dwarps if warps is None else warps
     if D not in HEAD_DIMS:
@@ -102,7 +99,6 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     THREE = precision == "3xtf32"
-    PRESPLIT = bool(presplit)
     B_R = WARP_ROWS * warps
     NT = 32 * warps
     LDK, LDV = D + PAD_K, D + PAD_V
@@ -117,8 +113,6 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
     KBUF = B_c * LDK
     OFF_V = OFF_K + 2 * KBUF  # V buffer 0; buffer 1 lies VBUF further on
     VBUF = B_c * LDV
-    OFF_KS = OFF_V + 2 * VBUF  # (presplit, 3xTF32) the small parts of K_j, then of V_j, one buffer each
-    OFF_VS = OFF_KS + KBUF
     load_q = make_load_rows32(D, NT, LDK)
     load_v = make_load_rows32(D, NT, LDV)
 
@@ -142,30 +136,6 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
             small[i] = lo
         else:
             big[i] = ptx.to_tf32(x)
-
-    @cuda.jit(device=True, inline=True)
-    def b_operand(smem, smem_u, idx, small_idx, big, small, i):
-        """The B operand at element ``idx`` into big[i] (and small[i]): read ready (presplit: its small part at
-        ``small_idx``), or rounded / split here."""
-        if PRESPLIT:
-            big[i] = smem_u[idx]
-            if THREE:
-                small[i] = smem_u[small_idx]
-        else:
-            operand(smem[idx], big, small, i)
-
-    @cuda.jit(device=True, inline=True)
-    def presplit_tile(smem, smem_u, off, off_small, LD, rows, tid):
-        """Round or split, in place, the ``rows`` x D tile at ``off`` (rows of LD floats); small parts to the
-        same places from ``off_small``. The block's NT threads share the elements."""
-        for e in range(tid, rows * D, NT):
-            x = off + (e // D) * LD + e % D
-            if THREE:
-                hi, lo = ptx.split_tf32(smem[x])
-                smem_u[x] = hi
-                smem_u[x - off + off_small] = lo
-            else:
-                smem_u[x] = ptx.to_tf32(smem[x])
 
     @cuda.jit(device=True, inline=True)
     def load_q_step(smem, row, qb, qs, i):
@@ -194,7 +164,6 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
         diag = seqlen_k - seqlen_q
 
         smem = cuda.shared.array(0, float32)  # Q_i | K buffers 0, 1 | V buffers 0, 1 (dynamic), shared
-        smem_u = cuda.shared.array(0, uint32)  # the same memory as 32-bit patterns (presplit operands), shared
         qb = cuda.local.array(QREGS, uint32)  # Q_i's A registers (big parts), 4 per k-step
         qs = cuda.local.array(QREGS, uint32)  # (small parts, 3xTF32)
         bb = cuda.local.array(2, uint32)  # one B operand (big, small)
@@ -235,10 +204,6 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
             ptx.cp_async_commit()
             ptx.cp_async_wait(1)  # all but the newest group have landed: tile j (and Q_i)
             cuda.syncthreads()  # every thread's copies and zero stores of tile j are visible to all
-            if PRESPLIT:
-                presplit_tile(smem, smem_u, kbuf, OFF_KS, LDK, B_c, tid)
-                presplit_tile(smem, smem_u, vbuf, OFF_VS, LDV, B_c, tid)
-                cuda.syncthreads()  # every operand of tile j is split before any warp reads one
 
             # S = Q_i K_j^T, 8 dims a step (A: load_q_step). B: column n of tile nn is key 8 nn + pi(n):
             # b0 = K[pi(g), t], b1 = K[pi(g), t + 4]
@@ -253,8 +218,8 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
                     c3 = float32(0.0)
                     for kk in range(KD):
                         kr = kbuf + (8 * nn + pg) * LDK + 8 * kk + t
-                        b_operand(smem, smem_u, kr, kr - kbuf + OFF_KS, bb, bs, 0)
-                        b_operand(smem, smem_u, kr + 4, kr + 4 - kbuf + OFF_KS, bb, bs, 1)
+                        operand(smem[kr], bb, bs, 0)
+                        operand(smem[kr + 4], bb, bs, 1)
                         c0, c1, c2, c3 = mma3(qb, qs, bb, bs, c0, c1, c2, c3, 4 * kk, 4 * kk + 1, 4 * kk + 2,
                                               4 * kk + 3)
                     s[nn, 0] = c0
@@ -269,8 +234,8 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
                     load_q_step(smem, (r0 + g) * LDK + 8 * kk + t, qb, qs, 0)
                     for nn in range(NS):
                         kr = kbuf + (8 * nn + pg) * LDK + 8 * kk + t
-                        b_operand(smem, smem_u, kr, kr - kbuf + OFF_KS, bb, bs, 0)
-                        b_operand(smem, smem_u, kr + 4, kr + 4 - kbuf + OFF_KS, bb, bs, 1)
+                        operand(smem[kr], bb, bs, 0)
+                        operand(smem[kr + 4], bb, bs, 1)
                         s[nn, 0], s[nn, 1], s[nn, 2], s[nn, 3] = mma3(qb, qs, bb, bs, s[nn, 0], s[nn, 1],
                                                                       s[nn, 2], s[nn, 3], 0, 1, 2, 3)
 
@@ -326,8 +291,8 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
                 operand(s[c, 3], pb, psm, 3)
                 for nd in range(NO):
                     vr = vbuf + (8 * c + t) * LDV + 8 * nd + g
-                    b_operand(smem, smem_u, vr, vr - vbuf + OFF_VS, bb, bs, 0)
-                    b_operand(smem, smem_u, vr + 4 * LDV, vr + 4 * LDV - vbuf + OFF_VS, bb, bs, 1)
+                    operand(smem[vr], bb, bs, 0)
+                    operand(smem[vr + 4 * LDV], bb, bs, 1)
                     o[nd, 0], o[nd, 1], o[nd, 2], o[nd, 3] = mma3(pb, psm, bb, bs, o[nd, 0], o[nd, 1], o[nd, 2],
                                                                   o[nd, 3], 0, 1, 2, 3)
             cuda.syncthreads()  # every warp is done with these buffers before iteration j + 1 refills them
@@ -350,7 +315,7 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None, presp
 
 
 def flash_attn_forward_tf32(q, k, v, causal=False, softmax_scale=None, precision="3xtf32", block_n=None,
-                            warps=None, presplit=False):
+                            warps=None):
     """Attention of float32 q, k, v by the TF32 kernel (``precision`` "tf32" or "3xtf32"), head_dim 64 or 128,
     nheads_k == nheads. Arrays as :func:`flashnumba.flash_attn_forward` takes them. Returns (out, lse)."""
     from . import _arrays, api
@@ -368,11 +333,11 @@ def flash_attn_forward_tf32(q, k, v, causal=False, softmax_scale=None, precision
                          f"{nheads}")
     causal = api._check_flag("causal", causal)
     scale = api._check_scale(softmax_scale, D)
-    dB_c, dwarps = default_blocks(D) if D in HEAD_DIMS else (64, 4)
+    dB_c, dwarps = default_blocks(D, precision) if D in HEAD_DIMS else (64, 4)
     B_c = dB_c if block_n is None else block_n
     warps = dwarps if warps is None else warps
-    fn = make_forward_tf32(D, causal, precision, B_c, warps, presplit)  # validates D, B_c, warps, precision
-    smem = shared_bytes(D, B_c, warps, precision, presplit)
+    fn = make_forward_tf32(D, causal, precision, B_c, warps)  # validates D, B_c, warps, precision
+    smem = shared_bytes(D, B_c, warps)
     limit = api.max_shared_memory_per_block()
     if smem > limit:
         raise ValueError(f"head_dim {D}, block_n {B_c}, {warps} warps need {smem} bytes of shared memory, more "

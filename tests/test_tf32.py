@@ -38,7 +38,8 @@ def check_tf32(out, lse, q, k, v, causal):
 def test_3xtf32_matches_float32_reference(seqlen_q, seqlen_k, causal, D, warps):
     rng = np.random.default_rng(seqlen_q + seqlen_k)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 1, D)
-    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="3xtf32", block_n=16)
+    out, lse = forward_tf32.flash_attn_forward_tf32(q, k, v, causal=causal, precision="3xtf32", block_n=16,
+                                                    warps=warps)
     check_forward(out, lse, q, k, v, causal=causal)
 
 
@@ -49,23 +50,6 @@ def test_tf32_matches_float16_class_reference():
         out, lse = forward_tf32.flash_attn_forward_tf32(q, k, v, causal=causal, precision="tf32", block_n=16,
                                                         warps=1)
         check_tf32(out, lse, q, k, v, causal)
-
-
-@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
-def test_presplit_gives_the_same_bits(precision):
-    """presplit (operands rounded or split once per tile in shared memory) computes the same products from the
-    same operands as the per-warp conversion: the outputs are bitwise equal, for both precisions, causal, over
-    three key tiles (the last partial) and two warps."""
-    rng = np.random.default_rng(11)
-    q, k, v = random_qkv(rng, 1, 33, 40, 1, 64)
-    runs = [forward_tf32.flash_attn_forward_tf32(q, k, v, causal=True, precision=precision, block_n=16, warps=2,
-                                                 presplit=presplit) for presplit in (False, True)]
-    np.testing.assert_array_equal(runs[0][0], runs[1][0])
-    np.testing.assert_array_equal(runs[0][1], runs[1][1])
-    if precision == "3xtf32":
-        check_forward(*runs[1], q, k, v, causal=True)
-    else:
-        check_tf32(*runs[1], q, k, v, True)
 
 
 def test_tf32_rejects_what_it_does_not_support():
@@ -110,10 +94,6 @@ for precision in ("tf32", "3xtf32"):
         for causal in (False, True):
             text = resources._compile_ptx(forward_tf32.make_forward_tf32(D, causal, precision).py_func, sig, (9, 0))
             out[f"{precision} D={D} causal={causal}"] = dict(ptx=text, **resources.ptx_resources(text))
-for precision, D in (("tf32", 64), ("3xtf32", 128)):  # presplit operands, 8 warps (the configuration to time)
-    fn = forward_tf32.make_forward_tf32(D, True, precision, 32, 8, presplit=True).py_func
-    text = resources._compile_ptx(fn, sig, (9, 0))
-    out[f"{precision} D={D} causal=True presplit"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))
 """
 
