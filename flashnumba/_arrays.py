@@ -126,7 +126,16 @@ def to_kernel(x, k: str):
         return cuda.to_device(cupy.asnumpy(x))
     if SIMULATOR and k == "numba":
         return x
-    return cuda.as_cuda_array(x)
+    return as_device_array(x)
+
+
+def as_device_array(x):
+    """A Numba device array viewing a CUDA array (no copy). The kernels run on the legacy default stream,
+    which waits for work queued on the legacy (CUDA array interface stream 1) and per-thread (2) default
+    streams, so arrays exported with those need no host synchronisation (Numba's default would synchronise, and
+    so serialise every call with the GPU); arrays from any other stream are synchronised as Numba does."""
+    stream = x.__cuda_array_interface__.get("stream")
+    return cuda.as_cuda_array(x, sync=stream not in (None, 1, 2))
 
 
 def _leading_stride(shape, strides, itemsize):
@@ -185,7 +194,7 @@ def empty(shape, dtype, like: str):
         arr = cupy.empty(shape, dtype)
         if config.poison_outputs:
             arr.fill(np.nan)
-        return arr, cuda.as_cuda_array(arr)
+        return arr, as_device_array(arr)
     bits = is_bfloat16(np.dtype(dtype))
     if config.poison_outputs:
         host = np.full(shape, np.nan, dtype)

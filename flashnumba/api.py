@@ -26,6 +26,7 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # and bfloat16: see _arra
 DTYPE_NAMES = ("float32, float16, bfloat16 (NumPy arrays of ml_dtypes.bfloat16, or torch.bfloat16 CUDA "
                "tensors)")
 STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory per block
+PREPROCESS_ROWS = 8  # query rows per block of the backward's D_i kernel (a warp each)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -584,7 +585,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
 
 def _backward_plan(kernel, tensors, opts, block_m, block_n, num_threads):
     """(kernel, block_m, block_n, num_threads, (shared bytes of dK/dV, of dQ)) of a backward call: kernel None
-    chooses "tc" where it applies, else "v2"; the blocks are validated (or chosen) for that kernel."""
+    chooses "tc" where it applies, else "v2"; the blocks are validated (or chosen) for that kernel. For "tc",
+    whose two kernels have their own tiles, block_m and block_n come back as the (block_m, block_n) pairs of the
+    dQ and of the dK/dV kernel."""
     if kernel is None:
         kernel = "tc" if tensor_core_applies(tensors, opts, block_m, block_n, num_threads) else "v2"
     if kernel == "tc":
@@ -592,8 +595,8 @@ def _backward_plan(kernel, tensors, opts, block_m, block_n, num_threads):
             raise ValueError("kernel 'tc' takes no num_threads: its threads follow from block_m and block_n (32 per "
                              "16 rows)")
         forward_tc.check_inputs(tensors[0])
-        block_m, block_n, smem = backward_tc.resolve_blocks(tensors[0].shape[-1], block_m, block_n)
-        return kernel, block_m, block_n, None, smem
+        dq_tiles, dkdv_tiles, smem = backward_tc.resolve_blocks(tensors[0].shape[-1], block_m, block_n)
+        return kernel, dq_tiles, dkdv_tiles, None, smem
     block_m, block_n, num_threads, smem = resolve_blocks_backward(tensors[0].shape[-1], block_m, block_n,
                                                                   num_threads, kernel)
     _check_not_v1(kernel, opts, "backward")
@@ -621,21 +624,31 @@ def _backward(tdo, tq, tk, tv, to, tl, opts, scale, kernel, block_m, block_n, nu
     bf16 = _arrays.is_bfloat16(tq.dtype)
     scale32 = np.float32(scale)
     causal = opts.right == 0 and not opts.variant[0]  # what kernel v1 implements
-    grid_q = (-(-max_seqlen_q // block_m), batch * nheads)
-    grid_k = (-(-max_seqlen_k // block_n), batch * tk.shape[2])
+    if kernel == "tc":  # each kernel its own (block_m, block_n)
+        (dq_m, dq_n), (kv_m, kv_n) = block_m, block_n
+    else:
+        dq_m, dq_n = kv_m, kv_n = block_m, block_n
+    grid_q = (-(-max_seqlen_q // dq_m), batch * nheads)  # a block per B_r query rows
+    grid_k = (-(-max_seqlen_k // kv_n), batch * tk.shape[2])  # a block per B_c key rows
     if total_q:  # D_i = rowsum(dO_i * O_i), row by row over the whole (lead, total_q) layout
-        pre = backward.make_backward_preprocess(head_dim, 64, bf16=bf16)
-        launch(pre, (-(-total_q // 64), lead * nheads), (64,), 0, (dod, od, delta))
+        if SIMULATOR:  # a thread per row (32x fewer simulated threads)
+            pre = backward.make_backward_preprocess(head_dim, 64, bf16=bf16)
+            launch(pre, (-(-total_q // 64), lead * nheads), (64,), 0, (dod, od, delta))
+        else:  # a warp per row: coalesced loads
+            rows = PREPROCESS_ROWS
+            pre = backward.make_backward_preprocess_warp(head_dim, rows, bf16=bf16)
+            launch(pre, (-(-total_q // rows), lead * nheads), (32 * rows,), 0, (dod, od, delta))
     if kernel == "tc":
         dtype = "bfloat16" if bf16 else "float16"
+        gqa = tk.shape[2] != nheads
         smem_dkdv, smem_dq = smem
         args = (np.float32(scale * forward.LOG2E), scale32, *opts.kernel_args)
         if max_seqlen_q:
-            dq_fn = backward_tc.make_backward_dq_tc(head_dim, opts.variant, block_m, block_n, dtype)
-            launch(dq_fn, grid_q, (2 * block_m,), smem_dq, (dod, qd, kd, vd, ld, delta, dq_dev, *args))
+            dq_fn = backward_tc.make_backward_dq_tc(head_dim, opts.variant, dq_m, dq_n, dtype, gqa)
+            launch(dq_fn, grid_q, (2 * dq_m,), smem_dq, (dod, qd, kd, vd, ld, delta, dq_dev, *args))
         if max_seqlen_k:
-            dkdv_fn = backward_tc.make_backward_dkdv_tc(head_dim, opts.variant, block_m, block_n, dtype)
-            launch(dkdv_fn, grid_k, (2 * block_n,), smem_dkdv, (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, *args))
+            dkdv_fn = backward_tc.make_backward_dkdv_tc(head_dim, opts.variant, kv_m, kv_n, dtype, gqa)
+            launch(dkdv_fn, grid_k, (2 * kv_n,), smem_dkdv, (dod, qd, kd, vd, ld, delta, dk_dev, dv_dev, *args))
     elif kernel == "v1":
         if max_seqlen_q:
             dq_fn = backward.make_backward_dq_v1(head_dim, block_m, block_n, causal, bf16=bf16)

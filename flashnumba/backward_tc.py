@@ -51,11 +51,21 @@ from numba.cuda.types import float16
 TILES = (16, 32, 64, 128)  # block_m and block_n: multiples of the 16 rows of one warp
 
 
+# (block_m, block_n) of each kernel when the caller gives none, from the H200 sweep (scripts/tc_sweep_backward.py,
+# docs/benchmarks.md): the dQ kernel has block_m / 16 warps, the dK/dV kernel block_n / 16.
+DEFAULT_TILES = {
+    64: {"dq": (64, 64), "dkdv": (32, 64)},
+    # dQ: 4 warps on 32-row K_j, V_j tiles (69 KB of shared memory) instead of 2 warps on 64-row tiles (87 KB),
+    # 2.5x faster; dK/dV: (32, 64) keeps its dK_j, dV_j accumulators (2 x 64 registers a lane) and its P, dP tiles
+    # under 255 registers
+    128: {"dq": (64, 32), "dkdv": (32, 64)},
+}
+
+
 def default_blocks(D):
-    """(block_m, block_n): query and key tile sizes of both kernels (the dQ kernel has block_m / 16 warps, the
-    dK/dV kernel block_n / 16). (64, 64) for D = 64; (32, 64) for D = 128, which keeps the dK/dV kernel's
-    accumulators (dK_j and dV_j rows: 2 x 64 registers a lane) and its P, dP tiles under 255 registers."""
-    return (64 if D <= 64 else 32), 64
+    """((block_m, block_n) of the dQ kernel, (block_m, block_n) of the dK/dV kernel) for head_dim D."""
+    tiles = DEFAULT_TILES[64 if D <= 64 else 128]
+    return tiles["dq"], tiles["dkdv"]
 
 
 def shared_bytes_dq(D, block_m, block_n):
@@ -124,7 +134,7 @@ def make_entry(variant):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
+def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False):
     """The dQ kernel: grid (ceil(max_seqlen_q / block_m), batch * nheads), block (2 * block_m,) (block_m / 16
     warps), dynamic shared memory :func:`shared_bytes_dq`.
 
@@ -135,6 +145,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see forward_tc.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant)
     is_bf16 = dtype == "bfloat16"
@@ -165,7 +176,9 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
         t = lane & 3
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
-        hk = h // (nheads // k.shape[2])  # the key/value head of query head h (GQA / MQA)
+        hk = h  # the key/value head of query head h (compiled in only for GQA, as in forward_tc)
+        if GQA:
+            hk = h // (nheads // k.shape[2])
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first, as in the forward
         r0 = warp * WARP_ROWS
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
@@ -241,7 +254,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16"):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
+def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False):
     """The dK/dV kernel: grid (ceil(max_seqlen_k / block_n), batch * nheads_k), block (2 * block_n,) (block_n / 16
     warps), dynamic shared memory :func:`shared_bytes_dkdv`. With GQA a block sums over the nheads / nheads_k
     query heads of its key/value head, in order.
@@ -250,6 +263,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see forward_tc.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant)
     is_bf16 = dtype == "bfloat16"
@@ -331,13 +345,19 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
         ptx.cp_async_commit()
 
         for it in range(total):
-            h = hk * group + it // nt
-            i0 = (m_begin + it % nt) * B_R
+            h = hk  # without GQA the loop is over the query tiles of head hk alone: no division
+            i0 = (m_begin + it) * B_R
+            if GQA:
+                h = hk * group + int(uint32(it) // uint32(nt))  # (signed again: i0, h enter signed sums)
+                i0 = (m_begin + int(uint32(it) % uint32(nt))) * B_R
             sel = it & 1
             buf = OFF_Q + sel * BUF
             if it + 1 < total:  # the next query tile into the other buffers, freed by the barrier ending it - 1
-                h2 = hk * group + (it + 1) // nt
-                row2 = q0 + (m_begin + (it + 1) % nt) * B_R
+                h2 = hk
+                row2 = q0 + i0 + B_R
+                if GQA:
+                    h2 = hk * group + int(uint32(it + 1) // uint32(nt))
+                    row2 = q0 + (m_begin + int(uint32(it + 1) % uint32(nt))) * B_R
                 nxt = OFF_Q + (1 - sel) * BUF
                 load_rows(smem, nxt, q, bb, row2, q0 + seqlen_q, h2, B_R, tid)
                 load_rows(smem, nxt + OFF_DO, dout, bb, row2, q0 + seqlen_q, h2, B_R, tid)
@@ -383,19 +403,24 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16"):
 
 
 def resolve_blocks(D, block_m=None, block_n=None):
-    """(block_m, block_n, (shared bytes of dK/dV, of dQ)), validated (or chosen: :func:`default_blocks`)."""
+    """(dQ tiles, dK/dV tiles, (shared bytes of dK/dV, of dQ)), each tiles a (block_m, block_n) pair, validated.
+    A block_m or block_n given applies to both kernels; what is not given is each kernel's default
+    (:data:`DEFAULT_TILES`)."""
     from ._backend import max_shared_memory_per_block
 
-    dm, dn = default_blocks(D)
-    block_m = dm if block_m is None else block_m
-    block_n = dn if block_n is None else block_n
-    _check(D, block_m, block_n, "float16")
-    smem_dkdv, smem_dq = shared_bytes_dkdv(D, block_m, block_n), shared_bytes_dq(D, block_m, block_n)
     limit = max_shared_memory_per_block()
-    if max(smem_dq, smem_dkdv) > limit:
-        raise ValueError(f"head_dim {D}, block_m {block_m}, block_n {block_n} need {max(smem_dq, smem_dkdv)} bytes "
-                         f"of shared memory, more than the {limit} a block may use; choose smaller tiles")
-    return block_m, block_n, (smem_dkdv, smem_dq)
+    tiles = []
+    for name, (dm, dn), nbytes in zip(("dQ", "dK/dV"), default_blocks(D), (shared_bytes_dq, shared_bytes_dkdv)):
+        bm = dm if block_m is None else block_m
+        bn = dn if block_n is None else block_n
+        _check(D, bm, bn, "float16")
+        if nbytes(D, bm, bn) > limit:
+            raise ValueError(f"head_dim {D}, block_m {bm}, block_n {bn} need {nbytes(D, bm, bn)} bytes of shared "
+                             f"memory in the {name} kernel, more than the {limit} a block may use; choose smaller "
+                             f"tiles")
+        tiles.append((bm, bn))
+    dq, dkdv = tiles
+    return dq, dkdv, (shared_bytes_dkdv(D, *dkdv), shared_bytes_dq(D, *dq))
 
 
 def flash_attn_backward_tc(dout, q, k, v, out, lse, causal=False, softmax_scale=None, block_m=None,

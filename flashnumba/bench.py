@@ -8,8 +8,11 @@ causal; the backward counts 2.5x the forward, forward + backward 3.5x.
 
 Every implementation is validated against the float64 NumPy reference on a small problem (same head_dim,
 causal, dtype) before it is timed; one that fails is reported and not timed. Timing: CUDA events, after
-warm-up, median of ``--repeat`` runs. Memory: peak device memory a call adds on top of its inputs (CuPy's
-pool for CuPy-based implementations, torch's allocator statistics for torch-based ones).
+warm-up, median of ``--repeat`` samples, each a group of calls back to back lasting about ``--group-ms`` (20 ms:
+the time per call of repeated calls, host work overlapping the previous call's kernels, as in a training loop;
+``--group-ms 0`` times one call per sample, its host time then on the clock). Memory: peak device memory a call
+adds on top of its inputs (CuPy's pool for CuPy-based implementations, torch's allocator statistics for
+torch-based ones).
 
 Outputs: a table on stdout, ``bench.json`` and PNG plots (TFLOP/s vs seqlen; peak memory vs seqlen) in
 ``--out``. ``--budget-gib`` instead finds the longest seqlen each implementation runs in that much memory.
@@ -31,7 +34,7 @@ from .api import (attention_with_grad, flash_attn_backward, flash_attn_forward, 
                   flash_attn_varlen_forward)
 from .standard import _xp as array_module
 from .standard import standard_attention
-from .timing import cuda_time_ms, peak_device_bytes
+from .timing import cuda_time_calls_ms, peak_device_bytes
 
 FWD, BWD, FWDBWD = "fwd", "bwd", "fwd+bwd"
 PASS_FACTOR = {FWD: 1.0, BWD: 2.5, FWDBWD: 3.5}
@@ -292,8 +295,8 @@ def validate_varlen(make_varlen, head_dim, causal, dtype, window_size=None, gqa=
     return _forward_error(out, truth, base, "varlen forward")
 
 
-def _peak_and_time(fn, lib, warmup, repeat):
-    """(median ms, all ms, peak extra bytes) of fn()."""
+def _peak_and_time(fn, lib, warmup, repeat, group_ms=0.0):
+    """(median ms, all ms, peak extra bytes, calls per sample) of fn()."""
     if lib == "torch" and not _backend.SIMULATOR:
         import torch
 
@@ -308,8 +311,8 @@ def _peak_and_time(fn, lib, warmup, repeat):
         peak = 0  # no device memory to measure
     else:
         _, peak = peak_device_bytes(fn)
-    ms, times = cuda_time_ms(fn, warmup=warmup, repeat=repeat)
-    return ms, times, int(peak)
+    ms, times, calls = cuda_time_calls_ms(fn, warmup=warmup, repeat=repeat, group_ms=group_ms)
+    return ms, times, int(peak), calls
 
 
 def _progress(total):
@@ -336,7 +339,7 @@ def _progress(total):
 
 def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=16384, width=2048, warmup=2,
               repeat=10, skip_standard_above_gib=60.0, max_call_ms=5000.0, on_row=None, window_size=None, gqa=1,
-              varlen=False):
+              varlen=False, group_ms=0.0):
     """Measure every (head_dim, causal, dtype, seqlen) x implementation x pass; returns the rows.
 
     ``on_row(row)`` is called as each row is measured (the CLI prints it and saves the JSON, so that a run cut
@@ -407,10 +410,11 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
                     if p not in fns:
                         emit(dict(base, error=f"skipped: no {p} pass here"))
                         continue
-                    ms, times, peak = _peak_and_time(fns[p], lib, warmup, repeat)
+                    ms, times, peak, calls = _peak_and_time(fns[p], lib, warmup, repeat, group_ms)
                     f = varlen_flops(lens, nheads, d, causal, p, opts.get("window_size")) if varlen else \
                         flops(batch, nheads, n, d, causal, p, opts.get("window_size"))
-                    emit(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak))
+                    emit(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak,
+                              calls_per_sample=calls))
                     if ms > max_call_ms:
                         too_slow.add(key)
                 del fns
@@ -573,6 +577,9 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=2048, help="nheads * head_dim")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--group-ms", type=float, default=20.0,
+                   help="time calls back to back in samples of about this many ms (0: one call per sample, the "
+                        "host's work before each call's first kernel then on the clock)")
     p.add_argument("--max-call-ms", type=float, default=5000.0,
                    help="do not run an implementation at longer seqlens once one call took longer than this")
     p.add_argument("--out", default="bench-out")
@@ -627,7 +634,8 @@ def main(argv=None):
         rows = run_sweep(seqlens=a.seqlens, head_dims=a.head_dims, causals=causals,
                          dtypes=[np.dtype(d) for d in a.dtypes], passes=a.passes, impls=impls, tokens=a.tokens,
                          width=a.width, warmup=a.warmup, repeat=a.repeat, max_call_ms=a.max_call_ms,
-                         on_row=on_row, window_size=a.window, gqa=a.gqa, varlen=a.varlen)
+                         on_row=on_row, window_size=a.window, gqa=a.gqa, varlen=a.varlen, group_ms=a.group_ms)
+        result["group_ms"] = a.group_ms
         print()
         print(table(rows))
         result["plots"] = [os.path.basename(x) for x in plots(rows, a.out)]

@@ -43,9 +43,13 @@ PAD_K = 4  # floats added to a row of Q_i and K_j: conflict-free reads of (row p
 PAD_V = 8  # floats added to a row of V_j: conflict-free reads of (row t, column g)
 
 
-def default_blocks(D):
-    """(B_c, warps)."""
-    return (32 if D > 64 else 64), 4
+def default_blocks(D, precision="3xtf32"):
+    """(B_c, warps) when the caller gives none. At D = 128, from the H200 sweep (scripts/tf32_sweep.py, seqlen
+    4096): 8 warps (128 query rows a block) with B_c = 16 for TF32 (49 TFLOP/s against 37 at (32, 4)) and B_c = 32
+    for 3xTF32 (30 against 25); at D = 64, (64, 4)."""
+    if D <= 64:
+        return 64, 4
+    return (16 if precision == "tf32" else 32), 8
 
 
 def shared_bytes(D, B_c, warps):
@@ -83,7 +87,7 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None):
     nheads, D) float32 C-contiguous, lse (batch, nheads, seqlen_q) float32. Launch: grid
     (ceil(seqlen_q / (16 warps)), batch * nheads), block (32 * warps,), dynamic shared memory :func:`shared_bytes`.
     """
-    dB_c, dwarps = default_blocks(D)
+    dB_c, dwarps = default_blocks(D, precision)
     B_c = dB_c if B_c is None else B_c
     warps = dwarps if warps is None else warps
     if D not in HEAD_DIMS:
@@ -329,7 +333,7 @@ def flash_attn_forward_tf32(q, k, v, causal=False, softmax_scale=None, precision
                          f"{nheads}")
     causal = api._check_flag("causal", causal)
     scale = api._check_scale(softmax_scale, D)
-    dB_c, dwarps = default_blocks(D) if D in HEAD_DIMS else (64, 4)
+    dB_c, dwarps = default_blocks(D, precision) if D in HEAD_DIMS else (64, 4)
     B_c = dB_c if block_n is None else block_n
     warps = dwarps if warps is None else warps
     fn = make_forward_tf32(D, causal, precision, B_c, warps)  # validates D, B_c, warps, precision

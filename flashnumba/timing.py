@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -10,10 +11,23 @@ from ._backend import SIMULATOR
 
 
 def cuda_time_ms(fn, *, warmup=3, repeat=10):
-    """Median milliseconds of ``fn()`` over ``repeat`` runs, timed with CUDA events after ``warmup`` runs.
+    """Median milliseconds of ``fn()`` over ``repeat`` runs, timed with CUDA events after ``warmup`` runs, one
+    call between two events (so the host's work before the call's first kernel is on the clock).
 
     Under the simulator: wall-clock time of each run, no warm-up (meaningless as a GPU figure; reported as such).
     Returns (median_ms, all_ms).
+    """
+    ms, times, _ = cuda_time_calls_ms(fn, warmup=warmup, repeat=repeat)
+    return ms, times
+
+
+def cuda_time_calls_ms(fn, *, warmup=3, repeat=10, group_ms=0.0, max_calls=100):
+    """As :func:`cuda_time_ms`, with ``group_ms`` > 0: each of the ``repeat`` samples is k calls back to back
+    between two events, divided by k, with k (at most ``max_calls``) chosen from the last warm-up call so that a
+    sample lasts about ``group_ms``. This is the time per call of repeated calls, where a call's host work
+    overlaps the previous call's kernels (as in a training loop; torch.utils.benchmark times calls so too).
+
+    Returns (median_ms, all_ms, k).
     """
     if SIMULATOR:
         times = []
@@ -21,21 +35,28 @@ def cuda_time_ms(fn, *, warmup=3, repeat=10):
             t0 = time.perf_counter()
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
-        return float(np.median(times)), times
+        return float(np.median(times)), times, 1
     import cupy
 
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeat):
+    def sample(k):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
-        fn()
+        for _ in range(k):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times)), times
+        return cupy.cuda.get_elapsed_time(start, stop) / k
+
+    for _ in range(max(warmup - 1, 0)):
+        fn()
+    cupy.cuda.Device().synchronize()
+    calls = 1
+    if warmup > 0:
+        last = sample(1)
+        if group_ms > 0:
+            calls = int(min(max_calls, max(1, math.ceil(group_ms / max(last, 1e-3)))))
+    times = [sample(calls) for _ in range(repeat)]
+    return float(np.median(times)), times, calls
 
 
 def peak_device_bytes(fn):

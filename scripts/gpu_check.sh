@@ -32,6 +32,9 @@ for step in $STEPS; do
     notebooks) # executed in place (scripts/run_notebook.py: no Jupyter on the GPU machine), copied to $OUT
       (cd notebooks && timeout ${NOTEBOOK_TIMEOUT:-540} python3 ../scripts/run_notebook.py ${NOTEBOOKS:-*.ipynb}) \
         2>&1 | tee "$OUT/notebooks.log"; cp notebooks/*.ipynb "$OUT"/ ;;
+    sweep_bwd) timeout ${SWEEP_TIMEOUT:-300} python3 -P scripts/tc_sweep_backward.py ${SWEEP_SEQLEN:-4096} ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep_bwd.log" ;;
+    sweep_tf32) timeout ${SWEEP_TIMEOUT:-300} python3 scripts/tf32_sweep.py ${SWEEP_SEQLEN:-4096} ${SWEEP_TF32_ARGS:-} 2>&1 | tee "$OUT/sweep_tf32.log" ;;
+    host) python3 scripts/host_time.py 2>&1 | tee "$OUT/host_time.log" ;;
     bench) timeout ${BENCH_TIMEOUT:-600} python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac
 done

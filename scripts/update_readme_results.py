@@ -24,11 +24,14 @@ def markdown(result, source, seqlens=None, dtype="float32", head_dims=None):
     std = {(r["dtype"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"]): r["ms"]
            for r in rows if r["impl"] == "standard_cupy"}
     at_dims = " at head_dim " + ", ".join(map(str, sorted(head_dims))) if head_dims else ""
+    group = result.get("group_ms", 0)  # runs before --group-ms timed one call per sample
+    timing = (f"median of 10 samples of calls back to back (about {group:g} ms each), CUDA events" if group else
+              "median of 10 runs (one call between two CUDA events)")
     lines = [
         f"Measured on {env['device']}, {env['date'][:10]}; numba {v.get('numba')}, numba-cuda {v.get('numba-cuda')}, "
         f"numpy {v.get('numpy')}, CuPy {v.get('cupy-cuda13x') or v.get('cupy')}, torch {v.get('torch')}. "
         f"Command: `{env['command']}`. Source: [`{source}`]({source}). Workload: batch = 16384 / seqlen, "
-        f"heads = 2048 / head_dim; median of 10 runs, CUDA events. {dtype} rows{at_dims}; the rest and the "
+        f"heads = 2048 / head_dim; {timing}. {dtype} rows{at_dims}; the rest and the "
         f"analysis are in "
         f"[docs/benchmarks.md](docs/benchmarks.md).",
         "",

@@ -176,3 +176,28 @@ def test_backward_validation(which, make, err, msg):
 def test_backward_block_sizes_checked(kw, err, msg):
     with pytest.raises(err, match=msg):
         flashnumba.flash_attn_backward(*_fwd(d=128), **kw)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("seqlen, head_dim, rows", [(1, 40, 8), (17, 59, 8), (33, 128, 4)])
+def test_preprocess_kernels_match_numpy(seqlen, head_dim, rows, bf16):
+    """D_i = rowsum(dO * O) by both kernels: a thread per row (the simulator's) and a warp per row (a GPU's),
+    head dims below, between and at multiples of the warp's 32 lanes, a row count not a multiple of the block's.
+    Outputs NaN-filled first, so a row left unwritten fails."""
+    from numba import cuda
+
+    from flashnumba import backward
+    from flashnumba._arrays import BITS, bfloat16
+
+    if bf16 and bfloat16() is None:
+        pytest.skip("ml_dtypes is not installed")
+    rng = np.random.default_rng(seqlen + head_dim)
+    dtype = bfloat16() if bf16 else np.float32
+    dout, out = (rng.standard_normal((2, seqlen, 3, head_dim)).astype(dtype) for _ in range(2))
+    want = (dout.astype(np.float64) * out.astype(np.float64)).sum(-1).transpose(0, 2, 1)
+    dev = [cuda.to_device(x.view(BITS) if bf16 else x) for x in (dout, out)]
+    for make, block, per_block in ((backward.make_backward_preprocess, 64, 64),
+                                   (backward.make_backward_preprocess_warp, 32 * rows, rows)):
+        delta = cuda.to_device(np.full((2, 3, seqlen), np.nan, np.float32))
+        make(head_dim, per_block, bf16=bf16)[(-(-seqlen // per_block), 6), block](*dev, delta)
+        np.testing.assert_allclose(delta.copy_to_host(), want, rtol=1e-5, atol=1e-5 * np.sqrt(head_dim))

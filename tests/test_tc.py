@@ -17,7 +17,7 @@ import pytest
 
 import flashnumba
 from conftest import check_backward, check_forward, random_qkv
-from flashnumba import forward_tc, reference
+from flashnumba import backward_tc, forward_tc, reference
 
 
 # (block_n, warps): the smallest blocks (16 keys, 1 warp) in the simulator, where every mma is 32 Python threads
@@ -151,9 +151,9 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
             text = resources._compile_ptx(forward_tc.make_forward_tc(D, variant, dtype=dtype, gqa=gqa).py_func, sig,
                                           (9, 0))
             out[key] = dict(ptx=text, **resources.ptx_resources(text))
-            bm, bn = backward_tc.default_blocks(D)
-            for kname, make, n in (("dq", backward_tc.make_backward_dq_tc, 1),
-                                   ("dkdv", backward_tc.make_backward_dkdv_tc, 2)):  # n gradient arrays
+            for kname, make, n, (bm, bn) in zip(("dq", "dkdv"), (backward_tc.make_backward_dq_tc,
+                                                                  backward_tc.make_backward_dkdv_tc),
+                                                 (1, 2), backward_tc.default_blocks(D)):  # n gradient arrays
                 grads = ", ".join([a] * n)
                 bsig = f"void({a}, {a}, {a}, {a}, {f3}, {f3}, {grads}, float32, float32, {resources._OPTS})"
                 text = resources._compile_ptx(make(D, variant, bm, bn, dtype).py_func, bsig, (9, 0))
@@ -223,13 +223,25 @@ def run_backward_tc(rng, batch, seqlen_q, seqlen_k, nheads, D, dtype, causal, **
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal, D", [
     (17, 40, False, 64),  # three key tiles per query block, two query tiles per key block: both buffers
     (40, 17, True, 64),  # bottom-right causal: the first rows see no key (zero gradient)
-    (17, 20, True, 128),  # d=128: both tiles partial
+    (17, 20, True, 128),  # d=128: both tiles partial; block_n each kernel's own default (32 for dQ, 64 for dK/dV)
 ])
 def test_backward_tc_matches_reference(seqlen_q, seqlen_k, causal, D):
     rng = np.random.default_rng(seqlen_q * 7 + seqlen_k)
-    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, seqlen_q, seqlen_k, 1, D, np.float16, causal,
-                                                     block_m=16, block_n=16)
+    blocks = dict(block_m=16) if D == 128 else dict(block_m=16, block_n=16)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, seqlen_q, seqlen_k, 1, D, np.float16, causal, **blocks)
     check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+def test_backward_tc_tiles_per_kernel():
+    """The dQ and dK/dV kernels have their own default tiles; a block_m or block_n given applies to both."""
+    assert backward_tc.resolve_blocks(128)[:2] == backward_tc.default_blocks(128) == ((64, 32), (32, 64))
+    dq, dkdv, (smem_dkdv, smem_dq) = backward_tc.resolve_blocks(128, block_m=16)
+    assert (dq, dkdv) == ((16, 32), (16, 64))
+    assert smem_dq == backward_tc.shared_bytes_dq(128, 16, 32)
+    assert smem_dkdv == backward_tc.shared_bytes_dkdv(128, 16, 64)
+    assert backward_tc.resolve_blocks(64, 32, 32)[:2] == ((32, 32), (32, 32))
+    with pytest.raises(ValueError, match="block_n"):
+        backward_tc.resolve_blocks(64, block_n=48)
 
 
 def test_backward_tc_query_tile_larger_than_the_block():

@@ -38,7 +38,8 @@ def check_tf32(out, lse, q, k, v, causal):
 def test_3xtf32_matches_float32_reference(seqlen_q, seqlen_k, causal, D, warps):
     rng = np.random.default_rng(seqlen_q + seqlen_k)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 1, D)
-    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="3xtf32", block_n=16)
+    out, lse = forward_tf32.flash_attn_forward_tf32(q, k, v, causal=causal, precision="3xtf32", block_n=16,
+                                                    warps=warps)
     check_forward(out, lse, q, k, v, causal=causal)
 
 
