@@ -310,12 +310,12 @@ def tensor_core_applies(tensors, opts, block_m=None, block_n=None, num_threads=N
         return False
     if not (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype)) or tq.shape[-1] not in forward_tc.HEAD_DIMS:
         return False
-    if any(t.kind in ("numba", "cai") and not _c_contiguous(t.shape, t.strides, t.dtype.itemsize) for t in tensors):
+    if any(t.kind in ("numba", "cai") and not _is_c_layout(t.shape, t.strides, t.dtype.itemsize) for t in tensors):
         return False
     return cuda.get_current_device().compute_capability >= (8, 0)
 
 
-def _c_contiguous(shape, strides, itemsize):
+def _is_c_layout(shape, strides, itemsize):
     """Whether (shape, strides) lay the elements out in C order (an axis of length 1 may have any stride)."""
     step = itemsize
     for n, stride in zip(reversed(shape), reversed(strides)):

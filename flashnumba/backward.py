@@ -44,7 +44,7 @@ from numba import float32, uint64
 
 from . import bf16 as _bf16
 from ._backend import cuda
-from .forward import LOG2E, NEG_INF, dropout_uniform, make_sequence_geometry
+from .forward import LOG2E, NEG_INF, dropout_uniform, make_score_mod, make_sequence_geometry
 
 
 def shared_bytes_dkdv_v1(D, B_r, B_c):
@@ -340,6 +340,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    score_mod = make_score_mod(SOFTCAP, ALIBI)
     sequence = make_sequence_geometry(VARLEN)
     I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
     TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
@@ -454,14 +455,8 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
                         i = i0 + r
                         L = smem[OFF_L + I(r)]
                         p = float32(0.0)
-                        x = S[rr, n] * scale
-                        dcap = float32(1.0)  # d(capped score) / d(scale q.k)
-                        if SOFTCAP:
-                            th = float32(math.tanh(x / softcap))
-                            x = softcap * th
-                            dcap = float32(1.0) - th * th
-                        if ALIBI:
-                            x -= slope * float32(abs(i + diag - j))
+                        # the score as the forward formed it; dcap = d(modified score) / d(scale q.k)
+                        x, dcap = score_mod(S[rr, n] * scale, softcap, slope, i, j, diag)
                         if (j < seqlen_k and L != NEG_INF and (not HAS_LEFT or j >= i + diag - left)
                                 and (not HAS_RIGHT or j <= i + diag + right)):
                             p = float32(math.exp2((x - L) * LOG2E))
@@ -516,6 +511,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    score_mod = make_score_mod(SOFTCAP, ALIBI)
     sequence = make_sequence_geometry(VARLEN)
     I = uint64  # noqa: E741
     TY, TM, TN, DC = _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")
@@ -621,14 +617,8 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
                     ds = float32(0.0)
                     if (j < seqlen_k and L[rr] != NEG_INF and (not HAS_LEFT or j >= i + diag - left)
                             and (not HAS_RIGHT or j <= i + diag + right)):
-                        x = S[rr, n] * scale
-                        dcap = float32(1.0)  # d(capped score) / d(scale q.k)
-                        if SOFTCAP:
-                            th = float32(math.tanh(x / softcap))
-                            x = softcap * th
-                            dcap = float32(1.0) - th * th
-                        if ALIBI:
-                            x -= slope * float32(abs(i + diag - j))
+                        # the score as the forward formed it; dcap = d(modified score) / d(scale q.k)
+                        x, dcap = score_mod(S[rr, n] * scale, softcap, slope, i, j, diag)
                         p = float32(math.exp2((x - L[rr]) * LOG2E))
                         z = float32(1.0)  # Z_ij, as in the dK/dV kernel
                         if DROPOUT:

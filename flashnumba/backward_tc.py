@@ -42,7 +42,7 @@ import math
 
 from . import bf16, ptx
 from ._backend import cuda
-from .forward import LOG2E, NEG_INF, dropout_uniform, make_sequence_geometry
+from .forward import LOG2E, NEG_INF, dropout_uniform, make_score_mod, make_sequence_geometry
 from .forward_tc import (HEAD_DIMS, PAD, WARP_ROWS, make_key_tiles, make_load_a, make_load_rows, make_mma_ab,
                          make_mma_abt)
 from numba import float32, uint16, uint32
@@ -103,19 +103,14 @@ def make_entry(variant):
     forward's dropout mask regenerated, and dS = P (Z dP - D_i) times the softcap's derivative."""
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, _, DROPOUT = variant
     SCORE_MOD = SOFTCAP or ALIBI
+    score_mod = make_score_mod(SOFTCAP, ALIBI)
 
     @cuda.jit(device=True, inline=True)
     def entry(sv, dpv, i, j, l2, di, masked, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left, right,
               slope, p_drop, rp_keep, seed, offset, bh):
         dcap = float32(1.0)  # d(modified score) / d(scale q.k)
         if SCORE_MOD:
-            x = sv * scale
-            if SOFTCAP:
-                th = float32(math.tanh(x / softcap))
-                x = softcap * th
-                dcap = float32(1.0) - th * th
-            if ALIBI:
-                x -= slope * float32(abs(i + diag - j))
+            x, dcap = score_mod(sv * scale, softcap, slope, i, j, diag)
             p = float32(math.exp2(x * LOG2E - l2))
         else:
             p = float32(math.exp2(sv * scale_log2 - l2))

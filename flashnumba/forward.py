@@ -260,12 +260,37 @@ def make_sequence_geometry(varlen):
     return sequence
 
 
+def make_score_mod(softcap_on, alibi_on):
+    """The device function that modifies a score before the softmax, as every kernel does it (and as
+    ``flashnumba.reference._scores``):
+
+        x, dcap = score_mod(x, softcap, slope, i, j, diag)
+
+    x = scale q_i . k_j becomes softcap * tanh(x / softcap) (``softcap_on``), then x - slope |i + diag - j| (the
+    ALiBi bias, ``alibi_on``); dcap = d(new x) / d(x) = 1 - tanh^2 (1 without a softcap), which the backward
+    multiplies into dS. The forward ignores dcap and the compiler drops it."""
+
+    @cuda.jit(device=True, inline=True)
+    def score_mod(x, softcap, slope, i, j, diag):
+        dcap = float32(1.0)
+        if softcap_on:
+            th = float32(math.tanh(x / softcap))
+            x = softcap * th
+            dcap = float32(1.0) - th * th
+        if alibi_on:
+            x -= slope * float32(abs(i + diag - j))
+        return x, dcap
+
+    return score_mod
+
+
 def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
     """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     sequence = make_sequence_geometry(VARLEN)
     SCORE_MOD = SOFTCAP or ALIBI  # S is then formed in natural units, modified, and only then moved to base 2
+    score_mod = make_score_mod(SOFTCAP, ALIBI)
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
     QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = (I(x) for x in _smem_layout_v2(D, B_r, B_c))
     NT = num_threads
@@ -365,10 +390,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
                     j = j0 + tx + TX * n
                     x = S[rr, n]
                     if SCORE_MOD:  # x = scale q.k: cap it, add the ALiBi bias, then move to base 2
-                        if SOFTCAP:
-                            x = softcap * float32(math.tanh(x / softcap))
-                        if ALIBI:
-                            x -= slope * float32(abs(i + diag - j))
+                        x, _ = score_mod(x, softcap, slope, i, j, diag)
                         x *= LOG2E
                     if j >= seqlen_k or (HAS_LEFT and j < i + diag - left) or (HAS_RIGHT and j > i + diag + right):
                         x = NEG_INF
@@ -451,6 +473,7 @@ def make_probs_kernel(D, variant, bf16=False):
     over the keys j. ``bf16``: q and k are bfloat16 (uint16 bit patterns); probs is float32 always.
     """
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    score_mod = make_score_mod(SOFTCAP, ALIBI)
     load, _ = _bf16.load_store(bf16)
 
     @cuda.jit
@@ -469,11 +492,7 @@ def make_probs_kernel(D, variant, bf16=False):
             x = float32(0.0)
             for c in range(D):
                 x += load(q[b, i, h, c]) * load(k[b, j, hk, c])
-            x *= scale
-            if SOFTCAP:
-                x = softcap * float32(math.tanh(x / softcap))
-            if ALIBI:
-                x -= slope * float32(abs(i + diag - j))
+            x, _ = score_mod(x * scale, softcap, slope, i, j, diag)
             p = float32(0.0)
             if L != NEG_INF and (not HAS_LEFT or j >= i + diag - left) and (not HAS_RIGHT or j <= i + diag + right):
                 p = float32(math.exp2((x - L) * LOG2E))

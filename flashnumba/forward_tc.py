@@ -58,7 +58,7 @@ import numpy as np
 
 from . import _arrays, bf16, ptx
 from ._backend import cuda
-from .forward import LN2, LOG2E, NEG_INF, dropout_uniform, make_sequence_geometry
+from .forward import LN2, LOG2E, NEG_INF, dropout_uniform, make_score_mod, make_sequence_geometry
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16  # numba-cuda's own float16 (numba.types.float16 does not type in kernels)
 
@@ -258,6 +258,7 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     SCORE_MOD = SOFTCAP or ALIBI
+    score_mod = make_score_mod(SOFTCAP, ALIBI)
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     is_bf16 = dtype == "bfloat16"
@@ -356,11 +357,8 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
                     i = i0 + r0 + g + 8 * (x >> 1)
                     j = j0 + 8 * n + 2 * t + (x & 1)
                     val = s[n, x] * scale_q
-                    if SCORE_MOD:
-                        if SOFTCAP:
-                            val = softcap * float32(math.tanh(val / softcap))
-                        if ALIBI:
-                            val -= slope * float32(abs(i + diag - j))
+                    if SCORE_MOD:  # cap, ALiBi bias, then base 2
+                        val, _ = score_mod(val, softcap, slope, i, j, diag)
                         val *= LOG2E
                     if masked:
                         if j >= seqlen_k or (HAS_LEFT and j < i + diag - left) or (HAS_RIGHT and j > i + diag + right):
