@@ -561,7 +561,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2"
     (register-tiled) or "v1" (one thread per row, the readable one), see flashnumba.backward; "tc" (tensor
     cores: float16 or bfloat16, head_dim 64 or 128, every option; block_m and block_n in
-    16, 32, 64, 128), see flashnumba.backward_tc. None (default): "tc" where it applies (as for the forward,
+    16, 32, 64, 128; its dQ and dK/dV kernels each have their own default tiles,
+    flashnumba.backward_tc.DEFAULT_TILES, and a block_m or block_n given applies to both), see
+    flashnumba.backward_tc. None (default): "tc" where it applies (as for the forward,
     :func:`tensor_core_applies`), else "v2".
 
     Returns dq like q, dk and dv like k, in the input dtype (float32 accumulation).
