@@ -454,8 +454,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     With ``dropout_p`` > 0 the mask comes from ``dropout_seed`` (a keyword argument; a fresh random seed when
     it is not given). ``return_attn_probs=True`` returns (out, lse, P * Z) with the probabilities after dropout
     (small sizes; :func:`attention_probs`); ``deterministic`` is accepted (flashnumba is always deterministic).
-    Other keyword arguments (``kernel``, block sizes, ``dropout_seed``,
-    ``dropout_offset``) go to :func:`flash_attn_forward`.
+    Other keyword arguments (``kernel``, block sizes, ``dropout_seed``, ``dropout_offset``) go to
+    :func:`flash_attn_forward`.
     """
     _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs)
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
@@ -555,8 +555,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
     ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale,
     causal, window_size, softcap, alibi_slopes and dropout arguments (with GQA, dk and dv are summed over the
     query heads that share a key/value head); dout is the gradient of the loss with respect to out (like q).
-    Extra device memory is
-    O(batch * nheads * seqlen_q): one float per query row (D_i = rowsum(dout * out)). Deterministic: no atomics.
+    Extra device memory is O(batch * nheads * seqlen_q): one float per query row (D_i = rowsum(dout * out)).
+    Deterministic: no atomics.
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2"
     (register-tiled) or "v1" (one thread per row, the readable one), see flashnumba.backward; "tc" (tensor

@@ -409,13 +409,13 @@ def resolve_blocks(D, block_m=None, block_n=None):
         bm = dm if block_m is None else block_m
         bn = dn if block_n is None else block_n
         _check(D, bm, bn, "float16")
-        if nbytes(D, bm, bn) > limit:
-            raise ValueError(f"head_dim {D}, block_m {bm}, block_n {bn} need {nbytes(D, bm, bn)} bytes of shared "
-                             f"memory in the {name} kernel, more than the {limit} a block may use; choose smaller "
-                             f"tiles")
-        tiles.append((bm, bn))
-    dq, dkdv = tiles
-    return dq, dkdv, (shared_bytes_dkdv(D, *dkdv), shared_bytes_dq(D, *dq))
+        smem = nbytes(D, bm, bn)
+        if smem > limit:
+            raise ValueError(f"head_dim {D}, block_m {bm}, block_n {bn} need {smem} bytes of shared memory in the "
+                             f"{name} kernel, more than the {limit} a block may use; choose smaller tiles")
+        tiles.append(((bm, bn), smem))
+    (dq, smem_dq), (dkdv, smem_dkdv) = tiles
+    return dq, dkdv, (smem_dkdv, smem_dq)
 
 
 def flash_attn_backward_tc(dout, q, k, v, out, lse, causal=False, softmax_scale=None, block_m=None,

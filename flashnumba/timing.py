@@ -38,25 +38,30 @@ def cuda_time_calls_ms(fn, *, warmup=3, repeat=10, group_ms=0.0, max_calls=100):
         return float(np.median(times)), times, 1
     import cupy
 
-    def sample(k):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(k):
-            fn()
-        stop.record()
-        stop.synchronize()
-        return cupy.cuda.get_elapsed_time(start, stop) / k
-
     for _ in range(max(warmup - 1, 0)):
         fn()
     cupy.cuda.Device().synchronize()
     calls = 1
     if warmup > 0:
-        last = sample(1)
+        last = cuda_events_ms(fn, 1)
         if group_ms > 0:
             calls = int(min(max_calls, max(1, math.ceil(group_ms / max(last, 1e-3)))))
-    times = [sample(calls) for _ in range(repeat)]
+    times = [cuda_events_ms(fn, calls) for _ in range(repeat)]
     return float(np.median(times)), times, calls
+
+
+def cuda_events_ms(fn, calls=1):
+    """Milliseconds per call of ``calls`` calls of ``fn()`` back to back between two CUDA events (one sample of
+    :func:`cuda_time_calls_ms`; a GPU only)."""
+    import cupy
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / calls
 
 
 def peak_device_bytes(fn):

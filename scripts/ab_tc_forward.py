@@ -13,14 +13,7 @@ import importlib
 import numpy as np, cupy, flashnumba
 from numba import cuda
 from flashnumba import api, forward, forward_tc as B, _ab_main_forward_tc as A
-
-def per_launch_ms(fn, n):
-    s, e = cupy.cuda.Event(), cupy.cuda.Event()
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record(); e.synchronize()
-    return cupy.cuda.get_elapsed_time(s, e) / n
+from flashnumba.timing import cuda_events_ms as per_launch_ms
 
 mods = {n: importlib.import_module(f"flashnumba._ab_{n}") for n in ("v4",)}
 for D, causal in ((64, True), (64, False), (128, True)):

@@ -17,22 +17,13 @@ import numpy as np
 
 import flashnumba
 from flashnumba import api
-
-
-def group_ms(fn, n):
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(n):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) / n
+from flashnumba.timing import cuda_events_ms
 
 
 def median_ms(fn, n):
     fn()
     cupy.cuda.Device().synchronize()
-    return float(np.median([group_ms(fn, n) for _ in range(7)]))
+    return float(np.median([cuda_events_ms(fn, n) for _ in range(7)]))
 
 
 def captured(call):

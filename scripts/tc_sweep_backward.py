@@ -17,6 +17,7 @@ import numpy as np
 
 import flashnumba
 from flashnumba import api, backward_tc, forward
+from flashnumba.timing import cuda_events_ms
 
 # (block_m, block_n) candidates of each kernel (the dQ kernel has block_m / 16 warps, dK/dV block_n / 16)
 DQ_TILES = {64: ((64, 64), (64, 32), (128, 32), (128, 64)),
@@ -25,20 +26,10 @@ DKDV_TILES = {64: ((64, 64), (32, 64), (32, 128), (64, 128)),
               128: ((32, 64), (16, 64), (64, 64), (16, 128), (32, 128))}
 
 
-def per_launch_ms(fn, n=10):
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(n):
-        fn()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) / n
-
-
 def median_ms(fn):
     fn()
     cupy.cuda.Device().synchronize()
-    return float(np.median([per_launch_ms(fn) for _ in range(5)]))
+    return float(np.median([cuda_events_ms(fn, 10) for _ in range(5)]))
 
 
 seqlen = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
