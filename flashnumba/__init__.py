@@ -1,14 +1,18 @@
 """flashnumba: FlashAttention as readable Numba ``cuda.jit`` kernels on CuPy arrays.
 
 The kernels run on an NVIDIA GPU when there is one and in the Numba CUDA simulator when there is not (see
-:mod:`flashnumba._backend`). Start from :mod:`flashnumba.reference` (NumPy), then :mod:`flashnumba.forward`.
+:mod:`flashnumba._backend`). Start from :mod:`flashnumba.reference` (NumPy), then :mod:`flashnumba.kernels` (its docstring gives the reading
+order); which kernel runs with which tiles is :mod:`flashnumba.planner` and :mod:`flashnumba.tiling`.
 """
 
 from . import _backend  # first: chooses GPU or simulator before numba.cuda is imported
 from ._backend import BACKEND, SIMULATOR
-from . import config, reference
+from . import config, reference, tiling
 from .api import (
     attention_probs,
+    clear_plan_cache,
+    plan,
+    plan_backward,
     attention_with_grad,
     flash_attn_backward,
     flash_attn_forward,
@@ -33,4 +37,8 @@ __all__ = [
     "flash_attn_varlen_forward",
     "flash_attn_varlen_backward",
     "flash_attn_varlen_func",
+    "plan",
+    "plan_backward",
+    "clear_plan_cache",
+    "tiling",
 ]

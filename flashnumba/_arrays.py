@@ -44,21 +44,25 @@ def is_bfloat16(dtype) -> bool:
     return bf16 is not None and dtype == bf16
 
 
-def _torch_bfloat16(x) -> bool:
-    """Whether x is a torch CUDA tensor of dtype torch.bfloat16 (torch is never imported here: a caller that has
-    a tensor has imported it)."""
+def _torch_tensor(x) -> bool:
+    """Whether x is a torch CUDA tensor (torch is never imported here: a caller that has a tensor has imported
+    it)."""
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == torch.bfloat16
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+
+
+def _torch_bfloat16(x) -> bool:
+    return _torch_tensor(x) and x.dtype == sys.modules["torch"].bfloat16
 
 
 def kind(x) -> str:
-    """'numpy', 'cupy', 'numba', 'torch' (a torch.bfloat16 CUDA tensor) or 'cai' (another
-    __cuda_array_interface__ object, torch tensors of other dtypes included); TypeError otherwise."""
+    """'numpy', 'cupy', 'numba', 'torch' (a torch CUDA tensor) or 'cai' (another __cuda_array_interface__
+    object); TypeError otherwise."""
     if isinstance(x, np.ndarray):
         return "numpy"
     if cupy is not None and isinstance(x, cupy.ndarray):
         return "cupy"
-    if _torch_bfloat16(x):  # before the check below: torch raises, not AttributeError, for a bfloat16 tensor
+    if _torch_tensor(x):
         return "torch"
     if not SIMULATOR and cuda.is_cuda_array(x) and cuda.devicearray.is_cuda_ndarray(x):
         return "numba"
@@ -67,7 +71,7 @@ def kind(x) -> str:
     if SIMULATOR and hasattr(x, "copy_to_host"):  # a simulator device array
         return "numba"
     raise TypeError(
-        f"expected a NumPy array or a CUDA array (CuPy, Numba, or any __cuda_array_interface__ object), "
+        f"expected a NumPy array or a CUDA array (CuPy, torch, Numba, or any __cuda_array_interface__ object), "
         f"got {type(x).__module__}.{type(x).__name__}"
     )
 
@@ -76,13 +80,34 @@ def on_device(k: str) -> bool:
     return k in ("cupy", "numba", "cai", "torch")
 
 
-def shape_strides_dtype(x):
-    """(shape, strides in bytes, numpy dtype) of any supported array, without touching its data."""
-    if _torch_bfloat16(x):
+def torch_dtype(dtype):
+    """The torch dtype of a NumPy dtype (bfloat16: ml_dtypes')."""
+    torch = sys.modules["torch"]
+    if is_bfloat16(np.dtype(dtype)):
+        return torch.bfloat16
+    return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+            np.dtype(np.int32): torch.int32, np.dtype(np.float64): torch.float64}[np.dtype(dtype)]
+
+
+def _numpy_dtype_of_torch(t):
+    torch = sys.modules["torch"]
+    if t == torch.bfloat16:
         if bfloat16() is None:
             raise ImportError("torch.bfloat16 tensors need the ml_dtypes package (NumPy's bfloat16 dtype): "
                               "pip install ml_dtypes")
-        return tuple(x.shape), tuple(2 * s for s in x.stride()), bfloat16()
+        return bfloat16()
+    table = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int32: np.int32,
+             torch.int64: np.int64, torch.uint8: np.uint8, torch.int16: np.int16, torch.bool: np.bool_}
+    if t not in table:
+        raise TypeError(f"torch tensors of dtype {t} are not supported")
+    return np.dtype(table[t])
+
+
+def shape_strides_dtype(x):
+    """(shape, strides in bytes, numpy dtype) of any supported array, without touching its data."""
+    if _torch_tensor(x):
+        dtype = _numpy_dtype_of_torch(x.dtype)
+        return tuple(x.shape), tuple(dtype.itemsize * s for s in x.stride()), dtype
     if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
         cai = x.__cuda_array_interface__
         dtype = np.dtype(cai["typestr"])
@@ -96,6 +121,72 @@ def shape_strides_dtype(x):
             strides = tuple(reversed(strides))
         return shape, tuple(strides), dtype
     return tuple(x.shape), tuple(x.strides), np.dtype(x.dtype)
+
+
+def _meta_cupy(x):
+    return (x.shape, x.strides, x.dtype.char, x.device.id)
+
+
+def _meta_torch(x):
+    return (tuple(x.shape), x.stride(), x.dtype, x.device.index)
+
+
+def _meta_numpy(x):
+    return (x.shape, x.strides, x.dtype.str)
+
+
+def meta_key(x):
+    """A hashable summary of an array's type, shape, strides, dtype (and device): the part of a call's plan
+    key that an array gives. Cheap: a few attribute reads."""
+    t = type(x)
+    f = _META.get(t)
+    if f is None:
+        if isinstance(x, np.ndarray):
+            f = _meta_numpy
+        elif cupy is not None and isinstance(x, cupy.ndarray):
+            f = _meta_cupy
+        elif _torch_tensor(x):
+            f = _meta_torch
+        else:
+            shape, strides, dtype = shape_strides_dtype(x)
+            return (t, shape, strides, dtype.str)
+        _META[t] = f
+    return (t, f(x))
+
+
+_META: dict = {}
+
+
+def pointer(x, k: str) -> int:
+    """The device address of a device array's first element."""
+    if k == "cupy":
+        return x.data.ptr
+    if k == "torch":
+        return x.data_ptr()
+    if k == "numba":
+        return x.device_ctypes_pointer.value or 0
+    return x.__cuda_array_interface__["data"][0]
+
+
+def device_copy(x, k: str):
+    """A C-contiguous device copy of x (a NumPy array is copied to the GPU; bfloat16 as its uint16 bits)."""
+    if k == "numpy":
+        host = np.ascontiguousarray(x)
+        if is_bfloat16(host.dtype):
+            host = host.view(BITS)
+        return cupy.asarray(host) if cupy is not None else cuda.to_device(host)
+    if k == "torch":
+        return x.contiguous()
+    if cupy is None:
+        raise ValueError("a strided CUDA array must be copied to a C-contiguous one for the tensor-core kernels, "
+                         "which needs CuPy; pass a C-contiguous array")
+    return cupy.ascontiguousarray(cupy.asarray(x))
+
+
+def to_host_as(x, dtype):
+    """A NumPy copy of a device result, viewed as ``dtype`` (bfloat16 results are uint16 bits on the device)."""
+    host = to_host(x)
+    return host.view(bfloat16()) if is_bfloat16(np.dtype(dtype)) else host
 
 
 class _Bits:
@@ -113,6 +204,8 @@ def to_kernel(x, k: str):
     if k == "numpy":  # the copy to the device is needed anyway; make it one contiguous transfer
         x = np.ascontiguousarray(x)
         return cuda.to_device(x.view(BITS) if is_bfloat16(x.dtype) else x)
+    if k == "torch" and not _torch_bfloat16(x):
+        return cuda.as_cuda_array(x.detach())
     if k == "torch":
         device = cuda.get_current_device().id
         if x.device.index != device:
@@ -177,6 +270,11 @@ def to_host(x):
         return cupy.asnumpy(x)
     if hasattr(x, "copy_to_host"):
         return x.copy_to_host()
+    if _torch_tensor(x):
+        x = x.detach()
+        if _torch_bfloat16(x):
+            return x.view(sys.modules["torch"].int16).cpu().numpy().view(bfloat16())
+        return x.cpu().numpy()
     return cuda.as_cuda_array(x).copy_to_host()
 
 

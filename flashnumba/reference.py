@@ -331,7 +331,7 @@ def _batch_slopes(alibi_slopes, b):
 def dropout_z(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p):
     """Z = keep / (1 - dropout_p), (batch, nheads, seqlen_q, seqlen_k): the kernels' dropout multiplier, from
     the same Philox stream (:func:`flashnumba.philox.keep_mask`)."""
-    from .philox import keep_mask
+    from .kernels.philox import keep_mask
 
     keep = keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p)
     return keep / (1.0 - np.float32(dropout_p)).astype(np.float64)

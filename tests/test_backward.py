@@ -7,6 +7,7 @@ import pytest
 from hypothesis import assume, given, strategies as st
 
 import flashnumba
+from flashnumba import tiling
 
 from conftest import (
     seqlens,
@@ -68,7 +69,8 @@ def test_backward_matches_reference(batch, nheads, seqlen_q, seqlen_k, head_dim,
                                     array_type, seed):
     kernel, block_m, block_n, num_threads = blocks
     try:  # invalid block configurations are tested in test_backward_block_sizes_checked
-        bm, bn, _, _ = flashnumba.api.resolve_blocks_backward(head_dim, block_m, block_n, num_threads, kernel)
+        bm, bn, _ = tiling.resolve(f"bwd_{kernel}", head_dim, flashnumba.planner.current_device(), block_m, block_n,
+                                   num_threads)[0]
     except ValueError:
         assume(False)
     # forward + dq + dkdv: about three passes over the padded score matrix
@@ -186,7 +188,7 @@ def test_preprocess_kernels_match_numpy(seqlen, head_dim, rows, bf16):
     Outputs NaN-filled first, so a row left unwritten fails."""
     from numba import cuda
 
-    from flashnumba import backward
+    from flashnumba.kernels import simt_backward as backward
     from flashnumba._arrays import BITS, bfloat16
 
     if bf16 and bfloat16() is None:

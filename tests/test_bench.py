@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 import flashnumba
-from flashnumba import bench
+from flashnumba.tools import bench
 
 
 def test_bench_runs_and_writes_json(tmp_path, capsys):

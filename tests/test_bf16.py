@@ -9,7 +9,8 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 import flashnumba
-from flashnumba import _arrays, bf16, reference
+from flashnumba import _arrays, reference
+from flashnumba.kernels import bf16
 from flashnumba._backend import cuda
 
 from conftest import WORK_BUDGET, check_backward, check_forward, random_qkv, seqlens, to_numpy, to_type

@@ -1,6 +1,10 @@
-"""The real kernels compile to PTX for sm_90 and assemble, without a GPU; their resources are reported.
+"""Every kernel a default plan chooses compiles for sm_75, sm_80, sm_86, sm_89 and sm_90 without a GPU, and fits
+that architecture: registers (255 a thread, 64 K a block), shared memory (static + dynamic within what a block may
+use there), no stack frame that would spill to local memory beyond what the assembler reports.
 
-Runs in a subprocess with FLASHNUMBA_SIMULATOR=0, because the test session itself may be using the simulator.
+Runs in subprocesses with FLASHNUMBA_SIMULATOR=0 (the test session itself may be using the simulator); the plans
+are made for each architecture's limits (``device="sm_80"``), the kernels compiled with numba-cuda's NVVM and
+assembled with nvJitLink.
 """
 
 from __future__ import annotations
@@ -12,93 +16,73 @@ import sys
 
 import pytest
 
+from flashnumba import tiling
+
 SCRIPT = r"""
 import json, sys
-from flashnumba import resources, api, forward
-ALL = forward.Variant(has_left=True, has_right=True, softcap=True, alibi=True, varlen=True, dropout=True)
+import numpy as np
+import flashnumba
+arch = sys.argv[1]
+rng = np.random.default_rng(0)
 rows = []
-for kernel in ("v1", "v2", "v3"):
-    for d in (40, 64, 128, 256):
-        for dtype in ("float32", "float16") + (("bfloat16",) if d == 128 else ()):
-            bm, bn, nt, smem = api.resolve_blocks(kernel, d)
-            ptx = resources.kernel_ptx(kernel, d, bm, bn, nt, causal=True, dtype=dtype)
-            assert ".target sm_90" in ptx
-            r = resources.ptx_resources(ptx)
-            del r["log"]
-            rows.append(dict(kernel=kernel, head_dim=d, dtype=dtype, block_m=bm, block_n=bn, threads=nt,
-                             dynamic_shared=0 if kernel == "v1" else smem, **r))
-for kernel in ("v1", "v2"):
-    for d in (40, 64, 128, 256):
-        bm, bn, nt, smem = api.resolve_blocks_backward(d, kernel=kernel)
-        for part, ptx in resources.backward_ptx(kernel, d, bm, bn, nt, causal=True).items():
-            assert ".target sm_90" in ptx
-            r = resources.ptx_resources(ptx)
-            del r["log"]
-            dyn = 0 if kernel == "v1" else smem[0 if part == "dkdv" else 1]
-            rows.append(dict(kernel=f"bwd_{part}_{kernel}", head_dim=d, dtype="float32", block_m=bm, block_n=bn,
-                             threads=nt, dynamic_shared=dyn, **r))
-# bfloat16 (uint16 bit patterns, converted on load and store): the v1 backward at one head_dim; the forward
-# kernels at head_dim 128 above, and the v2 backward with every option below
-bm, bn, nt, smem = api.resolve_blocks_backward(64, kernel="v1")
-for part, ptx in resources.backward_ptx("v1", 64, bm, bn, nt, causal=True, dtype="bfloat16").items():
-    r = resources.ptx_resources(ptx)
-    del r["log"]
-    rows.append(dict(kernel=f"bwd_{part}_v1", head_dim=64, dtype="bfloat16", block_m=bm, block_n=bn, threads=nt,
-                     dynamic_shared=0, **r))
-# every option compiled in (window, softcap, ALiBi): the kernels type-check for the GPU with all of them
-for d in (59, 128):
-    bm, bn, nt, smem = api.resolve_blocks("v3", d)
-    for dtype in ("float32", "float16", "bfloat16"):
-        r = resources.ptx_resources(resources.kernel_ptx("v3", d, bm, bn, nt, dtype=dtype, variant=ALL))
-        del r["log"]
-        rows.append(dict(kernel="v3+all", head_dim=d, dtype=dtype, block_m=bm, block_n=bn, threads=nt,
-                         dynamic_shared=smem, **r))
-    bm, bn, nt, smem = api.resolve_blocks_backward(d)
-    for dtype in ("float32", "bfloat16"):
-        for part, ptx in resources.backward_ptx("v2", d, bm, bn, nt, dtype=dtype, variant=ALL).items():
-            r = resources.ptx_resources(ptx)
-            del r["log"]
-            rows.append(dict(kernel=f"bwd_{part}_v2+all", head_dim=d, dtype=dtype, block_m=bm, block_n=bn,
-                             threads=nt, dynamic_shared=smem[0 if part == "dkdv" else 1], **r))
-# the return_attn_probs debugging kernel, every option but varlen
-for dtype, bf16 in (("float32", False), ("bfloat16", True)):
-    probs = forward.make_probs_kernel(64, forward.Variant(True, True, True, True, False, True), bf16=bf16)
-    a = "uint16[:, :, :, :]" if bf16 else "float32[:, :, :, :]"
-    ptx = resources._compile_ptx(probs.py_func, f"void({a}, {a}, float32[:, :, :], float32[:, :, :, :], float32, "
-                                 "float32, int64, int64, float32[:, :], float32, float32, uint64, uint64)", (9, 0))
-    r = resources.ptx_resources(ptx)
-    del r["log"]
-    rows.append(dict(kernel="probs+all", head_dim=64, dtype=dtype, block_m=1, block_n=0, threads=128,
-                     dynamic_shared=0, **r))
+def add(p):
+    for r, s in zip(p.resources(), p.launches):
+        threads = int(np.prod(s.block))
+        rows.append(dict(plan=f"{p.pass_} {p.kernel} {p.dtype} d={p.head_dim} {p.options}", kernel=r["kernel"],
+                         threads=threads, dynamic_shared=s.shared_bytes, **{k: v for k, v in r.items() if k != "kernel"}))
+cases = [(np.float32, 64, {}), (np.float32, 128, {"causal": True}), (np.float32, 256, {}),
+         (np.float16, 64, {"causal": True}), (np.float16, 128, {}), (np.float16, 96, {}),
+         (np.float16, 128, dict(window_size=(8, 3), softcap=5.0, alibi_slopes=np.ones(4, np.float32),
+                                dropout_p=0.1))]
+import ml_dtypes
+cases.append((ml_dtypes.bfloat16, 128, {"causal": True}))
+for dtype, d, opts in cases:
+    q, k, v = (rng.standard_normal((1, 64, 4, d)).astype(dtype) for _ in range(3))
+    add(flashnumba.plan(q, k, v, device=arch, **opts))
+    out, lse = q.copy(), np.zeros((1, 4, 64), np.float32)
+    add(flashnumba.plan_backward(q, q, k, v, out, lse, device=arch, **opts))
+if arch != "sm_75":
+    for kernel in ("tf32", "3xtf32"):
+        q, k, v = (rng.standard_normal((1, 64, 4, 128)).astype(np.float32) for _ in range(3))
+        add(flashnumba.plan(q, k, v, kernel=kernel, causal=True, device=arch))
 print(json.dumps(rows))
 """
 
 
-def test_kernels_compile_for_sm90_and_report_resources():
+@pytest.mark.parametrize("arch", list(tiling.ARCHS))
+def test_planned_kernels_compile_and_fit(arch, tmp_path):
     pytest.importorskip("cuda.bindings.nvjitlink")
-    env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0",
+               FLASHNUMBA_CACHE_DIR=os.environ.get("FLASHNUMBA_TEST_CACHE_DIR", str(tmp_path / "cache")))
+    env.pop("FLASHNUMBA_MAX_SHARED_BYTES", None)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, arch], env=env, capture_output=True, text=True, timeout=1500)
     if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    print()
-    print(f"{'kernel':16} {'d':>4} {'dtype':8} {'B_r':>4} {'B_c':>4} {'thr':>4} {'regs':>5} "
-          f"{'smem(static)':>12} {'smem(dyn)':>9} {'spill st/ld':>11}")
+    lim = tiling.ARCHS[arch]
+    print(f"\n{arch}: {lim.name}, {lim.max_shared_per_block} bytes of shared memory per block")
+    print(f"{'plan':52} {'kernel':16} {'thr':>4} {'regs':>5} {'static':>7} {'dynamic':>8} {'spill st/ld':>11}")
+    kinds = set()
     for r in rows:
-        print(f"{r['kernel']:16} {r['head_dim']:4} {r['dtype']:8} {r['block_m']:4} {r['block_n']:4} {r['threads']:4} "
-              f"{r['registers']:5} {r['shared_bytes']:12} {r['dynamic_shared']:9} "
-              f"{r['spill_stores']:5}/{r['spill_loads']:<5}")
-        assert 0 < r["registers"] <= 255
-        # ptxas counts the 1 KB that sm_80+ reserves per block for the system in its "smem" of any kernel that
-        # uses shared memory; the 227 KB a block may opt in to excludes it (the backward at d=128 uses exactly
-        # 227 KB of dynamic shared memory on the H200)
-        own_static = r["shared_bytes"] - 1024 if r["shared_bytes"] >= 1024 else r["shared_bytes"]
-        assert own_static + r["dynamic_shared"] <= 227 * 1024
+        print(f"{r['plan'][:52]:52} {r['kernel']:16} {r['threads']:4} {r['registers']:5} {r['static_shared_bytes']:7} "
+              f"{r['dynamic_shared']:8} {r['spill_stores']:5}/{r['spill_loads']:<5}")
+        kinds.add(r["plan"].split()[1])
+        assert 0 < r["registers"] <= tiling.MAX_REGISTERS_PER_THREAD
+        assert r["registers"] * r["threads"] <= 65536  # registers of one block
+        # ptxas counts the 1 KB that sm_80+ reserves per block in the "smem" of a kernel that uses shared memory;
+        # what a block may opt in to excludes it
+        static = r["static_shared_bytes"] - 1024 if r["static_shared_bytes"] >= 1024 and lim.cc >= (8, 0) \
+            else r["static_shared_bytes"]
+        assert static <= tiling.STATIC_SHARED_LIMIT
+        assert static + r["dynamic_shared"] <= lim.max_shared_per_block, r
+    # the tensor-core families where the architecture has mma.sync m16n8k16; the SIMT ones on sm_75
+    assert ("tc" in kinds) == (lim.cc >= (8, 0))
+    assert "v3" in kinds and "v2" in kinds
 
 
 def test_occupancy_calculator():
-    from flashnumba.resources import occupancy
+    from flashnumba.tools.resources import occupancy
 
     # 128 threads, 168 registers (the v3 forward at d=64), 68096 + 1024 bytes of shared memory
     assert occupancy(168, 68096, 128)[:3] == (3, 12, 12 / 64)  # 3 by registers, and 3 by shared memory
@@ -107,3 +91,4 @@ def test_occupancy_calculator():
     assert occupancy(255, 0, 128)[:2] == (2, 8) and occupancy(255, 0, 128)[3] == "registers"
     assert occupancy(64, 150016, 128)[0] == 1  # the dK/dV kernel at d=128: one block by shared memory
     assert occupancy(64, 150016, 128)[3] == "shared memory"
+    assert occupancy(32, 0, 1024, tiling.ARCHS["sm_75"]) == (1, 32, 1.0, "threads")

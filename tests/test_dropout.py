@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 import flashnumba
-from flashnumba import philox, reference
+from flashnumba import reference
+from flashnumba.kernels import philox
 
 from conftest import check_backward, check_forward, random_qkv
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import assume, given, strategies as st
 
 import flashnumba
-from flashnumba import reference
+from flashnumba import reference, tiling
 
 from conftest import (
     seqlens,
@@ -37,7 +37,7 @@ BLOCKS = [
 
 
 def _padded_work(batch, nheads, seqlen_q, seqlen_k, head_dim, kernel, block_m, block_n):
-    bm, bn, _ = flashnumba.api.default_blocks(kernel, head_dim)
+    bm, bn, _ = tiling.default(kernel, head_dim, flashnumba.planner.current_device()).tiles
     bm, bn = block_m or bm, block_n or bn
     pq = -(-seqlen_q // bm) * bm
     pk = -(-seqlen_k // bn) * bn
@@ -47,7 +47,7 @@ def _padded_work(batch, nheads, seqlen_q, seqlen_k, head_dim, kernel, block_m, b
 def _fits(kernel, head_dim, block_m, block_n, num_threads):
     """Whether a drawn block configuration is valid for head_dim (invalid ones are tested in test_validation)."""
     try:
-        flashnumba.api.resolve_blocks(kernel, head_dim, block_m, block_n, num_threads)
+        tiling.resolve(kernel, head_dim, flashnumba.planner.current_device(), block_m, block_n, num_threads)
     except ValueError:
         return False
     return True

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from flashnumba import ptx
+from flashnumba.kernels import ptx
 from flashnumba._backend import cuda
 from numba import float32, uint16
 
@@ -466,11 +466,11 @@ COMPILE = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import test_ptx
-from flashnumba import resources
+from flashnumba import _launch
 out = {}
 for name, sig in test_ptx.SIGNATURES.items():
-    text = resources._compile_ptx(getattr(test_ptx, name).py_func, sig, (9, 0))
-    r = resources.ptx_resources(text)
+    text = _launch.compile_ptx(getattr(test_ptx, name).py_func, sig, (9, 0))
+    r = _launch.resources_from_log(_launch.assemble(text, (9, 0))[1])
     out[name] = dict(ptx=text, registers=r["registers"], spill=r["spill_stores"] + r["spill_loads"])
 print(json.dumps(out))
 """

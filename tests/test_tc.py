@@ -17,7 +17,12 @@ import pytest
 
 import flashnumba
 from conftest import check_backward, check_forward, random_qkv
-from flashnumba import backward_tc, forward_tc, reference
+from flashnumba import reference, tiling
+
+
+def forward_tc(q, k, v, warps=None, **kw):
+    """The tensor-core forward with its tiles given as B_c (``block_n``) and a number of warps (B_r = 16 warps)."""
+    return flashnumba.flash_attn_forward(q, k, v, kernel="tc", block_m=None if warps is None else 16 * warps, **kw)
 
 
 # (block_n, warps): the smallest blocks (16 keys, 1 warp) in the simulator, where every mma is 32 Python threads
@@ -30,7 +35,7 @@ BLOCKS = [(16, 1)] + ([] if flashnumba.SIMULATOR else [(None, None), (32, 8)])
 def test_forward_tc_matches_reference(seqlen_q, seqlen_k, nheads, blocks):
     rng = np.random.default_rng(seqlen_q * 100 + seqlen_k)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, nheads, 64, np.float16)
-    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, block_n=blocks[0], warps=blocks[1])
+    out, lse = forward_tc(q, k, v, block_n=blocks[0], warps=blocks[1])
     check_forward(out, lse, q, k, v)
 
 
@@ -40,7 +45,7 @@ def test_forward_tc_causal(seqlen_q, seqlen_k, blocks):
     """Bottom-right aligned; with seqlen_q > seqlen_k the first rows see no key (out 0, lse -inf)."""
     rng = np.random.default_rng(7 + seqlen_q)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 1, 64, np.float16)
-    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, causal=True, block_n=blocks[0], warps=blocks[1])
+    out, lse = forward_tc(q, k, v, causal=True, block_n=blocks[0], warps=blocks[1])
     check_forward(out, lse, q, k, v, causal=True)
 
 
@@ -52,7 +57,7 @@ def test_forward_tc_pipeline_over_many_tiles(seqlen_q, seqlen_k, causal, block_n
     """Double buffering: every key tile reaches the kernel once, through both buffers, whatever the block sizes."""
     rng = np.random.default_rng(seqlen_k)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 1, 64, np.float16)
-    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, causal=causal, block_n=block_n, warps=warps)
+    out, lse = forward_tc(q, k, v, causal=causal, block_n=block_n, warps=warps)
     check_forward(out, lse, q, k, v, causal=causal)
 
 
@@ -62,7 +67,7 @@ def test_forward_tc_bfloat16():
     rng = np.random.default_rng(11)
     q, k, v = random_qkv(rng, 1, 20, 40, 1, 64, ml_dtypes.bfloat16)
     for causal in (False, True):
-        out, lse = forward_tc.flash_attn_forward_tc(q, k, v, causal=causal, block_n=16, warps=1)
+        out, lse = forward_tc(q, k, v, causal=causal, block_n=16, warps=1)
         assert out.dtype == ml_dtypes.bfloat16 and lse.dtype == np.float32
         check_forward(out, lse, q, k, v, causal=causal)
 
@@ -71,7 +76,7 @@ def test_forward_tc_bfloat16():
 def test_forward_tc_head_dim_128_and_scale(blocks):
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, 1, 17, 40, 1, 128, np.float16)
-    out, lse = forward_tc.flash_attn_forward_tc(q, k, v, softmax_scale=0.3, block_n=blocks[0], warps=blocks[1])
+    out, lse = forward_tc(q, k, v, softmax_scale=0.3, block_n=blocks[0], warps=blocks[1])
     check_forward(out, lse, q, k, v, softmax_scale=0.3)
 
 
@@ -79,15 +84,15 @@ def test_forward_tc_rejects_what_it_does_not_support():
     rng = np.random.default_rng(0)
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 64)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
-        forward_tc.flash_attn_forward_tc(q, k, v)
+        forward_tc(q, k, v)
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 64, np.float16)
     with pytest.raises(ValueError, match="multiple of 16"):
-        forward_tc.flash_attn_forward_tc(q, k, v, block_n=24)
+        forward_tc(q, k, v, block_n=24)
     with pytest.raises(ValueError, match="block_m"):
-        forward_tc.flash_attn_forward_tc(q, k, v, warps=3)
+        forward_tc(q, k, v, warps=3)
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 40, np.float16)
     with pytest.raises(ValueError, match="head_dim"):
-        forward_tc.flash_attn_forward_tc(q, k, v)
+        forward_tc(q, k, v)
 
 
 def test_flash_attn_forward_kernel_tc():
@@ -134,8 +139,11 @@ def test_flash_attn_forward_kernel_tc_rejects_other_options(opts):
 
 COMPILE = r"""
 import json
-from flashnumba import backward_tc, forward_tc, resources
-from flashnumba.forward import Variant
+from flashnumba import _launch, tiling
+from flashnumba.kernels import mma_backward as backward_tc, mma_forward as forward_tc
+from flashnumba.kernels.simt_forward import Variant
+from flashnumba.tools import resources
+DEV = tiling.ARCHS["sm_90"]
 out = {}
 f3 = "float32[:, :, ::1]"
 for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
@@ -146,17 +154,19 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
             if dtype == "bfloat16" and name != "every option":  # (bfloat16 changes only the mma and cvt)
                 continue
             key = f"{dtype} D={D} {name}"
+            T = tiling.default("tc", D, DEV).tiles
             sig = f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS})"
             gqa = name == "every option"
-            text = resources._compile_ptx(forward_tc.make_forward_tc(D, variant, dtype=dtype, gqa=gqa).py_func, sig,
+            text = _launch.compile_ptx(forward_tc.make_forward_tc(D, variant, T.block_n, T.block_m // 16, dtype=dtype,
+                                                                gqa=gqa).py_func, sig,
                                           (9, 0))
             out[key] = dict(ptx=text, **resources.ptx_resources(text))
             for kname, make, n, (bm, bn) in zip(("dq", "dkdv"), (backward_tc.make_backward_dq_tc,
                                                                   backward_tc.make_backward_dkdv_tc),
-                                                 (1, 2), backward_tc.default_blocks(D)):  # n gradient arrays
+                                                 (1, 2), [tiling.default(f, D, DEV).tiles[:2] for f in ("tc_dq", "tc_dkdv")]):  # n gradient arrays
                 grads = ", ".join([a] * n)
                 bsig = f"void({a}, {a}, {a}, {a}, {f3}, {f3}, {grads}, float32, float32, {resources._OPTS})"
-                text = resources._compile_ptx(make(D, variant, bm, bn, dtype).py_func, bsig, (9, 0))
+                text = _launch.compile_ptx(make(D, variant, bm, bn, dtype).py_func, bsig, (9, 0))
                 out[f"{key} {kname}"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))
 """
@@ -234,14 +244,17 @@ def test_backward_tc_matches_reference(seqlen_q, seqlen_k, causal, D):
 
 def test_backward_tc_tiles_per_kernel():
     """The dQ and dK/dV kernels have their own default tiles; a block_m or block_n given applies to both."""
-    assert backward_tc.resolve_blocks(128)[:2] == backward_tc.default_blocks(128) == ((64, 32), (32, 64))
-    dq, dkdv, (smem_dkdv, smem_dq) = backward_tc.resolve_blocks(128, block_m=16)
-    assert (dq, dkdv) == ((16, 32), (16, 64))
-    assert smem_dq == backward_tc.shared_bytes_dq(128, 16, 32)
-    assert smem_dkdv == backward_tc.shared_bytes_dkdv(128, 16, 64)
-    assert backward_tc.resolve_blocks(64, 32, 32)[:2] == ((32, 32), (32, 32))
+    dev = tiling.ARCHS["sm_90"]
+
+    def tiles(D, **given):
+        return tuple(tiling.resolve(f, D, dev, **given)[0][:2] for f in ("tc_dq", "tc_dkdv"))
+
+    assert tiles(128) == ((64, 32), (32, 64))
+    assert tiles(128, block_m=16) == ((16, 32), (16, 64))
+    assert tiling.shared_bytes("tc_dq", 128, tiling.Tiles(16, 32, 32))[0] == 2 * (2 * 16 + 4 * 32) * (128 + 8)
+    assert tiles(64, block_m=32, block_n=32) == ((32, 32), (32, 32))
     with pytest.raises(ValueError, match="block_n"):
-        backward_tc.resolve_blocks(64, block_n=48)
+        tiles(64, block_n=48)
 
 
 def test_backward_tc_query_tile_larger_than_the_block():

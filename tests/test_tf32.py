@@ -16,7 +16,7 @@ import pytest
 
 import flashnumba
 from conftest import assert_close_to_truth, check_forward, random_qkv
-from flashnumba import forward_tf32, reference
+from flashnumba import reference
 
 
 def check_tf32(out, lse, q, k, v, causal):
@@ -38,8 +38,8 @@ def check_tf32(out, lse, q, k, v, causal):
 def test_3xtf32_matches_float32_reference(seqlen_q, seqlen_k, causal, D, warps):
     rng = np.random.default_rng(seqlen_q + seqlen_k)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 1, D)
-    out, lse = forward_tf32.flash_attn_forward_tf32(q, k, v, causal=causal, precision="3xtf32", block_n=16,
-                                                    warps=warps)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="3xtf32", block_n=16,
+                                             block_m=16 * warps)
     check_forward(out, lse, q, k, v, causal=causal)
 
 
@@ -47,8 +47,7 @@ def test_tf32_matches_float16_class_reference():
     rng = np.random.default_rng(8)
     q, k, v = random_qkv(rng, 1, 17, 40, 1, 64)
     for causal in (False, True):
-        out, lse = forward_tf32.flash_attn_forward_tf32(q, k, v, causal=causal, precision="tf32", block_n=16,
-                                                        warps=1)
+        out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="tf32", block_n=16, block_m=16)
         check_tf32(out, lse, q, k, v, causal)
 
 
@@ -61,11 +60,13 @@ def test_tf32_rejects_what_it_does_not_support():
     with pytest.raises(ValueError, match="head_dim"):
         flashnumba.flash_attn_forward(q, k, v, kernel="tf32")
     q, k, v = random_qkv(rng, 1, 4, 4, 1, 64)
-    for opts in (dict(softcap=2.0), dict(window_size=(3, 0)), dict(block_m=16), dict(num_threads=64)):
+    for opts in (dict(softcap=2.0), dict(window_size=(3, 0))):
         with pytest.raises(ValueError, match="'3xtf32'"):
             flashnumba.flash_attn_forward(q, k, v, kernel="3xtf32", **opts)
-    with pytest.raises(ValueError, match="precision"):
-        forward_tf32.flash_attn_forward_tf32(q, k, v, precision="bf16x3")
+    with pytest.raises(ValueError, match="num_threads"):
+        flashnumba.flash_attn_forward(q, k, v, kernel="3xtf32", num_threads=64)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        flashnumba.flash_attn_forward(q, k, v, kernel="bf16x3")
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
@@ -85,14 +86,18 @@ def test_tf32_gpu_sizes(seqlen_q, seqlen_k, causal, D, precision):
 
 COMPILE = r"""
 import json
-from flashnumba import forward_tf32, resources
+from flashnumba import _launch, tiling
+from flashnumba.kernels import mma_tf32
+from flashnumba.tools import resources
 out = {}
 a = "float32[:, :, :, ::1]"
 sig = f"void({a}, {a}, {a}, {a}, float32[:, :, ::1], float32)"
 for precision in ("tf32", "3xtf32"):
     for D in (64, 128):
+        T = tiling.default(precision, D, tiling.ARCHS["sm_90"]).tiles
         for causal in (False, True):
-            text = resources._compile_ptx(forward_tf32.make_forward_tf32(D, causal, precision).py_func, sig, (9, 0))
+            text = _launch.compile_ptx(mma_tf32.make_forward_tf32(D, causal, precision, T.block_n, T.block_m // 16).py_func,
+                                       sig, (9, 0))
             out[f"{precision} D={D} causal={causal}"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))
 """

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from ._backend import SIMULATOR
+from .._backend import SIMULATOR
 
 
 def cuda_time_ms(fn, *, warmup=3, repeat=10):

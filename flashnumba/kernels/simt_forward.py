@@ -44,16 +44,11 @@ from __future__ import annotations
 import functools
 import math
 
-from . import bf16 as _bf16, philox
-from ._backend import cuda
+from . import bf16 as _bf16
+from .._backend import cuda
+from .common import (LN2, LOG2E, NEG_INF, Variant, dropout_uniform, make_key_range, make_score_mod,
+                     make_sequence_geometry)
 from numba import float32, int64, uint64
-
-# The dropout mask's random numbers (see philox.py), as device functions.
-dropout_uniform = cuda.jit(device=True)(philox.make_uniform(cuda.jit(device=True)(philox.philox4x32_10)))
-
-LOG2E = float32(math.log2(math.e))
-LN2 = float32(math.log(2.0))
-NEG_INF = float32(-math.inf)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,6 +71,7 @@ def make_forward_v1(D, B_r, B_c, causal, bf16=False):
     registers. Shared memory: K_j and V_j, 2 * B_c * D * 4 bytes.
     """
     load, store = _bf16.load_store(bf16)
+    key_range = make_key_range(B_r, B_c, False, causal)  # causal: the band's right bound, right = 0
 
     @cuda.jit
     def forward_v1(q, k, v, out, lse, scale_log2):
@@ -102,10 +98,7 @@ def make_forward_v1(D, B_r, B_c, causal, bf16=False):
         l_i = float32(0.0)
 
         # Key tiles this block must visit: all of them, or (causal) up to the last key its last row sees.
-        n_end = seqlen_k
-        if causal:
-            last_row = min(cuda.blockIdx.x * B_r + B_r, seqlen_q) - 1
-            n_end = max(0, min(seqlen_k, last_row + diag + 1))
+        _, n_end = key_range(cuda.blockIdx.x * B_r, seqlen_q, seqlen_k, diag, 0, 0)
 
         for j0 in range(0, n_end, B_c):
             # Load K_j, V_j: the B_r threads stride over the B_c * D elements; rows past seqlen_k are zero.
@@ -239,51 +232,6 @@ def make_forward_v3(D, B_r, B_c, num_threads, variant, bf16=False):
     return _make_register_tiled(D, B_r, B_c, num_threads, variant, uint64, bf16)
 
 
-def make_sequence_geometry(varlen):
-    """The device function that places batch entry ``b`` in the arrays, for the register-tiled kernels:
-
-        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, seqlen_q, seqlen_k, cu_q, cu_k)
-
-    ``bb`` indexes the arrays' leading dimension, ``q0`` and ``k0`` are the rows of its first query and key,
-    and seqlen_q, seqlen_k its lengths. Equal lengths: (b, 0, 0, seqlen_q, seqlen_k) as given. ``varlen``
-    (packed sequences, the arrays viewed as (1, total, nheads, d)): entry b is rows cu_q[b] .. cu_q[b+1] of q
-    and cu_k[b] .. cu_k[b+1] of k and v."""
-
-    @cuda.jit(device=True)
-    def sequence(b, seqlen_q, seqlen_k, cu_q, cu_k):
-        if varlen:
-            q0 = cu_q[b]
-            k0 = cu_k[b]
-            return 0, q0, k0, cu_q[b + 1] - q0, cu_k[b + 1] - k0
-        return b, 0, 0, seqlen_q, seqlen_k
-
-    return sequence
-
-
-def make_score_mod(softcap_on, alibi_on):
-    """The device function that modifies a score before the softmax, as every kernel does it (and as
-    ``flashnumba.reference._scores``):
-
-        x, dcap = score_mod(x, softcap, slope, i, j, diag)
-
-    x = scale q_i . k_j becomes softcap * tanh(x / softcap) (``softcap_on``), then x - slope |i + diag - j| (the
-    ALiBi bias, ``alibi_on``); dcap = d(new x) / d(x) = 1 - tanh^2 (1 without a softcap), which the backward
-    multiplies into dS. The forward ignores dcap and the compiler drops it."""
-
-    @cuda.jit(device=True, inline=True)
-    def score_mod(x, softcap, slope, i, j, diag):
-        dcap = float32(1.0)
-        if softcap_on:
-            th = float32(math.tanh(x / softcap))
-            x = softcap * th
-            dcap = float32(1.0) - th * th
-        if alibi_on:
-            x -= slope * float32(abs(i + diag - j))
-        return x, dcap
-
-    return score_mod
-
-
 def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
     """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
     load, store = _bf16.load_store(bf16)
@@ -291,6 +239,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
     sequence = make_sequence_geometry(VARLEN)
     SCORE_MOD = SOFTCAP or ALIBI  # S is then formed in natural units, modified, and only then moved to base 2
     score_mod = make_score_mod(SOFTCAP, ALIBI)
+    key_range = make_key_range(B_r, B_c, HAS_LEFT, HAS_RIGHT)
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
     QS, KS, OFF_Q, OFF_K, OFF_V, OFF_P, OFF_RED, _ = (I(x) for x in _smem_layout_v2(D, B_r, B_c))
     NT = num_threads
@@ -346,13 +295,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
                 O[rr, n] = 0.0
 
         # Key tiles this block must visit: those that intersect the band its rows see (causal / window).
-        n_start = 0
-        n_end = seqlen_k
-        if HAS_LEFT:
-            n_start = max(0, i0 + diag - left) // B_c * B_c
-        if HAS_RIGHT:
-            last_row = min(i0 + B_r, seqlen_q) - 1
-            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
+        n_start, n_end = key_range(i0, seqlen_q, seqlen_k, diag, left, right)
 
         for j0 in range(n_start, n_end, B_c):
             # Load K_j^T and V_j; rows past seqlen_k are zero.
@@ -502,10 +445,3 @@ def make_probs_kernel(D, variant, bf16=False):
             probs[b, h, i, j] = p
 
     return attn_probs
-
-
-class Variant(tuple):
-    """Compile-time options of the v2/v3 kernels: (has_left, has_right, softcap, alibi, varlen, dropout)."""
-
-    def __new__(cls, has_left=False, has_right=False, softcap=False, alibi=False, varlen=False, dropout=False):
-        return super().__new__(cls, tuple(map(bool, (has_left, has_right, softcap, alibi, varlen, dropout))))

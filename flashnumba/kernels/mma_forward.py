@@ -54,23 +54,14 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
-
-from . import _arrays, bf16, ptx
-from ._backend import cuda
-from .forward import LN2, LOG2E, NEG_INF, dropout_uniform, make_score_mod, make_sequence_geometry
+from . import bf16, ptx
+from .._backend import cuda
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod,
+                     make_sequence_geometry)
+from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_load_rows, make_mma_ab,
+                        make_mma_abt, make_mma_into, tile_landed)
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16  # numba-cuda's own float16 (numba.types.float16 does not type in kernels)
-
-WARP_ROWS = 16  # the M of mma.m16n8k16: query rows per warp
-HEAD_DIMS = (64, 128)
-PAD = 8  # elements added to each shared-memory row (16 bytes): conflict-free ldmatrix
-
-
-def default_blocks(D):
-    """(B_c, warps): B_r = 128 query rows (8 warps) and B_c = 32 keys for D = 64, 64 keys for D = 128: the fastest
-    of a sweep on the H200 (scripts/tc_sweep.py, float16, seqlen 4096, causal and not; docs/benchmarks.md)."""
-    return (32 if D <= 64 else 64), 8
 
 
 def shared_bytes(D, B_c, warps):
@@ -78,157 +69,8 @@ def shared_bytes(D, B_c, warps):
     return (WARP_ROWS * warps + 4 * B_c) * (D + PAD) * 2
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# One warp's tile operations, shared with flashnumba.backward_tc. Matrices in shared memory are row-major with
-# rows of D + PAD elements; ``off`` is the element offset of a matrix's first row in the one shared array.
-# ---------------------------------------------------------------------------------------------------------------
-
-def _kind(dtype):
-    """(mma_into, pack) for "float16" or "bfloat16": see :func:`make_mma_into`; pack is the intrinsic."""
-    if dtype == "bfloat16":
-        return make_mma_into(ptx.mma_m16n8k16_bf16), ptx.pack_bf16x2
-    return make_mma_into(ptx.mma_m16n8k16_f16), ptx.pack_f16x2
-
-
 @functools.lru_cache(maxsize=None)
-def make_mma_into(mma):
-    """mma_into(acc, n, a0, a1, a2, a3, b0, b1): acc[n, 0..3] += A B for one m16n8k16 tile, A given by its
-    fragment registers a0..a3 and B by b0, b1, with ``mma`` (the float16 or bfloat16 intrinsic)."""
-
-    @cuda.jit(device=True, inline=True)
-    def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
-        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
-        acc[n, 0] = d0
-        acc[n, 1] = d1
-        acc[n, 2] = d2
-        acc[n, 3] = d3
-
-    return mma_into
-
-
-@functools.lru_cache(maxsize=None)
-def make_load_rows(D, NT):
-    """load_rows(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` rows of
-    src[b, row0 + r, h, :] (a C-contiguous (batch, seqlen, nheads, D) array) to smem rows off + r, 16 bytes per
-    cp.async, spread over the NT threads of the block; rows at or past ``row_end`` (the end of the sequence)
-    become zeros (plain stores)."""
-    LD = D + PAD
-    CH = D // 8  # 16-byte chunks per row
-
-    @cuda.jit(device=True, inline=True)
-    def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
-        for it in range((rows * CH + NT - 1) // NT):
-            e = tid + it * NT
-            if e < rows * CH:
-                r = e // CH
-                c = (e % CH) * 8
-                if row0 + r < row_end:
-                    ptx.cp_async_16(smem, off + r * LD + c, src,
-                                    ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + c)
-                else:
-                    for x in range(8):
-                        smem[off + r * LD + c + x] = 0  # (a float16 constant captured from Python fails NVVM)
-
-    return load_rows
-
-
-@functools.lru_cache(maxsize=None)
-def make_load_a(D):
-    """load_a(frag, smem, off, lane): the A fragments frag[kk, 0..3] (one per 16 columns) of the 16 rows
-    starting at element ``off``: lane l points at row l % 16, column 16 kk + 8 (l // 16)."""
-    LD = D + PAD
-
-    @cuda.jit(device=True, inline=True)
-    def load_a(frag, smem, off, lane):
-        for kk in range(D // 16):
-            a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, off + (lane % 16) * LD + 16 * kk + 8 * (lane // 16))
-            frag[kk, 0] = a0
-            frag[kk, 1] = a1
-            frag[kk, 2] = a2
-            frag[kk, 3] = a3
-
-    return load_a
-
-
-@functools.lru_cache(maxsize=None)
-def make_mma_abt(D, N, dtype):
-    """mma_abt(acc, frag, smem, off, lane): acc = A X^T, A (16 x D) given by its fragments ``frag`` (load_a),
-    X (N x D) the N rows of smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns
-    8n .. 8n + 7.
-
-    B = X^T (D x N) in "col" layout is X row-major: non-transposing ldmatrix. One x4 load covers 16 rows of X
-    x 16 columns: lanes 0-7 rows n0..n0+7, columns 16kk..+7 (b0 of tile n0), lanes 8-15 the same rows, columns
-    +8..+15 (b1), lanes 16-31 the same for rows n0+8..n0+15."""
-    LD = D + PAD
-    mma_into, _ = _kind(dtype)
-
-    @cuda.jit(device=True, inline=True)
-    def mma_abt(acc, frag, smem, off, lane):
-        for n in range(N // 8):
-            for x in range(4):
-                acc[n, x] = 0.0
-        for kk in range(D // 16):
-            for n2 in range(N // 16):
-                row = 16 * n2 + (lane & 7) + 8 * (lane >> 4)
-                col = 16 * kk + 8 * ((lane >> 3) & 1)
-                b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, off + row * LD + col)
-                mma_into(acc, 2 * n2, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b0, b1)
-                mma_into(acc, 2 * n2 + 1, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b2, b3)
-
-    return mma_abt
-
-
-@functools.lru_cache(maxsize=None)
-def make_mma_ab(N, D, dtype):
-    """mma_ab(acc, p, smem, off, lane): acc += P X, P (16 x N) given as C fragments p[n, 0..3] (rounded to 16
-    bits here; the module docstring shows why a C fragment is already the A fragment), X (N x D) the N rows of
-    smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns 8n .. 8n + 7 (D / 8 of them).
-
-    B = X (N x D) row-major is "row" layout for B: transposing ldmatrix. Lane l points at row 16c + l % 16,
-    column 16 n2 + 8 (l // 16): (b0, b1) of columns 16 n2 .. +7, then of columns 16 n2 + 8 .. +15."""
-    LD = D + PAD
-    mma_into, pack = _kind(dtype)
-
-    @cuda.jit(device=True, inline=True)
-    def mma_ab(acc, p, smem, off, lane):
-        for c in range(N // 16):
-            a0 = pack(p[2 * c, 0], p[2 * c, 1])
-            a1 = pack(p[2 * c, 2], p[2 * c, 3])
-            a2 = pack(p[2 * c + 1, 0], p[2 * c + 1, 1])
-            a3 = pack(p[2 * c + 1, 2], p[2 * c + 1, 3])
-            for n2 in range(D // 16):
-                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, off + (16 * c + lane % 16) * LD + 16 * n2
-                                                       + 8 * (lane // 16))
-                mma_into(acc, 2 * n2, a0, a1, a2, a3, b0, b1)
-                mma_into(acc, 2 * n2 + 1, a0, a1, a2, a3, b2, b3)
-
-    return mma_ab
-
-
-@functools.lru_cache(maxsize=None)
-def make_key_tiles(B_r, B_c, has_left, has_right):
-    """key_tiles(i0, seqlen_q, seqlen_k, diag, left, right) -> (last_row, n_start, n_tiles): the key tiles of B_c
-    keys that the query rows i0 .. i0 + B_r - 1 (the last one ``last_row``, within the sequence) can see: from
-    key n_start (a multiple of B_c), n_tiles of them, the last possibly reaching past seqlen_k. Row i sees keys
-    i + diag - left .. i + diag + right, each bound only where compiled in (``has_left``, ``has_right``).
-    Shared by the forward and the dQ kernel."""
-
-    @cuda.jit(device=True, inline=True)
-    def key_tiles(i0, seqlen_q, seqlen_k, diag, left, right):
-        last_row = min(i0 + B_r, seqlen_q) - 1
-        n_start = 0
-        n_end = seqlen_k
-        if has_left:
-            n_start = max(0, i0 + diag - left) // B_c * B_c
-        if has_right:
-            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
-        return last_row, n_start, max(0, (n_end - n_start + B_c - 1) // B_c)
-
-    return key_tiles
-
-
-@functools.lru_cache(maxsize=None)
-def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False):
+def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False):
     """The tensor-core forward kernel for head_dim D (64 or 128), B_c keys per tile (a multiple of 16), ``warps``
     warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by ``variant``
     (a :class:`flashnumba.forward.Variant`: window bounds, softcap, ALiBi, varlen, dropout). ``gqa``: fewer
@@ -245,9 +87,6 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
     Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (32 * warps,), dynamic shared memory
     :func:`shared_bytes`.
     """
-    dB_c, dwarps = default_blocks(D)
-    B_c = dB_c if B_c is None else B_c
-    warps = dwarps if warps is None else warps
     if D not in HEAD_DIMS:
         raise ValueError(f"the tensor-core kernel supports head_dim in {HEAD_DIMS}, got {D}")
     if B_c % 16 or B_c <= 0:
@@ -275,6 +114,7 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
     BUF = 2 * B_c * LD
 
     load_rows = make_load_rows(D, NT)
+    load_kv = make_load_pair(D, NT, B_c, OFF_V)  # K_j and V_j of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_c, dtype)  # S_ij = Q_i K_j^T
     mma_ab = make_mma_ab(B_c, D, dtype)  # O_i += P_ij V_j
@@ -325,8 +165,7 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
         # Prologue: Q_i and the first key tile in flight, one commit group
         load_rows(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
         if n_tiles > 0:
-            load_rows(smem, OFF_K, k, bb, k0 + n_start, k0 + seqlen_k, hk, B_c, tid)
-            load_rows(smem, OFF_K + OFF_V, v, bb, k0 + n_start, k0 + seqlen_k, hk, B_c, tid)
+            load_kv(smem, OFF_K, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
         ptx.cp_async_commit()
 
         for jt in range(n_tiles):
@@ -334,12 +173,8 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
             buf = OFF_K + (jt & 1) * BUF
             # Tile j + 1 into the other buffer (freed by the barrier that ended iteration j - 1), its own group
             if jt + 1 < n_tiles:
-                nxt = OFF_K + ((jt + 1) & 1) * BUF
-                load_rows(smem, nxt, k, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, B_c, tid)
-                load_rows(smem, nxt + OFF_V, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, B_c, tid)
-            ptx.cp_async_commit()  # (an empty group on the last tile keeps the count below uniform)
-            ptx.cp_async_wait(1)  # every group but the newest has landed: tile j (and Q_i)
-            cuda.syncthreads()  # every thread's copies (and zero stores) of tile j are visible to all
+                load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, tid)
+            tile_landed()  # tile j (and Q_i) landed and visible to every thread
 
             if jt == 0:
                 load_a(qa, smem, r0 * LD, lane)  # Q_i's A fragments (this warp's 16 rows), kept in registers
@@ -431,61 +266,3 @@ def make_forward_tc(D, variant, B_c=None, warps=None, dtype="float16", gqa=False
                     lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
 
     return forward_tc
-
-
-def _c_contiguous(t):
-    """t's array as a C-contiguous array of its own type (cp.async and ldmatrix address flat element indices):
-    CuPy and torch arrays are copied when they are not; other device arrays must already be."""
-    x = t.array
-    if t.kind == "cupy" and not x.flags.c_contiguous:
-        return _arrays.cupy.ascontiguousarray(x)
-    if t.kind == "torch" and not x.is_contiguous():
-        return x.contiguous()
-    return x
-
-
-def to_kernel_c(t):
-    """The kernel-side array of an inspected argument, C-contiguous (see :func:`_c_contiguous`)."""
-    x = _arrays.to_kernel(_c_contiguous(t), t.kind)
-    if not x.is_c_contiguous():
-        raise ValueError(f"the tensor-core kernels need C-contiguous arrays; {t.name} is not (copy it, e.g. with "
-                         f"cupy.ascontiguousarray)")
-    return x
-
-
-def check_inputs(tq):
-    """TypeError / ValueError unless q (and so k, v: the API checks they match) suits the tensor-core kernels."""
-    if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
-        raise TypeError(f"the tensor-core kernels take float16 or bfloat16; q has dtype {tq.dtype}")
-    if tq.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"the tensor-core kernels support head_dim in {HEAD_DIMS}, got {tq.shape[-1]}")
-
-
-def resolve_blocks(D, block_m=None, block_n=None):
-    """(block_m, block_n, shared bytes) of the forward: block_m = B_r in 16, 32, 64, 128 (16 rows a warp),
-    block_n = B_c a positive multiple of 16; defaults :func:`default_blocks`; checked against the device's
-    shared memory."""
-    from ._backend import max_shared_memory_per_block
-
-    dB_c, dwarps = default_blocks(D)
-    block_m = WARP_ROWS * dwarps if block_m is None else block_m
-    block_n = dB_c if block_n is None else block_n
-    if block_m not in (16, 32, 64, 128):
-        raise ValueError(f"kernel 'tc' takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {block_m}")
-    if block_n <= 0 or block_n % 16:
-        raise ValueError(f"kernel 'tc' takes block_n a positive multiple of 16, got {block_n}")
-    smem = shared_bytes(D, block_n, block_m // WARP_ROWS)
-    limit = max_shared_memory_per_block()
-    if smem > limit:
-        raise ValueError(f"head_dim {D}, block_m {block_m}, block_n {block_n} need {smem} bytes of shared memory, "
-                         f"more than the {limit} a block may use; choose smaller tiles")
-    return block_m, block_n, smem
-
-
-def flash_attn_forward_tc(q, k, v, causal=False, softmax_scale=None, block_n=None, warps=None):
-    """``flashnumba.flash_attn_forward(q, k, v, kernel="tc", ...)`` with the tiles given as B_c (``block_n``) and
-    a number of warps (B_r = 16 warps); every other option through flash_attn_forward itself."""
-    from . import api
-
-    return api.flash_attn_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, kernel="tc",
-                                  block_m=None if warps is None else WARP_ROWS * warps, block_n=block_n)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _backend, reference
-from .api import flash_attn_forward
+from .. import _backend, reference
+from ..api import flash_attn_forward
 from .standard import standard_attention
 from .timing import cuda_time_ms, peak_device_bytes
 

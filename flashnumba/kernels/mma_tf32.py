@@ -29,27 +29,15 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
-
 from . import ptx
-from ._backend import cuda
-from .forward import LN2, LOG2E, NEG_INF
+from .._backend import cuda
+from .common import LN2, LOG2E, NEG_INF, make_key_range
+from .mma_tiles import HEAD_DIMS, WARP_ROWS, make_load_rows, tile_landed
 from numba import float32, uint32
 
-WARP_ROWS = 16
-HEAD_DIMS = (64, 128)
 PRECISIONS = ("tf32", "3xtf32")
 PAD_K = 4  # floats added to a row of Q_i and K_j: conflict-free reads of (row pi(g), column t)
 PAD_V = 8  # floats added to a row of V_j: conflict-free reads of (row t, column g)
-
-
-def default_blocks(D, precision="3xtf32"):
-    """(B_c, warps) when the caller gives none. At D = 128, from the H200 sweep (scripts/tf32_sweep.py, seqlen
-    4096): 8 warps (128 query rows a block) with B_c = 16 for TF32 (49 TFLOP/s against 37 at (32, 4)) and B_c = 32
-    for 3xTF32 (30 against 25); at D = 64, (64, 4)."""
-    if D <= 64:
-        return 64, 4
-    return (16 if precision == "tf32" else 32), 8
 
 
 def shared_bytes(D, B_c, warps):
@@ -58,38 +46,11 @@ def shared_bytes(D, B_c, warps):
 
 
 @functools.lru_cache(maxsize=None)
-def make_load_rows32(D, NT, LD):
-    """load_rows(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` rows of the float32
-    array src[b, row0 + r, h, :] (C-contiguous) to smem[off + r * LD:], 16 bytes (4 floats) per cp.async; rows
-    at or past ``row_end`` become zeros."""
-    CH = D // 4
-
-    @cuda.jit(device=True, inline=True)
-    def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
-        for it in range((rows * CH + NT - 1) // NT):
-            e = tid + it * NT
-            if e < rows * CH:
-                r = e // CH
-                c = (e % CH) * 4
-                if row0 + r < row_end:
-                    ptx.cp_async_16(smem, off + r * LD + c, src,
-                                    ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + c)
-                else:
-                    for x in range(4):
-                        smem[off + r * LD + c + x] = 0.0
-
-    return load_rows
-
-
-@functools.lru_cache(maxsize=None)
-def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None):
+def make_forward_tf32(D, causal, precision, B_c, warps):
     """The TF32 forward kernel. Arguments: (q, k, v, out, lse, scale_log2), q, k, v, out (batch, seqlen,
     nheads, D) float32 C-contiguous, lse (batch, nheads, seqlen_q) float32. Launch: grid
     (ceil(seqlen_q / (16 warps)), batch * nheads), block (32 * warps,), dynamic shared memory :func:`shared_bytes`.
     """
-    dB_c, dwarps = default_blocks(D, precision)
-    B_c = dB_c if B_c is None else B_c
-    warps = dwarps if warps is None else warps
     if D not in HEAD_DIMS:
         raise ValueError(f"the TF32 kernel supports head_dim in {HEAD_DIMS}, got {D}")
     if B_c % 8 or B_c <= 0:
@@ -113,8 +74,9 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None):
     KBUF = B_c * LDK
     OFF_V = OFF_K + 2 * KBUF  # V buffer 0; buffer 1 lies VBUF further on
     VBUF = B_c * LDV
-    load_q = make_load_rows32(D, NT, LDK)
-    load_v = make_load_rows32(D, NT, LDV)
+    load_q = make_load_rows(D, NT, LDK, 4)  # 4 floats per 16-byte copy
+    load_v = make_load_rows(D, NT, LDV, 4)
+    key_range = make_key_range(B_R, B_c, False, causal)  # causal: the band's right bound, right = 0
 
     @cuda.jit(device=True, inline=True)
     def mma3(a_big, a_small, b_big, b_small, c0, c1, c2, c3, i0, i1, i2, i3):
@@ -183,9 +145,7 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None):
             for x in range(4):
                 o[n, x] = 0.0
 
-        n_end = seqlen_k
-        if causal:
-            n_end = max(0, min(seqlen_k, min(i0 + B_R, seqlen_q) - 1 + diag + 1))
+        _, n_end = key_range(i0, seqlen_q, seqlen_k, diag, 0, 0)
         n_tiles = (n_end + B_c - 1) // B_c
 
         load_q(smem, 0, q, b, i0, seqlen_q, h, B_R, tid)
@@ -201,9 +161,7 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None):
             if jt + 1 < n_tiles:  # tile j + 1 into the other buffers, freed by the barrier ending iteration j - 1
                 load_q(smem, OFF_K + ((jt + 1) & 1) * KBUF, k, b, j0 + B_c, seqlen_k, h, B_c, tid)
                 load_v(smem, OFF_V + ((jt + 1) & 1) * VBUF, v, b, j0 + B_c, seqlen_k, h, B_c, tid)
-            ptx.cp_async_commit()
-            ptx.cp_async_wait(1)  # all but the newest group have landed: tile j (and Q_i)
-            cuda.syncthreads()  # every thread's copies and zero stores of tile j are visible to all
+            tile_landed()  # tile j (and Q_i) landed and visible to every thread
 
             # S = Q_i K_j^T, 8 dims a step (A: load_q_step). B: column n of tile nn is key 8 nn + pi(n):
             # b0 = K[pi(g), t], b1 = K[pi(g), t + 4]
@@ -312,44 +270,3 @@ def make_forward_tf32(D, causal, precision="3xtf32", B_c=None, warps=None):
                     lse[b, h, i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
 
     return forward_tf32
-
-
-def flash_attn_forward_tf32(q, k, v, causal=False, softmax_scale=None, precision="3xtf32", block_n=None,
-                            warps=None):
-    """Attention of float32 q, k, v by the TF32 kernel (``precision`` "tf32" or "3xtf32"), head_dim 64 or 128,
-    nheads_k == nheads. Arrays as :func:`flashnumba.flash_attn_forward` takes them. Returns (out, lse)."""
-    from . import _arrays, api
-    from .forward_tc import _c_contiguous
-
-    tq, tk, tv = (api._inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
-    api._check_same_place((tq, tk, tv))
-    api._check_dtypes((tq, tk, tv))
-    if tq.dtype != np.float32:
-        raise TypeError(f"the TF32 kernel takes float32; q has dtype {tq.dtype}")
-    api._check_qkv(tq, tk, tv)
-    batch, seqlen_q, nheads, D = tq.shape
-    if tk.shape[2] != nheads:
-        raise ValueError(f"the TF32 kernel needs as many key/value heads as query heads, got {tk.shape[2]} and "
-                         f"{nheads}")
-    causal = api._check_flag("causal", causal)
-    scale = api._check_scale(softmax_scale, D)
-    dB_c, dwarps = default_blocks(D, precision) if D in HEAD_DIMS else (64, 4)
-    B_c = dB_c if block_n is None else block_n
-    warps = dwarps if warps is None else warps
-    fn = make_forward_tf32(D, causal, precision, B_c, warps)  # validates D, B_c, warps, precision
-    smem = shared_bytes(D, B_c, warps)
-    limit = api.max_shared_memory_per_block()
-    if smem > limit:
-        raise ValueError(f"head_dim {D}, block_n {B_c}, {warps} warps need {smem} bytes of shared memory, more "
-                         f"than the {limit} a block may use")
-    like = tq.kind
-    out_user, out_dev = _arrays.empty(tq.shape, tq.dtype, like)
-    lse_user, lse_dev = _arrays.empty((batch, nheads, seqlen_q), np.float32, like)
-    if batch * nheads * seqlen_q:
-        qd, kd, vd = (_arrays.to_kernel(_c_contiguous(t), t.kind) for t in (tq, tk, tv))
-        for name, x in zip("qkv", (qd, kd, vd)):
-            if not x.is_c_contiguous():
-                raise ValueError(f"the TF32 kernel needs C-contiguous arrays; {name} is not")
-        grid = (-(-seqlen_q // (WARP_ROWS * warps)), batch * nheads)
-        api.launch(fn, grid, (32 * warps,), smem, (qd, kd, vd, out_dev, lse_dev, np.float32(scale * LOG2E)))
-    return _arrays.to_caller(out_user, out_dev, like), _arrays.to_caller(lse_user, lse_dev, like)

@@ -54,7 +54,7 @@ import threading
 
 import numpy as np
 
-from ._backend import SIMULATOR
+from .._backend import SIMULATOR
 
 MMA_DOC = """D = A B + C for one 16x8x16 tile, A (16 x 16) and B (16 x 8) in {dtype}, C and D (16 x 8) in float32.
 

@@ -43,8 +43,8 @@ import math
 from numba import float32, uint64
 
 from . import bf16 as _bf16
-from ._backend import cuda
-from .forward import LOG2E, NEG_INF, dropout_uniform, make_score_mod, make_sequence_geometry
+from .._backend import cuda
+from .common import LOG2E, NEG_INF, dropout_uniform, make_key_range, make_score_mod, make_sequence_geometry
 
 
 def shared_bytes_dkdv_v1(D, B_r, B_c):
@@ -208,6 +208,7 @@ def make_backward_dq_v1(D, B_r, B_c, causal, bf16=False):
     :func:`shared_bytes_dq_v1` bytes. Thread t owns query row i = blockIdx.x * B_r + t.
     """
     load, store = _bf16.load_store(bf16)
+    key_range = make_key_range(B_r, B_c, False, causal)  # causal: the band's right bound, right = 0
 
     @cuda.jit
     def backward_dq_v1(dout, q, k, v, lse, delta, dq, scale):
@@ -237,10 +238,7 @@ def make_backward_dq_v1(D, B_r, B_c, causal, bf16=False):
             do_i[c] = load(dout[b, i, h, c]) if row_ok else float32(0.0)
             dq_i[c] = 0.0
 
-        n_end = seqlen_k
-        if causal:
-            last_row = min(cuda.blockIdx.x * B_r + B_r, seqlen_q) - 1
-            n_end = max(0, min(seqlen_k, last_row + diag + 1))
+        _, n_end = key_range(cuda.blockIdx.x * B_r, seqlen_q, seqlen_k, diag, 0, 0)
         for j0 in range(0, n_end, B_c):
             for e in range(t, B_c * D, B_r):
                 r = e // D
@@ -512,6 +510,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     score_mod = make_score_mod(SOFTCAP, ALIBI)
+    key_range = make_key_range(B_r, B_c, HAS_LEFT, HAS_RIGHT)
     sequence = make_sequence_geometry(VARLEN)
     I = uint64  # noqa: E741
     TY, TM, TN, DC = _tiling(B_r, B_c, D, num_threads, "block_m", "block_n")
@@ -567,13 +566,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
             for n in range(DC):
                 dQ[rr, n] = 0.0
 
-        n_start = 0
-        n_end = seqlen_k
-        if HAS_LEFT:
-            n_start = max(0, i0 + diag - left) // B_c * B_c
-        if HAS_RIGHT:
-            last_row = min(i0 + B_r, seqlen_q) - 1
-            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
+        n_start, n_end = key_range(i0, seqlen_q, seqlen_k, diag, left, right)
         for j0 in range(n_start, n_end, B_c):
             for e in range(t, B_c * D, NT):
                 jj = e // D

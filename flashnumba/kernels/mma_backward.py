@@ -41,31 +41,14 @@ import math
 
 
 from . import bf16, ptx
-from ._backend import cuda
-from .forward import LOG2E, NEG_INF, dropout_uniform, make_score_mod, make_sequence_geometry
-from .forward_tc import (HEAD_DIMS, PAD, WARP_ROWS, make_key_tiles, make_load_a, make_load_rows, make_mma_ab,
-                         make_mma_abt)
+from .._backend import cuda
+from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry
+from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
+                        tile_landed)
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16
 
 TILES = (16, 32, 64, 128)  # block_m and block_n: multiples of the 16 rows of one warp
-
-
-# (block_m, block_n) of each kernel when the caller gives none, from the H200 sweep (scripts/tc_sweep_backward.py,
-# docs/benchmarks.md): the dQ kernel has block_m / 16 warps, the dK/dV kernel block_n / 16.
-DEFAULT_TILES = {
-    64: {"dq": (64, 64), "dkdv": (32, 64)},
-    # dQ: 4 warps on 32-row K_j, V_j tiles (69 KB of shared memory) instead of 2 warps on 64-row tiles (87 KB),
-    # 2.5x faster; dK/dV: (32, 64) keeps its dK_j, dV_j accumulators (2 x 64 registers a lane) and its P, dP tiles
-    # under 255 registers
-    128: {"dq": (64, 32), "dkdv": (32, 64)},
-}
-
-
-def default_blocks(D):
-    """((block_m, block_n) of the dQ kernel, (block_m, block_n) of the dK/dV kernel) for head_dim D."""
-    tiles = DEFAULT_TILES[64 if D <= 64 else 128]
-    return tiles["dq"], tiles["dkdv"]
 
 
 def shared_bytes_dq(D, block_m, block_n):
@@ -154,7 +137,8 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     OFF_K = 2 * B_R * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
     OFF_V = B_C * LD
     BUF = 2 * B_C * LD
-    load_rows = make_load_rows(D, NT)
+    load_qdo = make_load_pair(D, NT, B_R, OFF_DO)  # Q_i and dO_i
+    load_kv = make_load_pair(D, NT, B_C, OFF_V)  # K_j and V_j of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_C, dtype)  # S = Q_i K_j^T, dP = dO_i V_j^T
     mma_ab = make_mma_ab(B_C, D, dtype)  # dQ_i += dS K_j
@@ -200,23 +184,17 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)  # (as the forward)
 
-        load_rows(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
-        load_rows(smem, OFF_DO, dout, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
+        load_qdo(smem, 0, q, dout, bb, q0 + i0, q0 + seqlen_q, h, tid)
         if n_tiles > 0:
-            load_rows(smem, OFF_K, k, bb, k0 + n_start, k0 + seqlen_k, hk, B_C, tid)
-            load_rows(smem, OFF_K + OFF_V, v, bb, k0 + n_start, k0 + seqlen_k, hk, B_C, tid)
+            load_kv(smem, OFF_K, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
         ptx.cp_async_commit()
 
         for jt in range(n_tiles):
             j0 = n_start + jt * B_C
             buf = OFF_K + (jt & 1) * BUF
             if jt + 1 < n_tiles:  # tile j + 1 into the other buffer, freed by the barrier ending iteration j - 1
-                nxt = OFF_K + ((jt + 1) & 1) * BUF
-                load_rows(smem, nxt, k, bb, k0 + j0 + B_C, k0 + seqlen_k, hk, B_C, tid)
-                load_rows(smem, nxt + OFF_V, v, bb, k0 + j0 + B_C, k0 + seqlen_k, hk, B_C, tid)
-            ptx.cp_async_commit()
-            ptx.cp_async_wait(1)  # all but the newest group have landed: tile j (and Q_i, dO_i)
-            cuda.syncthreads()  # every thread's copies and zero stores of tile j are visible to all
+                load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb, k0 + j0 + B_C, k0 + seqlen_k, hk, tid)
+            tile_landed()  # tile j (and Q_i, dO_i) landed and visible to every thread
 
             load_a(af, smem, r0 * LD, lane)
             mma_abt(s, af, smem, buf, lane)  # S = Q_i K_j^T
@@ -272,7 +250,8 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     OFF_Q = 2 * B_C * LD  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_R * LD
     BUF = 2 * B_R * LD
-    load_rows = make_load_rows(D, NT)
+    load_kv = make_load_pair(D, NT, B_C, OFF_V)  # K_j and V_j
+    load_qdo = make_load_pair(D, NT, B_R, OFF_DO)  # Q_i and dO_i of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_R, dtype)  # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
     mma_ab = make_mma_ab(B_R, D, dtype)  # dV_j += P^T dO_i, dK_j += dS^T Q_i
@@ -330,12 +309,10 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         nt = max(0, (m_rows + B_R - 1) // B_R - m_begin)  # query tiles per query head
         total = group * nt  # iteration it: query head hk * group + it // nt, tile m_begin + it % nt
 
-        load_rows(smem, 0, k, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
-        load_rows(smem, OFF_V, v, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
+        load_kv(smem, 0, k, v, bb, k0 + j0, k0 + seqlen_k, hk, tid)
         if total > 0:
             h = hk * group
-            load_rows(smem, OFF_Q, q, bb, q0 + m_begin * B_R, q0 + seqlen_q, h, B_R, tid)
-            load_rows(smem, OFF_Q + OFF_DO, dout, bb, q0 + m_begin * B_R, q0 + seqlen_q, h, B_R, tid)
+            load_qdo(smem, OFF_Q, q, dout, bb, q0 + m_begin * B_R, q0 + seqlen_q, h, tid)
             load_stats(lsm, dsm, 0, lse, delta, bb, h, q0 + m_begin * B_R, q0 + seqlen_q, tid)
         ptx.cp_async_commit()
 
@@ -353,13 +330,9 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                 if GQA:
                     h2 = hk * group + int(uint32(it + 1) // uint32(nt))
                     row2 = q0 + (m_begin + int(uint32(it + 1) % uint32(nt))) * B_R
-                nxt = OFF_Q + (1 - sel) * BUF
-                load_rows(smem, nxt, q, bb, row2, q0 + seqlen_q, h2, B_R, tid)
-                load_rows(smem, nxt + OFF_DO, dout, bb, row2, q0 + seqlen_q, h2, B_R, tid)
+                load_qdo(smem, OFF_Q + (1 - sel) * BUF, q, dout, bb, row2, q0 + seqlen_q, h2, tid)
                 load_stats(lsm, dsm, 1 - sel, lse, delta, bb, h2, row2, q0 + seqlen_q, tid)
-            ptx.cp_async_commit()
-            ptx.cp_async_wait(1)  # all but the newest group have landed: this tile (and K_j, V_j)
-            cuda.syncthreads()  # this tile's copies, zero stores, L_i and D_i are visible to all
+            tile_landed()  # this tile (and K_j, V_j) landed; its copies, zero stores, L_i and D_i visible to all
 
             load_a(af, smem, r0 * LD, lane)
             mma_abt(s, af, smem, buf, lane)  # S^T = K_j Q_i^T
@@ -395,33 +368,3 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                     dv[bb, k0 + j, hk, 8 * n + 2 * t + 1] = store(dv_acc[n, 2 * x + 1] * zscale)
 
     return backward_dkdv_tc
-
-
-def resolve_blocks(D, block_m=None, block_n=None):
-    """(dQ tiles, dK/dV tiles, (shared bytes of dK/dV, of dQ)), each tiles a (block_m, block_n) pair, validated.
-    A block_m or block_n given applies to both kernels; what is not given is each kernel's default
-    (:data:`DEFAULT_TILES`)."""
-    from ._backend import max_shared_memory_per_block
-
-    limit = max_shared_memory_per_block()
-    tiles = []
-    for name, (dm, dn), nbytes in zip(("dQ", "dK/dV"), default_blocks(D), (shared_bytes_dq, shared_bytes_dkdv)):
-        bm = dm if block_m is None else block_m
-        bn = dn if block_n is None else block_n
-        _check(D, bm, bn, "float16")
-        smem = nbytes(D, bm, bn)
-        if smem > limit:
-            raise ValueError(f"head_dim {D}, block_m {bm}, block_n {bn} need {smem} bytes of shared memory in the "
-                             f"{name} kernel, more than the {limit} a block may use; choose smaller tiles")
-        tiles.append(((bm, bn), smem))
-    (dq, smem_dq), (dkdv, smem_dkdv) = tiles
-    return dq, dkdv, (smem_dkdv, smem_dq)
-
-
-def flash_attn_backward_tc(dout, q, k, v, out, lse, causal=False, softmax_scale=None, block_m=None,
-                           block_n=None):
-    """``flashnumba.flash_attn_backward(..., kernel="tc")``; every other option through it."""
-    from . import api
-
-    return api.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                   kernel="tc", block_m=block_m, block_n=block_n)

@@ -29,8 +29,8 @@ import sys
 
 import numpy as np
 
-from . import _backend, reference
-from .api import (attention_with_grad, flash_attn_backward, flash_attn_forward, flash_attn_varlen_backward,
+from .. import _backend, reference
+from ..api import (attention_with_grad, flash_attn_backward, flash_attn_forward, flash_attn_varlen_backward,
                   flash_attn_varlen_forward)
 from .standard import _xp as array_module
 from .standard import standard_attention

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import float32, int32, uint16, uint32
 
-from ._backend import SIMULATOR, cuda
+from .._backend import SIMULATOR, cuda
 
 if SIMULATOR:
 

@@ -1,0 +1,516 @@
+"""Launch: a plan's kernels, compiled (or loaded from the disk cache) once, launched with little Python per call.
+
+On a GPU, a kernel is compiled the way Numba compiles it (``numba.cuda.compile_ptx`` of the factory's Python
+function, for the argument types the plan names) and assembled to machine code (cubin) with nvJitLink; the cubin
+is kept in :mod:`flashnumba._cache` and loaded with the CUDA driver. A launch then costs one driver call: the
+kernel's parameters are laid out once per plan in one buffer, exactly as Numba passes them (an array is
+``meminfo, parent, nitems, itemsize, data, shape..., strides...``; the layout is read from the PTX's own parameter
+list), and each call writes only the data pointers (and the dropout seed and offset) into it. Kernels go on the
+caller's current stream: CuPy's for CuPy arrays, torch's for torch tensors, the legacy default stream otherwise.
+
+Under the simulator the same plan launches through Numba's dispatcher (``kernel[grid, block, 0, shared](...)``),
+which runs each thread in Python; nothing is compiled.
+
+:func:`compile_kernel` also runs without a GPU, for any compute capability: the offline compile test and
+``flashnumba.plan(...).resources()`` use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import sys
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays, _cache, config
+from ._backend import SIMULATOR, cuda
+
+STATIC_SHARED_LIMIT = 48 * 1024
+PER_CALL_SCALARS = ("seed", "offset")  # uint64 arguments written at every call, not part of a plan
+_NUMBA_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint16): "uint16",
+                np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.uint64): "uint64"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a kernel is compiled for
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """An array as a kernel sees it: shape, strides in bytes, element dtype (bfloat16 as uint16) and Numba
+    layout ("C": C-contiguous, the compiled code computes strides from the shape; "A": any strides)."""
+
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype
+    layout: str
+
+    @property
+    def numba_type(self) -> str:
+        dims = [":"] * len(self.shape)
+        if self.layout == "C" and dims:
+            dims[-1] = "::1"
+        return f"{_NUMBA_NAMES[self.dtype]}[{', '.join(dims)}]"
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def c_strides(shape, itemsize):
+    out, acc = [], itemsize
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def is_c_layout(shape, strides, itemsize) -> bool:
+    """Whether (shape, strides) lay the elements out in C order (an axis of length 1 may have any stride)."""
+    step = itemsize
+    for n, stride in zip(reversed(shape), reversed(strides)):
+        if n != 1 and stride != step:
+            return False
+        step *= n
+    return True
+
+
+def array_meta(shape, strides, dtype, layout=None) -> ArrayMeta:
+    dtype = np.dtype(np.uint16) if _arrays.is_bfloat16(dtype) else np.dtype(dtype)
+    if layout is None:
+        layout = "C" if is_c_layout(shape, strides, dtype.itemsize) else "A"
+    return ArrayMeta(tuple(shape), tuple(strides), dtype, layout)
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel of a plan: the factory that makes it and its arguments, the names of its parameters (keys
+    of the plan's arrays and scalars, or a per-call scalar), and the launch geometry."""
+
+    name: str
+    table: str
+    factory: object
+    factory_args: tuple
+    params: tuple
+    grid: tuple
+    block: tuple
+    shared_bytes: int
+    tiles: object = None
+    reason: str = ""
+
+    def signature(self, arrays: dict, scalars: dict) -> tuple:
+        sig = []
+        for p in self.params:
+            if p in arrays:
+                sig.append(arrays[p].numba_type)
+            elif p in PER_CALL_SCALARS:
+                sig.append("uint64")
+            else:
+                sig.append(_NUMBA_NAMES[np.asarray(scalars[p]).dtype])
+        return tuple(sig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compiling, offline or on the GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _OfflineDevice:
+    """What numba-cuda asks of the current device when it compiles a device function called by a kernel."""
+
+    def __init__(self, cc):
+        self.compute_capability = cc
+
+
+def compile_ptx(pyfunc, signature: str, cc) -> str:
+    """``numba.cuda.compile_ptx``, also without a GPU: numba-cuda compiles the device functions a kernel calls
+    (the dropout generator) for the *current* device's compute capability, so where there is no device the
+    target's is supplied for the duration of the call."""
+    if SIMULATOR:
+        raise RuntimeError("compiling needs the real numba.cuda: start Python with FLASHNUMBA_SIMULATOR=0 "
+                           "(no GPU is needed)")
+    from numba.cuda import dispatcher
+
+    if cuda.is_available():
+        return cuda.compile_ptx(pyfunc, signature, cc=cc)[0]
+    saved = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: _OfflineDevice(cc)
+    try:
+        return cuda.compile_ptx(pyfunc, signature, cc=cc)[0]
+    finally:
+        dispatcher.get_current_device = saved
+
+
+def assemble(ptx: str, cc) -> tuple[bytes, str]:
+    """PTX -> (cubin, the assembler's verbose log) with nvJitLink, which ships with numba-cuda's CUDA wheels and
+    is of the same CUDA version as the NVVM that wrote the PTX."""
+    from cuda.bindings import nvjitlink
+
+    data = ptx.encode()
+    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"])
+    try:
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
+        try:
+            nvjitlink.complete(handle)
+        except Exception as err:  # noqa: BLE001  (nvJitLinkError: show the assembler's own words)
+            log = bytearray(nvjitlink.get_error_log_size(handle))
+            nvjitlink.get_error_log(handle, log)
+            raise RuntimeError(f"nvJitLink could not assemble the kernel for sm_{cc[0]}{cc[1]}: "
+                               f"{log.decode(errors='replace')}") from err
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+    finally:
+        nvjitlink.destroy(handle)
+    return bytes(cubin), log.decode(errors="replace")
+
+
+def resources_from_log(log: str) -> dict:
+    def grab(pattern):
+        found = re.search(pattern, log)
+        return int(found.group(1)) if found else 0
+
+    return {"registers": grab(r"[Uu]sed (\d+) registers"), "static_shared_bytes": grab(r"(\d+) bytes smem"),
+            "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads"),
+            "stack_bytes": grab(r"(\d+) bytes stack frame")}
+
+
+_PARAM_SIZES = {"u64": 8, "b64": 8, "s64": 8, "f64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4,
+                "u16": 2, "b16": 2, "s16": 2, "f16": 2, "u8": 1, "b8": 1, "s8": 1}
+
+
+def entry_and_params(ptx: str) -> tuple[str, list]:
+    """The kernel's entry name and the byte size of each of its parameters, from its PTX."""
+    found = re.search(r"\.entry\s+([\w$.]+)\s*\(([^)]*)\)", ptx)
+    if found is None:
+        raise RuntimeError("no .entry in the kernel's PTX")
+    sizes = [_PARAM_SIZES[t] for t in re.findall(r"\.param\s+\.(\w+)", found.group(2))]
+    return found.group(1), sizes
+
+
+@dataclass
+class Compiled:
+    """A kernel compiled for one compute capability: its cubin, entry name, parameter sizes, resources."""
+
+    cubin: bytes
+    entry: str
+    param_sizes: list
+    resources: dict
+    cached: bool = False  # loaded from the disk cache
+    seconds: float = 0.0  # compile time (0 when loaded)
+
+
+def _cache_key(spec: KernelLaunch, sig: tuple, cc) -> str:
+    f = spec.factory
+    name = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+    return _cache.key_text({"factory": name, "args": repr(spec.factory_args), "signature": list(sig),
+                            "cc": list(cc)})
+
+
+_compiled: dict = {}
+_compile_lock = threading.Lock()
+
+
+def compile_kernel(spec: KernelLaunch, sig: tuple, cc) -> Compiled:
+    """The kernel of ``spec`` for argument types ``sig`` and compute capability ``cc``: from memory, from the
+    disk cache, or compiled (and then stored in the cache)."""
+    import time
+
+    cc = tuple(cc)[:2]
+    key = _cache_key(spec, sig, cc)
+    hit = _compiled.get(key)
+    if hit is not None:
+        return hit
+    with _compile_lock:
+        hit = _compiled.get(key)
+        if hit is not None:
+            return hit
+        entry = _cache.load(key)
+        if entry is not None:
+            header, cubin = entry
+            result = Compiled(cubin, header["entry"], header["param_sizes"], header["resources"], cached=True)
+        else:
+            t0 = time.perf_counter()
+            fn = spec.factory(*spec.factory_args)
+            ptx = compile_ptx(fn.py_func, f"void({', '.join(sig)})", cc)
+            cubin, log = assemble(ptx, cc)
+            name, sizes = entry_and_params(ptx)
+            result = Compiled(cubin, name, sizes, resources_from_log(log), seconds=time.perf_counter() - t0)
+            _cache.store(key, cubin, entry=name, param_sizes=sizes, resources=result.resources,
+                         kernel=spec.name, compile_seconds=round(result.seconds, 3))
+        _compiled[key] = result
+        return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the GPU launch: one parameter buffer per kernel of a plan, pointers written per call
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result, what):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {int(err)} ({err!r}) in {what}")
+    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+
+_functions: dict = {}
+
+
+def _function(compiled: Compiled, device_id: int, shared_bytes: int):
+    """The CUfunction of a compiled kernel in the current context, with its dynamic shared memory opt-in."""
+    key = (id(compiled), device_id)
+    fn = _functions.get(key)
+    if fn is None:
+        drv = _driver()
+        cuda.current_context()  # the primary context of Numba's current device, current on this thread
+        module = _check(drv.cuModuleLoadData(compiled.cubin), "cuModuleLoadData")
+        fn = _check(drv.cuModuleGetFunction(module, compiled.entry.encode()), "cuModuleGetFunction")
+        fn = [fn, module, 0]  # (function, module kept alive, opted-in shared bytes)
+        _functions[key] = fn
+    if shared_bytes > STATIC_SHARED_LIMIT and shared_bytes > fn[2]:
+        drv = _driver()
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(drv.cuFuncSetAttribute(fn[0], attr, shared_bytes), "cuFuncSetAttribute")
+        fn[2] = shared_bytes
+    return fn[0]
+
+
+def _launcher():
+    """The fastest driver entry point at hand: CuPy's launchKernel (a Cython wrapper taking plain integers),
+    else cuda-bindings' cuLaunchKernel."""
+    if _arrays.cupy is not None:
+        launch = _arrays.cupy.cuda.driver.launchKernel
+
+        def run(fn_int, fn, grid, block, smem, stream, params):
+            launch(fn_int, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, params, 0)
+
+        return run
+    drv = _driver()
+
+    def run(fn_int, fn, grid, block, smem, stream, params):
+        err = drv.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
+                                 params, 0)[0]
+        if int(err) != 0:
+            raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+
+    return run
+
+
+class Bound:
+    """One kernel of a plan, ready to launch: constant parameters written once, pointers per call."""
+
+    def __init__(self, spec: KernelLaunch, arrays: dict, scalars: dict, cc, device_id: int):
+        self.spec = spec
+        sig = spec.signature(arrays, scalars)
+        self.compiled = compile_kernel(spec, sig, cc)
+        self.fn = _function(self.compiled, device_id, spec.shared_bytes)
+        self.fn_int = int(self.fn)
+        values, patches = [], []  # (ctype, value); (index into values, name)
+        intp = ctypes.c_int64
+        for p in spec.params:
+            if p in arrays:
+                m = arrays[p]
+                patches.append((len(values) + 4, p))
+                values += [(ctypes.c_uint64, 0), (ctypes.c_uint64, 0), (intp, m.size), (intp, m.dtype.itemsize),
+                           (ctypes.c_uint64, 0)]
+                values += [(intp, n) for n in m.shape] + [(intp, s) for s in m.strides]
+            elif p in PER_CALL_SCALARS:
+                patches.append((len(values), p))
+                values.append((ctypes.c_uint64, 0))
+            else:
+                v = np.asarray(scalars[p])
+                values.append((np.ctypeslib.as_ctypes_type(v.dtype), v.item()))
+        sizes = self.compiled.param_sizes
+        if [ctypes.sizeof(t) for t, _ in values] != list(sizes):
+            raise RuntimeError(f"kernel {spec.name}: the parameters laid out ({[ctypes.sizeof(t) for t, _ in values]}) "
+                               f"differ from the compiled kernel's ({sizes})")
+        offsets, off = [], 0
+        for size in sizes:
+            off = -(-off // size) * size
+            offsets.append(off)
+            off += size
+        self.buffer = (ctypes.c_uint8 * max(8, -(-off // 8) * 8))()
+        base = ctypes.addressof(self.buffer)
+        for (ctype, value), o in zip(values, offsets):
+            ctype.from_address(base + o).value = value
+        self.pointers = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
+        self.params_address = ctypes.addressof(self.pointers)
+        self.words = memoryview(self.buffer).cast("Q")  # 8-byte slots: pointers, seed and offset are 8-aligned
+        self.patches = [(offsets[i] // 8, name) for i, name in patches]
+        self.grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+        self.block = tuple(spec.block) + (1,) * (3 - len(spec.block))
+        self.lock = threading.Lock()
+        self.launch = _launcher()
+
+    def __call__(self, values: dict, stream: int):
+        with self.lock:  # the buffer is shared; the driver copies it at launch
+            words = self.words
+            for slot, name in self.patches:
+                words[slot] = values[name]
+            self.launch(self.fn_int, self.fn, self.grid, self.block, self.spec.shared_bytes, stream,
+                        self.params_address)
+
+
+class SimBound:
+    """One kernel of a plan under the simulator: Numba's dispatcher, arrays and NumPy scalars as they are."""
+
+    def __init__(self, spec: KernelLaunch, arrays: dict, scalars: dict):
+        self.spec = spec
+        self.kernel = spec.factory(*spec.factory_args)
+        self.scalars = scalars
+
+    def __call__(self, values: dict, stream: int = 0):
+        s = self.spec
+        args = [values[p] if p in values else self.scalars[p] for p in s.params]
+        self.kernel[s.grid, s.block, 0, s.shared_bytes](*args)
+
+
+def bind(spec: KernelLaunch, arrays: dict, scalars: dict, device):
+    """A callable ``(values, stream)`` launching ``spec``: values maps the array parameters to device pointers
+    (GPU) or to device arrays (simulator), and holds the per-call scalars."""
+    if SIMULATOR:
+        return SimBound(spec, arrays, scalars)
+    return Bound(spec, arrays, scalars, device.cc, device_id(device))
+
+
+def device_id(device=None) -> int:
+    return cuda.get_current_device().id
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a whole call: the plan's inputs in, its kernels launched, its outputs out
+# ---------------------------------------------------------------------------------------------------------------
+
+_dummies: dict = {}
+
+
+def dummy(name, shape, dtype):
+    """Small arrays the kernels take but, without the option, never read (one per process)."""
+    key = (name, shape, np.dtype(dtype).str)
+    if key not in _dummies:
+        host = np.zeros(shape, dtype)
+        if SIMULATOR or _arrays.cupy is None:
+            _dummies[key] = cuda.to_device(host)
+        else:
+            _dummies[key] = _arrays.cupy.asarray(host)
+    return _dummies[key]
+
+
+class Call:
+    """A plan made runnable: its kernels bound, its inputs and outputs known.
+
+    ``plan`` is a :class:`flashnumba.planner.Plan`; ``run(arrays, seed, offset)`` takes the user's arrays in the order
+    of ``plan.inputs`` (None where an optional one is absent) and returns the outputs marked as returned, in the
+    caller's array type.
+    """
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.like = plan.like
+        self.bound = [bind(s, plan.arrays, plan.scalars, plan.device) for s in plan.launches]
+        self.inputs = plan.inputs
+        self.outputs = plan.outputs
+        self.torch = self.like == "torch"
+
+    # -- on a GPU --------------------------------------------------------------------------------------------
+
+    def _stream(self, arrays):
+        if self.torch:
+            x = arrays[0]
+            return sys.modules["torch"].cuda.current_stream(x.device).cuda_stream
+        if _arrays.cupy is not None and self.like in ("cupy", "numpy", "cai"):
+            return _arrays.cupy.cuda.get_current_stream().ptr
+        return 0
+
+    def _alloc(self, shape, dtype, ref):
+        if self.torch:
+            torch = sys.modules["torch"]
+            tdtype = _arrays.torch_dtype(dtype)
+            arr = torch.empty(shape, dtype=tdtype, device=ref.device)
+            if config.poison_outputs:
+                arr.fill_(float("nan"))
+            return arr, arr.data_ptr()
+        kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(dtype) else np.dtype(dtype)
+        if _arrays.cupy is not None and self.like != "numba":
+            arr = _arrays.cupy.empty(shape, kdtype)
+            if config.poison_outputs:
+                arr.fill(0x7FC0 if kdtype == np.uint16 else np.nan)
+            return arr, arr.data.ptr
+        if config.poison_outputs:
+            host = np.full(shape, np.nan, dtype)
+            arr = cuda.to_device(host.view(np.uint16) if kdtype == np.uint16 else host)
+        else:
+            arr = cuda.device_array(shape, kdtype)
+        return arr, arr.device_ctypes_pointer.value
+
+    def run(self, arrays, seed=0, offset=0):
+        if SIMULATOR:
+            return self._run_sim(arrays, seed, offset)
+        values = {"seed": int(seed), "offset": int(offset)}
+        keep = []
+        for spec, x in zip(self.inputs, arrays):
+            if x is None:
+                x = dummy(spec.name, spec.dummy_shape, spec.dummy_dtype)
+                values[spec.name] = _arrays.pointer(x, "cupy" if _arrays.cupy is not None else "numba")
+                continue
+            if spec.to_device or spec.copy:
+                x = _arrays.device_copy(x, spec.kind)
+                keep.append(x)
+                values[spec.name] = _arrays.pointer(x, _arrays.kind(x))
+            else:
+                values[spec.name] = _arrays.pointer(x, spec.kind)
+        ref = arrays[0]
+        outs = []
+        for spec in self.outputs:
+            arr, ptr = self._alloc(spec.shape, spec.dtype, ref)
+            values[spec.name] = ptr
+            if spec.returned:
+                outs.append(arr)
+        stream = self._stream(arrays)
+        for b in self.bound:
+            b(values, stream)
+        if self.like == "numpy":
+            outs = [_arrays.to_host_as(o, spec.dtype) for o, spec in zip(outs, [s for s in self.outputs if s.returned])]
+        return outs
+
+    # -- in the simulator ------------------------------------------------------------------------------------
+
+    def _run_sim(self, arrays, seed, offset):
+        values = {"seed": np.uint64(seed), "offset": np.uint64(offset)}
+        for spec, x in zip(self.inputs, arrays):
+            if x is None:
+                values[spec.name] = dummy(spec.name, spec.dummy_shape, spec.dummy_dtype)
+                continue
+            if spec.broadcast is not None:  # ALiBi slopes (nheads,) -> (batch, nheads), a contiguous copy
+                host = _arrays.to_host(x)
+                x = np.ascontiguousarray(np.broadcast_to(host.reshape(-1, spec.broadcast[1]), spec.broadcast))
+                values[spec.name] = cuda.to_device(x)
+                continue
+            if spec.lead:
+                x = _arrays.with_leading_axis(x, spec.kind)
+            values[spec.name] = _arrays.to_kernel(x, spec.kind)
+        outs = []
+        for spec in self.outputs:
+            user, dev = _arrays.empty(self.plan.arrays[spec.name].shape, spec.dtype, self.like)
+            values[spec.name] = dev
+            if spec.returned:
+                outs.append((user, dev, spec))
+        for b in self.bound:
+            b(values)
+        result = []
+        for user, dev, spec in outs:
+            r = _arrays.to_caller(user, dev, self.like)
+            result.append(r[0] if len(spec.shape) < len(self.plan.arrays[spec.name].shape) else r)
+        return result

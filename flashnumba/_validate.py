@@ -1,0 +1,293 @@
+"""Validation: the arrays and options of a call, checked once, into named structures with clear errors.
+
+What comes out: a :class:`Tensor` per array (its kind, shape, strides, dtype) and one :class:`Options` (the
+masking, score and dropout options as the kernels take them). Nothing here launches anything or reads device
+memory, except :func:`check_cu_seqlens`, which copies the (batch + 1) offsets of a varlen call to the host to check
+them (``flashnumba.config.check_device_values`` turns that off).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays
+from .kernels.simt_forward import Variant
+
+MAX_HEAD_DIM = 256
+DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # and bfloat16: see _arrays.bfloat16
+DTYPE_NAMES = ("float32, float16, bfloat16 (NumPy arrays of ml_dtypes.bfloat16, or torch.bfloat16 CUDA "
+               "tensors)")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """An array argument as validated: the array itself, its kind (see :func:`flashnumba._arrays.kind`), shape,
+    strides in bytes and NumPy dtype."""
+
+    name: str
+    array: object
+    kind: str
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype
+
+    @property
+    def bf16(self) -> bool:
+        return _arrays.is_bfloat16(self.dtype)
+
+
+def inspect(name, x, rank) -> Tensor:
+    try:
+        k = _arrays.kind(x)
+    except TypeError as err:
+        raise TypeError(f"{name}: {err}") from None
+    shape, strides, dtype = _arrays.shape_strides_dtype(x)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have {rank} dimensions, got {len(shape)} (shape {shape})")
+    if shape[-1] > 1 and strides[-1] != dtype.itemsize and all(shape):
+        raise ValueError(
+            f"{name}: the last dimension must be contiguous (stride {dtype.itemsize} bytes), "
+            f"got stride {strides[-1]} bytes; pass a copy with a contiguous last dimension"
+        )
+    return Tensor(name, x, k, shape, strides, dtype)
+
+
+def check_same_place(tensors):
+    places = {t.name: ("GPU" if _arrays.on_device(t.kind) else "host") for t in tensors}
+    if len(set(places.values())) > 1:
+        desc = ", ".join(f"{n} on the {p}" for n, p in places.items())
+        raise ValueError(f"all arrays must be on the same side (all NumPy or all on the GPU), got {desc}")
+    kinds = {t.kind for t in tensors if t.kind in ("cupy", "torch")}
+    if len(kinds) > 1:
+        raise TypeError("q, k, v and the other arrays of one call must be all torch tensors or all CuPy arrays, "
+                        f"got {', '.join(f'{t.name}: {t.kind}' for t in tensors)}")
+
+
+def check_dtypes(tensors):
+    first = tensors[0]
+    for t in tensors:
+        if t.dtype not in DTYPES and not _arrays.is_bfloat16(t.dtype):
+            hint = " (bfloat16 is taken as a NumPy ml_dtypes.bfloat16 array or a torch.bfloat16 CUDA tensor)" \
+                if t.dtype.kind == "V" and t.dtype.itemsize == 2 else ""
+            raise TypeError(f"{t.name} has dtype {t.dtype}; supported dtypes are {DTYPE_NAMES}{hint}")
+        if _arrays.is_bfloat16(t.dtype) and t.kind not in ("numpy", "torch"):
+            raise TypeError(f"{t.name} is a bfloat16 {t.kind} array; bfloat16 is taken as a NumPy "
+                            "ml_dtypes.bfloat16 array or a torch.bfloat16 CUDA tensor")
+        if t.dtype != first.dtype:
+            raise TypeError(f"{t.name} has dtype {t.dtype} but {first.name} has dtype {first.dtype}; they must match")
+
+
+def check_qkv(q, k, v):
+    bq, sq, hq, dq = q.shape
+    for t in (k, v):
+        b, _, hh, d = t.shape
+        if b != bq:
+            raise ValueError(f"batch mismatch: q has batch {bq}, {t.name} has batch {b}")
+        if hh == 0 or hq % hh:
+            raise ValueError(f"nheads mismatch: q has {hq} heads, {t.name} has {hh}; the number of query heads "
+                             f"must be a multiple of the number of key/value heads (GQA / MQA)")
+        if d != dq:
+            raise ValueError(f"head_dim mismatch: q has head_dim {dq}, {t.name} has head_dim {d}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape} and v {v.shape}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same number of heads, got k {k.shape} and v {v.shape}")
+    if not 1 <= dq <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {dq}")
+
+
+def check_scale(softmax_scale, head_dim) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.number)):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    s = float(softmax_scale)
+    if not math.isfinite(s):
+        raise ValueError(f"softmax_scale must be finite, got {s}")
+    return s
+
+
+def check_flag(name, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_int(name, value, lo, hi) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not lo <= int(value) <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return int(value)
+
+
+def check_blocks(block_m, block_n, num_threads):
+    """The caller's tile arguments: None or an int in [1, 1024]."""
+    return tuple(None if v is None else check_int(n, v, 1, 1024)
+                 for n, v in (("block_m", block_m), ("block_n", block_n), ("num_threads", num_threads)))
+
+
+def check_dropout_p(dropout_p) -> float:
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.number)):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def check_seed(dropout_p: float, seed, offset) -> tuple:
+    """(seed, offset) as uint64 for the kernels; a seed is required when dropout_p > 0. Checked on every call
+    (they are not part of a plan)."""
+    if dropout_p > 0 and seed is None:
+        raise ValueError("dropout_p > 0 needs a dropout_seed (the backward must regenerate the forward's mask "
+                         "from the same dropout_seed and dropout_offset)")
+    for name, value in (("dropout_seed", 0 if seed is None else seed), ("dropout_offset", offset)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**64:
+            raise ValueError(f"{name} must be an int in [0, 2**64), got {value!r}")
+    return np.uint64(0 if seed is None else seed), np.uint64(offset)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The masking, score and dropout options of a call, validated; seed and offset travel per call.
+
+    Query i sees key j iff i + diag - left <= j <= i + diag + right (diag = seqlen_k - seqlen_q; -1: unbounded;
+    causal is right = 0). ``alibi``: the validated (nheads,) or (batch, nheads) float32 slopes, or None.
+    """
+
+    scale: float
+    left: int
+    right: int
+    softcap: float
+    alibi: Tensor | None
+    dropout_p: float
+    varlen: bool
+    gqa: bool
+
+    @property
+    def variant(self) -> Variant:
+        """What the v2/v3 and tensor-core kernels compile in."""
+        return Variant(has_left=self.left >= 0, has_right=self.right >= 0, softcap=self.softcap > 0,
+                       alibi=self.alibi is not None, varlen=self.varlen, dropout=self.dropout_p > 0)
+
+    @property
+    def causal(self) -> bool:
+        """Exactly the causal mask (right = 0, no left bound): what kernel v1 implements."""
+        return self.right == 0 and self.left < 0
+
+    @property
+    def plain(self) -> bool:
+        """Only what kernel v1 (and the TF32 kernels) support: no window other than causal, no softcap, ALiBi,
+        GQA, varlen or dropout."""
+        has_left, _, softcap, alibi, varlen, dropout = self.variant
+        return not (has_left or softcap or alibi or varlen or dropout or self.gqa or self.right > 0)
+
+    def describe(self) -> str:
+        parts = []
+        if self.causal:
+            parts.append("causal")
+        elif self.left >= 0 or self.right >= 0:
+            parts.append(f"window ({self.left}, {self.right})")
+        if self.softcap:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.alibi is not None:
+            parts.append("ALiBi")
+        if self.gqa:
+            parts.append("GQA")
+        if self.varlen:
+            parts.append("varlen")
+        if self.dropout_p:
+            parts.append(f"dropout {self.dropout_p:g}")
+        return ", ".join(parts) or "no mask"
+
+
+def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale, batch=None,
+                  varlen=False) -> Options:
+    causal = check_flag("causal", causal)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    for name, w in (("left", left), ("right", right)):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) or w < -1:
+            raise ValueError(f"window_size {name} must be an int >= -1 (-1: unbounded), got {w!r}")
+    left, right = int(left), int(right)
+    if causal:  # as in flash-attn: causal is the window (left, 0)
+        right = 0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    if not (math.isfinite(float(softcap)) and float(softcap) >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    nheads = tq.shape[-2]
+    batch = tq.shape[0] if batch is None else batch
+    alibi = None
+    if alibi_slopes is not None:
+        try:
+            rank = len(_arrays.shape_strides_dtype(alibi_slopes)[0])
+        except AttributeError:
+            raise TypeError(f"alibi_slopes must be an array, got {type(alibi_slopes).__name__}") from None
+        alibi = inspect("alibi_slopes", alibi_slopes, rank)
+        if _arrays.on_device(alibi.kind) != _arrays.on_device(tq.kind):
+            check_same_place((tq, alibi))
+        if alibi.shape not in ((nheads,), (batch, nheads)):
+            raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+                             f"({batch}, {nheads}), got {alibi.shape}")
+        if alibi.dtype != np.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi.dtype}")
+    p = check_dropout_p(dropout_p)
+    scale = check_scale(softmax_scale, tq.shape[-1])
+    return Options(scale=scale, left=left, right=right, softcap=float(softcap), alibi=alibi, dropout_p=p,
+                   varlen=varlen, gqa=tk.shape[-2] != tq.shape[-2])
+
+
+def check_forward_results(tq, tdo, to, tl, lse_layout, lse_shape, forward_name):
+    """dout and out shaped like q; lse float32 in the forward's layout."""
+    for t in (tdo, to):
+        if t.shape != tq.shape:
+            raise ValueError(f"{t.name} must have the shape of q {tq.shape}, got {t.shape}")
+    if tl.shape != lse_shape:
+        raise ValueError(f"lse must have shape {lse_layout} = {lse_shape}, got {tl.shape}")
+    if tl.dtype != np.float32:
+        raise TypeError(f"lse must be float32 (as {forward_name} returns it), got {tl.dtype}")
+
+
+def check_cu_seqlens(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read_values=True):
+    """Validate the varlen offsets and maxima: returns (batch, cu_q Tensor, cu_k Tensor, max_q, max_k).
+
+    Shapes and dtypes are checked always. The values (starting at 0, non-decreasing, ending at the number of
+    rows, no sequence longer than max_seqlen) are device memory for device arrays: ``read_values`` copies them to
+    the host to check them (a synchronisation); offsets that break these rules make the kernels read and write
+    outside the arrays, so ``read_values=False`` is for callers that guarantee them.
+    """
+    out, longest = [], []
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, tq.shape[0]), ("cu_seqlens_k", cu_seqlens_k, tk.shape[0])):
+        t = inspect(name, cu, 1)
+        check_same_place((tq, t))
+        if t.dtype != np.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {t.shape}")
+        if read_values:
+            h = _arrays.to_host(t.array)
+            if h[0] != 0:
+                raise ValueError(f"{name} must start at 0 (shape (batch + 1,)), got {h[:4].tolist()}...")
+            if (np.diff(h) < 0).any():
+                raise ValueError(f"{name} must be non-decreasing, got {h.tolist()}")
+            if h[-1] != total:
+                raise ValueError(f"{name} must end at the total number of rows ({total}), got {int(h[-1])}")
+            longest.append(int(np.diff(h).max()) if h.shape[0] > 1 else 0)
+        out.append(t)
+    tcq, tck = out
+    if tcq.shape != tck.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{tcq.shape[0]} and {tck.shape[0]}")
+    maxes = []
+    for i, (name, given) in enumerate((("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))):
+        given = check_int(name, given, 0, 2**31 - 1)
+        if read_values and given < longest[i]:
+            raise ValueError(f"{name} must be at least the longest sequence ({longest[i]}), got {given}")
+        maxes.append(given)
+    return tcq.shape[0] - 1, tcq, tck, maxes[0], maxes[1]

@@ -1,0 +1,17 @@
+"""The kernels: device code and the factories that specialise it, nothing above them.
+
+Read them in this order; each step uses only what the one before it showed:
+
+1. :mod:`.common` who sees whom (causal, window, varlen), the score modifications, the dropout stream;
+2. :mod:`.simt_forward` FlashAttention-2 Algorithm 1 on CUDA cores: v1 (a thread per query row), v2 and v3
+   (register tiles);
+3. :mod:`.simt_backward` Algorithm 2 on CUDA cores (D_i preprocess, dK/dV and dQ kernels);
+4. :mod:`.ptx` the tensor-core instructions (``mma.sync``, ``ldmatrix``, ``cp.async``) with their simulator
+   stand-ins, and :mod:`.bf16` / :mod:`.philox`;
+5. :mod:`.mma_tiles` one warp's tile operations: row loads, A fragments, the two matrix products;
+6. :mod:`.mma_forward` Algorithm 1 on tensor cores; 7. :mod:`.mma_backward` Algorithm 2 on tensor cores;
+8. :mod:`.mma_tf32` float32 on tensor cores (TF32 and 3xTF32).
+
+Which kernel runs with which tiles on a given GPU is decided above this package, in :mod:`flashnumba.tiling` and
+:mod:`flashnumba.planner`; launching is :mod:`flashnumba._launch`. Nothing here imports those.
+"""

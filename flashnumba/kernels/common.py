@@ -1,0 +1,128 @@
+"""What every kernel shares: who sees whom, the score modifications, the dropout stream.
+
+FlashAttention-2's Algorithms 1 and 2 visit, for a query tile Q_i, the key tiles K_j it can see, and mask the
+entries S_ij of a tile that it cannot. The rules, the same in every kernel (forward and backward, SIMT and tensor
+cores) and in ``flashnumba.reference``:
+
+* query row i of a sequence sees key j iff i + diag - left <= j <= i + diag + right, with diag = seqlen_k -
+  seqlen_q (the diagonal of the bottom-right-aligned causal mask), each bound only where it is compiled in
+  (``has_left``, ``has_right``; causal is has_right with right = 0), and j < seqlen_k. Each kernel writes this
+  test out where it masks a score: folded into a device function, the kernels compile to other branch code;
+* the key tiles a query tile meets are those that intersect the union of its rows' bands: :func:`make_key_range`
+  and :func:`make_key_tiles`;
+* a batch entry's rows, for equal lengths or packed (varlen) sequences: :func:`make_sequence_geometry`;
+* the score before the softmax: softcap, then the ALiBi bias: :func:`make_score_mod`;
+* the dropout mask: a Philox uniform drawn from (seed, offset, batch * nheads + head, i, j):
+  :data:`dropout_uniform`, so that the backward regenerates exactly the forward's mask.
+
+Scores are kept in base 2 inside the kernels (exp2, with log2(e) folded into the scale): :data:`LOG2E` and
+:data:`LN2` move between the bases; a row with no visible key keeps m_i = :data:`NEG_INF`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from . import philox
+from .._backend import cuda
+from numba import float32
+
+# The dropout mask's random numbers (see philox.py), as device functions.
+dropout_uniform = cuda.jit(device=True)(philox.make_uniform(cuda.jit(device=True)(philox.philox4x32_10)))
+
+LOG2E = float32(math.log2(math.e))
+LN2 = float32(math.log(2.0))
+NEG_INF = float32(-math.inf)
+
+
+class Variant(tuple):
+    """Compile-time options of the v2/v3 kernels: (has_left, has_right, softcap, alibi, varlen, dropout)."""
+
+    def __new__(cls, has_left=False, has_right=False, softcap=False, alibi=False, varlen=False, dropout=False):
+        return super().__new__(cls, tuple(map(bool, (has_left, has_right, softcap, alibi, varlen, dropout))))
+
+
+def make_sequence_geometry(varlen):
+    """The device function that places batch entry ``b`` in the arrays, for the register-tiled kernels:
+
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, seqlen_q, seqlen_k, cu_q, cu_k)
+
+    ``bb`` indexes the arrays' leading dimension, ``q0`` and ``k0`` are the rows of its first query and key,
+    and seqlen_q, seqlen_k its lengths. Equal lengths: (b, 0, 0, seqlen_q, seqlen_k) as given. ``varlen``
+    (packed sequences, the arrays viewed as (1, total, nheads, d)): entry b is rows cu_q[b] .. cu_q[b+1] of q
+    and cu_k[b] .. cu_k[b+1] of k and v."""
+
+    @cuda.jit(device=True)
+    def sequence(b, seqlen_q, seqlen_k, cu_q, cu_k):
+        if varlen:
+            q0 = cu_q[b]
+            k0 = cu_k[b]
+            return 0, q0, k0, cu_q[b + 1] - q0, cu_k[b + 1] - k0
+        return b, 0, 0, seqlen_q, seqlen_k
+
+    return sequence
+
+
+def make_score_mod(softcap_on, alibi_on):
+    """The device function that modifies a score before the softmax, as every kernel does it (and as
+    ``flashnumba.reference._scores``):
+
+        x, dcap = score_mod(x, softcap, slope, i, j, diag)
+
+    x = scale q_i . k_j becomes softcap * tanh(x / softcap) (``softcap_on``), then x - slope |i + diag - j| (the
+    ALiBi bias, ``alibi_on``); dcap = d(new x) / d(x) = 1 - tanh^2 (1 without a softcap), which the backward
+    multiplies into dS. The forward ignores dcap and the compiler drops it."""
+
+    @cuda.jit(device=True, inline=True)
+    def score_mod(x, softcap, slope, i, j, diag):
+        dcap = float32(1.0)
+        if softcap_on:
+            th = float32(math.tanh(x / softcap))
+            x = softcap * th
+            dcap = float32(1.0) - th * th
+        if alibi_on:
+            x -= slope * float32(abs(i + diag - j))
+        return x, dcap
+
+    return score_mod
+
+
+@functools.lru_cache(maxsize=None)
+def make_key_range(B_r, B_c, has_left, has_right):
+    """key_range(i0, seqlen_q, seqlen_k, diag, left, right) -> (n_start, n_end): the keys that the query rows
+    i0 .. i0 + B_r - 1 (within the sequence) can see lie in n_start .. n_end - 1. Row i sees keys
+    i + diag - left .. i + diag + right (each bound only where compiled in), so the first row gives the lower
+    end, rounded down to a multiple of B_c so that the tiles stay aligned, and the last row the upper end,
+    clipped to 0 .. seqlen_k."""
+
+    @cuda.jit(device=True, inline=True)
+    def key_range(i0, seqlen_q, seqlen_k, diag, left, right):
+        n_start = 0
+        n_end = seqlen_k
+        if has_left:
+            n_start = max(0, i0 + diag - left) // B_c * B_c
+        if has_right:
+            last_row = min(i0 + B_r, seqlen_q) - 1
+            n_end = max(0, min(seqlen_k, last_row + diag + right + 1))
+        return n_start, n_end
+
+    return key_range
+
+
+@functools.lru_cache(maxsize=None)
+def make_key_tiles(B_r, B_c, has_left, has_right):
+    """key_tiles(i0, seqlen_q, seqlen_k, diag, left, right) -> (last_row, n_start, n_tiles): the key range of
+    :func:`make_key_range` as n_tiles tiles of B_c keys from key n_start, the last possibly reaching past
+    seqlen_k, and the last query row within the sequence (the kernels test it to skip the mask of tiles inside
+    every row's band). For the kernels that count their tiles (the cp.async pipelines prefetch tile j + 1 while
+    j is used)."""
+    key_range = make_key_range(B_r, B_c, has_left, has_right)
+
+    @cuda.jit(device=True, inline=True)
+    def key_tiles(i0, seqlen_q, seqlen_k, diag, left, right):
+        last_row = min(i0 + B_r, seqlen_q) - 1
+        n_start, n_end = key_range(i0, seqlen_q, seqlen_k, diag, left, right)
+        return last_row, n_start, max(0, (n_end - n_start + B_c - 1) // B_c)
+
+    return key_tiles

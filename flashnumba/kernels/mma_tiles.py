@@ -1,0 +1,182 @@
+"""One warp's tile operations on tensor cores: the building blocks of FlashAttention-2's matrix products.
+
+Every tensor-core kernel (:mod:`.mma_forward`, :mod:`.mma_backward`, :mod:`.mma_tf32`) gives each warp 16 rows
+(:data:`WARP_ROWS`, the M of ``mma.sync.m16n8k16``) and works with these, built on the intrinsics of :mod:`.ptx`:
+
+* :func:`make_load_rows`, :func:`make_load_pair`: rows of a (batch, seqlen, nheads, D) array into shared
+  memory with ``cp.async``, 16 bytes a copy, zeros past the end of the sequence;
+* :func:`tile_landed`: the commit / wait / barrier step of the double buffer (FlashAttention-2's overlap of the
+  copies of tile j + 1 with the products on tile j);
+* :func:`make_load_a`: the A fragments of 16 rows (``ldmatrix``);
+* :func:`make_mma_abt`: acc = A X^T (S = Q K^T, dP = dO V^T), :func:`make_mma_ab`: acc += P X (O += P V,
+  dQ += dS K, ...), with :func:`make_mma_into` the one m16n8k16 product behind both.
+
+Matrices in shared memory are row-major with rows of D + :data:`PAD` elements; ``off`` is the element offset of
+a matrix's first row in the one shared array. A row of D = 64 or 128 16-bit elements is 128 or 256 bytes: with
+that stride the eight 16-byte rows an ``ldmatrix`` reads would all start in the same four of the 32 banks (an
+8-way conflict); with D + 8 each row starts 16 bytes (four banks) further on, and the eight rows cover the 32
+banks once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import ptx
+from .._backend import cuda
+
+WARP_ROWS = 16  # the M of mma.m16n8k16 (and m16n8k8): query rows per warp
+HEAD_DIMS = (64, 128)  # the head dimensions the tensor-core kernels are built for
+PAD = 8  # elements added to each shared-memory row (16 bytes): conflict-free ldmatrix
+
+
+def _kind(dtype):
+    """(mma_into, pack) for "float16" or "bfloat16": see :func:`make_mma_into`; pack is the intrinsic."""
+    if dtype == "bfloat16":
+        return make_mma_into(ptx.mma_m16n8k16_bf16), ptx.pack_bf16x2
+    return make_mma_into(ptx.mma_m16n8k16_f16), ptx.pack_f16x2
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_into(mma):
+    """mma_into(acc, n, a0, a1, a2, a3, b0, b1): acc[n, 0..3] += A B for one m16n8k16 tile, A given by its
+    fragment registers a0..a3 and B by b0, b1, with ``mma`` (the float16 or bfloat16 intrinsic)."""
+
+    @cuda.jit(device=True, inline=True)
+    def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+        acc[n, 0] = d0
+        acc[n, 1] = d1
+        acc[n, 2] = d2
+        acc[n, 3] = d3
+
+    return mma_into
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_rows(D, NT, LD=None, per_copy=8):
+    """load_rows(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` rows of
+    src[b, row0 + r, h, :] (a C-contiguous (batch, seqlen, nheads, D) array) to smem rows off + r (row stride
+    ``LD`` elements, D + PAD unless given), 16 bytes = ``per_copy`` elements (8 of 16 bits, 4 of float32) per
+    cp.async, spread over the NT threads of the block; rows at or past ``row_end`` (the end of the sequence)
+    become zeros (plain stores: a row of garbage could hold a NaN, and 0 * NaN is NaN)."""
+    if LD is None:
+        LD = D + PAD
+    CH = D // per_copy  # 16-byte chunks per row
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
+        for it in range((rows * CH + NT - 1) // NT):
+            e = tid + it * NT
+            if e < rows * CH:
+                r = e // CH
+                c = (e % CH) * per_copy
+                if row0 + r < row_end:
+                    ptx.cp_async_16(smem, off + r * LD + c, src,
+                                    ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + c)
+                else:
+                    for x in range(per_copy):
+                        smem[off + r * LD + c + x] = 0  # (a float16 constant captured from Python fails NVVM)
+
+    return load_rows
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_pair(D, NT, rows, second):
+    """load_pair(smem, off, x, y, b, row0, row_end, h, tid): :func:`make_load_rows` of ``rows`` rows of x to
+    smem from element ``off`` and of the same rows of y from ``off + second``: the two matrices of one tile of a
+    double buffer (K_j and V_j, or Q_i and dO_i), copied as one."""
+    load_rows = make_load_rows(D, NT)
+
+    @cuda.jit(device=True, inline=True)
+    def load_pair(smem, off, x, y, b, row0, row_end, h, tid):
+        load_rows(smem, off, x, b, row0, row_end, h, rows, tid)
+        load_rows(smem, off + second, y, b, row0, row_end, h, rows, tid)
+
+    return load_pair
+
+
+@cuda.jit(device=True, inline=True)
+def tile_landed():
+    """The step of the cp.async double buffer between issuing the copies of tile j + 1 (into the buffer that
+    tile j - 1 used) and computing on tile j: close the copies just issued as one commit group (an empty one
+    after the last tile keeps the count uniform), wait until every group but that newest one has landed (tile j,
+    and whatever the prologue copied with it), and a barrier, so that every thread's copies and zero stores of
+    tile j are visible to all."""
+    ptx.cp_async_commit()
+    ptx.cp_async_wait(1)
+    cuda.syncthreads()
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_a(D):
+    """load_a(frag, smem, off, lane): the A fragments frag[kk, 0..3] (one per 16 columns) of the 16 rows
+    starting at element ``off``: lane l points at row l % 16, column 16 kk + 8 (l // 16)."""
+    LD = D + PAD
+
+    @cuda.jit(device=True, inline=True)
+    def load_a(frag, smem, off, lane):
+        for kk in range(D // 16):
+            a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, off + (lane % 16) * LD + 16 * kk + 8 * (lane // 16))
+            frag[kk, 0] = a0
+            frag[kk, 1] = a1
+            frag[kk, 2] = a2
+            frag[kk, 3] = a3
+
+    return load_a
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_abt(D, N, dtype):
+    """mma_abt(acc, frag, smem, off, lane): acc = A X^T, A (16 x D) given by its fragments ``frag`` (load_a),
+    X (N x D) the N rows of smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns
+    8n .. 8n + 7.
+
+    B = X^T (D x N) in "col" layout is X row-major: non-transposing ldmatrix. One x4 load covers 16 rows of X
+    x 16 columns: lanes 0-7 rows n0..n0+7, columns 16kk..+7 (b0 of tile n0), lanes 8-15 the same rows, columns
+    +8..+15 (b1), lanes 16-31 the same for rows n0+8..n0+15."""
+    LD = D + PAD
+    mma_into, _ = _kind(dtype)
+
+    @cuda.jit(device=True, inline=True)
+    def mma_abt(acc, frag, smem, off, lane):
+        for n in range(N // 8):
+            for x in range(4):
+                acc[n, x] = 0.0
+        for kk in range(D // 16):
+            for n2 in range(N // 16):
+                row = 16 * n2 + (lane & 7) + 8 * (lane >> 4)
+                col = 16 * kk + 8 * ((lane >> 3) & 1)
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, off + row * LD + col)
+                mma_into(acc, 2 * n2, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b0, b1)
+                mma_into(acc, 2 * n2 + 1, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b2, b3)
+
+    return mma_abt
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_ab(N, D, dtype):
+    """mma_ab(acc, p, smem, off, lane): acc += P X, P (16 x N) given as C fragments p[n, 0..3] (rounded to 16
+    bits here; the module docstring of :mod:`.mma_forward` shows why a C fragment is already the A fragment),
+    X (N x D) the N rows of smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns
+    8n .. 8n + 7 (D / 8 of them).
+
+    B = X (N x D) row-major is "row" layout for B: transposing ldmatrix. Lane l points at row 16c + l % 16,
+    column 16 n2 + 8 (l // 16): (b0, b1) of columns 16 n2 .. +7, then of columns 16 n2 + 8 .. +15."""
+    LD = D + PAD
+    mma_into, pack = _kind(dtype)
+
+    @cuda.jit(device=True, inline=True)
+    def mma_ab(acc, p, smem, off, lane):
+        for c in range(N // 16):
+            a0 = pack(p[2 * c, 0], p[2 * c, 1])
+            a1 = pack(p[2 * c, 2], p[2 * c, 3])
+            a2 = pack(p[2 * c + 1, 0], p[2 * c + 1, 1])
+            a3 = pack(p[2 * c + 1, 2], p[2 * c + 1, 3])
+            for n2 in range(D // 16):
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, off + (16 * c + lane % 16) * LD + 16 * n2
+                                                       + 8 * (lane // 16))
+                mma_into(acc, 2 * n2, a0, a1, a2, a3, b0, b1)
+                mma_into(acc, 2 * n2 + 1, a0, a1, a2, a3, b2, b3)
+
+    return mma_ab

@@ -1,0 +1,482 @@
+"""Plans: which kernels a call runs, with which tiles, threads, shared memory and grid, and why.
+
+A :class:`Plan` is made from validated inputs and options (:mod:`flashnumba._validate`) and a device's limits
+(:mod:`flashnumba.tiling`), and is all :mod:`flashnumba._launch` needs to run the call. It is also what a user can
+ask for without running anything::
+
+    >>> p = flashnumba.plan(q, k, v, causal=True)        # the forward of this call on this GPU
+    >>> print(p)                                         # family, tiles, threads, shared bytes, grid, why
+    >>> flashnumba.plan_backward(dout, q, k, v, out, lse, causal=True, device="sm_86")   # on another GPU
+
+How ``kernel=None`` chooses:
+
+* float16 / bfloat16: the tensor-core kernels (``tc``) where they apply: a GPU of compute capability >= 8.0
+  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim 64 or 128, and no tile arguments given (those are the SIMT
+  kernels'); strided inputs are copied to C-contiguous ones for them (their row copies address whole rows).
+  Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
+  ``fallback`` and a one-time :class:`SlowPathWarning` says so (``flashnumba.config.warn_slow_path = False``
+  silences it). Under the simulator the SIMT kernels are chosen without a warning.
+* float32: the SIMT kernels (``v3`` / ``v2``), exact float32 arithmetic; the TF32 kernels are opt-in
+  (``kernel="tf32"`` or ``"3xtf32"``), since they round the operands.
+
+Each family's tiles come from its table in :mod:`flashnumba.tiling`: the first candidate that fits the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _arrays, _validate, config, tiling
+from ._backend import SIMULATOR, cuda
+from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel
+from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward
+from .kernels.simt_forward import LOG2E
+
+PREPROCESS_ROWS = 8  # query rows per block of the backward's D_i kernel on a GPU (a warp each)
+
+
+class SlowPathWarning(UserWarning):
+    """kernel=None chose a kernel family slower than the inputs' dtype allows elsewhere (see the plan's
+    ``fallback``)."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A user array a call reads: its name, kind, whether it is copied to the device (NumPy) or to a C-contiguous
+    copy (strided input of a tensor-core kernel), a leading axis added (varlen), a broadcast (ALiBi slopes
+    (nheads,) -> (batch, nheads)), and the dummy that stands in when it is absent."""
+
+    name: str
+    kind: str
+    to_device: bool = False
+    copy: bool = False
+    lead: bool = False
+    broadcast: tuple | None = None
+    dummy_shape: tuple = (1,)
+    dummy_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """An array a call allocates: the user's shape and dtype, and whether it is returned (D_i is not)."""
+
+    name: str
+    shape: tuple
+    dtype: np.dtype
+    returned: bool = True
+
+
+@dataclass
+class Plan:
+    """What one call runs. ``kernel``: the family (the API's ``kernel=`` name); ``why``: why this family;
+    ``fallback``: set when kernel=None chose a family slower than the dtype allows on a capable GPU, saying why;
+    ``launches``: each kernel with its tiles, threads, shared bytes and grid; ``device``: the limits planned
+    for. ``arrays``, ``scalars``, ``inputs``, ``outputs`` and ``like`` are what the launch layer needs."""
+
+    pass_: str
+    kernel: str
+    dtype: str
+    head_dim: int
+    options: str
+    device: tiling.DeviceLimits
+    why: str
+    fallback: str | None
+    launches: tuple
+    arrays: dict = field(repr=False, default_factory=dict)
+    scalars: dict = field(repr=False, default_factory=dict)
+    inputs: tuple = field(repr=False, default=())
+    outputs: tuple = field(repr=False, default=())
+    like: str = field(repr=False, default="numpy")
+
+    def resources(self) -> list:
+        """Registers, spills and static shared memory of each kernel, compiled for the plan's device (also
+        without a GPU; the compiled code is kept in the disk cache)."""
+        rows = []
+        for s in self.launches:
+            c = compile_kernel(s, s.signature(self.arrays, self.scalars), self.device.cc)
+            rows.append(dict(kernel=s.name, **c.resources))
+        return rows
+
+    def to_dict(self) -> dict:
+        return {
+            "pass": self.pass_, "kernel": self.kernel, "dtype": self.dtype, "head_dim": self.head_dim,
+            "options": self.options, "device": self.device.name, "arch": self.device.arch,
+            "max_shared_per_block": self.device.max_shared_per_block, "why": self.why, "fallback": self.fallback,
+            "launches": [dict(name=s.name, table=s.table, block_m=getattr(s.tiles, "block_m", None),
+                              block_n=getattr(s.tiles, "block_n", None), threads=int(np.prod(s.block)),
+                              shared_bytes=s.shared_bytes, grid=list(s.grid), reason=s.reason)
+                         for s in self.launches],
+        }
+
+    def __str__(self) -> str:
+        lines = [f"{self.pass_} on {self.device.name} ({self.device.max_shared_per_block} bytes of shared memory "
+                 f"per block): kernel {self.kernel!r}, {self.dtype}, head_dim {self.head_dim}, {self.options}",
+                 f"  why: {self.why}"]
+        if self.fallback:
+            lines.append(f"  slower path: {self.fallback}")
+        for s in self.launches:
+            t = s.tiles
+            tiles = f"B_r {t.block_m}, B_c {t.block_n}, " if t is not None else ""
+            lines.append(f"  {s.name:16} {tiles}{int(np.prod(s.block))} threads, {s.shared_bytes} B dynamic shared, "
+                         f"grid {tuple(s.grid)}" + (f"  ({s.reason})" if s.reason else ""))
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the device
+# ---------------------------------------------------------------------------------------------------------------
+
+_current: dict = {}
+
+
+def current_device() -> tiling.DeviceLimits:
+    """The limits of Numba's current GPU (under the simulator, or without a GPU: sm_90's), capped by
+    ``FLASHNUMBA_MAX_SHARED_BYTES``."""
+    if SIMULATOR or not cuda.is_available():
+        return tiling.capped(tiling.ARCHS["sm_90"])
+    dev = cuda.get_current_device()
+    lim = _current.get(dev.id)
+    if lim is None:
+        name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
+        cc = tuple(dev.compute_capability)
+        lim = tiling.DeviceLimits(
+            f"{name} (sm_{cc[0]}{cc[1]})", cc, int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            int(dev.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR), int(dev.MAX_REGISTERS_PER_MULTIPROCESSOR),
+            int(dev.MAX_THREADS_PER_MULTI_PROCESSOR), sm_count=int(dev.MULTIPROCESSOR_COUNT))
+        _current[dev.id] = lim
+    return tiling.capped(lim)
+
+
+def resolve_device(device) -> tiling.DeviceLimits:
+    return current_device() if device is None else tiling.capped(tiling.device_limits(device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# choosing the family
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype) -> str:
+    return "bfloat16" if _arrays.is_bfloat16(dtype) else np.dtype(dtype).name
+
+
+def _mma_blocker(tq, tensors, limits, tiles_given) -> str | None:
+    """Why the tensor-core kernels do not apply to a float16/bfloat16 call, or None where they do."""
+    if SIMULATOR:
+        return "the simulator runs the SIMT kernels by default (ask for kernel='tc' to simulate the tensor cores)"
+    if tiles_given:
+        return "tile arguments were given without kernel=: they are the SIMT kernels' (pass kernel='tc' to tile " \
+               "the tensor-core kernels)"
+    if tuple(limits.cc) < tiling.MMA_MIN_CC:
+        return (f"compute capability {limits.cc[0]}.{limits.cc[1]} has no mma.sync m16n8k16 / cp.async "
+                f"(the tensor-core kernels need 8.0 or newer)")
+    if tq.shape[-1] not in tiling.MMA_HEAD_DIMS:
+        return f"the tensor-core kernels are instantiated for head_dim {tiling.MMA_HEAD_DIMS}, not {tq.shape[-1]}"
+    if _arrays.cupy is None and any(t.kind in ("numba", "cai") and not _c_layout(t) for t in tensors):
+        return "strided inputs would need a C-contiguous copy, which needs CuPy"
+    return None
+
+
+def _c_layout(t) -> bool:
+    from ._launch import is_c_layout
+
+    return is_c_layout(t.shape, t.strides, t.dtype.itemsize)
+
+
+def _warn_slow(pass_, reason):
+    if config.warn_slow_path and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"flashnumba: the {pass_} runs on the SIMT kernels, about 10x slower than the tensor-core "
+                      f"ones: {reason}. (flashnumba.config.warn_slow_path = False silences this.)",
+                      SlowPathWarning, stacklevel=4)
+
+
+_warned: set = set()
+
+
+def choose_forward(kernel, tq, tensors, opts, limits, tiles_given):
+    """(family, why, fallback) of a forward call."""
+    lowp = tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype)
+    if kernel is not None:
+        if kernel not in tiling.FORWARD_FAMILIES:
+            raise ValueError(f"kernel must be one of {tiling.FORWARD_FAMILIES} (or None), got {kernel!r}")
+        _check_family(kernel, tq, opts, limits, "forward")
+        return kernel, "asked for by kernel=", None
+    if lowp:
+        blocker = _mma_blocker(tq, tensors, limits, tiles_given)
+        if blocker is None:
+            return "tc", f"{_dtype_name(tq.dtype)} on tensor cores (mma.sync, cp.async, ldmatrix)", None
+        return "v3", "the register-tiled SIMT kernel", (None if SIMULATOR else blocker)
+    return "v3", "float32: the register-tiled SIMT kernel, exact float32 arithmetic (TF32 is opt-in)", None
+
+
+def choose_backward(kernel, tq, tensors, opts, limits, tiles_given):
+    lowp = tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype)
+    if kernel is not None:
+        if kernel not in tiling.BACKWARD_FAMILIES:
+            raise ValueError(f"kernel must be one of {tiling.BACKWARD_FAMILIES} for the backward (or None), "
+                             f"got {kernel!r}")
+        _check_family(kernel, tq, opts, limits, "backward")
+        return kernel, "asked for by kernel=", None
+    if lowp:
+        blocker = _mma_blocker(tq, tensors, limits, tiles_given)
+        if blocker is None:
+            return "tc", f"{_dtype_name(tq.dtype)} on tensor cores (mma.sync, cp.async, ldmatrix)", None
+        return "v2", "the register-tiled SIMT kernels", (None if SIMULATOR else blocker)
+    return "v2", "float32: the register-tiled SIMT kernels, exact float32 arithmetic", None
+
+
+def _check_family(kernel, tq, opts, limits, pass_):
+    if kernel == "v1" and not opts.plain:
+        raise ValueError(f"{pass_} kernel v1 supports causal masking only (no window, softcap, ALiBi, GQA, varlen "
+                         f"or dropout); use the default kernel")
+    if kernel == "tc":
+        if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
+            raise TypeError(f"the tensor-core kernels take float16 or bfloat16; q has dtype {tq.dtype}")
+        if tq.shape[-1] not in tiling.MMA_HEAD_DIMS:
+            raise ValueError(f"the tensor-core kernels support head_dim in {tiling.MMA_HEAD_DIMS}, got {tq.shape[-1]}")
+    if kernel in mma_tf32.PRECISIONS:
+        if tq.dtype != np.float32:
+            raise TypeError(f"the TF32 kernel takes float32; q has dtype {tq.dtype}")
+        if not opts.plain:
+            raise ValueError(f"kernel {kernel!r} supports causal masking only (no window, softcap, ALiBi, GQA, "
+                             f"varlen or dropout)")
+        if tq.shape[-1] not in mma_tf32.HEAD_DIMS:
+            raise ValueError(f"the TF32 kernel supports head_dim in {mma_tf32.HEAD_DIMS}, got {tq.shape[-1]}")
+    if kernel in ("tc",) + mma_tf32.PRECISIONS and not SIMULATOR and tuple(limits.cc) < tiling.MMA_MIN_CC:
+        raise ValueError(f"kernel {kernel!r} needs compute capability 8.0 or newer (mma.sync m16n8k16, cp.async); "
+                         f"this is {limits.name}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the call's arrays, as the kernels see them
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _kernel_meta(t: _validate.Tensor, lead: bool, contiguous: bool) -> ArrayMeta:
+    """The kernel's view of an input: a NumPy array or a copied one is C-contiguous on the device; a varlen
+    array gets a leading axis of length 1."""
+    shape, strides = t.shape, t.strides
+    if contiguous or t.kind == "numpy":
+        strides = c_strides(shape, t.dtype.itemsize)
+    if lead:
+        span = max(shape[0] * abs(strides[0]), t.dtype.itemsize) if shape else t.dtype.itemsize
+        shape, strides = (1, *shape), (span, *strides)
+    return array_meta(shape, strides, t.dtype)
+
+
+def _inputs(tensors, family, lead, opts, batch, cu):
+    """InputSpecs and kernel ArrayMetas of the call's arrays (q, k, v, ... then alibi, cu_q, cu_k)."""
+    specs, metas = [], {}
+    mma = family in ("tc",) + mma_tf32.PRECISIONS
+    for t in tensors:
+        copy = mma and t.kind != "numpy" and not _c_layout(t)
+        specs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, lead=lead))
+        metas[t.name] = _kernel_meta(t, lead, copy)
+    nheads = tensors[0].shape[-2]
+    a = opts.alibi
+    if a is None:
+        specs.append(InputSpec("alibi", "none", dummy_shape=(1, 1), dummy_dtype="float32"))
+        metas["alibi"] = array_meta((1, 1), (4, 4), np.float32, "A")
+    else:
+        s = c_strides(a.shape, 4) if a.kind == "numpy" else a.strides
+        strides = (0, s[0]) if len(a.shape) == 1 else s
+        specs.append(InputSpec("alibi", a.kind, to_device=a.kind == "numpy", broadcast=(batch, nheads)))
+        metas["alibi"] = array_meta((batch, nheads), strides, np.float32, "A")
+    for name, tc in (("cu_q", cu[0] if cu else None), ("cu_k", cu[1] if cu else None)):
+        if tc is None:
+            specs.append(InputSpec(name, "none", dummy_shape=(1,), dummy_dtype="int32"))
+            metas[name] = array_meta((1,), (4,), np.int32, "A")
+        else:
+            stride = 4 if tc.kind == "numpy" else tc.strides[0]
+            specs.append(InputSpec(name, tc.kind, to_device=tc.kind == "numpy"))
+            metas[name] = array_meta(tc.shape, (stride,), np.int32, "A")
+    return specs, metas
+
+
+def _output(name, user_shape, dtype, lead, returned=True):
+    shape = (1, *user_shape) if lead else tuple(user_shape)
+    kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(dtype) else np.dtype(dtype)
+    return OutputSpec(name, tuple(user_shape), dtype, returned), array_meta(shape, c_strides(shape, kdtype.itemsize),
+                                                                             dtype)
+
+
+def _option_scalars(opts, scale_q=None):
+    return {"softcap": np.float32(opts.softcap), "left": np.int64(opts.left), "right": np.int64(opts.right),
+            "p_drop": np.float32(opts.dropout_p), "rp_keep": np.float32(1.0 / (1.0 - opts.dropout_p)),
+            "scale": np.float32(opts.scale), "scale_log2": np.float32(opts.scale * LOG2E),
+            # with softcap or ALiBi the register-tiled and tensor-core kernels form scale * q.k in natural units
+            "scale_q": np.float32(opts.scale) if (opts.softcap > 0 or opts.alibi is not None)
+            else np.float32(opts.scale * LOG2E)}
+
+
+OPTION_PARAMS = ("softcap", "left", "right", "alibi", "cu_q", "cu_k", "p_drop", "rp_keep", "seed", "offset")
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None, device=None,
+                 batch=None, max_seqlen_q=None, cu=None) -> Plan:
+    """The plan of a forward call (tq, tk, tv validated 4-D Tensors, or 3-D packed ones with ``cu`` given)."""
+    limits = resolve_device(device)
+    lead = cu is not None
+    tiles_given = (block_m, block_n, num_threads) != (None, None, None)
+    family, why, fallback = choose_forward(kernel, tq, (tq, tk, tv), opts, limits, tiles_given)
+    bsz = tq.shape[0] if batch is None else batch
+    shape4 = (1, *tq.shape) if lead else tq.shape
+    total_q, nheads, D = shape4[1], shape4[2], shape4[3]
+    max_q = total_q if max_seqlen_q is None else max_seqlen_q
+    dt, bf16 = tq.dtype, _arrays.is_bfloat16(tq.dtype)
+    inputs, arrays = _inputs((tq, tk, tv), family, lead, opts, bsz, cu)
+    out_spec, arrays["out"] = _output("out", tq.shape, dt, lead)
+    lse_user = (nheads, total_q) if lead else (shape4[0], nheads, total_q)
+    lse_spec, arrays["lse"] = _output("lse", lse_user, np.dtype(np.float32), lead)
+    scalars = _option_scalars(opts)
+    table = family
+    t, reason = tiling.resolve(table, D, limits, block_m, block_n, num_threads)
+    nk = tk.shape[-2]
+    grid = (_cdiv(max_q, t.block_m), bsz * nheads)
+    io = ("q", "k", "v", "out", "lse")
+    if family == "v1":
+        launch = KernelLaunch("forward v1", table, simt_forward.make_forward_v1, (D, t.block_m, t.block_n,
+                              opts.right == 0, bf16), io + ("scale_log2",), grid, (t.block_m,), 0, t, reason)
+    elif family in ("v2", "v3"):
+        make = simt_forward.make_forward_v2 if family == "v2" else simt_forward.make_forward_v3
+        smem, _ = tiling.shared_bytes(table, D, t)
+        launch = KernelLaunch(f"forward {family}", table, make, (D, t.block_m, t.block_n, t.num_threads,
+                              opts.variant, bf16), io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem,
+                              t, reason)
+    elif family == "tc":
+        smem, _ = tiling.shared_bytes(table, D, t)
+        launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
+                              (D, opts.variant, t.block_n, t.block_m // 16, _dtype_name(dt), nk != nheads),
+                              io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t, reason)
+    else:  # tf32, 3xtf32
+        smem, _ = tiling.shared_bytes(table, D, t)
+        launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,
+                              (D, opts.right == 0, family, t.block_n, t.block_m // 16), io + ("scale_log2",), grid,
+                              (t.num_threads,), smem, t, reason)
+    empty = bsz * nheads * max_q == 0 or total_q == 0
+    return Plan("forward", family, _dtype_name(dt), D, opts.describe(), limits, why, fallback,
+                () if empty else (launch,), arrays, scalars, tuple(inputs), (out_spec, lse_spec), _like(tq))
+
+
+def _like(t) -> str:
+    return t.kind
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None,
+                  device=None, batch=None, max_seqlen_q=None, max_seqlen_k=None, cu=None) -> Plan:
+    """The plan of a backward call: the D_i preprocess, then the dQ and the dK/dV kernels."""
+    limits = resolve_device(device)
+    lead = cu is not None
+    tiles_given = (block_m, block_n, num_threads) != (None, None, None)
+    family, why, fallback = choose_backward(kernel, tq, (tq, tk, tv, tdo, to), opts, limits, tiles_given)
+    bsz = tq.shape[0] if batch is None else batch
+    shape4 = (1, *tq.shape) if lead else tq.shape
+    lead_n, total_q, nheads, D = shape4
+    total_k = tk.shape[-3]
+    max_q = total_q if max_seqlen_q is None else max_seqlen_q
+    max_k = total_k if max_seqlen_k is None else max_seqlen_k
+    nk = tk.shape[-2]
+    dt, bf16 = tq.dtype, _arrays.is_bfloat16(tq.dtype)
+    # dout, q, k, v go to the dQ / dK/dV kernels (copied where a tensor-core kernel needs C-contiguous rows);
+    # out and lse only to the preprocess and as read
+    inputs, arrays = _inputs((tdo, tq, tk, tv), family, lead, opts, bsz, cu)
+    for t in (to, tl):
+        inputs.insert(len(inputs) - 3, InputSpec(t.name, t.kind, to_device=t.kind == "numpy", lead=lead))
+        arrays[t.name] = _kernel_meta(t, lead, False)
+    outs = []
+    for name, like_t in (("dq", tq), ("dk", tk), ("dv", tv)):
+        spec, arrays[name] = _output(name, like_t.shape, dt, lead)
+        outs.append(spec)
+    delta_user = (nheads, total_q) if lead else (lead_n, nheads, total_q)
+    spec, arrays["delta"] = _output("delta", delta_user, np.dtype(np.float32), lead, returned=False)
+    outs.append(spec)
+    scalars = _option_scalars(opts)
+    launches = []
+    if SIMULATOR:  # a thread per row (32x fewer simulated threads)
+        pre = KernelLaunch("D_i preprocess", "preprocess", simt_backward.make_backward_preprocess, (D, 64, bf16),
+                           ("dout", "out", "delta"), (_cdiv(total_q, 64), lead_n * nheads), (64,), 0)
+    else:  # a warp per row: coalesced loads
+        r = PREPROCESS_ROWS
+        pre = KernelLaunch("D_i preprocess", "preprocess", simt_backward.make_backward_preprocess_warp, (D, r, bf16),
+                           ("dout", "out", "delta"), (_cdiv(total_q, r), lead_n * nheads), (32 * r,), 0)
+    io_dq = ("dout", "q", "k", "v", "lse", "delta", "dq")
+    io_kv = ("dout", "q", "k", "v", "lse", "delta", "dk", "dv")
+    if family == "tc":
+        tq_t, rq = tiling.resolve("tc_dq", D, limits, block_m, block_n, num_threads)
+        tk_t, rk = tiling.resolve("tc_dkdv", D, limits, block_m, block_n, num_threads)
+        tail = ("scale_log2", "scale") + OPTION_PARAMS
+        name, gqa = _dtype_name(dt), nk != nheads
+        dq = KernelLaunch("dQ tc", "tc_dq", mma_backward.make_backward_dq_tc,
+                          (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa), io_dq + tail,
+                          (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
+                          tiling.shared_bytes("tc_dq", D, tq_t)[0], tq_t, rq)
+        kv = KernelLaunch("dK/dV tc", "tc_dkdv", mma_backward.make_backward_dkdv_tc,
+                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa), io_kv + tail,
+                          (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
+                          tiling.shared_bytes("tc_dkdv", D, tk_t)[0], tk_t, rk)
+    elif family == "v1":
+        t, reason = tiling.resolve("bwd_v1", D, limits, block_m, block_n, num_threads)
+        dq = KernelLaunch("dQ v1", "bwd_v1", simt_backward.make_backward_dq_v1,
+                          (D, t.block_m, t.block_n, opts.right == 0, bf16), io_dq + ("scale",),
+                          (_cdiv(max_q, t.block_m), bsz * nheads), (t.block_m,), 0, t, reason)
+        kv = KernelLaunch("dK/dV v1", "bwd_v1", simt_backward.make_backward_dkdv_v1,
+                          (D, t.block_m, t.block_n, opts.right == 0, bf16), io_kv + ("scale",),
+                          (_cdiv(max_k, t.block_n), bsz * nk), (t.block_n,), 0, t, reason)
+    else:
+        t, reason = tiling.resolve("bwd_v2", D, limits, block_m, block_n, num_threads)
+        args = (D, t.block_m, t.block_n, t.num_threads, opts.variant, bf16)
+        dq = KernelLaunch("dQ v2", "bwd_v2", simt_backward.make_backward_dq_v2, args,
+                          io_dq + ("scale",) + OPTION_PARAMS, (_cdiv(max_q, t.block_m), bsz * nheads),
+                          (t.num_threads,), tiling.shared_bytes("bwd_v2_dq", D, t)[0], t, reason)
+        kv = KernelLaunch("dK/dV v2", "bwd_v2", simt_backward.make_backward_dkdv_v2, args,
+                          io_kv + ("scale",) + OPTION_PARAMS, (_cdiv(max_k, t.block_n), bsz * nk),
+                          (t.num_threads,), tiling.shared_bytes("bwd_v2_dkdv", D, t)[0], t, reason)
+    if bsz * nheads and (total_q or total_k):
+        if total_q:
+            launches.append(pre)
+        if max_q:
+            launches.append(dq)
+        if max_k:
+            launches.append(kv)
+    return Plan("backward", family, _dtype_name(dt), D, opts.describe(), limits, why, fallback, tuple(launches),
+                arrays, scalars, tuple(inputs), tuple(outs), _like(tq))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the probabilities (return_attn_probs)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def probs_plan(tq, tk, tl, opts, device=None) -> Plan:
+    limits = resolve_device(device)
+    batch, seqlen_q, nheads, D = tq.shape
+    seqlen_k = tk.shape[1]
+    inputs, arrays = _inputs((tq, tk), "v3", False, opts, batch, None)
+    inputs.insert(2, InputSpec("lse", tl.kind, to_device=tl.kind == "numpy"))
+    arrays["lse"] = _kernel_meta(tl, False, False)
+    spec, arrays["probs"] = _output("probs", (batch, nheads, seqlen_q, seqlen_k), np.dtype(np.float32), False)
+    launch = KernelLaunch("probs", "probs", simt_forward.make_probs_kernel, (D, opts.variant, _arrays.is_bfloat16(tq.dtype)),
+                          ("q", "k", "lse", "probs", "scale", "softcap", "left", "right", "alibi", "p_drop",
+                           "rp_keep", "seed", "offset"), (seqlen_q, batch * nheads), (min(128, max(32, seqlen_k)),),
+                          0)
+    empty = batch * nheads * seqlen_q * seqlen_k == 0
+    return Plan("probs", "probs", _dtype_name(tq.dtype), D, opts.describe(), limits, "the debugging path", None,
+                () if empty else (launch,), arrays, _option_scalars(opts), tuple(inputs), (spec,), _like(tq))

@@ -1,0 +1,355 @@
+"""Tile sizes: one table per kernel family, each choice with its reason, resolved against a device's limits.
+
+Every tile configuration is written the same way, :class:`Tiles` ``(block_m, block_n, num_threads)``: B_r query
+rows, B_c key rows and the threads of one block. A family's table is an ordered list of candidates for a range
+of head dims; :func:`resolve` takes the first whose shared memory fits the device (and whose threads the family
+accepts), so that a GPU with less shared memory than the one a table's first choice was measured on gets the next
+choice rather than an error. What each choice measured is in docs/benchmarks.md.
+
+The families (the ``kernel=`` names of the API; the tensor-core backward has two kernels with tables of their
+own):
+
+=============  ===================================================  ============================================
+family         kernel module                                        threads
+=============  ===================================================  ============================================
+``v1``         :mod:`flashnumba.kernels.simt_forward` (thread/row)  B_r (static shared memory, <= 48 KB)
+``v2``, ``v3`` :mod:`flashnumba.kernels.simt_forward`               given; a multiple of 32
+``bwd_v1``     :mod:`flashnumba.kernels.simt_backward`              B_r (dQ), B_c (dK/dV); static shared memory
+``bwd_v2``     :mod:`flashnumba.kernels.simt_backward`              given; a multiple of 32
+``tc``         :mod:`flashnumba.kernels.mma_forward`                32 per 16 query rows (a warp per 16 rows)
+``tc_dq``      :mod:`flashnumba.kernels.mma_backward`               32 per 16 query rows
+``tc_dkdv``    :mod:`flashnumba.kernels.mma_backward`               32 per 16 key rows
+``tf32``,      :mod:`flashnumba.kernels.mma_tf32`                   32 per 16 query rows
+``3xtf32``
+=============  ===================================================  ============================================
+
+Device limits (:class:`DeviceLimits`) come from the GPU (:func:`current_device`), or from :data:`ARCHS` to plan for
+a GPU one does not have. ``FLASHNUMBA_MAX_SHARED_BYTES`` caps the shared memory a block may use (to try, on a
+large GPU, the plans of a smaller one).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward
+
+STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory per block
+MAX_REGISTERS_PER_THREAD = 255
+MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core kernels are instantiated for
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# devices
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What a plan needs to know of a GPU. ``max_shared_per_block``: the dynamic shared memory a block may opt
+    in to; ``shared_per_sm``, ``registers_per_sm``, ``threads_per_sm``, ``blocks_per_sm``: occupancy limits."""
+
+    name: str
+    cc: tuple
+    max_shared_per_block: int
+    shared_per_sm: int
+    registers_per_sm: int = 65536
+    threads_per_sm: int = 2048
+    blocks_per_sm: int = 32
+    sm_count: int | None = None
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.cc[0]}{self.cc[1]}"
+
+
+# The architectures flashnumba plans for, with the limits of the CUDA programming guide's table of compute
+# capabilities (shared memory per block with opt-in, per SM, threads and blocks per SM).
+ARCHS = {
+    "sm_75": DeviceLimits("sm_75 (T4, RTX 20)", (7, 5), 64 * 1024, 64 * 1024, threads_per_sm=1024, blocks_per_sm=16),
+    "sm_80": DeviceLimits("sm_80 (A100, A30)", (8, 0), 163 * 1024, 164 * 1024),
+    "sm_86": DeviceLimits("sm_86 (RTX 30, A10, A40)", (8, 6), 99 * 1024, 100 * 1024, threads_per_sm=1536,
+                          blocks_per_sm=16),
+    "sm_89": DeviceLimits("sm_89 (RTX 40, L4, L40)", (8, 9), 99 * 1024, 100 * 1024, threads_per_sm=1536,
+                          blocks_per_sm=24),
+    "sm_90": DeviceLimits("sm_90 (H100, H200)", (9, 0), 227 * 1024, 228 * 1024),
+}
+MMA_MIN_CC = (8, 0)  # mma.sync m16n8k16 for float16 / bfloat16 / tf32 and cp.async
+
+
+def shared_cap() -> int | None:
+    """``FLASHNUMBA_MAX_SHARED_BYTES`` as an int, or None where it is not set."""
+    raw = os.environ.get("FLASHNUMBA_MAX_SHARED_BYTES", "").strip()
+    if not raw:
+        return None
+    try:
+        cap = int(raw)
+    except ValueError:
+        raise ValueError(f"FLASHNUMBA_MAX_SHARED_BYTES must be a number of bytes, got {raw!r}") from None
+    if cap < STATIC_SHARED_LIMIT:
+        raise ValueError(f"FLASHNUMBA_MAX_SHARED_BYTES must be at least {STATIC_SHARED_LIMIT}, got {cap}")
+    return cap
+
+
+def capped(limits: DeviceLimits) -> DeviceLimits:
+    """``limits`` with the shared memory per block capped by ``FLASHNUMBA_MAX_SHARED_BYTES`` where it is set."""
+    cap = shared_cap()
+    if cap is None or cap >= limits.max_shared_per_block:
+        return limits
+    return replace(limits, name=f"{limits.name}, shared memory capped at {cap} bytes", max_shared_per_block=cap)
+
+
+def device_limits(arch) -> DeviceLimits:
+    """A :class:`DeviceLimits` from an arch name ("sm_80"), a compute capability ((8, 0)) or itself."""
+    if isinstance(arch, DeviceLimits):
+        return arch
+    if isinstance(arch, tuple):
+        arch = f"sm_{arch[0]}{arch[1]}"
+    try:
+        return ARCHS[arch]
+    except KeyError:
+        raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiles and the tables
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Tiles(NamedTuple):
+    """B_r query rows, B_c key rows, threads per block."""
+
+    block_m: int
+    block_n: int
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A table row: the tiles, the head dims it is for (``max_head_dim``: up to and including), and why."""
+
+    max_head_dim: int
+    tiles: Tiles
+    reason: str
+
+
+def _tc_threads(rows):
+    return 32 * (rows // mma_forward.WARP_ROWS)
+
+
+TABLES = {
+    "v1": [
+        Candidate(128, Tiles(64, 32, 64), "a thread per query row, K_j and V_j of 32 rows in static shared memory"),
+        Candidate(256, Tiles(64, 16, 64), "B_c 16 keeps K_j and V_j within the 48 KB of static shared memory"),
+        Candidate(256, Tiles(32, 8, 32), "the smallest tiles: B_c 8 rows of K_j and V_j"),
+    ],
+    "v2": [  # v2 and v3 share their tiles: v3 changes only the index arithmetic
+        Candidate(64, Tiles(128, 64, 128), "fastest of the H200 sweep at d <= 64 (notebook 02)"),
+        Candidate(128, Tiles(64, 32, 128), "fastest of the H200 sweep at d <= 128 (notebook 02)"),
+        Candidate(256, Tiles(32, 32, 128), "fastest of the H200 sweep at d <= 256 (notebook 02)"),
+        Candidate(128, Tiles(64, 16, 128), "B_c 16: fits 64 KB at d <= 128"),
+        Candidate(256, Tiles(32, 16, 64), "fits 99 KB at d <= 256"),
+        Candidate(256, Tiles(16, 16, 64), "fits 64 KB at d <= 256"),
+    ],
+    "bwd_v1": [
+        Candidate(64, Tiles(64, 64, 64), "a thread per row; Q_i, dO_i of 64 rows in static shared memory"),
+        Candidate(128, Tiles(32, 32, 32), "32 rows keep Q_i and dO_i within 48 KB of static shared memory"),
+        Candidate(256, Tiles(16, 16, 16), "16 rows keep Q_i and dO_i within 48 KB of static shared memory"),
+    ],
+    "bwd_v2": [
+        Candidate(64, Tiles(64, 128, 256), "fastest of the H200 sweep at d <= 64 (notebook 02)"),
+        Candidate(128, Tiles(64, 64, 256), "fastest of the H200 sweep at d <= 128 (notebook 02)"),
+        Candidate(256, Tiles(16, 32, 128), "fastest of the H200 sweep at d <= 256 (notebook 02)"),
+        Candidate(128, Tiles(32, 64, 256), "half the query rows: fits 163 KB at d <= 128, 99 KB at d <= 64"),
+        Candidate(128, Tiles(16, 32, 128), "fits 99 KB at d <= 128, 64 KB at d <= 64"),
+        Candidate(128, Tiles(16, 16, 128), "fits 64 KB at d <= 128"),
+        Candidate(256, Tiles(8, 16, 64), "fits 99 KB at d <= 256"),
+        Candidate(256, Tiles(8, 8, 64), "fits 64 KB at d <= 256"),
+    ],
+    "tc": [
+        Candidate(64, Tiles(128, 32, _tc_threads(128)), "fastest of the H200 sweep at d = 64: 8 warps, B_c 32"),
+        Candidate(128, Tiles(128, 64, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 64"),
+        Candidate(128, Tiles(128, 32, _tc_threads(128)), "B_c 32: fits 99 KB at d = 128 (RTX 30/40, A10, L4)"),
+        Candidate(128, Tiles(64, 32, _tc_threads(64)), "4 warps: fits 64 KB"),
+    ],
+    "tc_dq": [
+        Candidate(64, Tiles(64, 64, _tc_threads(64)), "fastest of the H200 sweep at d = 64"),
+        Candidate(128, Tiles(64, 32, _tc_threads(64)),
+                  "fastest of the H200 sweep at d = 128: 4 warps on 32-row K_j, V_j tiles (2.5x (32, 64))"),
+        Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
+    ],
+    "tc_dkdv": [
+        Candidate(64, Tiles(32, 64, _tc_threads(64)), "fastest of the H200 sweep at d = 64"),
+        Candidate(128, Tiles(32, 64, _tc_threads(64)),
+                  "fastest of the H200 sweep at d = 128: dK_j, dV_j accumulators within 255 registers"),
+        Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
+    ],
+    "tf32": [
+        Candidate(64, Tiles(64, 64, _tc_threads(64)), "4 warps, B_c 64 at d = 64"),
+        Candidate(128, Tiles(128, 16, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 16"),
+        Candidate(128, Tiles(64, 16, _tc_threads(64)), "4 warps: fits 99 KB at d = 128, 64 KB at d = 64"),
+        Candidate(128, Tiles(32, 16, _tc_threads(32)), "2 warps: fits 64 KB at d = 128"),
+    ],
+    "3xtf32": [
+        Candidate(64, Tiles(64, 64, _tc_threads(64)), "4 warps, B_c 64 at d = 64"),
+        Candidate(128, Tiles(128, 32, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 32"),
+        Candidate(128, Tiles(64, 16, _tc_threads(64)), "4 warps: fits 99 KB at d = 128, 64 KB at d = 64"),
+        Candidate(128, Tiles(32, 16, _tc_threads(32)), "2 warps: fits 64 KB at d = 128"),
+    ],
+}
+TABLES["v3"] = TABLES["v2"]
+
+FORWARD_FAMILIES = ("v1", "v2", "v3", "tc", "tf32", "3xtf32")
+BACKWARD_FAMILIES = ("v1", "v2", "tc")
+BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkdv")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a configuration costs: shared memory, and the family's own rules
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
+    """(shared bytes per block, whether they are static) of a family's kernel at tiles t and head dim D."""
+    m, n, nt = t.block_m, t.block_n, t.num_threads
+    if table == "v1":
+        return simt_forward.shared_bytes_v1(D, m, n), True
+    if table in ("v2", "v3"):
+        return simt_forward.shared_bytes_v2(D, m, n), False
+    if table == "bwd_v1_dq":
+        return simt_backward.shared_bytes_dq_v1(D, m, n), True
+    if table in ("bwd_v1", "bwd_v1_dkdv"):
+        return simt_backward.shared_bytes_dkdv_v1(D, m, n), True
+    if table == "bwd_v2_dq":
+        return simt_backward.shared_bytes_dq_v2(D, m, n), False
+    if table in ("bwd_v2", "bwd_v2_dkdv"):
+        return simt_backward.shared_bytes_dkdv_v2(D, m, n), False
+    if table == "tc":
+        return mma_forward.shared_bytes(D, n, m // mma_forward.WARP_ROWS), False
+    if table == "tc_dq":
+        return mma_backward.shared_bytes_dq(D, m, n), False
+    if table == "tc_dkdv":
+        return mma_backward.shared_bytes_dkdv(D, m, n), False
+    if table in ("tf32", "3xtf32"):
+        return mma_tf32.shared_bytes(D, n, m // mma_tf32.WARP_ROWS), False
+    raise ValueError(f"unknown tile table {table!r}")
+
+
+KERNEL_NAMES = {"bwd_v1_dq": "the backward dQ kernel v1", "bwd_v1_dkdv": "the backward dK/dV kernel v1",
+                "bwd_v2_dq": "the backward dQ kernel v2", "bwd_v2_dkdv": "the backward dK/dV kernel v2",
+                "tc_dq": "the tensor-core dQ kernel", "tc_dkdv": "the tensor-core dK/dV kernel",
+                "tc": "the tensor-core forward kernel", "v1": "the forward kernel v1", "v2": "the forward kernel v2",
+                "v3": "the forward kernel v3", "tf32": "the TF32 forward kernel", "3xtf32": "the 3xTF32 forward kernel"}
+
+
+def _parts(table):
+    """The kernels a table's tiles are for: the v1 and v2 backward run a dQ and a dK/dV kernel on one tile."""
+    return (f"{table}_dkdv", f"{table}_dq") if table in ("bwd_v1", "bwd_v2") else (table,)
+
+
+def check(table: str, D: int, t: Tiles):
+    """ValueError unless tiles t suit the family (divisibility, warps, head dims); shared memory is not
+    checked here (see :func:`fits`)."""
+    m, n, nt = t.block_m, t.block_n, t.num_threads
+    if min(m, n, nt) < 1:
+        raise ValueError(f"block_m, block_n and num_threads must be positive, got {m}, {n}, {nt}")
+    if table in ("v2", "v3"):
+        simt_forward.tiling_v2(D, m, n, nt)
+    elif table == "bwd_v2":
+        simt_backward.check_blocks_v2(D, m, n, nt)
+    elif table in ("v1", "bwd_v1"):
+        if nt > 1024 or max(m, n) > 1024:
+            raise ValueError(f"kernel v1 runs a thread per row: at most 1024 rows a tile, got {m}, {n}")
+    elif table == "tc":
+        if D not in mma_forward.HEAD_DIMS:
+            raise ValueError(f"the tensor-core kernels support head_dim in {mma_forward.HEAD_DIMS}, got {D}")
+        if m not in (16, 32, 64, 128):
+            raise ValueError(f"kernel 'tc' takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {m}")
+        if n <= 0 or n % 16:
+            raise ValueError(f"kernel 'tc' takes block_n a positive multiple of 16, got {n}")
+    elif table in ("tc_dq", "tc_dkdv"):
+        if D not in mma_forward.HEAD_DIMS:
+            raise ValueError(f"the tensor-core kernels support head_dim in {mma_forward.HEAD_DIMS}, got {D}")
+        for name, value in (("block_m", m), ("block_n", n)):
+            if value not in mma_backward.TILES:
+                raise ValueError(f"the tensor-core backward takes {name} in {mma_backward.TILES}, got {value}")
+    elif table in ("tf32", "3xtf32"):
+        if D not in mma_tf32.HEAD_DIMS:
+            raise ValueError(f"the TF32 kernel supports head_dim in {mma_tf32.HEAD_DIMS}, got {D}")
+        if m not in (16, 32, 64, 128):
+            raise ValueError(f"the TF32 kernel takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {m}")
+        if n <= 0 or n % 8:
+            raise ValueError(f"the TF32 kernel takes block_n a positive multiple of 8, got {n}")
+
+
+def fits(table: str, D: int, t: Tiles, limits: DeviceLimits) -> bool:
+    """Whether every kernel of the family fits the device's shared memory per block at tiles t."""
+    for part in _parts(table):
+        nbytes, static = shared_bytes(part, D, t)
+        if nbytes > (STATIC_SHARED_LIMIT if static else limits.max_shared_per_block):
+            return False
+    return True
+
+
+def threads_of(table: str, t: Tiles) -> Tiles:
+    """t with the threads the family derives from its tiles (v1: a thread per row; tensor cores: a warp per 16
+    rows) filled in."""
+    if table == "v1":
+        return t._replace(num_threads=t.block_m)
+    if table in ("tc", "tc_dq", "tf32", "3xtf32"):
+        return t._replace(num_threads=_tc_threads(t.block_m))
+    if table == "tc_dkdv":
+        return t._replace(num_threads=_tc_threads(t.block_n))
+    return t
+
+
+def default(table: str, D: int, limits: DeviceLimits) -> Candidate:
+    """The first candidate of the family's table for head dim D that is valid and fits the device."""
+    for c in TABLES[table]:
+        if D > c.max_head_dim:
+            continue
+        try:
+            check(table, D, c.tiles)
+        except ValueError:
+            continue
+        if fits(table, D, c.tiles, limits):
+            return c
+    raise ValueError(f"no tile configuration of kernel family {table!r} fits head_dim {D} on {limits.name} "
+                     f"({limits.max_shared_per_block} bytes of shared memory per block)")
+
+
+def largest_fitting(table: str, D: int, limits: DeviceLimits) -> str:
+    """The table's candidates that fit the device at head dim D, for error messages."""
+    ok = [c.tiles for c in TABLES[table] if D <= c.max_head_dim and fits(table, D, c.tiles, limits)]
+    return ", ".join(f"(block_m {t.block_m}, block_n {t.block_n})" for t in ok[:3]) or "none"
+
+
+def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None, num_threads=None):
+    """(Tiles, reason) for a family: the table's default where the caller gives nothing, else the caller's
+    values (what is not given taken from the default) checked against the family's rules and the device."""
+    if block_m is None and block_n is None and num_threads is None:
+        c = default(table, D, limits)
+        return threads_of(table, c.tiles), c.reason
+    try:
+        base = default(table, D, limits).tiles
+    except ValueError:
+        base = TABLES[table][0].tiles
+    t = Tiles(base.block_m if block_m is None else block_m, base.block_n if block_n is None else block_n,
+              base.num_threads if num_threads is None else num_threads)
+    if table in ("tc", "tc_dq", "tc_dkdv", "tf32", "3xtf32") and num_threads is not None:
+        raise ValueError(f"kernel {table.split('_')[0]!r} takes no num_threads: its threads follow from its tiles "
+                         f"(32 per 16 rows)")
+    t = threads_of(table, t)
+    check(table, D, t)
+    for part in _parts(table):
+        nbytes, static = shared_bytes(part, D, t)
+        limit = STATIC_SHARED_LIMIT if static else limits.max_shared_per_block
+        if nbytes > limit:
+            kind = "static: CUDA's 48 KB limit" if static else "dynamic, per block"
+            raise ValueError(
+                f"block_m={t.block_m}, block_n={t.block_n} with head_dim={D} need {nbytes} bytes of shared memory "
+                f"in {KERNEL_NAMES.get(part, 'kernel ' + part)} ({kind}), more than the {limit} bytes {limits.name} "
+                f"allows; tiles that fit: {largest_fitting(table, D, limits)}")
+    return t, "given by the caller"

@@ -1,0 +1,146 @@
+"""Plans: every kernel family at every head dim and dtype it supports gets a fitting plan with default arguments on
+each architecture flashnumba supports (shared-memory limits only: pure Python, no compile), the choice of family
+and its reasons, the shared-memory cap, and clear errors for tiles that cannot fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashnumba
+from flashnumba import planner as planmod, tiling
+
+ARCHS = list(tiling.ARCHS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_family_has_a_fitting_default_at_every_head_dim(arch):
+    lim = tiling.ARCHS[arch]
+    for table in ("v1", "v2", "v3", "bwd_v1", "bwd_v2"):
+        for d in range(1, 257):
+            c = tiling.default(table, d, lim)
+            assert tiling.fits(table, d, c.tiles, lim), (table, d, c)
+    if lim.cc >= tiling.MMA_MIN_CC:
+        for table in ("tc", "tc_dq", "tc_dkdv", "tf32", "3xtf32"):
+            for d in tiling.MMA_HEAD_DIMS:
+                assert tiling.fits(table, d, tiling.default(table, d, lim).tiles, lim)
+
+
+@pytest.mark.parametrize("cap", [65536, 101376, 166912])
+def test_defaults_fit_under_a_shared_memory_cap(cap, monkeypatch):
+    monkeypatch.setenv("FLASHNUMBA_MAX_SHARED_BYTES", str(cap))
+    lim = tiling.capped(tiling.ARCHS["sm_90"])
+    assert lim.max_shared_per_block == cap
+    for table in tiling.TABLES:
+        dims = tiling.MMA_HEAD_DIMS if table.startswith(("tc", "tf32", "3xtf32")) else range(1, 257)
+        for d in dims:
+            t = tiling.default(table, d, lim).tiles
+            for part in tiling._parts(table):
+                nbytes, static = tiling.shared_bytes(part, d, t)
+                assert nbytes <= (tiling.STATIC_SHARED_LIMIT if static else cap)
+
+
+def _qkv(dtype, d, n=64, heads=4):
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal((1, n, heads, d)).astype(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_default_plans_on_each_architecture(arch, dtype):
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dt = ml_dtypes.bfloat16
+    else:
+        dt = np.dtype(dtype)
+    lim = tiling.ARCHS[arch]
+    for d in (8, 40, 64, 96, 128, 256):
+        q, k, v = _qkv(dt, d)
+        for causal in (False, True):
+            p = flashnumba.plan(q, k, v, causal=causal, device=arch)
+            pb = flashnumba.plan_backward(q, q, k, v, q, np.zeros((1, 4, 64), np.float32), causal=causal,
+                                          device=arch)
+            for pl in (p, pb):
+                for s in pl.launches:
+                    assert s.shared_bytes <= lim.max_shared_per_block
+                    assert int(np.prod(s.block)) <= 1024
+                    assert s.grid[0] >= 1 and s.grid[1] == (4 if s.name != "dK/dV tc" else 4)
+                text = str(pl)
+                assert lim.name in text and pl.why in text
+            if flashnumba.SIMULATOR:  # the simulator runs the SIMT kernels unless asked
+                assert p.kernel == "v3" and pb.kernel == "v2"
+
+
+def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
+    """What kernel=None chooses on a GPU (the simulator is told it is not one for this test)."""
+    monkeypatch.setattr(planmod, "SIMULATOR", False)
+    q, k, v = _qkv(np.float16, 64)
+    p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_80")
+    assert p.kernel == "tc" and p.fallback is None
+    p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_75")
+    assert p.kernel == "v3" and "compute capability 7.5" in p.fallback
+    q, k, v = _qkv(np.float16, 96)
+    p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
+    assert p.kernel == "v3" and "head_dim" in p.fallback
+    q, k, v = _qkv(np.float32, 64)
+    p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
+    assert p.kernel == "v3" and p.fallback is None
+    with pytest.raises(ValueError, match="compute capability 8.0"):
+        planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", _qkv(np.float16, 64))], _opts(q, k), kernel="tc",
+                             device="sm_75")
+
+
+def test_slow_path_warning_once_and_silenced(monkeypatch):
+    monkeypatch.setattr(planmod, "_warned", set())
+    with pytest.warns(planmod.SlowPathWarning, match="compute capability 7.5"):
+        planmod._warn_slow("forward", "compute capability 7.5 has no mma.sync")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planmod._warn_slow("forward", "compute capability 7.5 has no mma.sync")  # once only
+        monkeypatch.setattr(flashnumba.config, "warn_slow_path", False)
+        planmod._warn_slow("forward", "another reason")
+
+
+def _t(name, x):
+    from flashnumba._validate import inspect
+
+    return inspect(name, x, 4)
+
+
+def _opts(q, k):
+    from flashnumba._validate import check_options
+
+    return check_options(_t("q", q), _t("k", k), False, (-1, -1), 0.0, None, 0.0, None)
+
+
+def test_tiles_that_cannot_fit_name_the_limit_and_what_fits():
+    q, k, v = _qkv(np.float32, 128)
+    with pytest.raises(ValueError) as err:
+        flashnumba.plan(q, k, v, block_m=128, block_n=128, num_threads=256, device="sm_86")
+    msg = str(err.value)
+    assert "101376" in msg and "bytes" in msg and "tiles that fit" in msg and "block_m 64" in msg
+    with pytest.raises(ValueError, match="48 KB"):
+        flashnumba.plan(q, k, v, kernel="v1", block_m=64, block_n=64)
+
+
+def test_shared_memory_cap_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FLASHNUMBA_MAX_SHARED_BYTES", "65536")
+    q, k, v = _qkv(np.float32, 128)
+    p = flashnumba.plan(q, k, v)
+    assert p.device.max_shared_per_block == 65536 and "capped" in p.device.name
+    assert p.launches[0].shared_bytes <= 65536
+    monkeypatch.setenv("FLASHNUMBA_MAX_SHARED_BYTES", "lots")
+    with pytest.raises(ValueError, match="FLASHNUMBA_MAX_SHARED_BYTES"):
+        flashnumba.plan(q, k, v)
+
+
+def test_plan_to_dict_and_unknown_arch():
+    q, k, v = _qkv(np.float32, 64)
+    d = flashnumba.plan(q, k, v, causal=True, device="sm_89").to_dict()
+    # the H200's first choice (128, 64) needs 102912 bytes at d=64, more than sm_89's 101376: the next one
+    assert d["arch"] == "sm_89" and d["launches"][0]["block_m"] == 64 and d["options"] == "causal"
+    assert flashnumba.plan(q, k, v, device="sm_90").to_dict()["launches"][0]["block_m"] == 128
+    with pytest.raises(ValueError, match="unknown architecture"):
+        flashnumba.plan(q, k, v, device="sm_61")
