@@ -1,4 +1,4 @@
-"""Command line: ``python -m flashnumba info | demo``."""
+"""Command line: ``python -m flashnumba info | demo | bench | cache``."""
 
 from __future__ import annotations
 
@@ -7,36 +7,79 @@ import sys
 
 
 def _info(args):
-    from . import _backend
+    import numpy as np
+
+    from . import _backend, _cache, planner
+    from .api import plan, plan_backward
 
     print(f"backend   : {_backend.BACKEND} ({_backend.REASON})")
     print(f"device    : {_backend.device_name()}")
     for pkg, ver in _backend.versions().items():
         print(f"{pkg:10}: {ver if ver is not None else 'not installed'}")
+    c = _cache.info()
+    print(f"cache     : {c['directory'] or 'disabled'} ({c['entries']} kernels, {c['bytes'] / 2**20:.1f} MiB)")
+    dev = planner.resolve_device(args.arch)
+    print(f"\nplans for batch {args.batch}, seqlen {args.seqlen}, {args.heads} heads, causal, on {dev.name}:")
+    dtypes = [np.float32, np.float16]
+    try:
+        import ml_dtypes
+
+        dtypes.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    for dtype in dtypes:
+        for d in args.head_dims:
+            shape = (args.batch, args.seqlen, args.heads, d)
+            q = np.zeros(shape, dtype)  # only shapes and dtypes are read
+            lse = np.zeros((args.batch, args.heads, args.seqlen), np.float32)
+            print()
+            print(plan(q, q, q, causal=True, device=args.arch))
+            print(plan_backward(q, q, q, q, q, lse, causal=True, device=args.arch))
     return 0
 
 
 def _demo(args):
-    from .demo import run
+    from .tools.demo import run
 
     return run(size=args.size)
+
+
+def _cache_cmd(args):
+    from . import _cache
+
+    if args.action == "clear":
+        print(f"removed {_cache.clear()} files from {_cache.directory()}")
+    else:
+        c = _cache.info()
+        print(f"directory: {c['directory'] or 'disabled (FLASHNUMBA_CACHE_DIR=off)'}")
+        print(f"entries  : {c['entries']} compiled kernels, {c['bytes'] / 2**20:.1f} MiB")
+    return 0
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m flashnumba", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="backend, device and package versions")
+    info = sub.add_parser("info", help="backend, device, package versions, kernel cache, and the plans of a "
+                                       "standard shape")
+    info.add_argument("--arch", default=None, help="plan for this architecture instead of the current GPU "
+                                                   "(sm_75, sm_80, sm_86, sm_89, sm_90)")
+    info.add_argument("--batch", type=int, default=4)
+    info.add_argument("--seqlen", type=int, default=4096)
+    info.add_argument("--heads", type=int, default=16)
+    info.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     demo = sub.add_parser("demo", help="run the forward kernel, check it, time it, compare memory")
     demo.add_argument("--size", choices=["auto", "small", "large"], default="auto",
                       help="large: batch 4, 16 heads, seqlen 4096, head_dim 64 (GPU); small: simulator-sized")
+    cache = sub.add_parser("cache", help="the compiled-kernel cache on disk: info or clear")
+    cache.add_argument("action", choices=["info", "clear"])
     sub.add_parser("bench", help="benchmark against standard attention and peers (see --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark has its own options
-        from .bench import main as bench_main
+        from .tools.bench import main as bench_main
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    return {"info": _info, "demo": _demo}[args.command](args)
+    return {"info": _info, "demo": _demo, "cache": _cache_cmd}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def shape_strides_dtype(x):
 
 
 def _meta_cupy(x):
-    return (x.shape, x.strides, x.dtype.char, x.device.id)
+    return (x.shape, x.strides, x.dtype.char, x.data.device_id)
 
 
 def _meta_torch(x):
@@ -159,13 +159,15 @@ _META: dict = {}
 
 def pointer(x, k: str) -> int:
     """The device address of a device array's first element."""
-    if k == "cupy":
-        return x.data.ptr
-    if k == "torch":
-        return x.data_ptr()
-    if k == "numba":
-        return x.device_ctypes_pointer.value or 0
-    return x.__cuda_array_interface__["data"][0]
+    return POINTER[k](x)
+
+
+POINTER = {  # the device address of a device array's first element, by kind
+    "cupy": lambda x: x.data.ptr,
+    "torch": lambda x: x.data_ptr(),
+    "numba": lambda x: x.device_ctypes_pointer.value or 0,
+    "cai": lambda x: x.__cuda_array_interface__["data"][0],
+}
 
 
 def device_copy(x, k: str):

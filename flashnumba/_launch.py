@@ -275,7 +275,8 @@ def _function(compiled: Compiled, device_id: int, shared_bytes: int):
     if fn is None:
         drv = _driver()
         cuda.current_context()  # the primary context of Numba's current device, current on this thread
-        module = _check(drv.cuModuleLoadData(compiled.cubin), "cuModuleLoadData")
+        image = ctypes.create_string_buffer(compiled.cubin, len(compiled.cubin))
+        module = _check(drv.cuModuleLoadData(ctypes.addressof(image)), "cuModuleLoadData")
         fn = _check(drv.cuModuleGetFunction(module, compiled.entry.encode()), "cuModuleGetFunction")
         fn = [fn, module, 0]  # (function, module kept alive, opted-in shared bytes)
         _functions[key] = fn
@@ -288,24 +289,20 @@ def _function(compiled: Compiled, device_id: int, shared_bytes: int):
 
 
 def _launcher():
-    """The fastest driver entry point at hand: CuPy's launchKernel (a Cython wrapper taking plain integers),
-    else cuda-bindings' cuLaunchKernel."""
-    if _arrays.cupy is not None:
-        launch = _arrays.cupy.cuda.driver.launchKernel
-
-        def run(fn_int, fn, grid, block, smem, stream, params):
-            launch(fn_int, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, params, 0)
-
-        return run
+    """The fastest driver entry point at hand, as ``launch(function, gx, gy, gz, bx, by, bz, shared, stream,
+    params, extra)``: CuPy's launchKernel (a Cython wrapper taking plain integers), else cuda-bindings'
+    cuLaunchKernel (errors checked here). Returns (name, launch)."""
+    launch = getattr(getattr(getattr(_arrays.cupy, "cuda", None), "driver", None), "launchKernel", None)
+    if launch is not None:
+        return "cupy.cuda.driver.launchKernel", launch
     drv = _driver()
 
-    def run(fn_int, fn, grid, block, smem, stream, params):
-        err = drv.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
-                                 params, 0)[0]
+    def run(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        err = drv.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra)[0]
         if int(err) != 0:
             raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
 
-    return run
+    return "cuda.bindings.driver.cuLaunchKernel", run
 
 
 class Bound:
@@ -347,20 +344,21 @@ class Bound:
             ctype.from_address(base + o).value = value
         self.pointers = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self.params_address = ctypes.addressof(self.pointers)
-        self.words = memoryview(self.buffer).cast("Q")  # 8-byte slots: pointers, seed and offset are 8-aligned
+        self.words = memoryview(self.buffer).cast("B").cast("Q")  # 8-byte slots: pointers, seed and offset are 8-aligned
         self.patches = [(offsets[i] // 8, name) for i, name in patches]
-        self.grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
-        self.block = tuple(spec.block) + (1,) * (3 - len(spec.block))
+        grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
+        block = tuple(spec.block) + (1,) * (3 - len(spec.block))
+        self.launcher, self.launch = _launcher()
+        fn = self.fn_int if self.launcher.startswith("cupy") else self.fn
+        self.prefix = (fn, *grid, *block, spec.shared_bytes)
         self.lock = threading.Lock()
-        self.launch = _launcher()
 
     def __call__(self, values: dict, stream: int):
         with self.lock:  # the buffer is shared; the driver copies it at launch
             words = self.words
             for slot, name in self.patches:
                 words[slot] = values[name]
-            self.launch(self.fn_int, self.fn, self.grid, self.block, self.spec.shared_bytes, stream,
-                        self.params_address)
+            self.launch(*self.prefix, stream, self.params_address, 0)
 
 
 class SimBound:
@@ -423,66 +421,88 @@ class Call:
         self.inputs = plan.inputs
         self.outputs = plan.outputs
         self.torch = self.like == "torch"
+        if not SIMULATOR:
+            self._prepare()
 
     # -- on a GPU --------------------------------------------------------------------------------------------
 
-    def _stream(self, arrays):
+    def _prepare(self):
+        """What every call does the same way, decided once: the dummies' addresses, how each input's address is
+        read, how each output is allocated, which stream the kernels go on."""
+        self.base = {}
+        self.reads = []  # (position in the call's arrays, name, copied first, address getter)
+        for i, spec in enumerate(self.inputs):
+            if spec.kind == "none":
+                d = dummy(spec.name, spec.dummy_shape, spec.dummy_dtype)
+                self.base[spec.name] = _arrays.pointer(d, _arrays.kind(d))
+            else:
+                moved = spec.to_device or spec.copy
+                kind = ("cupy" if _arrays.cupy is not None else "numba") if spec.to_device else spec.kind
+                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind]))
+        self.allocs = []  # (name, shape, kernel dtype, returned)
+        for spec in self.outputs:
+            kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(spec.dtype) else np.dtype(spec.dtype)
+            self.allocs.append((spec.name, spec.shape, _arrays.torch_dtype(spec.dtype) if self.torch else kdtype,
+                                spec.returned))
+        self.host_results = [s.dtype for s in self.outputs if s.returned] if self.like == "numpy" else None
         if self.torch:
-            x = arrays[0]
-            return sys.modules["torch"].cuda.current_stream(x.device).cuda_stream
-        if _arrays.cupy is not None and self.like in ("cupy", "numpy", "cai"):
+            self.empty = None
+        elif _arrays.cupy is not None and self.like != "numba":
+            self.empty = _arrays.cupy.empty
+        else:
+            self.empty = cuda.device_array
+
+    def _stream(self, ref):
+        if self.torch:
+            return sys.modules["torch"].cuda.current_stream(ref.device).cuda_stream
+        if _arrays.cupy is not None and self.like != "numba":
             return _arrays.cupy.cuda.get_current_stream().ptr
         return 0
 
     def _alloc(self, shape, dtype, ref):
+        """(array, address) of a new output; NaN-filled when ``config.poison_outputs`` is set (bfloat16 bits:
+        0x7FC0)."""
         if self.torch:
-            torch = sys.modules["torch"]
-            tdtype = _arrays.torch_dtype(dtype)
-            arr = torch.empty(shape, dtype=tdtype, device=ref.device)
+            arr = sys.modules["torch"].empty(shape, dtype=dtype, device=ref.device)
             if config.poison_outputs:
                 arr.fill_(float("nan"))
             return arr, arr.data_ptr()
-        kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(dtype) else np.dtype(dtype)
-        if _arrays.cupy is not None and self.like != "numba":
-            arr = _arrays.cupy.empty(shape, kdtype)
+        if self.empty is not cuda.device_array:
+            arr = self.empty(shape, dtype)
             if config.poison_outputs:
-                arr.fill(0x7FC0 if kdtype == np.uint16 else np.nan)
+                arr.fill(0x7FC0 if dtype == np.uint16 else np.nan)
             return arr, arr.data.ptr
         if config.poison_outputs:
-            host = np.full(shape, np.nan, dtype)
-            arr = cuda.to_device(host.view(np.uint16) if kdtype == np.uint16 else host)
+            host = np.full(shape, 0x7FC0, np.uint16) if dtype == np.uint16 else np.full(shape, np.nan, dtype)
+            arr = cuda.to_device(host)
         else:
-            arr = cuda.device_array(shape, kdtype)
+            arr = cuda.device_array(shape, dtype)
         return arr, arr.device_ctypes_pointer.value
 
     def run(self, arrays, seed=0, offset=0):
         if SIMULATOR:
             return self._run_sim(arrays, seed, offset)
-        values = {"seed": int(seed), "offset": int(offset)}
+        values = self.base.copy()
+        values["seed"] = int(seed)
+        values["offset"] = int(offset)
         keep = []
-        for spec, x in zip(self.inputs, arrays):
-            if x is None:
-                x = dummy(spec.name, spec.dummy_shape, spec.dummy_dtype)
-                values[spec.name] = _arrays.pointer(x, "cupy" if _arrays.cupy is not None else "numba")
-                continue
-            if spec.to_device or spec.copy:
-                x = _arrays.device_copy(x, spec.kind)
+        for i, name, copy_from, address in self.reads:
+            x = arrays[i]
+            if copy_from:
+                x = _arrays.device_copy(x, copy_from)
                 keep.append(x)
-                values[spec.name] = _arrays.pointer(x, _arrays.kind(x))
-            else:
-                values[spec.name] = _arrays.pointer(x, spec.kind)
+            values[name] = address(x)
         ref = arrays[0]
         outs = []
-        for spec in self.outputs:
-            arr, ptr = self._alloc(spec.shape, spec.dtype, ref)
-            values[spec.name] = ptr
-            if spec.returned:
+        for name, shape, dtype, returned in self.allocs:
+            arr, values[name] = self._alloc(shape, dtype, ref)
+            if returned:
                 outs.append(arr)
-        stream = self._stream(arrays)
+        stream = self._stream(ref)
         for b in self.bound:
             b(values, stream)
-        if self.like == "numpy":
-            outs = [_arrays.to_host_as(o, spec.dtype) for o, spec in zip(outs, [s for s in self.outputs if s.returned])]
+        if self.host_results is not None:
+            return [_arrays.to_host_as(o, dt) for o, dt in zip(outs, self.host_results)]
         return outs
 
     # -- in the simulator ------------------------------------------------------------------------------------

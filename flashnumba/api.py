@@ -56,6 +56,13 @@ def _cached(key, build):
     return call
 
 
+def _seed(dropout_p, seed, offset):
+    """The per-call dropout seed and offset (checked at every call: they are not part of a plan)."""
+    if seed is None and offset == 0 and not dropout_p:
+        return 0, 0
+    return check_seed(float(dropout_p), seed, offset)
+
+
 def clear_plan_cache():
     """Forget the kept plans (they are made again at the next call); the compiled kernels stay."""
     _calls.clear()
@@ -172,7 +179,7 @@ def flash_attn_forward(
         return _launch.Call(p)
 
     call = _cached(key, build)
-    seed, offset = check_seed(float(dropout_p), dropout_seed, dropout_offset)
+    seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
     out, lse = call.run((q, k, v, alibi_slopes, None, None), seed, offset)
     return out, lse
 
@@ -207,7 +214,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=F
         return _launch.Call(p)
 
     call = _cached(key, build)
-    seed, offset = check_seed(float(dropout_p), dropout_seed, dropout_offset)
+    seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
     dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, None, None), seed, offset)
     return dq, dk, dv
 
@@ -329,7 +336,7 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         return _launch.Call(p)
 
     call = call or _cached(key, build)
-    seed, offset = check_seed(float(dropout_p), dropout_seed, dropout_offset)
+    seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
     out, lse = call.run((q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset)
     return out, lse
 
@@ -363,7 +370,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         return _launch.Call(p)
 
     call = call or _cached(key, build)
-    seed, offset = check_seed(float(dropout_p), dropout_seed, dropout_offset)
+    seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
     dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset)
     return dq, dk, dv
 

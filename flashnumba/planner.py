@@ -145,7 +145,7 @@ def current_device() -> tiling.DeviceLimits:
         lim = tiling.DeviceLimits(
             f"{name} (sm_{cc[0]}{cc[1]})", cc, int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
             int(dev.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR), int(dev.MAX_REGISTERS_PER_MULTIPROCESSOR),
-            int(dev.MAX_THREADS_PER_MULTI_PROCESSOR), sm_count=int(dev.MULTIPROCESSOR_COUNT))
+            int(dev.MAX_THREADS_PER_MULTIPROCESSOR), int(dev.MAX_BLOCKS_PER_MULTIPROCESSOR), sm_count=int(dev.MULTIPROCESSOR_COUNT))
         _current[dev.id] = lim
     return tiling.capped(lim)
 

@@ -146,10 +146,10 @@ TABLES = {
         Candidate(256, Tiles(32, 8, 32), "the smallest tiles: B_c 8 rows of K_j and V_j"),
     ],
     "v2": [  # v2 and v3 share their tiles: v3 changes only the index arithmetic
-        Candidate(64, Tiles(128, 64, 128), "fastest of the H200 sweep at d <= 64 (notebook 02)"),
-        Candidate(128, Tiles(64, 32, 128), "fastest of the H200 sweep at d <= 128 (notebook 02)"),
-        Candidate(256, Tiles(32, 32, 128), "fastest of the H200 sweep at d <= 256 (notebook 02)"),
+        Candidate(64, Tiles(128, 64, 128), "the fastest of the H200 sweep at d <= 64 (notebook 02)"),
+        Candidate(128, Tiles(64, 32, 128), "the fastest of the H200 sweep at 64 < d <= 128 (notebook 02)"),
         Candidate(128, Tiles(64, 16, 128), "B_c 16: fits 64 KB at d <= 128"),
+        Candidate(256, Tiles(32, 32, 128), "the fastest of the H200 sweep at 128 < d <= 256 (notebook 02)"),
         Candidate(256, Tiles(32, 16, 64), "fits 99 KB at d <= 256"),
         Candidate(256, Tiles(16, 16, 64), "fits 64 KB at d <= 256"),
     ],
@@ -159,12 +159,12 @@ TABLES = {
         Candidate(256, Tiles(16, 16, 16), "16 rows keep Q_i and dO_i within 48 KB of static shared memory"),
     ],
     "bwd_v2": [
-        Candidate(64, Tiles(64, 128, 256), "fastest of the H200 sweep at d <= 64 (notebook 02)"),
-        Candidate(128, Tiles(64, 64, 256), "fastest of the H200 sweep at d <= 128 (notebook 02)"),
-        Candidate(256, Tiles(16, 32, 128), "fastest of the H200 sweep at d <= 256 (notebook 02)"),
+        Candidate(64, Tiles(64, 128, 256), "the fastest of the H200 sweep at d <= 64 (notebook 02)"),
+        Candidate(128, Tiles(64, 64, 256), "the fastest of the H200 sweep at 64 < d <= 128 (notebook 02)"),
         Candidate(128, Tiles(32, 64, 256), "half the query rows: fits 163 KB at d <= 128, 99 KB at d <= 64"),
         Candidate(128, Tiles(16, 32, 128), "fits 99 KB at d <= 128, 64 KB at d <= 64"),
         Candidate(128, Tiles(16, 16, 128), "fits 64 KB at d <= 128"),
+        Candidate(256, Tiles(16, 32, 128), "the fastest of the H200 sweep at 128 < d <= 256 (notebook 02)"),
         Candidate(256, Tiles(8, 16, 64), "fits 99 KB at d <= 256"),
         Candidate(256, Tiles(8, 8, 64), "fits 64 KB at d <= 256"),
     ],
@@ -306,7 +306,9 @@ def threads_of(table: str, t: Tiles) -> Tiles:
 
 
 def default(table: str, D: int, limits: DeviceLimits) -> Candidate:
-    """The first candidate of the family's table for head dim D that is valid and fits the device."""
+    """The first candidate of the family's table for head dim D that is valid and fits the device; where an
+    earlier one did not fit, the reason says so."""
+    passed = None
     for c in TABLES[table]:
         if D > c.max_head_dim:
             continue
@@ -315,7 +317,13 @@ def default(table: str, D: int, limits: DeviceLimits) -> Candidate:
         except ValueError:
             continue
         if fits(table, D, c.tiles, limits):
-            return c
+            if passed is None:
+                return c
+            t = passed.tiles
+            need = max(shared_bytes(p, D, t)[0] for p in _parts(table))
+            return replace(c, reason=f"{c.reason}; the first choice (B_r {t.block_m}, B_c {t.block_n}) needs {need} "
+                                     f"bytes of shared memory, more than the {limits.max_shared_per_block} here")
+        passed = passed or c
     raise ValueError(f"no tile configuration of kernel family {table!r} fits head_dim {D} on {limits.name} "
                      f"({limits.max_shared_per_block} bytes of shared memory per block)")
 

@@ -92,3 +92,38 @@ def test_occupancy_calculator():
     assert occupancy(64, 150016, 128)[0] == 1  # the dK/dV kernel at d=128: one block by shared memory
     assert occupancy(64, 150016, 128)[3] == "shared memory"
     assert occupancy(32, 0, 1024, tiling.ARCHS["sm_75"]) == (1, 32, 1.0, "threads")
+
+
+BOUND = r"""
+import numpy as np, flashnumba
+from flashnumba import _launch
+_launch._function = lambda compiled, device_id, shared_bytes: 0  # no GPU: nothing to load
+rng = np.random.default_rng(0)
+n = 0
+for dtype, d, opts in [(np.float16, 64, dict(causal=True)), (np.float16, 128, dict(dropout_p=0.2, window_size=(5, 1))),
+                       (np.float32, 40, dict(alibi_slopes=np.ones(4, np.float32), softcap=3.0))]:
+    q = rng.standard_normal((2, 50, 4, d)).astype(dtype)
+    lse = np.zeros((2, 4, 50), np.float32)
+    for p in (flashnumba.plan(q, q, q, device="sm_90", **opts),
+              flashnumba.plan_backward(q, q, q, q, q, lse, device="sm_90", **opts)):
+        for s in p.launches:
+            b = _launch.Bound(s, p.arrays, p.scalars, (9, 0), 0)  # raises if the layout differs from the PTX's
+            values = {name: 4096 * (i + 1) for i, name in enumerate(list(p.arrays) + ["seed", "offset"])}
+            b.launch = lambda *args: None
+            b(values, 0)
+            for slot, name in b.patches:
+                assert b.words[slot] == values[name]
+            n += 1
+print(n)
+"""
+
+
+def test_launch_parameters_match_the_compiled_kernels(tmp_path):
+    """The parameter buffer the launch layer builds for each kernel of a plan has the PTX's own parameter sizes in
+    order, and the per-call pointers land in their slots (offline: compiled, not loaded)."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0",
+               FLASHNUMBA_CACHE_DIR=os.environ.get("FLASHNUMBA_TEST_CACHE_DIR", str(tmp_path / "cache")))
+    proc = subprocess.run([sys.executable, "-c", BOUND], env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) == 12

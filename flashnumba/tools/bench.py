@@ -593,7 +593,23 @@ def main(argv=None):
     p.add_argument("--budget-max-seqlen", type=int, default=2**16,
                    help="longest seqlen the budget search tries (one call's cost grows as seqlen^2)")
     p.add_argument("--from-json", default=None, help="re-print the table and re-draw the plots of a saved run")
+    p.add_argument("--latency", action="store_true",
+                   help="host time per call of a small attention, and the first call in a new process with a cold "
+                        "and a warm kernel cache (flashnumba.tools.latency)")
+    p.add_argument("--shared-caps", type=int, nargs="+", default=None, metavar="BYTES",
+                   help="time the default plans with the shared memory per block capped at each of these sizes "
+                        "(flashnumba.tools.caps)")
     a = p.parse_args(argv)
+    if a.shared_caps:
+        from .caps import main as caps_main
+
+        caps_main(a.shared_caps, a.out, seqlen=a.seqlens[0] if a.seqlens != p.get_default("seqlens") else 4096)
+        return 0
+    if a.latency:
+        from .latency import main as latency_main
+
+        latency_main(a.out)
+        return 0
     if a.from_json:
         with open(a.from_json) as f:
             saved = json.load(f)
