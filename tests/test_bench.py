@@ -88,7 +88,7 @@ def test_tf32_is_validated_against_a_float16_class_baseline():
 
     def tf32_like(q, k, v, dout, causal):
         def to_tf32(x):  # keep 10 of float32's 23 mantissa bits (round to nearest)
-            bits = np.asarray(x, np.float32).view(np.uint32)
+            bits = np.asarray(bench._host(x), np.float32).view(np.uint32)  # CuPy arrays on a GPU
             return ((bits + np.uint32(1 << 12)) & np.uint32(0xFFFFE000)).view(np.float32)
 
         return {bench.FWD: lambda: flashnumba.reference.attention_forward(to_tf32(q), to_tf32(k), to_tf32(v),
