@@ -479,9 +479,9 @@ class Call:
             arr = cuda.device_array(shape, dtype)
         return arr, arr.device_ctypes_pointer.value
 
-    def run(self, arrays, seed=0, offset=0):
-        if SIMULATOR:
-            return self._run_sim(arrays, seed, offset)
+    def prepare(self, arrays, seed=0, offset=0):
+        """(values, outputs, temporaries) of a call on a GPU: the address of every array the kernels take, the
+        outputs allocated (those returned, in order), and the copies that must live until the kernels ran."""
         values = self.base.copy()
         values["seed"] = int(seed)
         values["offset"] = int(offset)
@@ -496,9 +496,14 @@ class Call:
         outs = []
         for name, shape, dtype, returned in self.allocs:
             arr, values[name] = self._alloc(shape, dtype, ref)
-            if returned:
-                outs.append(arr)
-        stream = self._stream(ref)
+            (outs if returned else keep).append(arr)
+        return values, outs, keep
+
+    def run(self, arrays, seed=0, offset=0):
+        if SIMULATOR:
+            return self._run_sim(arrays, seed, offset)
+        values, outs, keep = self.prepare(arrays, seed, offset)
+        stream = self._stream(arrays[0])
         for b in self.bound:
             b(values, stream)
         if self.host_results is not None:

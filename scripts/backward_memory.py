@@ -9,7 +9,7 @@ import cupy
 import numpy as np
 
 import flashnumba
-from flashnumba.timing import cuda_time_ms, peak_device_bytes
+from flashnumba.tools.timing import cuda_time_ms, peak_device_bytes
 
 for n in [int(a) for a in sys.argv[1:]] or [16384]:
     batch, heads, d = 1, 16, 64

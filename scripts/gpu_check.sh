@@ -37,10 +37,12 @@ for step in $STEPS; do
     latency) python3 -m flashnumba bench --latency --out "$OUT" 2>&1 | tee "$OUT/latency.log" ;;
     capped) # the GPU profile with the shared memory per block capped as on smaller GPUs (64 KB: T4; 99 KB: RTX, L4)
       for cap in ${CAPS:-65536 101376}; do
-        FLASHNUMBA_MAX_SHARED_BYTES=$cap FLASHNUMBA_GPU_EXAMPLES=${CAP_EXAMPLES:-20} timeout ${CAP_TIMEOUT:-240} \
+        FLASHNUMBA_MAX_SHARED_BYTES=$cap FLASHNUMBA_GPU_EXAMPLES=${CAP_EXAMPLES:-20} FLASHNUMBA_FAILURE_LOG="$OUT/failures_cap$cap.log" \
+          timeout ${CAP_TIMEOUT:-240} \
           python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -n ${PYTEST_WORKERS:-16} ${CAP_TESTS:-tests} \
           > "$OUT/tests_cap$cap.log" 2>&1
         echo "cap $cap: pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_cap$cap.log" | tail -8
+        grep -h "^FAILED" "$OUT/failures_cap$cap.log" 2>/dev/null
       done ;;
     bench) timeout ${BENCH_TIMEOUT:-600} python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac

@@ -50,5 +50,5 @@ flashnumba.flash_attn_forward(q, k, v)
 flashnumba.flash_attn_backward(dout, q, k, v, out, lse)
 cupy.cuda.Device().synchronize()
 cupy.cuda.profiler.stop()
-print(f"profiled forward and backward, seqlen {n}, head_dim {d}, defaults {flashnumba.api.default_blocks('v3', d)} "
-      f"/ {flashnumba.api.default_blocks_backward(d)}")
+print(f"profiled forward and backward, seqlen {n}, head_dim {d}, plans:\n{flashnumba.plan(q, k, v)}\n"
+      f"{flashnumba.plan_backward(dout, q, k, v, out, lse)}")

@@ -13,7 +13,7 @@ import cupy
 import numpy as np
 
 import flashnumba
-from flashnumba.timing import cuda_time_ms
+from flashnumba.tools.timing import cuda_time_ms
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 causal = len(sys.argv) > 2 and sys.argv[2] in ("1", "causal", "True")

@@ -2,12 +2,12 @@
 tile sizes (block_m, block_n), on the benchmark's workload (batch = 16384 / seqlen, nheads = 2048 / head_dim,
 float16):
 
-    python -P scripts/tc_sweep_backward.py [seqlen] [causal] [head_dims, e.g. 64,128]
+    python scripts/tc_sweep_backward.py [seqlen] [causal] [head_dims, e.g. 64,128]
 
-The arguments of each kernel are those flashnumba.flash_attn_backward builds (captured from flashnumba.api.launch
-at the default tiles; they do not depend on the tiles); each candidate kernel is launched 10 times between two
-CUDA events, median of 5 such groups: kernel time only, no host time. TFLOP/s of a kernel: the backward's FLOP
-count (2.5x the forward's) over its time alone, so the dQ and dK/dV figures show each kernel's share.
+Each candidate is planned (``flashnumba.plan_backward(..., kernel="tc", block_m=, block_n=)``), its kernels bound
+(``flashnumba._launch.Call``), and the kernel of interest launched 10 times between two CUDA events, median of 5
+such groups: kernel time only, no host time. TFLOP/s of a kernel: the backward's FLOP count (2.5x the forward's)
+over its time alone, so the dQ and dK/dV figures show each kernel's share.
 """
 
 import sys
@@ -16,8 +16,8 @@ import cupy
 import numpy as np
 
 import flashnumba
-from flashnumba import api, backward_tc, forward
-from flashnumba.timing import cuda_events_ms
+from flashnumba import _launch
+from flashnumba.tools.timing import cuda_events_ms
 
 # (block_m, block_n) candidates of each kernel (the dQ kernel has block_m / 16 warps, dK/dV block_n / 16)
 DQ_TILES = {64: ((64, 64), (64, 32), (128, 32), (128, 64)),
@@ -43,42 +43,21 @@ for d in head_dims:
                      .astype(np.float16) for _ in range(4))
     out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="tc")
     flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * d / (2 if causal else 1)
-    launches = []
-    real_launch = api.launch
-
-    def spy(fn, grid, block, smem, args):
-        launches.append((fn, grid, block, smem, args))
-        return real_launch(fn, grid, block, smem, args)
-
-    api.launch = spy
-    try:
-        dq_ref = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, kernel="tc")[0].copy()
-    finally:
-        api.launch = real_launch
-    (pre, pgrid, pblock, psmem, pargs), (_, _, _, _, dq_args), (_, _, _, _, dkdv_args) = launches
-    t = median_ms(lambda: real_launch(pre, pgrid, pblock, psmem, pargs))
-    print(f"d={d} preprocess grid {pgrid} block {pblock}: {t:.3f} ms", flush=True)
-    variant = forward.Variant(has_right=causal)
-    for kind, tiles in (("dQ", DQ_TILES[d]), ("dK/dV", DKDV_TILES[d])):
+    arrays = (dout, q, k, v, out, lse, None, None, None)
+    for kind, tiles, index in (("dQ", DQ_TILES[d], 1), ("dK/dV", DKDV_TILES[d], 2)):
         for bm, bn in tiles:
             try:
-                if kind == "dQ":
-                    fn = backward_tc.make_backward_dq_tc(d, variant, bm, bn)
-                    grid, block, smem = (-(-seqlen // bm), batch * nheads), (2 * bm,), backward_tc.shared_bytes_dq(d, bm, bn)
-                    args = dq_args
-                else:
-                    fn = backward_tc.make_backward_dkdv_tc(d, variant, bm, bn)
-                    grid, block = (-(-seqlen // bn), batch * nheads), (2 * bn,)
-                    smem, args = backward_tc.shared_bytes_dkdv(d, bm, bn), dkdv_args
-                t = median_ms(lambda: real_launch(fn, grid, block, smem, args))
-                extra = ""
-                if kind == "dQ":  # the same result at every tile? (float32 sums in another order: close, not equal)
-                    err = float(cupy.abs(cupy.asarray(args[6]).astype(np.float32)
-                                         - dq_ref.astype(np.float32)).max())
-                    extra = f"  max |dQ - dQ(default)| {err:.2e}"
-                regs = fn.get_regs_per_thread()
-                regs = ",".join(map(str, regs.values())) if isinstance(regs, dict) else regs
+                plan = flashnumba.plan_backward(dout, q, k, v, out, lse, causal=causal, kernel="tc", block_m=bm,
+                                                block_n=bn)
+                call = _launch.Call(plan)
+                values, outs, keep = call.prepare(arrays)
+                if index == 1 and (bm, bn) == tiles[0]:
+                    t = median_ms(lambda: call.bound[0](values, 0))
+                    print(f"d={d} preprocess grid {plan.launches[0].grid}: {t:.3f} ms", flush=True)
+                b = call.bound[index]
+                t = median_ms(lambda: b(values, 0))
+                r = b.compiled.resources
                 print(f"d={d} {kind:5} block_m={bm:3} block_n={bn:3}: {t:.3f} ms ({flops / t / 1e9:.0f}) "
-                      f"smem {smem} regs {regs}{extra}", flush=True)
+                      f"smem {b.spec.shared_bytes} regs {r['registers']} spills {r['spill_stores']}", flush=True)
             except Exception as err:  # noqa: BLE001  (a pair that does not fit)
                 print(f"d={d} {kind} block_m={bm:3} block_n={bn:3}: {type(err).__name__}: {str(err)[:120]}")

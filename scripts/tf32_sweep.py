@@ -4,7 +4,7 @@
     python scripts/tf32_sweep.py [seqlen] [causal] [head_dims, e.g. 64,128]
 
 TFLOP/s (4 * batch * nheads * seqlen^2 * head_dim per forward, halved when causal); CUDA events, median of 10
-runs after 3 warm-up runs, through flashnumba.forward_tf32.flash_attn_forward_tf32.
+runs after 3 warm-up runs, through flashnumba.flash_attn_forward(kernel=precision, block_n=, block_m=16 * warps).
 (docs/results/h200-2026-11-29-46277a7-sweep-tf32.txt also has a variant, since removed, that rounded or split
 K_j, V_j once per tile in shared memory: slower in every configuration.)
 """
@@ -14,8 +14,8 @@ import sys
 import cupy
 import numpy as np
 
-from flashnumba.forward_tf32 import flash_attn_forward_tf32
-from flashnumba.timing import cuda_time_ms
+import flashnumba
+from flashnumba.tools.timing import cuda_time_ms
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 causal = len(sys.argv) > 2 and sys.argv[2] in ("1", "causal", "True")
@@ -28,8 +28,9 @@ for d in head_dims:
     for precision in ("tf32", "3xtf32"):
         for bn, warps in ((32, 4), (64, 4), (32, 8), (64, 8), (16, 8)):
             try:
-                ms, _ = cuda_time_ms(lambda: flash_attn_forward_tf32(q, k, v, causal=causal, precision=precision,
-                                                                     block_n=bn, warps=warps), warmup=3, repeat=10)
+                ms, _ = cuda_time_ms(lambda: flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel=precision,
+                                                                           block_n=bn, block_m=16 * warps),
+                                     warmup=3, repeat=10)
             except Exception as err:  # noqa: BLE001  (a configuration that does not fit)
                 print(f"d={d} {precision} block_n={bn} warps={warps}: {type(err).__name__}: {str(err)[:80]}")
                 continue

@@ -21,8 +21,15 @@ from flashnumba import reference, tiling
 
 
 def forward_tc(q, k, v, warps=None, **kw):
-    """The tensor-core forward with its tiles given as B_c (``block_n``) and a number of warps (B_r = 16 warps)."""
-    return flashnumba.flash_attn_forward(q, k, v, kernel="tc", block_m=None if warps is None else 16 * warps, **kw)
+    """The tensor-core forward with its tiles given as B_c (``block_n``) and a number of warps (B_r = 16 warps).
+    Under a shared-memory cap (FLASHNUMBA_MAX_SHARED_BYTES) tiles that do not fit are skipped, not failed."""
+    try:
+        return flashnumba.flash_attn_forward(q, k, v, kernel="tc", block_m=None if warps is None else 16 * warps,
+                                             **kw)
+    except ValueError as err:
+        if tiling.shared_cap() is not None and "bytes of shared memory" in str(err):
+            pytest.skip(f"these tiles do not fit the capped shared memory: {err}")
+        raise
 
 
 # (block_n, warps): the smallest blocks (16 keys, 1 warp) in the simulator, where every mma is 32 Python threads

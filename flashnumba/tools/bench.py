@@ -21,7 +21,6 @@ Outputs: a table on stdout, ``bench.json`` and PNG plots (TFLOP/s vs seqlen; pea
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from ..api import (attention_with_grad, flash_attn_backward, flash_attn_forward,
                   flash_attn_varlen_forward)
 from .standard import _xp as array_module
 from .standard import standard_attention
+from .environment import environment
 from .timing import cuda_time_calls_ms, peak_device_bytes
 
 FWD, BWD, FWDBWD = "fwd", "bwd", "fwd+bwd"
@@ -477,19 +477,6 @@ def longest_seqlen_in_budget(impls, budget_gib, head_dim=64, nheads=16, dtype=np
 # ---------------------------------------------------------------------------------------------------------------
 # reporting
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def environment():
-    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               device=_backend.device_name(), backend=_backend.BACKEND, versions=_backend.versions(),
-               command="python -m flashnumba " + " ".join(sys.argv[1:]))
-    try:
-        import torch
-
-        env["versions"]["torch"] = torch.__version__
-    except ImportError:
-        pass
-    return env
 
 
 HEADER = (f"{'impl':22} {'dtype':8} {'d':>4} {'seqlen':>6} {'causal':>6} {'pass':>8} | {'ms':>9} "

@@ -65,7 +65,7 @@ def main(caps, out_dir=None, seqlen=4096):
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "caps.json"), "w") as f:
-            from .bench import environment
+            from .environment import environment
 
             json.dump({"environment": environment(), "seqlen": seqlen, "rows": rows}, f, indent=1)
     return rows

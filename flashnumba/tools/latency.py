@@ -69,7 +69,7 @@ def per_call(shape=SHAPE, dtype="float16", causal=False, calls=200):
     import cupy
 
     import flashnumba
-    from flashnumba import api
+    from flashnumba import _launch
 
     rng = np.random.default_rng(0)
     q, k, v, dout = (cupy.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
@@ -80,10 +80,11 @@ def per_call(shape=SHAPE, dtype="float16", causal=False, calls=200):
     for name, fn, plan in (("forward", fwd, flashnumba.plan(q, k, v, causal=causal)),
                            ("backward", bwd, flashnumba.plan_backward(dout, q, k, v, out, lse, causal=causal))):
         row = dict(impl="flashnumba", pass_=name, kernel=plan.kernel, **_measure(fn, calls))
-        call = next(c for c in api._calls.values() if c.plan.pass_ == name and c.plan.kernel == plan.kernel)
-        ptrs = _kernel_values(call, q, k, v, dout, out, lse)
+        call = _launch.Call(plan)
+        arrays = (q, k, v, None, None, None) if name == "forward" else (dout, q, k, v, out, lse, None, None, None)
+        values, outs, keep = call.prepare(arrays)  # outs and keep: alive while the kernels write them
         stream = cupy.cuda.get_current_stream().ptr
-        row["kernels_us"] = round(sorted(_events(lambda: [b(ptrs, stream) for b in call.bound], calls)
+        row["kernels_us"] = round(sorted(_events(lambda: [b(values, stream) for b in call.bound], calls)
                                          for _ in range(7))[3], 2)
         rows.append(row)
     try:
@@ -99,25 +100,6 @@ def per_call(shape=SHAPE, dtype="float16", causal=False, calls=200):
     rows.append(dict(impl="torch_sdpa", pass_="forward", kernel="auto", **_measure(tfwd, calls)))
     rows.append(dict(impl="torch_sdpa", pass_="backward", kernel="auto", **_measure(tbwd, calls)))
     return rows
-
-
-def _kernel_values(call, q, k, v, dout, out, lse):
-    """The pointer dictionary the bound launchers of a call take, for direct launches (kernels only)."""
-    import cupy
-
-    arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
-    values = {"seed": 0, "offset": 0}
-    for spec in call.inputs:
-        if spec.name in arrays:
-            values[spec.name] = arrays[spec.name].data.ptr
-        else:
-            from flashnumba import _launch
-
-            values[spec.name] = _launch.dummy(spec.name, spec.dummy_shape, spec.dummy_dtype).data.ptr
-    for spec in call.outputs:
-        values[spec.name] = cupy.empty(spec.shape, spec.dtype).data.ptr
-    call._keep = values  # noqa: SLF001 (the outputs must outlive the timing)
-    return values
 
 
 FIRST_CALL = r"""
@@ -160,7 +142,7 @@ def first_call(shape=SHAPE):
 
 
 def main(out_dir=None):
-    from .bench import environment
+    from .environment import environment
 
     result = {"environment": environment(), "shape": list(SHAPE), "dtype": "float16", "per_call": per_call(),
               "first_call": first_call()}

@@ -1,0 +1,21 @@
+"""Where and with what a measurement was made: date, device, backend, package versions and the command."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+from .. import _backend
+
+
+def environment():
+    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               device=_backend.device_name(), backend=_backend.BACKEND, versions=_backend.versions(),
+               command="python -m flashnumba " + " ".join(sys.argv[1:]))
+    try:
+        import torch
+
+        env["versions"]["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return env
