@@ -298,6 +298,25 @@ def _varlen_tensors(names_arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     return tq, tk, tv, batch, (tcq, tck), max_q, max_k
 
 
+def _varlen_call(tag, arrays, options, varlen_args, plan):
+    """The kept Call of a varlen call, or a new one from ``plan(tq, tk, tv, batch, cu, max_q, max_k)``. The offsets
+    are checked at every call (their values are device memory, not part of the key) unless
+    ``config.check_device_values`` is off."""
+    key = _key(tag, arrays, options)
+    call = _calls.get(key) if key is not None else None
+    if call is not None and not config.check_device_values:
+        return call
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_args
+    checked = _varlen_tensors((("q", q), ("k", k), ("v", v)), cu_q, cu_k, max_q, max_k)
+
+    def build():
+        p = plan(*checked)
+        _warn(p)
+        return _launch.Call(p)
+
+    return call or _cached(key, build)
+
+
 def _lead(t):
     """t with a leading axis of length 1 (shapes only: for the checks written for 4-D arrays)."""
     return type(t)(t.name, t.array, t.kind, (1, *t.shape), (0, *t.strides), t.dtype)
@@ -318,24 +337,17 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
     Returns out (total_q, nheads, d) and lse (nheads, total_q) float32.
     """
-    key = _key("vfwd", (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k),
-               (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, dropout_p, block_m, block_n,
-                num_threads, kernel))
-    call = _calls.get(key) if key is not None else None
-    if call is None or config.check_device_values:
-        tq, tk, tv, batch, cu, max_q, max_k = _varlen_tensors((("q", q), ("k", k), ("v", v)), cu_seqlens_q,
-                                                              cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-    def build():
+    def build(tq, tk, tv, batch, cu, max_q, max_k):
         opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale,
                              batch=batch, varlen=True)
         bm, bn, nt = check_blocks(block_m, block_n, num_threads)
-        p = _plan.forward_plan(tq, tk, tv, opts, kernel=kernel, block_m=bm, block_n=bn, num_threads=nt,
-                               batch=batch, max_seqlen_q=max_q, cu=cu)
-        _warn(p)
-        return _launch.Call(p)
+        return _plan.forward_plan(tq, tk, tv, opts, kernel=kernel, block_m=bm, block_n=bn, num_threads=nt,
+                                  batch=batch, max_seqlen_q=max_q, cu=cu)
 
-    call = call or _cached(key, build)
+    call = _varlen_call("vfwd", (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k),
+                        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, dropout_p, block_m,
+                         block_n, num_threads, kernel), (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                         max_seqlen_k), build)
     seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
     out, lse = call.run((q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset)
     return out, lse
@@ -347,15 +359,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                                block_n=None, num_threads=None, kernel=None):
     """Gradients (dq, dk, dv) of :func:`flash_attn_varlen_forward`; dout and out (total_q, nheads, d), lse
     (nheads, total_q) as the forward returned them."""
-    key = _key("vbwd", (dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k),
-               (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, dropout_p, block_m, block_n,
-                num_threads, kernel))
-    call = _calls.get(key) if key is not None else None
-    if call is None or config.check_device_values:
-        tq, tk, tv, batch, cu, max_q, max_k = _varlen_tensors((("q", q), ("k", k), ("v", v)), cu_seqlens_q,
-                                                              cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-
-    def build():
+    def build(tq, tk, tv, batch, cu, max_q, max_k):
         tdo, to, tl = inspect("dout", dout, 3), inspect("out", out, 3), inspect("lse", lse, 2)
         check_same_place((tq, tk, tv, tdo, to, tl))
         check_dtypes((tq, tk, tv, tdo, to))
@@ -364,12 +368,13 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale,
                              batch=batch, varlen=True)
         bm, bn, nt = check_blocks(block_m, block_n, num_threads)
-        p = _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=bm, block_n=bn,
-                                num_threads=nt, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, cu=cu)
-        _warn(p)
-        return _launch.Call(p)
+        return _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=bm, block_n=bn,
+                                   num_threads=nt, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, cu=cu)
 
-    call = call or _cached(key, build)
+    call = _varlen_call("vbwd", (dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k),
+                        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, dropout_p, block_m,
+                         block_n, num_threads, kernel), (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                         max_seqlen_k), build)
     seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
     dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset)
     return dq, dk, dv

@@ -197,36 +197,21 @@ def _warn_slow(pass_, reason):
 _warned: set = set()
 
 
-def choose_forward(kernel, tq, tensors, opts, limits, tiles_given):
-    """(family, why, fallback) of a forward call."""
-    lowp = tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype)
+def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
+    """(family, why, fallback) of a forward or backward call."""
+    families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
+    simt = "v3" if pass_ == "forward" else "v2"
     if kernel is not None:
-        if kernel not in tiling.FORWARD_FAMILIES:
-            raise ValueError(f"kernel must be one of {tiling.FORWARD_FAMILIES} (or None), got {kernel!r}")
-        _check_family(kernel, tq, opts, limits, "forward")
+        if kernel not in families:
+            raise ValueError(f"kernel must be one of {families} for the {pass_} (or None), got {kernel!r}")
+        _check_family(kernel, tq, opts, limits, pass_)
         return kernel, "asked for by kernel=", None
-    if lowp:
+    if tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype):
         blocker = _mma_blocker(tq, tensors, limits, tiles_given)
         if blocker is None:
             return "tc", f"{_dtype_name(tq.dtype)} on tensor cores (mma.sync, cp.async, ldmatrix)", None
-        return "v3", "the register-tiled SIMT kernel", (None if SIMULATOR else blocker)
-    return "v3", "float32: the register-tiled SIMT kernel, exact float32 arithmetic (TF32 is opt-in)", None
-
-
-def choose_backward(kernel, tq, tensors, opts, limits, tiles_given):
-    lowp = tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype)
-    if kernel is not None:
-        if kernel not in tiling.BACKWARD_FAMILIES:
-            raise ValueError(f"kernel must be one of {tiling.BACKWARD_FAMILIES} for the backward (or None), "
-                             f"got {kernel!r}")
-        _check_family(kernel, tq, opts, limits, "backward")
-        return kernel, "asked for by kernel=", None
-    if lowp:
-        blocker = _mma_blocker(tq, tensors, limits, tiles_given)
-        if blocker is None:
-            return "tc", f"{_dtype_name(tq.dtype)} on tensor cores (mma.sync, cp.async, ldmatrix)", None
-        return "v2", "the register-tiled SIMT kernels", (None if SIMULATOR else blocker)
-    return "v2", "float32: the register-tiled SIMT kernels, exact float32 arithmetic", None
+        return simt, "the register-tiled SIMT kernels", (None if SIMULATOR else blocker)
+    return simt, "float32: the register-tiled SIMT kernels, exact float32 arithmetic (TF32 is opt-in)", None
 
 
 def _check_family(kernel, tq, opts, limits, pass_):
@@ -331,7 +316,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     limits = resolve_device(device)
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
-    family, why, fallback = choose_forward(kernel, tq, (tq, tk, tv), opts, limits, tiles_given)
+    family, why, fallback = choose("forward", kernel, tq, (tq, tk, tv), opts, limits, tiles_given)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
     total_q, nheads, D = shape4[1], shape4[2], shape4[3]
@@ -386,7 +371,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     limits = resolve_device(device)
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
-    family, why, fallback = choose_backward(kernel, tq, (tq, tk, tv, tdo, to), opts, limits, tiles_given)
+    family, why, fallback = choose("backward", kernel, tq, (tq, tk, tv, tdo, to), opts, limits, tiles_given)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
     lead_n, total_q, nheads, D = shape4
