@@ -150,8 +150,19 @@ def current_device() -> tiling.DeviceLimits:
     return tiling.capped(lim)
 
 
-def resolve_device(device) -> tiling.DeviceLimits:
-    return current_device() if device is None else tiling.capped(tiling.device_limits(device))
+def resolve_device(device, tensors=()) -> tiling.DeviceLimits:
+    """The limits to plan for: the current GPU's (its arrays must be on it), or an architecture's."""
+    if device is not None:
+        return tiling.capped(tiling.device_limits(device))
+    if not SIMULATOR and tensors:
+        here = cuda.get_current_device().id
+        for t in tensors:
+            where = t.array.device.index if t.kind == "torch" else t.array.device.id if t.kind == "cupy" else here
+            if where != here:
+                raise ValueError(f"{t.name} is on GPU {where}, but the kernels run on GPU {here} (Numba's current "
+                                 f"device); move the arrays there or select that device with "
+                                 f"numba.cuda.select_device({where})")
+    return current_device()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -313,7 +324,7 @@ def _cdiv(a, b):
 def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None, device=None,
                  batch=None, max_seqlen_q=None, cu=None) -> Plan:
     """The plan of a forward call (tq, tk, tv validated 4-D Tensors, or 3-D packed ones with ``cu`` given)."""
-    limits = resolve_device(device)
+    limits = resolve_device(device, (tq, tk, tv))
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
     family, why, fallback = choose("forward", kernel, tq, (tq, tk, tv), opts, limits, tiles_given)
@@ -368,7 +379,7 @@ def _like(t) -> str:
 def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None,
                   device=None, batch=None, max_seqlen_q=None, max_seqlen_k=None, cu=None) -> Plan:
     """The plan of a backward call: the D_i preprocess, then the dQ and the dK/dV kernels."""
-    limits = resolve_device(device)
+    limits = resolve_device(device, (tdo, tq, tk, tv, to, tl))
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
     family, why, fallback = choose("backward", kernel, tq, (tq, tk, tv, tdo, to), opts, limits, tiles_given)
