@@ -1,8 +1,9 @@
 """flashnumba: FlashAttention as readable Numba ``cuda.jit`` kernels on CuPy arrays.
 
 The kernels run on an NVIDIA GPU when there is one and in the Numba CUDA simulator when there is not (see
-:mod:`flashnumba._backend`). Start from :mod:`flashnumba.reference` (NumPy), then :mod:`flashnumba.kernels` (its docstring gives the reading
-order); which kernel runs with which tiles is :mod:`flashnumba.planner` and :mod:`flashnumba.tiling`.
+:mod:`flashnumba._backend`). Start from :mod:`flashnumba.reference` (NumPy), then :mod:`flashnumba.kernels`
+(its docstring gives the reading order); which kernel runs with which tiles is :mod:`flashnumba.planner` and
+:mod:`flashnumba.tiling`.
 """
 
 from . import _backend  # first: chooses GPU or simulator before numba.cuda is imported

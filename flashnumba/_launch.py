@@ -344,7 +344,8 @@ class Bound:
             ctype.from_address(base + o).value = value
         self.pointers = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self.params_address = ctypes.addressof(self.pointers)
-        self.words = memoryview(self.buffer).cast("B").cast("Q")  # 8-byte slots: pointers, seed and offset are 8-aligned
+        # 8-byte slots: pointers, seed and offset are 8-aligned
+        self.words = memoryview(self.buffer).cast("B").cast("Q")
         self.patches = [(offsets[i] // 8, name) for i, name in patches]
         grid = tuple(spec.grid) + (1,) * (3 - len(spec.grid))
         block = tuple(spec.block) + (1,) * (3 - len(spec.block))

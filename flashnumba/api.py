@@ -19,12 +19,15 @@ first seen: ``FLASHNUMBA_MAX_SHARED_BYTES`` and the current device are read then
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import _arrays, _launch, config, planner as _plan
 from ._validate import (Options, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
                         check_forward_results, check_options, check_qkv, check_same_place, check_seed, inspect)
 
+Array = Any  # a NumPy or CuPy array, a torch CUDA tensor, or any __cuda_array_interface__ object
 MAX_PROBS_ELEMENTS = 2**26  # return_attn_probs materialises (batch, nheads, seqlen_q, seqlen_k): small sizes only
 MAX_CACHED_CALLS = 512
 
@@ -63,7 +66,7 @@ def _seed(dropout_p, seed, offset):
     return check_seed(float(dropout_p), seed, offset)
 
 
-def clear_plan_cache():
+def clear_plan_cache() -> None:
     """Forget the kept plans (they are made again at the next call); the compiled kernels stay."""
     _calls.clear()
 
@@ -108,8 +111,10 @@ def _warn(p):
         _plan._warn_slow(p.pass_, p.fallback)
 
 
-def plan(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-         dropout_p=0.0, block_m=None, block_n=None, num_threads=None, kernel=None, device=None) -> _plan.Plan:
+def plan(q: Array, k: Array, v: Array, *, softmax_scale: float | None = None, causal: bool = False,
+         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
+         dropout_p: float = 0.0, block_m: int | None = None, block_n: int | None = None,
+         num_threads: int | None = None, kernel: str | None = None, device: str | None = None) -> _plan.Plan:
     """The plan :func:`flash_attn_forward` would run for these arguments, without running it: the kernel family
     and why, each kernel's tiles, threads, shared memory and grid. ``device``: None for the current GPU, or an
     architecture ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90") to plan for another. ``print(plan(...))`` shows
@@ -118,9 +123,11 @@ def plan(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), sof
                          block_n, num_threads, kernel, device)[0]
 
 
-def plan_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, dropout_p=0.0, block_m=None, block_n=None, num_threads=None, kernel=None,
-                  device=None) -> _plan.Plan:
+def plan_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
+                  softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                  softcap: float = 0.0, alibi_slopes: Array | None = None, dropout_p: float = 0.0,
+                  block_m: int | None = None, block_n: int | None = None, num_threads: int | None = None,
+                  kernel: str | None = None, device: str | None = None) -> _plan.Plan:
     """The plan :func:`flash_attn_backward` would run (see :func:`plan`)."""
     return _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
                           dropout_p, block_m, block_n, num_threads, kernel, device)[0]
@@ -132,9 +139,11 @@ def plan_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, 
 
 
 def flash_attn_forward(
-    q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None, block_n=None, num_threads=None, kernel=None
-):
+    q: Array, k: Array, v: Array, *, softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
+    dropout_p: float = 0.0, dropout_seed: int | None = None, dropout_offset: int = 0, block_m: int | None = None,
+    block_n: int | None = None, num_threads: int | None = None, kernel: str | None = None
+) -> tuple[Array, Array]:
     """Exact attention by a tiled, fused kernel that never materialises the seqlen_q x seqlen_k matrix.
 
     Parameters
@@ -184,9 +193,12 @@ def flash_attn_forward(
     return out, lse
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-                        block_m=None, block_n=None, num_threads=None, kernel=None):
+def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
+                        softmax_scale: float | None = None, causal: bool = False,
+                        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        alibi_slopes: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                        dropout_offset: int = 0, block_m: int | None = None, block_n: int | None = None,
+                        num_threads: int | None = None, kernel: str | None = None) -> tuple[Array, Array, Array]:
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
 
     ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale,
@@ -238,8 +250,10 @@ def random_seed() -> int:
     return int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, **kwargs):
+def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Array | None = None, deterministic: bool = False, return_attn_probs: bool = False,
+                    **kwargs) -> Array | tuple[Array, Array, Array]:
     """flash-attn's ``flash_attn_func``, with its argument names and defaults: returns the attention output.
 
     With ``dropout_p`` > 0 the mask comes from ``dropout_seed`` (a keyword argument; a fresh random seed when
@@ -258,8 +272,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return out, lse, attention_probs(q, k, v, lse, **opts, **seeds)
 
 
-def attention_probs(q, k, v, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+def attention_probs(q: Array, k: Array, v: Array, lse: Array, *, softmax_scale: float | None = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                    dropout_offset: int = 0) -> Array:
     """The probabilities P_ij = exp(S_ij - L_i), times the dropout multiplier Z_ij (0 where dropped,
     1 / (1 - dropout_p) where kept), as a (batch, nheads, seqlen_q, seqlen_k) float32 array: the debugging
     path behind ``return_attn_probs=True``, for small sizes. ``lse`` is the forward's; the dropout arguments
@@ -322,10 +338,13 @@ def _lead(t):
     return type(t)(t.name, t.array, t.kind, (1, *t.shape), (0, *t.strides), t.dtype)
 
 
-def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None,
-                              block_n=None, num_threads=None, kernel=None):
+def flash_attn_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
+                              max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Array | None = None, dropout_p: float = 0.0,
+                              dropout_seed: int | None = None, dropout_offset: int = 0, block_m: int | None = None,
+                              block_n: int | None = None, num_threads: int | None = None,
+                              kernel: str | None = None) -> tuple[Array, Array]:
     """Attention over a batch of packed sequences of different lengths (flash-attn's varlen layout).
 
     q (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b is rows cu_seqlens_q[b] ..
@@ -353,10 +372,14 @@ def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return out, lse
 
 
-def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, block_m=None,
-                               block_n=None, num_threads=None, kernel=None):
+def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array,
+                               cu_seqlens_q: Array, cu_seqlens_k: Array, max_seqlen_q: int, max_seqlen_k: int, *,
+                               softmax_scale: float | None = None, causal: bool = False,
+                               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                               alibi_slopes: Array | None = None, dropout_p: float = 0.0,
+                               dropout_seed: int | None = None, dropout_offset: int = 0, block_m: int | None = None,
+                               block_n: int | None = None, num_threads: int | None = None,
+                               kernel: str | None = None) -> tuple[Array, Array, Array]:
     """Gradients (dq, dk, dv) of :func:`flash_attn_varlen_forward`; dout and out (total_q, nheads, d), lse
     (nheads, total_q) as the forward returned them."""
     def build(tq, tk, tv, batch, cu, max_q, max_k):
@@ -380,9 +403,12 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     return dq, dk, dv
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, **kwargs):
+def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Array | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, **kwargs) -> Array:
     """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only
     (``return_attn_probs`` is not available for packed batches)."""
     _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs)
@@ -393,8 +419,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, **kwargs)[0]
 
 
-def attention_with_grad(q, k, v, dout, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                        alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, **kwargs):
+def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_scale: float | None = None,
+                        causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        alibi_slopes: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                        dropout_offset: int = 0, **kwargs) -> tuple[Array, Array, Array, Array]:
     """Forward and backward together, for users without an autograd system: returns (out, dq, dk, dv).
 
     Equivalent to ``out, lse = flash_attn_forward(q, k, v, ...)`` then

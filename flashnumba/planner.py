@@ -145,7 +145,8 @@ def current_device() -> tiling.DeviceLimits:
         lim = tiling.DeviceLimits(
             f"{name} (sm_{cc[0]}{cc[1]})", cc, int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
             int(dev.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR), int(dev.MAX_REGISTERS_PER_MULTIPROCESSOR),
-            int(dev.MAX_THREADS_PER_MULTIPROCESSOR), int(dev.MAX_BLOCKS_PER_MULTIPROCESSOR), sm_count=int(dev.MULTIPROCESSOR_COUNT))
+            int(dev.MAX_THREADS_PER_MULTIPROCESSOR), int(dev.MAX_BLOCKS_PER_MULTIPROCESSOR),
+            sm_count=int(dev.MULTIPROCESSOR_COUNT))
         _current[dev.id] = lim
     return tiling.capped(lim)
 
@@ -469,7 +470,8 @@ def probs_plan(tq, tk, tl, opts, device=None) -> Plan:
     inputs.insert(2, InputSpec("lse", tl.kind, to_device=tl.kind == "numpy"))
     arrays["lse"] = _kernel_meta(tl, False, False)
     spec, arrays["probs"] = _output("probs", (batch, nheads, seqlen_q, seqlen_k), np.dtype(np.float32), False)
-    launch = KernelLaunch("probs", "probs", simt_forward.make_probs_kernel, (D, opts.variant, _arrays.is_bfloat16(tq.dtype)),
+    launch = KernelLaunch("probs", "probs", simt_forward.make_probs_kernel,
+                          (D, opts.variant, _arrays.is_bfloat16(tq.dtype)),
                           ("q", "k", "lse", "probs", "scale", "softcap", "left", "right", "alibi", "p_drop",
                            "rp_keep", "seed", "offset"), (seqlen_q, batch * nheads), (min(128, max(32, seqlen_k)),),
                           0)

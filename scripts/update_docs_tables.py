@@ -26,7 +26,8 @@ def latency(d):
            "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in d["per_call"]:
         k = r.get("kernels_us")
-        out.append(f"| {r['impl']} | {r['pass_']} | {r['kernel']} | {r['back_to_back_us']:.1f} | {r['single_us']:.1f} | "
+        out.append(f"| {r['impl']} | {r['pass_']} | {r['kernel']} | {r['back_to_back_us']:.1f} | "
+                   f"{r['single_us']:.1f} | "
                    f"{r['host_us']:.1f} | {'-' if k is None else f'{k:.1f}'} |")
     out += ["", "The first forward and backward (causal, same shape) in a new process, seconds:", "",
             "| kernel cache | import flashnumba | first forward | first backward | kernels compiled (s) | loaded |",

@@ -29,7 +29,8 @@ def add(p):
     for r, s in zip(p.resources(), p.launches):
         threads = int(np.prod(s.block))
         rows.append(dict(plan=f"{p.pass_} {p.kernel} {p.dtype} d={p.head_dim} {p.options}", kernel=r["kernel"],
-                         threads=threads, dynamic_shared=s.shared_bytes, **{k: v for k, v in r.items() if k != "kernel"}))
+                         threads=threads, dynamic_shared=s.shared_bytes,
+                         **{k: v for k, v in r.items() if k != "kernel"}))
 cases = [(np.float32, 64, {}), (np.float32, 128, {"causal": True}), (np.float32, 256, {}),
          (np.float16, 64, {"causal": True}), (np.float16, 128, {}), (np.float16, 96, {}),
          (np.float16, 128, dict(window_size=(8, 3), softcap=5.0, alibi_slopes=np.ones(4, np.float32),

@@ -170,7 +170,8 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
             out[key] = dict(ptx=text, **resources.ptx_resources(text))
             for kname, make, n, (bm, bn) in zip(("dq", "dkdv"), (backward_tc.make_backward_dq_tc,
                                                                   backward_tc.make_backward_dkdv_tc),
-                                                 (1, 2), [tiling.default(f, D, DEV).tiles[:2] for f in ("tc_dq", "tc_dkdv")]):  # n gradient arrays
+                                                 (1, 2),  # n gradient arrays
+                                                 [tiling.default(f, D, DEV).tiles[:2] for f in ("tc_dq", "tc_dkdv")]):
                 grads = ", ".join([a] * n)
                 bsig = f"void({a}, {a}, {a}, {a}, {f3}, {f3}, {grads}, float32, float32, {resources._OPTS})"
                 text = _launch.compile_ptx(make(D, variant, bm, bn, dtype).py_func, bsig, (9, 0))

@@ -96,8 +96,8 @@ for precision in ("tf32", "3xtf32"):
     for D in (64, 128):
         T = tiling.default(precision, D, tiling.ARCHS["sm_90"]).tiles
         for causal in (False, True):
-            text = _launch.compile_ptx(mma_tf32.make_forward_tf32(D, causal, precision, T.block_n, T.block_m // 16).py_func,
-                                       sig, (9, 0))
+            fn = mma_tf32.make_forward_tf32(D, causal, precision, T.block_n, T.block_m // 16)
+            text = _launch.compile_ptx(fn.py_func, sig, (9, 0))
             out[f"{precision} D={D} causal={causal}"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))
 """
