@@ -1,11 +1,12 @@
-"""Where arrays live, and moving them: NumPy on the host, CuPy / Numba / any ``__cuda_array_interface__`` object on
-the GPU. The kernels always receive Numba device arrays (real or simulated); results come back in the caller's
-array type.
+"""Where arrays live: NumPy on the host; CuPy, torch, Numba or any ``__cuda_array_interface__`` object on the GPU.
+
+On a GPU the kernels read only each array's address (:data:`POINTER`; :mod:`flashnumba._launch` passes it with
+the shape and strides the plan recorded), and results are allocated in the caller's array type. Under the
+simulator they take Numba's simulated device arrays (:func:`to_kernel`, :func:`empty`).
 
 bfloat16 has no NumPy dtype of its own and no Numba type: NumPy arrays of it use the dtype of the optional package
-ml_dtypes, torch's CUDA tensors of it have no ``__cuda_array_interface__`` (kind 'torch' here), and both reach the
-kernels as uint16 arrays of the same memory (:data:`BITS`), which :mod:`flashnumba.bf16` converts element by
-element.
+ml_dtypes, torch has torch.bfloat16, and both reach the kernels as uint16 bit patterns of the same memory
+(:data:`BITS`), which :mod:`flashnumba.kernels.bf16` converts element by element.
 """
 
 from __future__ import annotations
@@ -191,77 +192,28 @@ def to_host_as(x, dtype):
     return host.view(bfloat16()) if is_bfloat16(np.dtype(dtype)) else host
 
 
-class _Bits:
-    """A torch.bfloat16 CUDA tensor seen as uint16 through the __cuda_array_interface__ (no copy): torch gives
-    none for bfloat16, so it is taken from the tensor's int16 view, typed unsigned."""
-
-    def __init__(self, x):
-        self.base = x.detach().view(sys.modules["torch"].int16)  # also keeps the memory alive
-        self.__cuda_array_interface__ = dict(self.base.__cuda_array_interface__, typestr=BITS.str)
+# ---------------------------------------------------------------------------------------------------------------
+# the simulator's side: Numba's simulated device arrays (a GPU call only reads addresses, see flashnumba._launch)
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def to_kernel(x, k: str):
-    """A Numba (device or simulated) array viewing x; NumPy arrays are copied to the device. bfloat16 arrays
-    become uint16 arrays of their bit patterns (:data:`BITS`)."""
-    if k == "numpy":  # the copy to the device is needed anyway; make it one contiguous transfer
+    """A simulated device array of x (simulator only): NumPy arrays are copied, bfloat16 as uint16 bit patterns
+    (:data:`BITS`); simulated device arrays are used as they are."""
+    if k == "numpy":
         x = np.ascontiguousarray(x)
         return cuda.to_device(x.view(BITS) if is_bfloat16(x.dtype) else x)
-    if k == "torch" and not _torch_bfloat16(x):
-        return cuda.as_cuda_array(x.detach())
-    if k == "torch":
-        device = cuda.get_current_device().id
-        if x.device.index != device:
-            raise ValueError(f"a torch tensor is on {x.device}, but the kernels run on cuda:{device} (Numba's current "
-                             f"device); move the tensor there or select that device with numba.cuda.select_device")
-        # The kernels run on the legacy default stream: let work queued on torch's current stream (which made
-        # this tensor, perhaps) finish first.
-        sys.modules["torch"].cuda.current_stream(x.device).synchronize()
-        return cuda.as_cuda_array(_Bits(x))
-    if k == "cupy" and SIMULATOR:  # pragma: no cover (CuPy is not imported under the simulator)
-        return cuda.to_device(cupy.asnumpy(x))
-    if SIMULATOR and k == "numba":
-        return x
-    return as_device_array(x)
+    return x
 
 
-def as_device_array(x):
-    """A Numba device array viewing a CUDA array (no copy). The kernels run on the legacy default stream,
-    which waits for work queued on the legacy (CUDA array interface stream 1) and per-thread (2) default
-    streams, so arrays exported with those need no host synchronisation (Numba's default would synchronise, and
-    so serialise every call with the GPU); arrays from any other stream are synchronised as Numba does."""
-    stream = x.__cuda_array_interface__.get("stream")
-    return cuda.as_cuda_array(x, sync=stream not in (None, 1, 2))
-
-
-def _leading_stride(shape, strides, itemsize):
-    """The stride of a new leading axis of length 1: the span of the array. (x[None] gives it stride 0, which
-    Numba takes for a broadcast axis and so for an array that is not contiguous.)"""
-    return max(shape[0] * abs(strides[0]) if shape else itemsize, itemsize)
-
-
-class _LeadingAxis:
-    """A (1, *shape) view of a CUDA array, through the __cuda_array_interface__ (no copy)."""
-
-    def __init__(self, x):
-        shape, strides, dtype = shape_strides_dtype(x)
-        cai = dict(x.__cuda_array_interface__)
-        lead = _leading_stride(shape, strides, dtype.itemsize)
-        cai.update(shape=(1, *shape), strides=(lead, *strides), version=cai.get("version", 2))
-        self.__cuda_array_interface__ = cai
-        self.base = x  # keep the owner alive
-
-
-def with_leading_axis(x, kind):
-    """x viewed with a leading axis of length 1 (no copy), in its own array type where it has one."""
-    if kind == "torch":
-        return x.unsqueeze(0)  # stride: size(0) * stride(0)
-    if kind in ("numpy", "cupy"):
-        lib = np if kind == "numpy" else cupy
-        lead = _leading_stride(x.shape, x.strides, x.itemsize)
-        return lib.lib.stride_tricks.as_strided(x, (1, *x.shape), (lead, *x.strides))
-    if SIMULATOR:  # a simulator device array: a host copy with the axis added
-        return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[None]))
-    return _LeadingAxis(x)
+def with_leading_axis(x, k: str):
+    """x with a leading axis of length 1 (simulator only): a view of a NumPy array, a copy of a simulated one.
+    The new axis gets a real stride, the span of the array (x[None] gives it stride 0, which Numba takes for a
+    broadcast axis and so for an array that is not contiguous)."""
+    if k == "numpy":
+        lead = max(x.shape[0] * abs(x.strides[0]) if x.shape else x.itemsize, x.itemsize)
+        return np.lib.stride_tricks.as_strided(x, (1, *x.shape), (lead, *x.strides))
+    return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[None]))
 
 
 def to_host(x):
@@ -281,20 +233,8 @@ def to_host(x):
 
 
 def empty(shape, dtype, like: str):
-    """A new output buffer: (what the caller gets, what the kernel writes); NaN-filled when
+    """A new output buffer (simulator only): (what the caller gets, what the kernel writes); NaN-filled when
     ``config.poison_outputs`` is set (tests). A bfloat16 buffer's kernel side is uint16 (NaN: 0x7FC0)."""
-    if like == "torch":  # bfloat16 outputs and, beside them, float32 lse
-        torch = sys.modules["torch"]
-        arr = torch.empty(shape, dtype=torch.bfloat16 if is_bfloat16(dtype) else torch.float32,
-                          device=f"cuda:{cuda.get_current_device().id}")
-        if config.poison_outputs:
-            arr.fill_(float("nan"))
-        return arr, to_kernel(arr, "torch") if is_bfloat16(dtype) else cuda.as_cuda_array(arr)
-    if like in ("cupy", "cai") and cupy is not None:
-        arr = cupy.empty(shape, dtype)
-        if config.poison_outputs:
-            arr.fill(np.nan)
-        return arr, as_device_array(arr)
     bits = is_bfloat16(np.dtype(dtype))
     if config.poison_outputs:
         host = np.full(shape, np.nan, dtype)
