@@ -150,3 +150,21 @@ def test_plan_to_dict_and_unknown_arch():
     assert flashnumba.plan(q, k, v, device="sm_90").to_dict()["launches"][0]["block_m"] == 128
     with pytest.raises(ValueError, match="unknown architecture"):
         flashnumba.plan(q, k, v, device="sm_61")
+
+
+def test_arrays_on_another_gpu_are_refused(monkeypatch):
+    """Planning for the current GPU checks that CuPy arrays and torch tensors are on it (stand-ins with the
+    attributes CuPy and torch expose: ``x.device.id``, ``x.device.index``)."""
+    from types import SimpleNamespace
+
+    from flashnumba._validate import Tensor
+
+    monkeypatch.setattr(planmod, "SIMULATOR", False)
+    monkeypatch.setattr(planmod.cuda, "get_current_device", lambda: SimpleNamespace(id=0), raising=False)
+    monkeypatch.setattr(planmod, "current_device", lambda: tiling.ARCHS["sm_90"])
+    on = lambda kind, dev: Tensor("q", SimpleNamespace(device=SimpleNamespace(id=dev, index=dev)), kind, (1,), (4,),
+                                  np.dtype(np.float32))  # noqa: E731
+    assert planmod.resolve_device(None, (on("cupy", 0), on("torch", 0))) is tiling.ARCHS["sm_90"]
+    for kind in ("cupy", "torch"):
+        with pytest.raises(ValueError, match="q is on GPU 1, but the kernels run on GPU 0"):
+            planmod.resolve_device(None, (on(kind, 1),))
