@@ -158,11 +158,6 @@ def meta_key(x):
 _META: dict = {}
 
 
-def pointer(x, k: str) -> int:
-    """The device address of a device array's first element."""
-    return POINTER[k](x)
-
-
 POINTER = {  # the device address of a device array's first element, by kind
     "cupy": lambda x: x.data.ptr,
     "torch": lambda x: x.data_ptr(),

@@ -93,15 +93,6 @@ def device_name() -> str:
     return f"{dev.name.decode() if isinstance(dev.name, bytes) else dev.name} (compute capability {cc[0]}.{cc[1]})"
 
 
-def max_shared_memory_per_block() -> int:
-    """Largest dynamic shared memory a block may opt in to, in bytes; without a device (the simulator, or
-    compiling PTX on a machine without a GPU) the figure of an sm_90 GPU (H100, H200)."""
-    if SIMULATOR or not cuda.is_available():
-        return 227 * 1024
-    dev = cuda.get_current_device()
-    return int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-
-
 def versions() -> dict:
     """Versions of the packages flashnumba runs on (None where a package is not installed)."""
     from importlib import metadata

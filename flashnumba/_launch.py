@@ -28,7 +28,7 @@ import numpy as np
 from . import _arrays, _cache, config
 from ._backend import SIMULATOR, cuda
 
-STATIC_SHARED_LIMIT = 48 * 1024
+STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory; more needs an opt-in per kernel
 PER_CALL_SCALARS = ("seed", "offset")  # uint64 arguments written at every call, not part of a plan
 _NUMBA_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint16): "uint16",
                 np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.uint64): "uint64"}
@@ -381,11 +381,7 @@ def bind(spec: KernelLaunch, arrays: dict, scalars: dict, device):
     (GPU) or to device arrays (simulator), and holds the per-call scalars."""
     if SIMULATOR:
         return SimBound(spec, arrays, scalars)
-    return Bound(spec, arrays, scalars, device.cc, device_id(device))
-
-
-def device_id(device=None) -> int:
-    return cuda.get_current_device().id
+    return Bound(spec, arrays, scalars, device.cc, cuda.get_current_device().id)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,7 +431,7 @@ class Call:
         for i, spec in enumerate(self.inputs):
             if spec.kind == "none":
                 d = dummy(spec.name, spec.dummy_shape, spec.dummy_dtype)
-                self.base[spec.name] = _arrays.pointer(d, _arrays.kind(d))
+                self.base[spec.name] = _arrays.POINTER[_arrays.kind(d)](d)
             else:
                 moved = spec.to_device or spec.copy
                 kind = ("cupy" if _arrays.cupy is not None else "numba") if spec.to_device else spec.kind

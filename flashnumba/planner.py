@@ -31,7 +31,7 @@ import numpy as np
 
 from . import _arrays, _validate, config, tiling
 from ._backend import SIMULATOR, cuda
-from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel
+from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel, is_c_layout
 from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward
 from .kernels.simt_forward import LOG2E
 
@@ -193,8 +193,6 @@ def _mma_blocker(tq, tensors, limits, tiles_given) -> str | None:
 
 
 def _c_layout(t) -> bool:
-    from ._launch import is_c_layout
-
     return is_c_layout(t.shape, t.strides, t.dtype.itemsize)
 
 
@@ -301,7 +299,7 @@ def _output(name, user_shape, dtype, lead, returned=True):
                                                                              dtype)
 
 
-def _option_scalars(opts, scale_q=None):
+def _option_scalars(opts):
     return {"softcap": np.float32(opts.softcap), "left": np.int64(opts.left), "right": np.int64(opts.right),
             "p_drop": np.float32(opts.dropout_p), "rp_keep": np.float32(1.0 / (1.0 - opts.dropout_p)),
             "scale": np.float32(opts.scale), "scale_log2": np.float32(opts.scale * LOG2E),
@@ -365,11 +363,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (t.num_threads,), smem, t, reason)
     empty = bsz * nheads * max_q == 0 or total_q == 0
     return Plan("forward", family, _dtype_name(dt), D, opts.describe(), limits, why, fallback,
-                () if empty else (launch,), arrays, scalars, tuple(inputs), (out_spec, lse_spec), _like(tq))
-
-
-def _like(t) -> str:
-    return t.kind
+                () if empty else (launch,), arrays, scalars, tuple(inputs), (out_spec, lse_spec), tq.kind)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -454,7 +448,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         if max_k:
             launches.append(kv)
     return Plan("backward", family, _dtype_name(dt), D, opts.describe(), limits, why, fallback, tuple(launches),
-                arrays, scalars, tuple(inputs), tuple(outs), _like(tq))
+                arrays, scalars, tuple(inputs), tuple(outs), tq.kind)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -477,4 +471,4 @@ def probs_plan(tq, tk, tl, opts, device=None) -> Plan:
                           0)
     empty = batch * nheads * seqlen_q * seqlen_k == 0
     return Plan("probs", "probs", _dtype_name(tq.dtype), D, opts.describe(), limits, "the debugging path", None,
-                () if empty else (launch,), arrays, _option_scalars(opts), tuple(inputs), (spec,), _like(tq))
+                () if empty else (launch,), arrays, _option_scalars(opts), tuple(inputs), (spec,), tq.kind)

@@ -34,9 +34,9 @@ import os
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from ._launch import STATIC_SHARED_LIMIT
 from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward
 
-STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory per block
 MAX_REGISTERS_PER_THREAD = 255
 MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core kernels are instantiated for
 
