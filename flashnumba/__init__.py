@@ -12,6 +12,8 @@ from . import config, reference, tiling
 from .api import (
     attention_probs,
     clear_plan_cache,
+    draw_dropout_seed,
+    last_dropout_seed,
     plan,
     plan_backward,
     attention_with_grad,
@@ -41,5 +43,7 @@ __all__ = [
     "plan",
     "plan_backward",
     "clear_plan_cache",
+    "draw_dropout_seed",
+    "last_dropout_seed",
     "tiling",
 ]

@@ -46,10 +46,11 @@ def is_bfloat16(dtype) -> bool:
 
 
 def _torch_tensor(x) -> bool:
-    """Whether x is a torch CUDA tensor (torch is never imported here: a caller that has a tensor has imported
-    it)."""
+    """Whether x is a torch CUDA tensor, or a meta tensor (shapes only: :mod:`flashnumba.torch` checks them while
+    torch.compile traces; they never reach a launch). torch is never imported here: a caller that has a tensor
+    has imported it."""
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+    return torch is not None and isinstance(x, torch.Tensor) and (x.is_cuda or x.is_meta)
 
 
 def _torch_bfloat16(x) -> bool:
@@ -67,6 +68,10 @@ def kind(x) -> str:
         return "torch"
     if not SIMULATOR and cuda.is_cuda_array(x) and cuda.devicearray.is_cuda_ndarray(x):
         return "numba"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a CUDA tensor, got a torch tensor on {x.device}: move it to the GPU (x.cuda()), "
+                        f"or pass x.numpy() to run on NumPy arrays")
     if hasattr(x, "__cuda_array_interface__"):
         return "cai"
     if SIMULATOR and hasattr(x, "copy_to_host"):  # a simulator device array
@@ -166,19 +171,21 @@ POINTER = {  # the device address of a device array's first element, by kind
 }
 
 
-def device_copy(x, k: str):
-    """A C-contiguous device copy of x (a NumPy array is copied to the GPU; bfloat16 as its uint16 bits)."""
+def device_copy(x, k: str, fresh: bool = False):
+    """A C-contiguous device copy of x (a NumPy array is copied to the GPU; bfloat16 as its uint16 bits);
+    ``fresh``: a new allocation even where x is already C-contiguous (its start then is aligned)."""
     if k == "numpy":
         host = np.ascontiguousarray(x)
         if is_bfloat16(host.dtype):
             host = host.view(BITS)
         return cupy.asarray(host) if cupy is not None else cuda.to_device(host)
     if k == "torch":
-        return x.contiguous()
+        torch = sys.modules["torch"]
+        return x.detach().clone(memory_format=torch.contiguous_format) if fresh else x.detach().contiguous()
     if cupy is None:
-        raise ValueError("a strided CUDA array must be copied to a C-contiguous one for the tensor-core kernels, "
-                         "which needs CuPy; pass a C-contiguous array")
-    return cupy.ascontiguousarray(cupy.asarray(x))
+        raise ValueError("a strided or unaligned CUDA array must be copied for the tensor-core kernels, which "
+                         "needs CuPy; pass a C-contiguous array that starts on a 16-byte boundary")
+    return cupy.array(cupy.asarray(x), copy=True, order="C") if fresh else cupy.ascontiguousarray(cupy.asarray(x))
 
 
 def to_host_as(x, dtype):

@@ -6,7 +6,9 @@ is kept in :mod:`flashnumba._cache` and loaded with the CUDA driver. A launch th
 kernel's parameters are laid out once per plan in one buffer, exactly as Numba passes them (an array is
 ``meminfo, parent, nitems, itemsize, data, shape..., strides...``; the layout is read from the PTX's own parameter
 list), and each call writes only the data pointers (and the dropout seed and offset) into it. Kernels go on the
-caller's current stream: CuPy's for CuPy arrays, torch's for torch tensors, the legacy default stream otherwise.
+stream the caller gives, else the caller's current stream: CuPy's for CuPy arrays, torch's for torch tensors, the
+legacy default stream otherwise. Nothing waits for the GPU (so a call can be captured in a CUDA graph), except
+where NumPy results are copied back.
 
 Under the simulator the same plan launches through Numba's dispatcher (``kernel[grid, block, 0, shared](...)``),
 which runs each thread in Python; nothing is compiled.
@@ -435,7 +437,8 @@ class Call:
             else:
                 moved = spec.to_device or spec.copy
                 kind = ("cupy" if _arrays.cupy is not None else "numba") if spec.to_device else spec.kind
-                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind]))
+                check = spec.aligned and not moved  # a copy is aligned; a user array may start anywhere
+                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind], check))
         self.allocs = []  # (name, shape, kernel dtype, returned)
         for spec in self.outputs:
             kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(spec.dtype) else np.dtype(spec.dtype)
@@ -450,6 +453,8 @@ class Call:
             self.empty = cuda.device_array
 
     def _stream(self, ref):
+        """The caller's current stream: torch's (for ref's device) for torch tensors, CuPy's for CuPy arrays (and
+        for NumPy inputs, which are copied with CuPy), else the legacy default stream."""
         if self.torch:
             return sys.modules["torch"].cuda.current_stream(ref.device).cuda_stream
         if _arrays.cupy is not None and self.like != "numba":
@@ -483,12 +488,17 @@ class Call:
         values["seed"] = int(seed)
         values["offset"] = int(offset)
         keep = []
-        for i, name, copy_from, address in self.reads:
+        for i, name, copy_from, address, check in self.reads:
             x = arrays[i]
             if copy_from:
                 x = _arrays.device_copy(x, copy_from)
                 keep.append(x)
-            values[name] = address(x)
+            ptr = address(x)
+            if check and ptr % 16:  # the 16-byte copies of the tensor-core kernels need a 16-byte aligned start
+                x = _arrays.device_copy(x, self.inputs[i].kind, fresh=True)
+                keep.append(x)
+                ptr = address(x)
+            values[name] = ptr
         ref = arrays[0]
         outs = []
         for name, shape, dtype, returned in self.allocs:
@@ -496,11 +506,14 @@ class Call:
             (outs if returned else keep).append(arr)
         return values, outs, keep
 
-    def run(self, arrays, seed=0, offset=0):
+    def run(self, arrays, seed=0, offset=0, stream=None):
+        """Launch the plan's kernels on ``stream`` (a CUstream handle; None: the arrays' own current stream,
+        see :meth:`_stream`) and return the outputs."""
         if SIMULATOR:
             return self._run_sim(arrays, seed, offset)
         values, outs, keep = self.prepare(arrays, seed, offset)
-        stream = self._stream(arrays[0])
+        if stream is None:
+            stream = self._stream(arrays[0])
         for b in self.bound:
             b(values, stream)
         if self.host_results is not None:

@@ -150,6 +150,25 @@ def check_seed(dropout_p: float, seed, offset) -> tuple:
     return np.uint64(0 if seed is None else seed), np.uint64(offset)
 
 
+def check_stream(stream):
+    """The CUDA stream handle (an int) of a ``stream=`` argument, or None for the arrays' own current stream (torch's
+    for torch tensors, CuPy's for CuPy arrays). Taken: an int handle (0: the legacy default stream), a torch
+    ``Stream`` (``.cuda_stream``), a CuPy ``Stream`` (``.ptr``), a Numba stream (``int(stream)``)."""
+    if stream is None:
+        return None
+    for attr in ("cuda_stream", "ptr"):
+        handle = getattr(stream, attr, None)
+        if isinstance(handle, (int, np.integer)):
+            return int(handle)
+    if isinstance(stream, (bool, np.bool_)) or not hasattr(stream, "__int__"):
+        raise TypeError(f"stream must be None, an int handle, or a torch, CuPy or Numba stream, got "
+                        f"{type(stream).__module__}.{type(stream).__name__}")
+    handle = int(stream)
+    if handle < 0:
+        raise ValueError(f"stream handle must be >= 0, got {handle}")
+    return handle
+
+
 @dataclass(frozen=True)
 class Options:
     """The masking, score and dropout options of a call, validated; seed and offset travel per call.
@@ -204,9 +223,8 @@ class Options:
         return ", ".join(parts) or "no mask"
 
 
-def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale, batch=None,
-                  varlen=False) -> Options:
-    causal = check_flag("causal", causal)
+def check_window(window_size) -> tuple[int, int]:
+    """(left, right) of a ``window_size`` pair of ints >= -1 (-1: unbounded)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -214,7 +232,13 @@ def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p,
     for name, w in (("left", left), ("right", right)):
         if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) or w < -1:
             raise ValueError(f"window_size {name} must be an int >= -1 (-1: unbounded), got {w!r}")
-    left, right = int(left), int(right)
+    return int(left), int(right)
+
+
+def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale, batch=None,
+                  varlen=False) -> Options:
+    causal = check_flag("causal", causal)
+    left, right = check_window(window_size)
     if causal:  # as in flash-attn: causal is the window (left, 0)
         right = 0
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):

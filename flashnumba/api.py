@@ -19,13 +19,16 @@ first seen: ``FLASHNUMBA_MAX_SHARED_BYTES`` and the current device are read then
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any
 
 import numpy as np
 
 from . import _arrays, _launch, config, planner as _plan
 from ._validate import (Options, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
-                        check_forward_results, check_options, check_qkv, check_same_place, check_seed, inspect)
+                        check_forward_results, check_options, check_qkv, check_same_place, check_seed, check_stream,
+                        inspect)
 
 Array = Any  # a NumPy or CuPy array, a torch CUDA tensor, or any __cuda_array_interface__ object
 MAX_PROBS_ELEMENTS = 2**26  # return_attn_probs materialises (batch, nheads, seqlen_q, seqlen_k): small sizes only
@@ -66,6 +69,16 @@ def _seed(dropout_p, seed, offset):
     return check_seed(float(dropout_p), seed, offset)
 
 
+def _stream(stream, ref):
+    """The stream handle of a ``stream=`` argument (None: the arrays' current stream, chosen at launch)."""
+    if stream is None:
+        return None
+    if isinstance(ref, np.ndarray):
+        raise ValueError("stream= applies to device arrays: NumPy inputs are copied to the GPU and back, and the "
+                         "call waits for its results")
+    return check_stream(stream)
+
+
 def clear_plan_cache() -> None:
     """Forget the kept plans (they are made again at the next call); the compiled kernels stay."""
     _calls.clear()
@@ -76,13 +89,22 @@ def clear_plan_cache() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, block_m, block_n,
-                  num_threads, kernel, device=None):
+def check_forward_args(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, dropout_p=0.0):
+    """(Tensors of q, k, v, Options): every check of a forward call that reads only shapes, strides and dtypes
+    (no device memory, no plan); :mod:`flashnumba.torch` runs it on meta tensors too."""
     tq, tk, tv = (inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
     check_same_place((tq, tk, tv))
     check_dtypes((tq, tk, tv))
     check_qkv(tq, tk, tv)
     opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale)
+    return (tq, tk, tv), opts
+
+
+def _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, block_m, block_n,
+                  num_threads, kernel, device=None):
+    (tq, tk, tv), opts = check_forward_args(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                            dropout_p)
     block_m, block_n, num_threads = check_blocks(block_m, block_n, num_threads)
     p = _plan.forward_plan(tq, tk, tv, opts, kernel=kernel, block_m=block_m, block_n=block_n,
                            num_threads=num_threads, device=device)
@@ -142,7 +164,7 @@ def flash_attn_forward(
     q: Array, k: Array, v: Array, *, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
     dropout_p: float = 0.0, dropout_seed: int | None = None, dropout_offset: int = 0, block_m: int | None = None,
-    block_n: int | None = None, num_threads: int | None = None, kernel: str | None = None
+    block_n: int | None = None, num_threads: int | None = None, kernel: str | None = None, stream: Any = None
 ) -> tuple[Array, Array]:
     """Exact attention by a tiled, fused kernel that never materialises the seqlen_q x seqlen_k matrix.
 
@@ -172,6 +194,10 @@ def flash_attn_forward(
         causal or not, no other option): operands rounded to TF32 (about float16's precision), or split in two
         TF32 parts and multiplied three times (about float32's precision), flashnumba.kernels.mma_tf32.
 
+    stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'
+        current stream (torch's for torch tensors, CuPy's for CuPy arrays). Outputs are allocated on the current
+        stream: with another stream, keep them alive until that stream has run.
+
     Returns
     -------
     out : like q, in q's dtype (float32 accumulation)
@@ -189,7 +215,7 @@ def flash_attn_forward(
 
     call = _cached(key, build)
     seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
-    out, lse = call.run((q, k, v, alibi_slopes, None, None), seed, offset)
+    out, lse = call.run((q, k, v, alibi_slopes, None, None), seed, offset, _stream(stream, q))
     return out, lse
 
 
@@ -198,7 +224,8 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
                         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                         alibi_slopes: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
                         dropout_offset: int = 0, block_m: int | None = None, block_n: int | None = None,
-                        num_threads: int | None = None, kernel: str | None = None) -> tuple[Array, Array, Array]:
+                        num_threads: int | None = None, kernel: str | None = None,
+                        stream: Any = None) -> tuple[Array, Array, Array]:
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
 
     ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale,
@@ -212,7 +239,7 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     (tensor cores: float16 or bfloat16, head_dim 64 or 128, every option; block_m and block_n in 16, 32, 64, 128;
     its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and ``tc_dkdv`` in flashnumba.tiling, and
     a block_m or block_n given applies to both), see flashnumba.kernels.mma_backward. None (default): "tc" where it
-    applies (as for the forward), else "v2".
+    applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.
 
     Returns dq like q, dk and dv like k, in the input dtype (float32 accumulation).
     """
@@ -227,7 +254,7 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
 
     call = _cached(key, build)
     seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
-    dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, None, None), seed, offset)
+    dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, None, None), seed, offset, _stream(stream, q))
     return dq, dk, dv
 
 
@@ -236,18 +263,62 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs):
-    """flash-attn's extra arguments; with dropout and no dropout_seed in kwargs, a fresh random seed."""
+def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, heads_of_batch):
+    """flash-attn's extra arguments; with dropout and no dropout_seed in kwargs, a fresh seed and offset
+    (:func:`draw_dropout_seed`), kept for :func:`last_dropout_seed`."""
     check_flag("return_attn_probs", return_attn_probs)
     check_flag("deterministic", deterministic)
     check_dropout_p(dropout_p)
     if dropout_p and kwargs.get("dropout_seed") is None:
-        kwargs["dropout_seed"] = random_seed()
+        if "dropout_offset" in kwargs:
+            raise ValueError("dropout_offset was given without dropout_seed")
+        kwargs["dropout_seed"], kwargs["dropout_offset"] = _local.seed = draw_dropout_seed(q, heads_of_batch)
+
+
+_local = threading.local()
+PHILOX_STEP = 32  # per (batch, head): how far flash-attn advances torch's generator offset at each dropout call
+_MASK32 = 2**32 - 1
+
+
+def _heads_of_batch(q, rank, cu_seqlens):
+    """batch * nheads of a call (for the generator's advance), or 1 where q's shape is not yet checked."""
+    try:
+        shape = _arrays.shape_strides_dtype(q)[0]
+        batch = shape[0] if cu_seqlens is None else _arrays.shape_strides_dtype(cu_seqlens)[0][0] - 1
+        return int(batch) * int(shape[-2]) if len(shape) == rank else 1
+    except Exception:  # noqa: BLE001  (validation reports bad arrays with its own message)
+        return 1
 
 
 def random_seed() -> int:
     """A fresh 64-bit dropout seed from the operating system's entropy."""
     return int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
+
+
+def draw_dropout_seed(q: Array, heads_of_batch: int = 1) -> tuple[int, int]:
+    """A fresh (dropout_seed, dropout_offset) for a call with dropout on q.
+
+    For torch tensors they come from torch's CUDA generator of q's device, so ``torch.manual_seed`` reproduces a
+    run: the generator's seed and its Philox offset, which is then advanced as flash-attn advances it
+    (``batch * nheads * 32``, ``heads_of_batch`` being batch * nheads), so the random numbers torch draws after
+    the call are those it would draw after flash-attn's. The kernels' counter takes the offset's low 32 bits
+    (:mod:`flashnumba.kernels.philox`); its high 32 bits are folded into the seed's, so every generator state
+    gives its own mask. For other arrays: a seed from the operating system's entropy and offset 0.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(q, torch.Tensor) and q.is_cuda:
+        gen = torch.cuda.default_generators[q.device.index]
+        seed, offset = gen.initial_seed() % 2**64, gen.get_offset()
+        gen.set_offset(offset + PHILOX_STEP * max(int(heads_of_batch), 1))
+        return seed ^ ((offset >> 32) << 32), offset & _MASK32
+    return random_seed(), 0
+
+
+def last_dropout_seed() -> tuple[int, int] | None:
+    """(dropout_seed, dropout_offset) that this thread's last :func:`flash_attn_func` or
+    :func:`flash_attn_varlen_func` call drew (dropout_p > 0 and no dropout_seed given): pass them to the backward
+    to regenerate its mask. None before any such call."""
+    return getattr(_local, "seed", None)
 
 
 def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softmax_scale: float | None = None,
@@ -256,13 +327,14 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
                     **kwargs) -> Array | tuple[Array, Array, Array]:
     """flash-attn's ``flash_attn_func``, with its argument names and defaults: returns the attention output.
 
-    With ``dropout_p`` > 0 the mask comes from ``dropout_seed`` (a keyword argument; a fresh random seed when
-    it is not given). ``return_attn_probs=True`` returns (out, lse, P * Z) with the probabilities after dropout
+    With ``dropout_p`` > 0 the mask comes from ``dropout_seed`` and ``dropout_offset`` (keyword arguments); when
+    no seed is given a fresh one is drawn (:func:`draw_dropout_seed`: from torch's generator for torch tensors)
+    and :func:`last_dropout_seed` returns it, for the backward. ``return_attn_probs=True`` returns (out, lse, P * Z) with the probabilities after dropout
     (small sizes; :func:`attention_probs`); ``deterministic`` is accepted (flashnumba is always deterministic).
     Other keyword arguments (``kernel``, block sizes, ``dropout_seed``, ``dropout_offset``) go to
     :func:`flash_attn_forward`.
     """
-    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs)
+    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 4, None))
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     out, lse = flash_attn_forward(q, k, v, **opts, **kwargs)
@@ -275,7 +347,7 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
 def attention_probs(q: Array, k: Array, v: Array, lse: Array, *, softmax_scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                    dropout_offset: int = 0) -> Array:
+                    dropout_offset: int = 0, stream: Any = None) -> Array:
     """The probabilities P_ij = exp(S_ij - L_i), times the dropout multiplier Z_ij (0 where dropped,
     1 / (1 - dropout_p) where kept), as a (batch, nheads, seqlen_q, seqlen_k) float32 array: the debugging
     path behind ``return_attn_probs=True``, for small sizes. ``lse`` is the forward's; the dropout arguments
@@ -296,7 +368,7 @@ def attention_probs(q: Array, k: Array, v: Array, lse: Array, *, softmax_scale: 
     opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale)
     seed, offset = check_seed(opts.dropout_p, dropout_seed, dropout_offset)
     call = _launch.Call(_plan.probs_plan(tq, tk, tl, opts))
-    return call.run((q, k, lse, alibi_slopes, None, None), seed, offset)[0]
+    return call.run((q, k, lse, alibi_slopes, None, None), seed, offset, _stream(stream, q))[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,14 +376,26 @@ def attention_probs(q: Array, k: Array, v: Array, lse: Array, *, softmax_scale: 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _varlen_tensors(names_arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _varlen_tensors(names_arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read_values=None):
     tq, tk, tv = (inspect(n, x, 3) for n, x in names_arrays[:3])
     check_same_place((tq, tk, tv))
     check_dtypes((tq, tk, tv))
-    batch, tcq, tck, max_q, max_k = check_cu_seqlens(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                     read_values=config.check_device_values)
+    batch, tcq, tck, max_q, max_k = check_cu_seqlens(
+        tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        read_values=config.check_device_values if read_values is None else read_values)
     check_qkv(*(_lead(t) for t in (tq, tk, tv)))
     return tq, tk, tv, batch, (tcq, tck), max_q, max_k
+
+
+def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0):
+    """The checks of a varlen forward call that read only shapes, strides and dtypes (the offsets' values are not
+    read): as :func:`check_forward_args`. Returns the batch size."""
+    tq, tk, _, batch, _, _, _ = _varlen_tensors((("q", q), ("k", k), ("v", v)), cu_seqlens_q, cu_seqlens_k,
+                                                max_seqlen_q, max_seqlen_k, read_values=False)
+    check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale, batch=batch,
+                  varlen=True)
+    return batch
 
 
 def _varlen_call(tag, arrays, options, varlen_args, plan):
@@ -344,7 +428,7 @@ def flash_attn_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array,
                               alibi_slopes: Array | None = None, dropout_p: float = 0.0,
                               dropout_seed: int | None = None, dropout_offset: int = 0, block_m: int | None = None,
                               block_n: int | None = None, num_threads: int | None = None,
-                              kernel: str | None = None) -> tuple[Array, Array]:
+                              kernel: str | None = None, stream: Any = None) -> tuple[Array, Array]:
     """Attention over a batch of packed sequences of different lengths (flash-attn's varlen layout).
 
     q (total_q, nheads, d), k and v (total_k, nheads_k, d); sequence b is rows cu_seqlens_q[b] ..
@@ -352,7 +436,8 @@ def flash_attn_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array,
     (batch + 1,), starting at 0, non-decreasing; sequences of length 0 allowed). max_seqlen_q / max_seqlen_k
     bound the lengths. Every option of :func:`flash_attn_forward` applies per sequence (causal and windows
     aligned to each sequence's bottom-right corner; ALiBi slopes (nheads,) or (batch, nheads)).
-    The offsets are copied to the host and checked at every call (``flashnumba.config.check_device_values``).
+    The offsets are copied to the host and checked at every call (``flashnumba.config.check_device_values``;
+    turn it off to capture varlen calls in a CUDA graph). ``stream``: as for :func:`flash_attn_forward`.
 
     Returns out (total_q, nheads, d) and lse (nheads, total_q) float32.
     """
@@ -368,7 +453,7 @@ def flash_attn_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array,
                          block_n, num_threads, kernel), (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                          max_seqlen_k), build)
     seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
-    out, lse = call.run((q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset)
+    out, lse = call.run((q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset, _stream(stream, q))
     return out, lse
 
 
@@ -379,7 +464,7 @@ def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: A
                                alibi_slopes: Array | None = None, dropout_p: float = 0.0,
                                dropout_seed: int | None = None, dropout_offset: int = 0, block_m: int | None = None,
                                block_n: int | None = None, num_threads: int | None = None,
-                               kernel: str | None = None) -> tuple[Array, Array, Array]:
+                               kernel: str | None = None, stream: Any = None) -> tuple[Array, Array, Array]:
     """Gradients (dq, dk, dv) of :func:`flash_attn_varlen_forward`; dout and out (total_q, nheads, d), lse
     (nheads, total_q) as the forward returned them."""
     def build(tq, tk, tv, batch, cu, max_q, max_k):
@@ -399,7 +484,8 @@ def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: A
                          block_n, num_threads, kernel), (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                          max_seqlen_k), build)
     seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
-    dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset)
+    dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset,
+                          _stream(stream, q))
     return dq, dk, dv
 
 
@@ -410,8 +496,9 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
                            alibi_slopes: Array | None = None, deterministic: bool = False,
                            return_attn_probs: bool = False, **kwargs) -> Array:
     """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only
-    (``return_attn_probs`` is not available for packed batches)."""
-    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs)
+    (``return_attn_probs`` is not available for packed batches). With dropout and no ``dropout_seed``: as
+    :func:`flash_attn_func`."""
+    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 3, cu_seqlens_q))
     if return_attn_probs:
         raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
     return flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -428,11 +515,12 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
     Equivalent to ``out, lse = flash_attn_forward(q, k, v, ...)`` then
     ``flash_attn_backward(dout, q, k, v, out, lse, ...)``. ``kernel`` chooses the forward kernel,
     ``backward_kernel`` the backward's; ``block_m``, ``block_n`` and ``num_threads`` apply to the backward (the
-    forward uses its defaults). With dropout and no ``dropout_seed``, a fresh random seed serves both passes.
+    forward uses its defaults). With dropout and no ``dropout_seed``, a fresh seed (:func:`draw_dropout_seed`) serves
+    both passes.
     """
     fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
     if dropout_p and dropout_seed is None:
-        dropout_seed = random_seed()
+        dropout_seed, dropout_offset = draw_dropout_seed(q, _heads_of_batch(q, 4, None))
     if "backward_kernel" in kwargs:
         kwargs["kernel"] = kwargs.pop("backward_kernel")
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
@@ -445,4 +533,5 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
 
 __all__ = ["Options", "flash_attn_forward", "flash_attn_backward", "flash_attn_func", "attention_probs",
            "attention_with_grad", "flash_attn_varlen_forward", "flash_attn_varlen_backward", "flash_attn_varlen_func",
-           "plan", "plan_backward", "random_seed", "clear_plan_cache"]
+           "plan", "plan_backward", "random_seed", "draw_dropout_seed", "last_dropout_seed", "clear_plan_cache",
+           "check_forward_args", "check_varlen_args"]

@@ -57,6 +57,7 @@ class InputSpec:
     broadcast: tuple | None = None
     dummy_shape: tuple = (1,)
     dummy_dtype: str = "float32"
+    aligned: bool = False  # read by 16-byte copies: a start not 16-byte aligned is copied first
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,9 @@ def resolve_device(device, tensors=()) -> tiling.DeviceLimits:
     """The limits to plan for: the current GPU's (its arrays must be on it), or an architecture's."""
     if device is not None:
         return tiling.capped(tiling.device_limits(device))
+    for t in tensors:
+        if t.kind == "torch" and getattr(t.array, "is_meta", False):
+            raise ValueError(f"{t.name} is a meta tensor (a shape without data): nothing can run on it")
     if not SIMULATOR and tensors:
         here = cuda.get_current_device().id
         for t in tensors:
@@ -187,13 +191,28 @@ def _mma_blocker(tq, tensors, limits, tiles_given) -> str | None:
                 f"(the tensor-core kernels need 8.0 or newer)")
     if tq.shape[-1] not in tiling.MMA_HEAD_DIMS:
         return f"the tensor-core kernels are instantiated for head_dim {tiling.MMA_HEAD_DIMS}, not {tq.shape[-1]}"
-    if _arrays.cupy is None and any(t.kind in ("numba", "cai") and not _c_layout(t) for t in tensors):
+    if _arrays.cupy is None and any(t.kind in ("numba", "cai") and not _c_layout(t) and not _rows_in_place(t)
+                                    for t in tensors):
         return "strided inputs would need a C-contiguous copy, which needs CuPy"
     return None
 
 
 def _c_layout(t) -> bool:
     return is_c_layout(t.shape, t.strides, t.dtype.itemsize)
+
+
+def _rows_in_place(t) -> bool:
+    """Whether the 16-byte copies of the tensor-core kernels can read a strided device array in place: the last
+    dimension contiguous, every other stride a non-negative multiple of 16 bytes (the array's start is checked at
+    each call, :class:`flashnumba._launch.Call`)."""
+    if t.kind == "numpy" or (t.shape[-1] > 1 and t.strides[-1] != t.dtype.itemsize):
+        return False
+    return all(s >= 0 and s % 16 == 0 for n, s in zip(t.shape[:-1], t.strides[:-1]) if n > 1)
+
+
+def _strided(arrays, names) -> bool:
+    """Whether a tensor-core kernel reads any of these arrays in place with strides (layout "A")."""
+    return any(arrays[n].layout == "A" for n in names)
 
 
 def _warn_slow(pass_, reason):
@@ -268,8 +287,8 @@ def _inputs(tensors, family, lead, opts, batch, cu):
     specs, metas = [], {}
     mma = family in ("tc",) + mma_tf32.PRECISIONS
     for t in tensors:
-        copy = mma and t.kind != "numpy" and not _c_layout(t)
-        specs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, lead=lead))
+        copy = mma and t.kind != "numpy" and not _c_layout(t) and not (family == "tc" and _rows_in_place(t))
+        specs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, lead=lead, aligned=mma))
         metas[t.name] = _kernel_meta(t, lead, copy)
     nheads = tensors[0].shape[-2]
     a = opts.alibi
@@ -354,7 +373,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     elif family == "tc":
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
-                              (D, opts.variant, t.block_n, t.block_m // 16, _dtype_name(dt), nk != nheads),
+                              (D, opts.variant, t.block_n, t.block_m // 16, _dtype_name(dt), nk != nheads,
+                               _strided(arrays, ("q", "k", "v"))),
                               io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t, reason)
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
@@ -414,13 +434,13 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         tq_t, rq = tiling.resolve("tc_dq", D, limits, block_m, block_n, num_threads)
         tk_t, rk = tiling.resolve("tc_dkdv", D, limits, block_m, block_n, num_threads)
         tail = ("scale_log2", "scale") + OPTION_PARAMS
-        name, gqa = _dtype_name(dt), nk != nheads
+        name, gqa, strided = _dtype_name(dt), nk != nheads, _strided(arrays, ("dout", "q", "k", "v"))
         dq = KernelLaunch("dQ tc", "tc_dq", mma_backward.make_backward_dq_tc,
-                          (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa), io_dq + tail,
+                          (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa, strided), io_dq + tail,
                           (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
                           tiling.shared_bytes("tc_dq", D, tq_t)[0], tq_t, rq)
         kv = KernelLaunch("dK/dV tc", "tc_dkdv", mma_backward.make_backward_dkdv_tc,
-                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa), io_kv + tail,
+                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa, strided), io_kv + tail,
                           (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
                           tiling.shared_bytes("tc_dkdv", D, tk_t)[0], tk_t, rk)
     elif family == "v1":
@@ -457,7 +477,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
 
 
 def probs_plan(tq, tk, tl, opts, device=None) -> Plan:
-    limits = resolve_device(device)
+    limits = resolve_device(device, (tq, tk, tl))
     batch, seqlen_q, nheads, D = tq.shape
     seqlen_k = tk.shape[1]
     inputs, arrays = _inputs((tq, tk), "v3", False, opts, batch, None)

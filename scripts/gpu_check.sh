@@ -35,6 +35,7 @@ for step in $STEPS; do
     sweep_bwd) timeout ${SWEEP_TIMEOUT:-300} python3 -P scripts/tc_sweep_backward.py ${SWEEP_SEQLEN:-4096} ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep_bwd.log" ;;
     sweep_tf32) timeout ${SWEEP_TIMEOUT:-300} python3 scripts/tf32_sweep.py ${SWEEP_SEQLEN:-4096} ${SWEEP_TF32_ARGS:-} 2>&1 | tee "$OUT/sweep_tf32.log" ;;
     latency) python3 -m flashnumba bench --latency --out "$OUT" 2>&1 | tee "$OUT/latency.log" ;;
+    train) timeout ${TRAIN_TIMEOUT:-420} python3 examples/train_tiny_gpt.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
     capped) # the GPU profile with the shared memory per block capped as on smaller GPUs (64 KB: T4; 99 KB: RTX, L4)
       for cap in ${CAPS:-65536 101376}; do
         FLASHNUMBA_MAX_SHARED_BYTES=$cap FLASHNUMBA_GPU_EXAMPLES=${CAP_EXAMPLES:-20} FLASHNUMBA_FAILURE_LOG="$OUT/failures_cap$cap.log" \

@@ -437,3 +437,64 @@ def test_tc_varlen_device_arrays_take_the_tensor_cores():
     np.testing.assert_array_equal(o_tc.copy_to_host().view(np.uint16), o_def.copy_to_host().view(np.uint16))
     np.testing.assert_array_equal(l_tc.copy_to_host(), l_def.copy_to_host())
     assert not np.array_equal(o_tc.copy_to_host().view(np.uint16), o_simt.copy_to_host().view(np.uint16))
+
+
+def _device(x):
+    """A device array of x: CuPy on a GPU where installed, else Numba's (simulated under the simulator)."""
+    if not flashnumba.SIMULATOR:
+        try:
+            import cupy
+
+            return cupy.asarray(x)
+        except ImportError:
+            pass
+    from numba import cuda
+
+    return cuda.to_device(x)
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else x.copy_to_host()
+
+
+def test_tc_reads_packed_views_in_place():
+    """q, k, v as views of one packed (batch, seqlen, 3, nheads, d) device array are read in place by the tensor-core
+    kernels (their strides, :func:`flashnumba.kernels.ptx.cp_async_16_at`): the plan copies nothing, and forward
+    and backward give the bits of contiguous copies (bfloat16 views: tests/test_torch.py)."""
+    rng = np.random.default_rng(8)
+    qkv = rng.standard_normal((1, 17, 3, 1, 64)).astype(np.float16)
+    dout = rng.standard_normal((1, 17, 1, 64)).astype(np.float16)
+    bits = qkv
+    packed = _device(bits)
+    views = [packed[:, :, i] for i in range(3)]
+    copies = [_device(np.ascontiguousarray(bits[:, :, i])) for i in range(3)]
+    p = flashnumba.plan(*views, causal=True, kernel="tc")
+    assert p.launches[0].factory_args[-1] is True  # strided: read in place
+    assert not any(s.copy for s in p.inputs)
+    opts = dict(causal=True, kernel="tc", block_n=16, block_m=16)
+    o1, l1 = flashnumba.flash_attn_forward(*views, **opts)
+    o2, l2 = flashnumba.flash_attn_forward(*copies, **opts)
+    np.testing.assert_array_equal(_host(o1), _host(o2))
+    np.testing.assert_array_equal(_host(l1), _host(l2))
+    d = _device(dout)
+    g1 = flashnumba.flash_attn_backward(d, *views, o1, l1, **opts)
+    g2 = flashnumba.flash_attn_backward(d, *copies, o2, l2, **opts)
+    for a, b in zip(g1, g2):
+        np.testing.assert_array_equal(_host(a), _host(b))
+    check_forward(_host(o1), _host(l1), *(np.ascontiguousarray(qkv[:, :, i]) for i in range(3)), causal=True)
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="device addresses: needs a GPU")
+def test_tc_copies_an_input_that_does_not_start_on_16_bytes():
+    """A C-contiguous array whose start is not 16-byte aligned (a view one element into a buffer) is copied
+    before the 16-byte copies of the tensor-core kernels read it: the same bits as an aligned copy."""
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 40, 2, 64)).astype(np.float16)
+    buf = cupy.zeros(q.size + 1, np.float16)
+    buf[1:] = cupy.asarray(q.reshape(-1))
+    odd = buf[1:].reshape(q.shape)
+    assert odd.data.ptr % 16
+    a, la = flashnumba.flash_attn_forward(odd, odd, odd, kernel="tc")
+    b, lb = flashnumba.flash_attn_forward(cupy.asarray(q), cupy.asarray(q), cupy.asarray(q), kernel="tc")
+    assert bool((a == b).all()) and bool((la == lb).all())

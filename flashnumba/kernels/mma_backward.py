@@ -112,14 +112,15 @@ def make_entry(variant):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False):
+def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False):
     """The dQ kernel: grid (ceil(max_seqlen_q / block_m), batch * nheads), block (2 * block_m,) (block_m / 16
     warps), dynamic shared memory :func:`shared_bytes_dq`.
 
     Arguments: (dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop,
     rp_keep, seed, offset): dout, q, k, v, dq C-contiguous 16-bit arrays (uint16 holding bfloat16 bits) laid out
     as the forward's; lse, delta (batch, nheads, seqlen_q) float32; scale_log2 = softmax_scale * log2(e); the
-    rest as the SIMT kernels take them (flashnumba.backward.make_backward_dq_v2).
+    rest as the SIMT kernels take them (flashnumba.backward.make_backward_dq_v2). ``strided``: dout, q, k, v may
+    be strided views, read in place (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
@@ -137,8 +138,8 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     OFF_K = 2 * B_R * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
     OFF_V = B_C * LD
     BUF = 2 * B_C * LD
-    load_qdo = make_load_pair(D, NT, B_R, OFF_DO)  # Q_i and dO_i
-    load_kv = make_load_pair(D, NT, B_C, OFF_V)  # K_j and V_j of one buffer
+    load_qdo = make_load_pair(D, NT, B_R, OFF_DO, strided)  # Q_i and dO_i
+    load_kv = make_load_pair(D, NT, B_C, OFF_V, strided)  # K_j and V_j of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_C, dtype)  # S = Q_i K_j^T, dP = dO_i V_j^T
     mma_ab = make_mma_ab(B_C, D, dtype)  # dQ_i += dS K_j
@@ -227,7 +228,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False):
+def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False):
     """The dK/dV kernel: grid (ceil(max_seqlen_k / block_n), batch * nheads_k), block (2 * block_n,) (block_n / 16
     warps), dynamic shared memory :func:`shared_bytes_dkdv`. With GQA a block sums over the nheads / nheads_k
     query heads of its key/value head, in order.
@@ -250,8 +251,8 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     OFF_Q = 2 * B_C * LD  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_R * LD
     BUF = 2 * B_R * LD
-    load_kv = make_load_pair(D, NT, B_C, OFF_V)  # K_j and V_j
-    load_qdo = make_load_pair(D, NT, B_R, OFF_DO)  # Q_i and dO_i of one buffer
+    load_kv = make_load_pair(D, NT, B_C, OFF_V, strided)  # K_j and V_j
+    load_qdo = make_load_pair(D, NT, B_R, OFF_DO, strided)  # Q_i and dO_i of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_R, dtype)  # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
     mma_ab = make_mma_ab(B_R, D, dtype)  # dV_j += P^T dO_i, dK_j += dS^T Q_i

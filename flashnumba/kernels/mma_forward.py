@@ -70,7 +70,7 @@ def shared_bytes(D, B_c, warps):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False):
+def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False):
     """The tensor-core forward kernel for head_dim D (64 or 128), B_c keys per tile (a multiple of 16), ``warps``
     warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by ``variant``
     (a :class:`flashnumba.forward.Variant`: window bounds, softcap, ALiBi, varlen, dropout). ``gqa``: fewer
@@ -85,7 +85,8 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False):
     ALiBi (the score is then modified in natural units first). Query i sees key j iff
     i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q (each bound only where compiled in).
     Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (32 * warps,), dynamic shared memory
-    :func:`shared_bytes`.
+    :func:`shared_bytes`. ``strided``: q, k, v may be strided views, read in place
+    (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
     """
     if D not in HEAD_DIMS:
         raise ValueError(f"the tensor-core kernel supports head_dim in {HEAD_DIMS}, got {D}")
@@ -113,8 +114,8 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False):
     OFF_V = B_c * LD
     BUF = 2 * B_c * LD
 
-    load_rows = make_load_rows(D, NT)
-    load_kv = make_load_pair(D, NT, B_c, OFF_V)  # K_j and V_j of one buffer
+    load_rows = make_load_rows(D, NT, strided=strided)
+    load_kv = make_load_pair(D, NT, B_c, OFF_V, strided)  # K_j and V_j of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_c, dtype)  # S_ij = Q_i K_j^T
     mma_ab = make_mma_ab(B_c, D, dtype)  # O_i += P_ij V_j

@@ -54,15 +54,34 @@ def make_mma_into(mma):
 
 
 @functools.lru_cache(maxsize=None)
-def make_load_rows(D, NT, LD=None, per_copy=8):
+def make_copy16(D, strided=False):
+    """copy16(smem, dst, src, b, row0, r, h, c): start the cp.async of the 16 bytes at src[b, row0 + r, h, c] to
+    smem element ``dst``. A C-contiguous src (``strided`` False) is addressed from its shape; a strided one (a view
+    such as q of a packed qkv: last dimension contiguous, other strides multiples of 16 bytes) from its strides,
+    so it is read in place (:func:`flashnumba.kernels.ptx.cp_async_16_at`)."""
+    if strided:
+        @cuda.jit(device=True, inline=True)
+        def copy16(smem, dst, src, b, row0, r, h, c):
+            ptx.cp_async_16_at(smem, dst, src, b, row0 + r, h, c)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def copy16(smem, dst, src, b, row0, r, h, c):
+            ptx.cp_async_16(smem, dst, src, ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + c)
+    return copy16
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_rows(D, NT, LD=None, per_copy=8, strided=False):
     """load_rows(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` rows of
-    src[b, row0 + r, h, :] (a C-contiguous (batch, seqlen, nheads, D) array) to smem rows off + r (row stride
-    ``LD`` elements, D + PAD unless given), 16 bytes = ``per_copy`` elements (8 of 16 bits, 4 of float32) per
-    cp.async, spread over the NT threads of the block; rows at or past ``row_end`` (the end of the sequence)
-    become zeros (plain stores: a row of garbage could hold a NaN, and 0 * NaN is NaN)."""
+    src[b, row0 + r, h, :] (a (batch, seqlen, nheads, D) array, C-contiguous unless ``strided``, see
+    :func:`make_copy16`) to smem rows off + r (row stride ``LD`` elements, D + PAD unless given), 16 bytes =
+    ``per_copy`` elements (8 of 16 bits, 4 of float32) per cp.async, spread over the NT threads of the block; rows
+    at or past ``row_end`` (the end of the sequence) become zeros (plain stores: a row of garbage could hold a
+    NaN, and 0 * NaN is NaN)."""
     if LD is None:
         LD = D + PAD
     CH = D // per_copy  # 16-byte chunks per row
+    copy16 = make_copy16(D, strided)
 
     @cuda.jit(device=True, inline=True)
     def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
@@ -72,8 +91,7 @@ def make_load_rows(D, NT, LD=None, per_copy=8):
                 r = e // CH
                 c = (e % CH) * per_copy
                 if row0 + r < row_end:
-                    ptx.cp_async_16(smem, off + r * LD + c, src,
-                                    ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + c)
+                    copy16(smem, off + r * LD + c, src, b, row0, r, h, c)
                 else:
                     for x in range(per_copy):
                         smem[off + r * LD + c + x] = 0  # (a float16 constant captured from Python fails NVVM)
@@ -82,11 +100,11 @@ def make_load_rows(D, NT, LD=None, per_copy=8):
 
 
 @functools.lru_cache(maxsize=None)
-def make_load_pair(D, NT, rows, second):
+def make_load_pair(D, NT, rows, second, strided=False):
     """load_pair(smem, off, x, y, b, row0, row_end, h, tid): :func:`make_load_rows` of ``rows`` rows of x to
     smem from element ``off`` and of the same rows of y from ``off + second``: the two matrices of one tile of a
     double buffer (K_j and V_j, or Q_i and dO_i), copied as one."""
-    load_rows = make_load_rows(D, NT)
+    load_rows = make_load_rows(D, NT, strided=strided)
 
     @cuda.jit(device=True, inline=True)
     def load_pair(smem, off, x, y, b, row0, row_end, h, tid):

@@ -17,6 +17,7 @@ gets is chosen once, at import, from ``flashnumba._backend.SIMULATOR``.
 | ``ldmatrix_x4`` | ``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` | one row address -> 4 uint32 |
 | ``ldmatrix_x4_trans`` | ``ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`` | one row address -> 4 uint32 |
 | ``cp_async_16`` | ``cp.async.cg.shared.global [dst], [src], 16`` | 16 bytes, global -> shared |
+| ``cp_async_16_at`` | the same, source ``src[i0, i1, i2, i3]`` by its strides | 16 bytes, any 4-D layout |
 | ``cp_async_commit`` | ``cp.async.commit_group`` | closes a group of copies |
 | ``cp_async_wait(n)`` | ``cp.async.wait_group n`` (n a compile-time constant) | waits until <= n groups pend |
 | ``cp_async_wait_all`` | ``cp.async.wait_all`` | waits for every copy |
@@ -262,6 +263,20 @@ def _sim_cp_async_16(dst, dst_index, src, src_index):
     _cp_async_state()[0].append((_bytes_at(dst, dst_index, 16), data))
 
 
+def _sim_cp_async_16_at(dst, dst_index, src, i0, i1, i2, i3):
+    """As cp_async_16, from the 16 bytes that start at element ``src[i0, i1, i2, i3]`` of a 4-D array in any
+    layout (its strides give the address: a view such as q of a packed qkv is read in place). The 16 bytes must
+    be contiguous and 16-byte aligned in memory: the last dimension contiguous, the other strides multiples of
+    16 bytes, the array's start 16-byte aligned (the caller checks these)."""
+    a = _host_array(src)
+    n = 16 // a.itemsize
+    row = a[int(i0), int(i1), int(i2)]
+    if a.strides[3] != a.itemsize or int(i3) + n > row.shape[0]:
+        raise ValueError("cp_async_16_at: the 16 bytes must lie in the contiguous last dimension")
+    data = np.ascontiguousarray(row[int(i3):int(i3) + n]).view(np.uint8).copy()
+    _cp_async_state()[0].append((_bytes_at(dst, dst_index, 16), data))
+
+
 def _sim_cp_async_commit():
     """Close the group of cp_async_16 copies issued by this thread since the last commit."""
     pending, groups = _cp_async_state()
@@ -367,6 +382,7 @@ def _gpu_intrinsics():
     """Build the intrinsics (only with the real numba.cuda: the simulator has no code generator)."""
     from llvmlite import ir
     from numba import types
+    from numba.core import cgutils
     from numba.core.errors import TypingError
     from numba.cuda.extending import intrinsic
 
@@ -439,6 +455,28 @@ def _gpu_intrinsics():
         def codegen(context, builder, sig, args):
             d = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             s = address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            asm(builder, ir.VoidType(), [d, s],
+                "{ .reg .u64 dst_addr, src_addr; cvta.to.shared.u64 dst_addr, $0; cvta.to.global.u64 src_addr, $1; "
+                "cp.async.cg.shared.global [dst_addr], [src_addr], 16; }", "l,l,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_16_at(typingctx, dst, dst_index, src, i0, i1, i2, i3):
+        check_address(dst, dst_index, "cp_async_16_at destination")
+        if not isinstance(src, types.Array) or src.ndim != 4:
+            raise TypingError(f"cp_async_16_at source: expected a 4-D array, got {src}")
+        if not all(isinstance(t, types.Integer) for t in (i0, i1, i2, i3)):
+            raise TypingError("cp_async_16_at: the source indices must be integers")
+        sig = types.none(dst, dst_index, src, i0, i1, i2, i3)
+
+        def codegen(context, builder, sig, args):
+            d = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            ary = context.make_array(sig.args[2])(context, builder, args[2])
+            s = builder.ptrtoint(ary.data, i64)
+            for idx, ty, stride in zip(args[3:], sig.args[3:], cgutils.unpack_tuple(builder, ary.strides, 4)):
+                s = builder.add(s, builder.mul(context.cast(builder, idx, ty, types.intp), stride))
             asm(builder, ir.VoidType(), [d, s],
                 "{ .reg .u64 dst_addr, src_addr; cvta.to.shared.u64 dst_addr, $0; cvta.to.global.u64 src_addr, $1; "
                 "cp.async.cg.shared.global [dst_addr], [src_addr], 16; }", "l,l,~{memory}", side_effect=True)
@@ -539,7 +577,7 @@ def _gpu_intrinsics():
         shfl_xor_f32=shfl_xor_f32, mma_m16n8k8_tf32=mma_m16n8k8_tf32, to_tf32=to_tf32, split_tf32=split_tf32,
         mma_m16n8k16_f16=make_mma("f16"), mma_m16n8k16_bf16=make_mma("bf16"),
         ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True),
-        cp_async_16=cp_async_16, cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
+        cp_async_16=cp_async_16, cp_async_16_at=cp_async_16_at, cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
         cp_async_wait=cp_async_wait, cp_async_wait_all=statement("cp_async_wait_all", "cp.async.wait_all;"),
         pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
     )
@@ -555,7 +593,7 @@ def _simulator_stand_ins():
         mma_m16n8k16_f16=_make_sim_mma(_halves_f16, "float16"),
         mma_m16n8k16_bf16=_make_sim_mma(_halves_bf16, "bfloat16"),
         ldmatrix_x4=_make_sim_ldmatrix(trans=False), ldmatrix_x4_trans=_make_sim_ldmatrix(trans=True),
-        cp_async_16=_sim_cp_async_16, cp_async_commit=_sim_cp_async_commit, cp_async_wait=_sim_cp_async_wait,
+        cp_async_16=_sim_cp_async_16, cp_async_16_at=_sim_cp_async_16_at, cp_async_commit=_sim_cp_async_commit, cp_async_wait=_sim_cp_async_wait,
         cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
         shfl_xor_f32=_sim_shfl_xor_f32, mma_m16n8k8_tf32=_sim_mma_tf32, to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32,
@@ -568,5 +606,5 @@ else:
     globals().update(_gpu_intrinsics())
 
 __all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
-           "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2", "shfl_xor_f32",
+           "cp_async_16_at", "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2", "shfl_xor_f32",
            "mma_m16n8k8_tf32", "to_tf32", "split_tf32"]

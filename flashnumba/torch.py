@@ -1,0 +1,392 @@
+"""flashnumba from PyTorch: flash-attn's functions, differentiable, traceable by ``torch.compile``.
+
+``import flashnumba.torch`` (it needs torch) gives flash-attn 2.8's interface with its signatures, defaults and
+return values::
+
+    from flashnumba.torch import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)     # q (batch, seqlen, nheads, d); k, v (batch, seqlen_k, nheads_k, d)
+    out.sum().backward()                            # q.grad, k.grad, v.grad from flashnumba's backward kernels
+
+Three layers, as in flash-attn:
+
+* **custom operators** (``torch.ops.flashnumba.forward``, ``.backward``, ``.varlen_forward``,
+  ``.varlen_backward``, ``.probs``), each with a fake implementation that gives the shapes of its results
+  without running anything (and runs flashnumba's argument checks on the shapes), so that ``torch.compile(model,
+  fullgraph=True)`` traces a model through them with no graph break. They call the core API
+  (:func:`flashnumba.flash_attn_forward`, ...) on the tensors as they are: no copy (the core copies only strided
+  inputs of the tensor-core kernels), kernels on torch's current stream.
+* **autograd Functions** that save q, k, v, out, lse and the dropout state (a CPU int64 tensor ``[seed,
+  offset]``) and return the gradients of q, k and v (with GQA/MQA, dk and dv summed over the query heads that
+  share a key/value head; packed inputs get packed gradients).
+* **the public functions**, flash-attn's names.
+
+Dropout. With ``dropout_p > 0`` the seed and offset come from torch's CUDA generator and advance it as flash-attn
+does (:func:`flashnumba.draw_dropout_seed`), so ``torch.manual_seed`` reproduces a run; the backward regenerates
+the forward's mask from the saved state. A CUDA graph replays the mask of its capture.
+
+``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``: probs are flashnumba's float32 P (after
+dropout: 0 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask; a
+debugging path for small sizes, not for varlen. ``deterministic`` is accepted: flashnumba's backward is always
+deterministic. ``block_table`` (paged KV) is not supported by the varlen functions.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import api
+from ._validate import check_window
+
+_RNG = dict(dtype=torch.int64, device="cpu")
+
+
+def _contiguous_last(x):
+    """x, or a copy where its last dimension is not contiguous (an expanded gradient, for example)."""
+    return x.contiguous() if x is not None and x.dim() and x.stride(-1) != 1 else x
+
+
+def _rng_state(seed: int, offset: int) -> Tensor:
+    """[seed, offset] as a CPU int64 tensor (the seed's 64 bits as a signed int64)."""
+    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset], **_RNG)
+
+
+def _seed_offset(rng_state: Tensor, dropout_p: float) -> dict:
+    if not dropout_p:
+        return {}
+    seed, offset = (int(x) for x in rng_state.tolist())
+    return dict(dropout_seed=seed % 2**64, dropout_offset=offset)
+
+
+def _draw(q: Tensor, heads_of_batch: int, dropout_p: float) -> tuple[dict, Tensor]:
+    if not dropout_p:
+        return {}, torch.zeros(2, **_RNG)
+    seed, offset = api.draw_dropout_seed(q, heads_of_batch)
+    return dict(dropout_seed=seed, dropout_offset=offset), _rng_state(seed, offset)
+
+
+def _options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    return dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+def _empty(like: Tensor, shape, dtype=None) -> Tensor:
+    return torch.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom operators: what runs, and the shapes torch.compile sees
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashnumba::forward", mutates_args=())
+def _forward(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: float,
+             causal: bool, window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    seeds, rng = _draw(q, q.shape[0] * q.shape[2], dropout_p)
+    out, lse = api.flash_attn_forward(q, k, v, **_options(dropout_p, softmax_scale, causal, window_left, window_right,
+                                                          softcap, alibi_slopes), **seeds)
+    return out, lse, rng
+
+
+@_forward.register_fake
+def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap):
+    api.check_forward_args(q, k, v, **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                                               alibi_slopes))
+    batch, seqlen_q, nheads, _ = q.shape
+    return _empty(q, q.shape), _empty(q, (batch, nheads, seqlen_q), torch.float32), torch.empty(2, **_RNG)
+
+
+@torch.library.custom_op("flashnumba::backward", mutates_args=())
+def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, alibi_slopes: Optional[Tensor],
+              rng_state: Tensor, dropout_p: float, softmax_scale: float, causal: bool, window_left: int,
+              window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(api.flash_attn_backward(
+        dout, q, k, v, out, lse, **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                                            alibi_slopes), **_seed_offset(rng_state, dropout_p)))
+
+
+@_backward.register_fake
+def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left, window_right,
+      softcap):
+    return _empty(q, q.shape), _empty(k, k.shape), _empty(v, v.shape)
+
+
+@torch.library.custom_op("flashnumba::probs", mutates_args=())
+def _probs(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, alibi_slopes: Optional[Tensor], rng_state: Tensor,
+           dropout_p: float, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+           softcap: float) -> Tensor:
+    return api.attention_probs(q, k, v, lse, **_options(dropout_p, softmax_scale, causal, window_left, window_right,
+                                                        softcap, alibi_slopes), **_seed_offset(rng_state, dropout_p))
+
+
+@_probs.register_fake
+def _(q, k, v, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left, window_right, softcap):
+    return _empty(q, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), torch.float32)
+
+
+@torch.library.custom_op("flashnumba::varlen_forward", mutates_args=())
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int, alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: float,
+                    causal: bool, window_left: int, window_right: int,
+                    softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    seeds, rng = _draw(q, (cu_seqlens_q.shape[0] - 1) * q.shape[1], dropout_p)
+    out, lse = api.flash_attn_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes), **seeds)
+    return out, lse, rng
+
+
+@_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
+      window_left, window_right, softcap):
+    api.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                                     alibi_slopes))
+    total_q, nheads, _ = q.shape
+    return _empty(q, q.shape), _empty(q, (nheads, total_q), torch.float32), torch.empty(2, **_RNG)
+
+
+@torch.library.custom_op("flashnumba::varlen_backward", mutates_args=())
+def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
+                     rng_state: Tensor, dropout_p: float, softmax_scale: float, causal: bool, window_left: int,
+                     window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(api.flash_attn_varlen_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes),
+        **_seed_offset(rng_state, dropout_p)))
+
+
+@_varlen_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, rng_state,
+      dropout_p, softmax_scale, causal, window_left, window_right, softcap):
+    return _empty(q, q.shape), _empty(k, k.shape), _empty(v, v.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# autograd: what the forward saves, what the backward returns
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_tensors(**arrays):
+    """flashnumba.torch takes torch tensors (None where optional); the core API's own checks follow."""
+    for name, x in arrays.items():
+        if x is not None and not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__name__} "
+                            f"(flashnumba.flash_attn_func takes CuPy and NumPy arrays)")
+
+
+def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
+    """The operators' scalar arguments: softmax_scale resolved (1 / sqrt(head_dim)), window_size split."""
+    left, right = check_window(window_size)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return (float(dropout_p), float(scale), bool(causal), left, right, float(softcap))
+
+
+def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
+    """The forward of the dense functions: (out, lse, probs or None), with what the backward needs saved."""
+    out, lse, rng = _forward(q, k, v, alibi_slopes, *scalars)
+    ctx.save_for_backward(q, k, v, out, lse, rng, alibi_slopes)
+    ctx.scalars = scalars
+    probs = None
+    if return_softmax:
+        probs = _probs(q, k, v, lse, alibi_slopes, rng, *scalars)
+        ctx.mark_non_differentiable(lse, probs)
+    return out, lse, probs
+
+
+def _attention_grads(ctx, dout):
+    q, k, v, out, lse, rng, alibi_slopes = ctx.saved_tensors
+    return _backward(_contiguous_last(dout), q, k, v, out, lse, alibi_slopes, rng, *ctx.scalars)
+
+
+def _varlen_attention(ctx, q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scalars, return_softmax):
+    if return_softmax:
+        raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
+    out, lse, rng = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, *scalars)
+    ctx.save_for_backward(q, k, v, out, lse, rng, cu_q, cu_k, alibi_slopes)
+    ctx.scalars, ctx.max_seqlens = scalars, (max_q, max_k)
+    return out, lse
+
+
+def _varlen_grads(ctx, dout):
+    q, k, v, out, lse, rng, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    return _varlen_backward(_contiguous_last(dout), q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, alibi_slopes,
+                            rng, *ctx.scalars)
+
+
+def _result(out, lse, probs, return_softmax):
+    return (out, lse, probs) if return_softmax else out
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax):
+        scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
+        return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        dq, dk, dv = _attention_grads(ctx, dout)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+class FlashAttnQKVPackedFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax):
+        q, k, v = qkv.detach().unbind(2)  # views: (batch, seqlen, nheads, d) with a contiguous last dimension
+        scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
+        return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        return torch.stack(_attention_grads(ctx, dout), dim=2), None, None, None, None, None, None, None, None
+
+
+class FlashAttnKVPackedFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax):
+        k, v = kv.detach().unbind(2)
+        scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
+        return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        dq, dk, dv = _attention_grads(ctx, dout)
+        return dq, torch.stack((dk, dv), dim=2), None, None, None, None, None, None, None, None
+
+
+class FlashAttnVarlenFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                causal, window_size, softcap, alibi_slopes, deterministic, return_softmax):
+        scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
+        out, _ = _varlen_attention(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   alibi_slopes, scalars, return_softmax)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = _varlen_grads(ctx, dout)
+        return (dq, dk, dv) + (None,) * 12
+
+
+class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, deterministic, return_softmax):
+        q, k, v = qkv.detach().unbind(1)  # (total, nheads, d) views
+        scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
+        out, _ = _varlen_attention(ctx, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, alibi_slopes,
+                                   scalars, return_softmax)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (torch.stack(_varlen_grads(ctx, dout), dim=1),) + (None,) * 10
+
+
+class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, deterministic, return_softmax):
+        k, v = kv.detach().unbind(1)
+        scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
+        out, _ = _varlen_attention(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   alibi_slopes, scalars, return_softmax)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = _varlen_grads(ctx, dout)
+        return (dq, torch.stack((dk, dv), dim=1)) + (None,) * 12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flash-attn's public functions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d), differentiable in q, k
+    and v: flash-attn's ``flash_attn_func`` (options as :func:`flashnumba.flash_attn_forward`). Returns out, or
+    (out, softmax_lse, probs) with ``return_attn_probs``."""
+    _check_tensors(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    return FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_func` of qkv (batch, seqlen, 3, nheads, d), read in place; the gradient is packed too."""
+    _check_tensors(qkv=qkv, alibi_slopes=alibi_slopes)
+    _check_packed("qkv", qkv, 5, 2, 3)
+    return FlashAttnQKVPackedFunc.apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_func` of q and kv (batch, seqlen_k, 2, nheads_k, d), read in place."""
+    _check_tensors(q=q, kv=kv, alibi_slopes=alibi_slopes)
+    _check_packed("kv", kv, 5, 2, 2)
+    return FlashAttnKVPackedFunc.apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                       deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """Attention over packed sequences of different lengths: q (total_q, nheads, d), k, v (total_k, nheads_k, d),
+    cu_seqlens_* int32 (batch + 1,) offsets (see :func:`flashnumba.flash_attn_varlen_forward`)."""
+    _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    _no_block_table(block_table)
+    return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                     return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """:func:`flash_attn_varlen_func` of qkv (total, 3, nheads, d), read in place."""
+    _check_tensors(qkv=qkv, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
+    _check_packed("qkv", qkv, 4, 1, 3)
+    return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                              window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_varlen_func` of q and kv (total_k, 2, nheads_k, d), read in place."""
+    _check_tensors(q=q, kv=kv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    _check_packed("kv", kv, 4, 1, 2)
+    return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                             return_attn_probs)
+
+
+def _check_packed(name, x, rank, axis, n):
+    if x.dim() != rank or x.shape[axis] != n:
+        layout = {(5, 3): "(batch, seqlen, 3, nheads, d)", (5, 2): "(batch, seqlen_k, 2, nheads_k, d)",
+                  (4, 3): "(total, 3, nheads, d)", (4, 2): "(total_k, 2, nheads_k, d)"}[rank, n]
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}")
+
+
+def _no_block_table(block_table):
+    if block_table is not None:
+        raise ValueError("block_table (a paged KV cache) is not supported by flash_attn_varlen_func; pass k and v "
+                         "as packed (total_k, nheads_k, d) tensors")
+
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "FlashAttnFunc",
+           "FlashAttnQKVPackedFunc", "FlashAttnKVPackedFunc", "FlashAttnVarlenFunc", "FlashAttnVarlenQKVPackedFunc",
+           "FlashAttnVarlenKVPackedFunc"]

@@ -1,0 +1,498 @@
+"""flashnumba.torch: flash-attn's interface as autograd Functions over custom operators.
+
+Without a GPU (torch installed, CPU only) the argument handling, the fake implementations and a
+``torch.compile(fullgraph=True)`` trace run on meta tensors. On a GPU: gradients against float64 torch autograd of
+a plain attention with derived tolerances (every option, GQA, dropout), varlen and the packed variants, dropout
+reproducibility under ``torch.manual_seed``, streams, CUDA graphs, and a compiled transformer block against eager.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import flashnumba
+
+torch = pytest.importorskip("torch")
+ft = pytest.importorskip("flashnumba.torch")
+
+from conftest import assert_close_to_truth, shard, to_numpy  # noqa: E402
+from flashnumba.kernels import philox  # noqa: E402
+
+on_gpu = pytest.mark.skipif(flashnumba.SIMULATOR or not torch.cuda.is_available(),
+                            reason="needs a CUDA GPU and a CUDA build of torch")
+SHARDS = 16  # the property test's examples, spread over the workers (each new option set compiles kernels)
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def meta(*shape, dtype=torch.float16, grad=True):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# without a GPU: shapes, errors, tracing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_fake_shapes_and_gradients_of_every_function():
+    q, k, v = meta(2, 16, 4, 64), meta(2, 20, 2, 64), meta(2, 20, 2, 64)
+    out = ft.flash_attn_func(q, k, v, causal=True, dropout_p=0.1)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out.sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+    out, lse, probs = ft.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert lse.shape == (2, 4, 16) and lse.dtype == torch.float32 and probs.shape == (2, 4, 16, 20)
+    assert not lse.requires_grad and not probs.requires_grad and out.requires_grad
+
+    qkv = meta(2, 16, 3, 4, 64, dtype=torch.bfloat16)
+    ft.flash_attn_qkvpacked_func(qkv).sum().backward()
+    assert qkv.grad.shape == qkv.shape
+    kv = meta(2, 20, 2, 2, 64)
+    ft.flash_attn_kvpacked_func(q, kv).sum().backward()
+    assert kv.grad.shape == kv.shape
+
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    qv, kvv = meta(30, 4, 64), meta(40, 2, 2, 64)
+    out = ft.flash_attn_varlen_kvpacked_func(qv, kvv, cu, cu, 16, 20)
+    out.sum().backward()
+    assert out.shape == qv.shape and kvv.grad.shape == kvv.shape
+    kk, vv = meta(40, 2, 64), meta(40, 2, 64)
+    ft.flash_attn_varlen_func(qv, kk, vv, cu, cu, 16, 20, window_size=(4, 4)).sum().backward()
+    assert kk.grad.shape == kk.shape
+    qkvv = meta(30, 3, 4, 32, dtype=torch.float32)
+    ft.flash_attn_varlen_qkvpacked_func(qkvv, cu, 16, causal=True).sum().backward()
+    assert qkvv.grad.shape == qkvv.shape
+
+
+def test_compile_fullgraph_traces_forward_and_backward():
+    """torch.compile(fullgraph=True) traces through the autograd Function and the custom operators (no graph
+    break, or fullgraph raises); aot_eager runs the traced graphs on meta tensors."""
+    def f(q, k, v, qkv, cu):
+        a = ft.flash_attn_func(q, k, v, causal=True, dropout_p=0.1, window_size=(8, 0)).float().square().sum()
+        b = ft.flash_attn_varlen_qkvpacked_func(qkv, cu, 16, softcap=5.0).float().sum()
+        return a + b
+
+    q, k, v = meta(2, 16, 4, 64), meta(2, 20, 2, 64), meta(2, 20, 2, 64)
+    qkv, cu = meta(30, 3, 4, 64), torch.zeros(3, dtype=torch.int32, device="meta")
+    torch._dynamo.reset()
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, qkv, cu)
+    loss.backward()
+    assert q.grad.shape == q.shape and qkv.grad.shape == qkv.shape
+
+
+BAD = [  # (description, q, k, v shapes and dtypes, options)
+    ("head dims differ", ((1, 8, 2, 64), (1, 8, 2, 32), (1, 8, 2, 32)), "float16", {}),
+    ("heads not a multiple", ((1, 8, 3, 64), (1, 8, 2, 64), (1, 8, 2, 64)), "float16", {}),
+    ("rank", ((8, 2, 64), (8, 2, 64), (8, 2, 64)), "float16", {}),
+    ("window", ((1, 8, 2, 64),) * 3, "float16", {"window_size": (-2, 0)}),
+    ("softcap", ((1, 8, 2, 64),) * 3, "float16", {"softcap": -1.0}),
+    ("dropout", ((1, 8, 2, 64),) * 3, "float16", {"dropout_p": 1.0}),
+    ("dtype", ((1, 8, 2, 64),) * 3, "float64", {}),
+    ("batch", ((2, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64)), "float32", {}),
+]
+
+
+def _message(fn):
+    try:
+        fn()
+    except (TypeError, ValueError) as err:
+        return type(err), str(err)
+    raise AssertionError("no error raised")
+
+
+@pytest.mark.parametrize("what,shapes,dtype,opts", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_with_the_core_apis_message(what, shapes, dtype, opts):
+    tensors = [meta(*s, dtype=getattr(torch, dtype)) for s in shapes]
+    arrays = [np.zeros(s, dtype) for s in shapes]
+    theirs = _message(lambda: flashnumba.flash_attn_func(*arrays, dropout_seed=1, **opts))
+    ours = _message(lambda: ft.flash_attn_func(*tensors, **opts))
+    assert ours == theirs
+
+
+def test_foreign_arrays_cpu_tensors_and_paged_kv_are_refused():
+    q = meta(1, 8, 2, 64)
+    with pytest.raises(ValueError, match="q is a meta tensor"):
+        flashnumba.flash_attn_forward(q, q, q)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got numpy.ndarray"):
+        ft.flash_attn_func(np.zeros((1, 8, 2, 64), np.float16), q, q)
+    cpu = torch.zeros(1, 8, 2, 64, dtype=torch.float16)
+    with pytest.raises(TypeError, match="expected a CUDA tensor, got a torch tensor on cpu"):
+        ft.flash_attn_func(cpu, cpu, cpu)
+    cu = torch.zeros(2, dtype=torch.int32, device="meta")
+    qv = meta(8, 2, 64)
+    with pytest.raises(ValueError, match="block_table"):
+        ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 8, 8, block_table=cu)
+    with pytest.raises(ValueError, match="not implemented for variable-length"):
+        ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 8, 8, return_attn_probs=True)
+    with pytest.raises(ValueError, match=r"qkv must have shape \(batch, seqlen, 3, nheads, d\)"):
+        ft.flash_attn_qkvpacked_func(meta(1, 8, 2, 2, 64))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# on a GPU: the numbers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plain_attention(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0.0, alibi=None, keep=None,
+                    dropout_p=0.0):
+    """Attention written plainly in torch (flash-attn's layout and conventions), differentiable by autograd;
+    computes in the inputs' dtype."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    diag = sk - sq
+    if alibi is not None:
+        slopes = alibi.to(q.dtype).reshape(-1 if alibi.dim() == 1 else b, h)[..., None, None]
+        s = s - slopes * (i + diag - j).abs().to(q.dtype)
+    left, right = window
+    right = 0 if causal else right
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if left >= 0:
+        visible &= j >= i + diag - left
+    if right >= 0:
+        visible &= j <= i + diag + right
+    s = s.masked_fill(~visible, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees no key: P = 0, out = 0
+    if keep is not None:
+        p = p * keep.to(q.dtype) / (1 - dropout_p)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def close(name, got, truth, baseline, reduction):
+    """conftest's derived tolerance, for torch tensors."""
+    got, truth, baseline = (to_numpy(x.detach()) for x in (got, truth, baseline))
+    assert_close_to_truth(name, got, truth, baseline, reduction=reduction)
+
+
+def kernel_seed(gen):
+    """The (seed, offset) flashnumba's kernels get from a torch CUDA generator's current state."""
+    seed, offset = gen.initial_seed() % 2**64, gen.get_offset()
+    return seed ^ ((offset >> 32) << 32), offset & (2**32 - 1)
+
+
+@st.composite
+def problems(draw):
+    dtype = draw(st.sampled_from(list(DTYPES)))
+    d = draw(st.sampled_from([32, 64, 128]))
+    nheads_k = draw(st.sampled_from([1, 2]))
+    nheads = nheads_k * draw(st.sampled_from([1, 2]))
+    sq = draw(st.one_of(st.sampled_from([1, 17, 64, 65]), st.integers(1, 200)))
+    sk = draw(st.one_of(st.just(sq), st.integers(1, 200)))
+    opts = dict(causal=draw(st.booleans()))
+    if draw(st.booleans()):
+        opts["window_size"] = (draw(st.integers(-1, 40)), draw(st.integers(-1, 40)))
+    if draw(st.booleans()):
+        opts["softcap"] = draw(st.sampled_from([2.0, 10.0]))
+    alibi = draw(st.sampled_from([None, "heads", "batch"]))
+    dropout = draw(st.sampled_from([0.0, 0.0, 0.17]))
+    return dtype, draw(st.integers(1, 2)), sq, sk, nheads, nheads_k, d, opts, alibi, dropout
+
+
+@on_gpu
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
+@given(problem=problems(), seed=st.integers(0, 2**16))
+def test_gradients_match_float64_autograd(part, problem, seed):
+    dtype, batch, sq, sk, nheads, nheads_k, d, opts, alibi_kind, dropout_p = problem
+    tdt = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, sq, nheads, d, generator=g, device="cuda").to(tdt).requires_grad_()
+    k = torch.randn(batch, sk, nheads_k, d, generator=g, device="cuda").to(tdt).requires_grad_()
+    v = torch.randn(batch, sk, nheads_k, d, generator=g, device="cuda").to(tdt).requires_grad_()
+    dout = torch.randn(batch, sq, nheads, d, generator=g, device="cuda").to(tdt)
+    alibi = None
+    if alibi_kind is not None:
+        shape = (nheads,) if alibi_kind == "heads" else (batch, nheads)
+        alibi = torch.rand(shape, generator=g, device="cuda", dtype=torch.float32)
+    gen = torch.cuda.default_generators[q.device.index]
+    before = gen.get_offset()
+    keep = None
+    if dropout_p:
+        keep = torch.from_numpy(philox.keep_mask(*kernel_seed(gen), batch, nheads, sq, sk, dropout_p)).cuda()
+    q0, k0, v0 = (x.detach().clone() for x in (q, k, v))
+
+    out = ft.flash_attn_func(q, k, v, dropout_p=dropout_p, alibi_slopes=alibi, **opts)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert gen.get_offset() == before + (32 * batch * nheads if dropout_p else 0)
+    for x, x0 in zip((q, k, v), (q0, k0, v0)):
+        assert torch.equal(x.detach(), x0), "an input was modified"
+
+    scale = d ** -0.5
+    kw = dict(scale=scale, causal=opts.get("causal", False), window=opts.get("window_size", (-1, -1)),
+              softcap=opts.get("softcap", 0.0), alibi=alibi, keep=keep, dropout_p=dropout_p)
+    results = {}
+    for name, prec in (("truth", torch.float64), ("baseline", tdt)):
+        xs = [x.detach().to(prec).requires_grad_() for x in (q, k, v)]
+        o = plain_attention(*xs, **kw)
+        results[name] = (o, *torch.autograd.grad(o, xs, dout.to(prec)))
+    n = max(d, sq, sk)
+    for i, (name, got) in enumerate(zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv))):
+        assert got.dtype == tdt and got.shape == results["truth"][i].shape
+        close(name, got, results["truth"][i], results["baseline"][i], n)
+
+
+def _unpacked_reference(fn, *args, **kw):
+    """(out, grads) of ``fn`` with leaf tensors, for comparing packed against unpacked calls."""
+    leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+              for a in args]
+    out = fn(*leaves, **kw)
+    return out, leaves
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_packed_variants_equal_unpacked_bitwise(dtype):
+    tdt = DTYPES[dtype]
+    torch.manual_seed(3)
+    b, s, h, hk, d = 2, 77, 4, 2, 64
+    qkv = torch.randn(b, s, 3, h, d, device="cuda").to(tdt).requires_grad_()
+    dout = torch.randn(b, s, h, d, device="cuda").to(tdt)
+    out = ft.flash_attn_qkvpacked_func(qkv, causal=True, softcap=8.0)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    q, k, v = (qkv.detach()[:, :, i].contiguous().requires_grad_() for i in range(3))
+    ref = ft.flash_attn_func(q, k, v, causal=True, softcap=8.0)
+    grads = torch.autograd.grad(ref, (q, k, v), dout)
+    assert torch.equal(out, ref) and torch.equal(dqkv, torch.stack(grads, dim=2))
+
+    q = torch.randn(b, s, h, d, device="cuda").to(tdt).requires_grad_()
+    kv = torch.randn(b, s + 5, 2, hk, d, device="cuda").to(tdt).requires_grad_()
+    out = ft.flash_attn_kvpacked_func(q, kv, window_size=(9, 3))
+    dq, dkv = torch.autograd.grad(out, (q, kv), dout)
+    k, v = (kv.detach()[:, :, i].contiguous().requires_grad_() for i in range(2))
+    q2 = q.detach().clone().requires_grad_()
+    ref = ft.flash_attn_func(q2, k, v, window_size=(9, 3))
+    grads = torch.autograd.grad(ref, (q2, k, v), dout)
+    assert torch.equal(out, ref) and torch.equal(dq, grads[0]) and torch.equal(dkv, torch.stack(grads[1:], dim=2))
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_varlen_gradients_per_sequence(dtype):
+    """Each packed sequence's out and gradients against float64 autograd of that sequence alone; the packed
+    variants of varlen equal the unpacked one bitwise."""
+    tdt = DTYPES[dtype]
+    torch.manual_seed(5)
+    lens_q, lens_k = [5, 0, 130, 64], [9, 3, 130, 1]
+    h, hk, d = 4, 2, 64
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), h, d, device="cuda").to(tdt).requires_grad_()
+    k = torch.randn(sum(lens_k), hk, d, device="cuda").to(tdt).requires_grad_()
+    v = torch.randn(sum(lens_k), hk, d, device="cuda").to(tdt).requires_grad_()
+    dout = torch.randn(sum(lens_q), h, d, device="cuda").to(tdt)
+    opts = dict(causal=True, window_size=(40, -1))
+    out = ft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **opts)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for bi in range(len(lens_q)):
+        rq = slice(int(cu_q[bi]), int(cu_q[bi + 1]))
+        rk = slice(int(cu_k[bi]), int(cu_k[bi + 1]))
+        if lens_q[bi] == 0:
+            continue
+        results = {}
+        for name, prec in (("truth", torch.float64), ("baseline", tdt)):
+            xs = [x.detach()[r].to(prec)[None].requires_grad_() for x, r in ((q, rq), (k, rk), (v, rk))]
+            o = plain_attention(*xs, scale=d ** -0.5, causal=True, window=(40, -1))
+            g = torch.autograd.grad(o, xs, dout[rq].to(prec)[None])
+            results[name] = [o[0], *(x[0] for x in g)]
+        for i, (name, got) in enumerate(zip(("out", "dq", "dk", "dv"), (out[rq], dq[rq], dk[rk], dv[rk]))):
+            close(f"{name} of sequence {bi}", got, results["truth"][i], results["baseline"][i],
+                  max(d, lens_q[bi], lens_k[bi]))
+
+    if lens_q == lens_k:
+        return
+    kv = torch.stack((k.detach(), v.detach()), dim=1).requires_grad_()
+    q2 = q.detach().clone().requires_grad_()
+    out2 = ft.flash_attn_varlen_kvpacked_func(q2, kv, cu_q, cu_k, max(lens_q), max(lens_k), **opts)
+    dq2, dkv = torch.autograd.grad(out2, (q2, kv), dout)
+    assert torch.equal(out2, out) and torch.equal(dq2, dq) and torch.equal(dkv, torch.stack((dk, dv), dim=1))
+
+    qkv = torch.randn(sum(lens_q), 3, h, d, device="cuda").to(tdt).requires_grad_()
+    out3 = ft.flash_attn_varlen_qkvpacked_func(qkv, cu_q, max(lens_q), causal=True)
+    (dqkv,) = torch.autograd.grad(out3, qkv, dout)
+    parts = [qkv.detach()[:, i].contiguous().requires_grad_() for i in range(3)]
+    ref = ft.flash_attn_varlen_func(*parts, cu_q, cu_q, max(lens_q), max(lens_q), causal=True)
+    grads = torch.autograd.grad(ref, parts, dout)
+    assert torch.equal(out3, ref) and torch.equal(dqkv, torch.stack(grads, dim=1))
+
+
+@on_gpu
+def test_dropout_is_reproducible_under_manual_seed_and_advances_the_generator():
+    q = torch.randn(2, 100, 4, 64, device="cuda", dtype=torch.float16).requires_grad_()
+    dout = torch.randn_like(q)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        out = ft.flash_attn_func(q, q, q, dropout_p=0.3)
+        (dq,) = torch.autograd.grad(out, q, dout)
+        return out, dq, torch.rand(4, device="cuda")
+
+    a, b, c = run(0), run(0), run(1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+    torch.manual_seed(0)  # the draw after the call is the one after flash-attn's advance (batch * nheads * 32)
+    gen = torch.cuda.default_generators[0]
+    gen.set_offset(gen.get_offset() + 2 * 4 * 32)
+    assert torch.equal(torch.rand(4, device="cuda"), a[2])
+    # the core API's flash_attn_func draws from the same generator and says what it drew
+    torch.manual_seed(0)
+    expected = kernel_seed(gen)
+    out = flashnumba.flash_attn_func(q.detach(), q.detach(), q.detach(), dropout_p=0.3)
+    assert flashnumba.last_dropout_seed() == expected and torch.equal(out, a[0])
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_core_api_takes_and_returns_torch_tensors(dtype):
+    tdt = DTYPES[dtype]
+    q = torch.randn(1, 33, 2, 64, device="cuda").to(tdt).requires_grad_()
+    out, lse = flashnumba.flash_attn_forward(q, q, q, causal=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == tdt and out.device == q.device
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and not out.requires_grad
+    dq, dk, dv = flashnumba.flash_attn_backward(torch.ones_like(out), q, q, q, out, lse, causal=True)
+    assert all(isinstance(g, torch.Tensor) and g.dtype == tdt for g in (dq, dk, dv))
+
+
+def _slow_write(stream, dst, src):
+    """On ``stream``: spin for a while, then copy src into dst (a producer the consumer must wait for)."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)
+        dst.copy_(src)
+
+
+@on_gpu
+def test_kernels_run_on_the_callers_stream():
+    torch.manual_seed(7)
+    src = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.float16)
+    want = ft.flash_attn_func(src, src, src)
+    side = torch.cuda.Stream()
+    q = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    _slow_write(side, q, src)
+    with torch.cuda.stream(side):  # torch's current stream
+        got = ft.flash_attn_func(q, q, q)
+    side.synchronize()
+    assert torch.equal(got, want)
+
+    q2 = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    _slow_write(side, q2, src)
+    got, _ = flashnumba.flash_attn_forward(q2, q2, q2, stream=side)  # an explicit stream
+    side.synchronize()
+    assert torch.equal(got, want)
+
+
+@on_gpu
+def test_cupy_arrays_run_on_cupys_current_stream():
+    cupy = pytest.importorskip("cupy")
+    spin = cupy.RawKernel(r'''
+    extern "C" __global__ void spin(long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) { }
+    }''', "spin")
+    rng = np.random.default_rng(0)
+    src = cupy.asarray(rng.standard_normal((1, 256, 4, 64)).astype(np.float16))
+    want, _ = flashnumba.flash_attn_forward(src, src, src)
+    s = cupy.cuda.Stream(non_blocking=True)
+    q = cupy.zeros_like(src)
+    cupy.cuda.Device().synchronize()
+    with s:
+        spin((1,), (1,), (np.int64(200_000_000),))
+        q[...] = src
+        got, _ = flashnumba.flash_attn_forward(q, q, q)
+    s.synchronize()
+    assert bool((got == want).all())
+
+
+@on_gpu
+def test_cuda_graph_replays_forward_and_backward_bitwise():
+    torch.manual_seed(11)
+    shape = (2, 128, 4, 64)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = ft.flash_attn_func(q, k, v, causal=True, softcap=20.0)
+        out.backward(dout)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (plans, kernels) off the capture
+        for _ in range(2):
+            for x in (q, k, v):
+                x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for x in (q, k, v):
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    fresh = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    with torch.no_grad():
+        for x, f in zip((q, k, v), fresh):
+            x.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [static_out.clone()] + [x.grad.clone() for x in (q, k, v)]
+    leaves = [f.clone().requires_grad_() for f in fresh]
+    eager = ft.flash_attn_func(*leaves, causal=True, softcap=20.0)
+    grads = torch.autograd.grad(eager, leaves, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), replayed, [eager, *grads]):
+        assert torch.equal(a, b), name
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block whose attention is flashnumba's (or, with ``plain``, :func:`plain_attention`,
+    which also runs in float64)."""
+
+    def __init__(self, width=256, heads=4):
+        super().__init__()
+        self.heads, self.plain = heads, False
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads)
+        if self.plain:
+            a = plain_attention(*qkv.unbind(2), scale=(c // self.heads) ** -0.5, causal=True)
+        else:
+            a = ft.flash_attn_qkvpacked_func(qkv, causal=True)
+        x = x + self.proj(a.reshape(b, t, c))
+        return x + self.mlp(self.norm2(x))
+
+
+@on_gpu
+def test_compiled_transformer_block_matches_eager():
+    """torch.compile(fullgraph=True) with inductor: the compiled block's output and parameter gradients against a
+    float64 eager block (plain attention), with the float32 eager block's error as the baseline."""
+    torch.manual_seed(0)
+    block = Block().cuda()
+    x = torch.randn(2, 200, 256, device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+
+    def run(module, dtype):
+        module.zero_grad()
+        out = module(x.to(dtype))
+        out.square().mean().backward()
+        return [out.detach().clone()] + [p.grad.detach().clone() for p in block.parameters()]
+
+    got = run(compiled, torch.float32)
+    base = run(block, torch.float32)
+    block.double().plain = True
+    truth = run(block, torch.float64)
+    names = ["out"] + [n for n, _ in block.named_parameters()]
+    for name, g, b, t in zip(names, got, base, truth):
+        close(name, g, t, b, 256)
