@@ -10,12 +10,15 @@ configuration trains from the same initial weights on the same batches:
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with torch's choice of backend;
 * ``sdpa-math``: the same, forced to its plain ("math") backend: a second correct implementation.
 
-in float32, and in bfloat16 under ``torch.autocast``. The runs differ only in rounding, which training amplifies,
-so the loss curves cannot agree exactly; how far two *correct* attentions drift apart is measured, not assumed:
-the tolerance for flashnumba against ``sdpa`` is twice the largest gap between ``sdpa-math`` and ``sdpa`` (losses
-averaged over windows of ``--window`` steps, which removes the batch-to-batch noise that all runs share), plus a
-floor of 0.1% of the initial loss for the case where the two references happen to agree closely. The script writes
-``train_tiny_gpt.json`` (losses, tokens/s, the verdict) and ``train_tiny_gpt.png`` to ``--out``.
+in float32, and in bfloat16 under ``torch.autocast``. The runs differ only in rounding, which training amplifies
+(the trajectory is chaotic), so the loss curves cannot agree exactly; how far two *correct* runs drift apart on this
+model and data is measured, not assumed. The reference ensemble: ``sdpa-math``, and ``--perturbed`` runs of
+``sdpa`` whose initial weights are multiplied by 1 + 2^-23 (one float32 rounding) with random signs. Losses are
+averaged over windows of ``--window`` steps (the batch-to-batch noise is common to all runs, since the batches
+are the same); the tolerance for flashnumba is twice the largest windowed gap between ``sdpa`` and any member of
+the ensemble (the factor 2 as flash-attn's tests allow twice a reference's error), and flashnumba's largest
+windowed gap to ``sdpa`` must stay within it. The script writes ``train_tiny_gpt.json`` (losses, tokens/s, the
+verdict) and ``train_tiny_gpt.png`` (the curves, and each run's windowed gap to ``sdpa``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -94,9 +97,15 @@ def batches(data, steps, batch, context, seed):
         yield torch.from_numpy(x), torch.from_numpy(y)
 
 
-def train(kind, dtype, data, args):
+def train(kind, dtype, data, args, perturb=None):
     torch.manual_seed(args.seed)
     model = GPT(kind, context=args.context).to(args.device)
+    if perturb is not None:  # one float32 rounding of every weight, up or down at random
+        g = torch.Generator(device=args.device).manual_seed(perturb)
+        with torch.no_grad():
+            for p in model.parameters():
+                sign = torch.randint(0, 2, p.shape, generator=g, device=args.device) * 2 - 1
+                p.mul_(1 + sign * 2.0**-23)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     autocast = (torch.autocast(args.device, dtype=torch.bfloat16) if dtype == "bfloat16"
                 else contextlib.nullcontext())
@@ -135,6 +144,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=10, help="steps not timed (compilation, allocator warm-up)")
     p.add_argument("--window", type=int, default=20, help="steps per loss average in the comparison")
+    p.add_argument("--perturbed", type=int, default=4, help="perturbed sdpa runs in the reference ensemble")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                    help="the attentions to train with (the comparison needs all three)")
@@ -149,22 +159,26 @@ def main(argv=None):
                       k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, runs={}, verdict={})
     for dtype in args.dtypes:
         runs = {}
-        for kind in args.kinds:
-            losses, tps = train(kind, dtype, data, args)
-            runs[kind] = dict(losses=losses, tokens_per_s=tps)
-            print(f"{dtype:9s} {kind:11s} first loss {losses[0]:.4f} last {losses[-1]:.4f}  {tps:,.0f} tokens/s",
+        jobs = [(kind, None) for kind in args.kinds]
+        if "sdpa" in args.kinds:
+            jobs += [(f"sdpa~{i}", i) for i in range(1, args.perturbed + 1)]
+        for name, perturb in jobs:
+            losses, tps = train(name.split("~")[0], dtype, data, args, perturb)
+            runs[name] = dict(losses=losses, tokens_per_s=tps)
+            print(f"{dtype:9s} {name:11s} first loss {losses[0]:.4f} last {losses[-1]:.4f}  {tps:,.0f} tokens/s",
                   flush=True)
         report["runs"][dtype] = runs
-        if set(runs) != set(KINDS):
+        if not set(KINDS) <= set(runs):
             continue
         w = {k: windowed(r["losses"], args.window) for k, r in runs.items()}
+        gaps = {k: float(np.abs(w[k] - w["sdpa"]).max()) for k in runs if k not in ("sdpa", "flashnumba")}
+        tol = 2 * max(gaps.values())
         ours = float(np.abs(w["flashnumba"] - w["sdpa"]).max())
-        reference_gap = float(np.abs(w["sdpa-math"] - w["sdpa"]).max())
-        tol = 2 * reference_gap + 1e-3 * runs["sdpa"]["losses"][0]
-        report["verdict"][dtype] = dict(max_gap_flashnumba_sdpa=ours, max_gap_sdpa_math_sdpa=reference_gap,
-                                        tolerance=tol, agree=bool(ours <= tol))
-        print(f"{dtype}: windowed loss gap flashnumba-sdpa {ours:.4f}, sdpa-math-sdpa {reference_gap:.4f}, "
-              f"tolerance {tol:.4f}: {'agree' if ours <= tol else 'DISAGREE'}", flush=True)
+        report["verdict"][dtype] = dict(max_gap_flashnumba_sdpa=ours, reference_gaps=gaps, tolerance=tol,
+                                        agree=bool(ours <= tol))
+        print(f"{dtype}: largest windowed loss gap to sdpa: flashnumba {ours:.4f}; references "
+              + ", ".join(f"{k} {g:.4f}" for k, g in gaps.items())
+              + f"; tolerance {tol:.4f}: {'agree' if ours <= tol else 'DISAGREE'}", flush=True)
     (args.out / "train_tiny_gpt.json").write_text(json.dumps(report, indent=1))
     plot(report, args.out / "train_tiny_gpt.png")
     return 0 if all(v["agree"] for v in report["verdict"].values()) else 1
@@ -177,20 +191,43 @@ def plot(report, path):
     import matplotlib.pyplot as plt
 
     dtypes = list(report["runs"])
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes):
-        for kind, run in report["runs"][dtype].items():
-            ax.plot(run["losses"], lw=0.8, label=f"{kind} ({run['tokens_per_s'] / 1e3:,.0f}k tokens/s)")
-        v = report["verdict"].get(dtype)
-        ax.set_title(dtype if v is None else
-                     f"{dtype}: gap {v['max_gap_flashnumba_sdpa']:.3f}, tolerance {v['tolerance']:.3f}")
+    window = report["args"]["window"]
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(6 * len(dtypes), 7), squeeze=False)
+    for col, dtype in enumerate(dtypes):
+        runs = report["runs"][dtype]
+        ax = axes[0, col]
+        for kind in KINDS:
+            if kind in runs:
+                ax.plot(runs[kind]["losses"], lw=0.8,
+                        label=f"{kind} ({runs[kind]['tokens_per_s'] / 1e3:,.0f}k tokens/s)")
+        ax.set_title(f"{dtype}: training loss")
         ax.set_xlabel("step")
-        ax.set_ylabel("training loss (nats/byte)")
+        ax.set_ylabel("loss (nats/byte)")
         ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
         ax.legend()
-    fig.suptitle(f"tiny GPT, {report['device']}, torch {report['torch']}")
+        ax = axes[1, col]
+        v = report["verdict"].get(dtype)
+        if "sdpa" in runs:
+            base = windowed(runs["sdpa"]["losses"], window)
+            steps = window * (np.arange(len(base)) + 0.5)
+            for kind, run in runs.items():
+                if kind == "sdpa":
+                    continue
+                ref = kind != "flashnumba"
+                ax.plot(steps, windowed(run["losses"], window) - base, color="0.6" if ref else "C0",
+                        lw=0.8 if ref else 1.8, label=("references (sdpa-math, perturbed sdpa)" if kind == "sdpa-math"
+                                                       else None if ref else "flashnumba"))
+            if v is not None:
+                for sign in (1, -1):
+                    ax.axhline(sign * v["tolerance"], color="C3", ls="--", lw=0.8,
+                               label="tolerance" if sign == 1 else None)
+        ax.set_title(f"{dtype}: loss minus sdpa's, {window}-step means"
+                     + ("" if v is None else f" ({'agree' if v['agree'] else 'DISAGREE'})"))
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"tiny GPT (6 layers, 6 heads x 64, context 1024), {report['device']}, torch {report['torch']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Per call. A small attention (batch 1, seqlen 256, 16 heads, head_dim 64, float16, CuPy arrays by default) runs in
 microseconds on a large GPU, so what a model with many layers pays is the Python between kernels. Reported for the
-forward and for the backward, flashnumba beside torch's ``scaled_dot_product_attention`` where torch is installed:
+forward and for the backward, flashnumba beside torch's ``scaled_dot_product_attention`` where torch is installed
+(and flashnumba called from torch, through :mod:`flashnumba.torch`'s autograd Function and custom operators):
 
 * ``back_to_back_us``: N calls between two CUDA events, divided by N (the host never waits for the GPU; what
   a training loop sees);
@@ -99,6 +100,16 @@ def per_call(shape=SHAPE, dtype="float16", causal=False, calls=200):
     tbwd = lambda: torch.autograd.grad(tout, (tq, tk, tv), tdo, retain_graph=True)  # noqa: E731
     rows.append(dict(impl="torch_sdpa", pass_="forward", kernel="auto", **_measure(tfwd, calls)))
     rows.append(dict(impl="torch_sdpa", pass_="backward", kernel="auto", **_measure(tbwd, calls)))
+    # flashnumba from torch: the autograd Function and custom operators of flashnumba.torch, flash-attn's layout
+    import flashnumba.torch as fnt
+
+    fq, fk, fv, fdo = (torch.as_tensor(x, device="cuda").clone() for x in (q, k, v, dout))
+    fq.requires_grad_(), fk.requires_grad_(), fv.requires_grad_()
+    ffwd = lambda: fnt.flash_attn_func(fq, fk, fv, causal=causal)  # noqa: E731
+    fout = ffwd()
+    fbwd = lambda: torch.autograd.grad(fout, (fq, fk, fv), fdo, retain_graph=True)  # noqa: E731
+    rows.append(dict(impl="flashnumba.torch", pass_="forward", kernel=rows[0]["kernel"], **_measure(ffwd, calls)))
+    rows.append(dict(impl="flashnumba.torch", pass_="backward", kernel=rows[1]["kernel"], **_measure(fbwd, calls)))
     return rows
 
 
@@ -148,7 +159,7 @@ def main(out_dir=None):
               "first_call": first_call()}
     print(f"per call, shape {SHAPE} float16 (us): back to back | single | host | kernels")
     for r in result["per_call"]:
-        print(f"  {r['impl']:11} {r['pass_']:8} {r['kernel']:5} {r['back_to_back_us']:9.1f} {r['single_us']:9.1f} "
+        print(f"  {r['impl']:16} {r['pass_']:8} {r['kernel']:5} {r['back_to_back_us']:9.1f} {r['single_us']:9.1f} "
               f"{r['host_us']:9.1f} {r.get('kernels_us', float('nan')):9.1f}")
     print("first call in a new process (s): import | forward | backward")
     for r in result["first_call"]:
