@@ -329,10 +329,10 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
 
     With ``dropout_p`` > 0 the mask comes from ``dropout_seed`` and ``dropout_offset`` (keyword arguments); when
     no seed is given a fresh one is drawn (:func:`draw_dropout_seed`: from torch's generator for torch tensors)
-    and :func:`last_dropout_seed` returns it, for the backward. ``return_attn_probs=True`` returns (out, lse, P * Z) with the probabilities after dropout
-    (small sizes; :func:`attention_probs`); ``deterministic`` is accepted (flashnumba is always deterministic).
-    Other keyword arguments (``kernel``, block sizes, ``dropout_seed``, ``dropout_offset``) go to
-    :func:`flash_attn_forward`.
+    and :func:`last_dropout_seed` returns it, for the backward. ``return_attn_probs=True`` returns
+    (out, lse, P * Z) with the probabilities after dropout (small sizes; :func:`attention_probs`);
+    ``deterministic`` is accepted (flashnumba is always deterministic). Other keyword arguments (``kernel``, block
+    sizes, ``dropout_seed``, ``dropout_offset``, ``stream``) go to :func:`flash_attn_forward`.
     """
     _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 4, None))
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,

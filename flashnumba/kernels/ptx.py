@@ -577,7 +577,8 @@ def _gpu_intrinsics():
         shfl_xor_f32=shfl_xor_f32, mma_m16n8k8_tf32=mma_m16n8k8_tf32, to_tf32=to_tf32, split_tf32=split_tf32,
         mma_m16n8k16_f16=make_mma("f16"), mma_m16n8k16_bf16=make_mma("bf16"),
         ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True),
-        cp_async_16=cp_async_16, cp_async_16_at=cp_async_16_at, cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
+        cp_async_16=cp_async_16, cp_async_16_at=cp_async_16_at,
+        cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
         cp_async_wait=cp_async_wait, cp_async_wait_all=statement("cp_async_wait_all", "cp.async.wait_all;"),
         pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
     )
@@ -593,7 +594,8 @@ def _simulator_stand_ins():
         mma_m16n8k16_f16=_make_sim_mma(_halves_f16, "float16"),
         mma_m16n8k16_bf16=_make_sim_mma(_halves_bf16, "bfloat16"),
         ldmatrix_x4=_make_sim_ldmatrix(trans=False), ldmatrix_x4_trans=_make_sim_ldmatrix(trans=True),
-        cp_async_16=_sim_cp_async_16, cp_async_16_at=_sim_cp_async_16_at, cp_async_commit=_sim_cp_async_commit, cp_async_wait=_sim_cp_async_wait,
+        cp_async_16=_sim_cp_async_16, cp_async_16_at=_sim_cp_async_16_at, cp_async_commit=_sim_cp_async_commit,
+        cp_async_wait=_sim_cp_async_wait,
         cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
         shfl_xor_f32=_sim_shfl_xor_f32, mma_m16n8k8_tf32=_sim_mma_tf32, to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32,
@@ -606,5 +608,6 @@ else:
     globals().update(_gpu_intrinsics())
 
 __all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
-           "cp_async_16_at", "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2", "shfl_xor_f32",
+           "cp_async_16_at", "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2",
+           "shfl_xor_f32",
            "mma_m16n8k8_tf32", "to_tf32", "split_tf32"]
