@@ -1,5 +1,6 @@
-"""Regenerate the tables of docs/benchmarks.md that come from docs/results/latest/ (latency.json, caps.json):
-each replaces what stands between its ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers.
+"""Regenerate the tables of docs/benchmarks.md and README.md that come from docs/results/latest/ (latency.json,
+caps.json, train_tiny_gpt.json): each replaces what stands between its ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->`` markers.
 
     python scripts/update_docs_tables.py
 """
@@ -54,17 +55,52 @@ def caps(d):
     return out
 
 
+def train(d, prefix="results/latest/"):
+    """The training comparison of examples/train_tiny_gpt.py: tokens/s, the last window's loss, the largest
+    windowed gap to sdpa of flashnumba and of the reference ensemble, the tolerance and the verdict."""
+    a = d["args"]
+    out = [f"Measured on {d['device']}, {d['date']}; torch {d['torch']}, flashnumba {d['flashnumba']}. Command: "
+           f"`python examples/train_tiny_gpt.py` ({a['steps']} steps, batch {a['batch']} x {a['context']} bytes, "
+           f"AdamW lr {a['lr']}, {a['perturbed']} perturbed sdpa runs, {a['window']}-step means). Source: "
+           f"[`{prefix}train_tiny_gpt.json`]({prefix}train_tiny_gpt.json).", "",
+           "| dtype | attention | tokens/s | mean loss, last window | largest windowed gap to sdpa | tolerance | "
+           "verdict |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    w = a["window"]
+    for dtype, runs in d["runs"].items():
+        v = d["verdict"].get(dtype, {})
+        refs = v.get("reference_gaps", {})
+        for kind in ("flashnumba", "sdpa", "sdpa-math"):
+            if kind not in runs:
+                continue
+            r = runs[kind]
+            last = sum(r["losses"][-w:]) / len(r["losses"][-w:])
+            gap = v.get("max_gap_flashnumba_sdpa") if kind == "flashnumba" else refs.get(kind)
+            verdict = ("agree" if v.get("agree") else "disagree") if kind == "flashnumba" and v else ""
+            tol = f"{v['tolerance']:.4f}" if kind == "flashnumba" and v else ""
+            out.append(f"| {dtype} | {kind} | {r['tokens_per_s']:,.0f} | {last:.4f} | "
+                       f"{'-' if gap is None else f'{gap:.4f}'} | {tol} | {verdict} |")
+    return out
+
+
+TARGETS = {  # file: (marker name, table function, its arguments)
+    "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {})],
+    "README.md": [("train", train, {"prefix": "docs/results/latest/"})],
+}
+SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json"}
+
+
 def main():
-    path = ROOT / "docs" / "benchmarks.md"
-    text = path.read_text()
-    for name, fn in (("latency", latency), ("caps", caps)):
-        data = json.loads((LATEST / f"{name}.json").read_text())
-        block = "\n".join(fn(data))
-        text, n = re.subn(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->",
-                          lambda m: f"<!-- {name}:begin -->\n{block}\n<!-- {name}:end -->", text, flags=re.S)
-        if n != 1:
-            raise SystemExit(f"docs/benchmarks.md: no <!-- {name}:begin --> ... <!-- {name}:end --> markers")
-    path.write_text(text)
+    for rel, blocks in TARGETS.items():
+        path = ROOT / rel
+        text = path.read_text()
+        for name, fn, kw in blocks:
+            data = json.loads((LATEST / SOURCES[name]).read_text())
+            block = "\n".join(fn(data, **kw))
+            text, n = re.subn(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->",
+                              lambda m: f"<!-- {name}:begin -->\n{block}\n<!-- {name}:end -->", text, flags=re.S)
+            if n != 1:
+                raise SystemExit(f"{rel}: no <!-- {name}:begin --> ... <!-- {name}:end --> markers")
+        path.write_text(text)
 
 
 if __name__ == "__main__":
