@@ -26,7 +26,8 @@ the forward's mask from the saved state. A CUDA graph replays the mask of its ca
 
 ``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``: probs are flashnumba's float32 P (after
 dropout: 0 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask; a
-debugging path for small sizes, not for varlen. ``deterministic`` is accepted: flashnumba's backward is always
+debugging path for small sizes, not for varlen. softmax_lse and probs have no backward: a loss that reaches them
+raises ``NotImplementedError`` at backward time (rather than a gradient that silently leaves them out). ``deterministic`` is accepted: flashnumba's backward is always
 deterministic. ``block_table`` (paged KV) is not supported by the varlen functions.
 """
 
@@ -212,14 +213,21 @@ def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
     ctx.save_for_backward(q, k, v, out, lse, rng, alibi_slopes)
     ctx.scalars = scalars
     probs = None
-    if return_softmax:
+    if return_softmax:  # lse and probs have no backward: a gradient reaching them raises (_attention_grads)
         probs = _op(_probs, _probs_impl, q)(q, k, v, lse, alibi_slopes, rng, *scalars)
-        ctx.mark_non_differentiable(lse, probs)
+        ctx.set_materialize_grads(False)
     return out, lse, probs
 
 
-def _attention_grads(ctx, dout):
+def _attention_grads(ctx, dout, *rest):
+    """(dq, dk, dv) for the gradient of out. The other outputs of ``return_attn_probs`` (softmax_lse, probs) have
+    no backward: a gradient that reaches them raises rather than being dropped."""
+    if any(g is not None for g in rest):
+        raise NotImplementedError("flashnumba.torch: return_attn_probs=True returned softmax_lse and the attention "
+                                  "probabilities for inspection; they have no backward (only out has a gradient)")
     q, k, v, out, lse, rng, alibi_slopes = ctx.saved_tensors
+    if dout is None:
+        return None, None, None
     backward = _op(_backward, _backward_impl, dout, q)
     return backward(_contiguous_last(dout), q, k, v, out, lse, alibi_slopes, rng, *ctx.scalars)
 
@@ -253,8 +261,8 @@ class FlashAttnFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
-    def backward(ctx, dout, *_):
-        dq, dk, dv = _attention_grads(ctx, dout)
+    def backward(ctx, dout, *rest):
+        dq, dk, dv = _attention_grads(ctx, dout, *rest)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -267,8 +275,9 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
-    def backward(ctx, dout, *_):
-        return torch.stack(_attention_grads(ctx, dout), dim=2), None, None, None, None, None, None, None, None
+    def backward(ctx, dout, *rest):
+        grads = _attention_grads(ctx, dout, *rest)
+        return (None if dout is None else torch.stack(grads, dim=2)), None, None, None, None, None, None, None, None
 
 
 class FlashAttnKVPackedFunc(torch.autograd.Function):
@@ -280,9 +289,10 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
-    def backward(ctx, dout, *_):
-        dq, dk, dv = _attention_grads(ctx, dout)
-        return dq, torch.stack((dk, dv), dim=2), None, None, None, None, None, None, None, None
+    def backward(ctx, dout, *rest):
+        dq, dk, dv = _attention_grads(ctx, dout, *rest)
+        return dq, (None if dout is None else torch.stack((dk, dv), dim=2)), None, None, None, None, None, None, None, \
+            None
 
 
 class FlashAttnVarlenFunc(torch.autograd.Function):

@@ -45,7 +45,14 @@ def test_fake_shapes_and_gradients_of_every_function():
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
     out, lse, probs = ft.flash_attn_func(q, k, v, return_attn_probs=True)
     assert lse.shape == (2, 4, 16) and lse.dtype == torch.float32 and probs.shape == (2, 4, 16, 20)
-    assert not lse.requires_grad and not probs.requires_grad and out.requires_grad
+    assert out.requires_grad
+
+    with pytest.raises(NotImplementedError, match="return_attn_probs=True returned softmax_lse"):
+        (out.sum() + lse.sum()).backward()
+    q.grad = None
+    out, lse, probs = ft.flash_attn_func(q, k, v, return_attn_probs=True)
+    out.sum().backward()  # out alone: its gradient as always
+    assert q.grad.shape == q.shape
 
     qkv = meta(2, 16, 3, 4, 64, dtype=torch.bfloat16)
     ft.flash_attn_qkvpacked_func(qkv).sum().backward()
