@@ -1,4 +1,4 @@
-"""Command line: ``python -m flashnumba info | demo | bench | cache``."""
+"""Command line: ``python -m flashnumba info | demo | bench | sweep | cache`` (each with ``--help``)."""
 
 from __future__ import annotations
 
@@ -72,12 +72,19 @@ def main(argv=None):
                       help="large: batch 4, 16 heads, seqlen 4096, head_dim 64 (GPU); small: simulator-sized")
     cache = sub.add_parser("cache", help="the compiled-kernel cache on disk: info or clear")
     cache.add_argument("action", choices=["info", "clear"])
-    sub.add_parser("bench", help="benchmark against standard attention and peers (see --help)", add_help=False)
+    sub.add_parser("bench", help="benchmark against standard attention and peers (see bench --help)",
+                   add_help=False)
+    sub.add_parser("sweep", help="time a kernel family over its tile sizes on this GPU (see sweep --help)",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # the benchmark has its own options
+    if argv[:1] == ["bench"]:  # the benchmark and the sweep have their own options
         from .tools.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["sweep"]:
+        from .tools.sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
     args = parser.parse_args(argv)
     return {"info": _info, "demo": _demo, "cache": _cache_cmd}[args.command](args)
 

@@ -293,6 +293,18 @@ def fits(table: str, D: int, t: Tiles, limits: DeviceLimits) -> bool:
     return True
 
 
+def occupancy(limits: DeviceLimits, threads: int, registers: int, shared_bytes: int) -> int:
+    """Blocks of a kernel that fit on one SM at once: the least of the SM's limits on blocks, threads, registers
+    (allocated per warp in units of 256) and shared memory (each block's plus the 1 KB the system reserves per
+    block from compute capability 8.0 on)."""
+    warps = -(-threads // 32)
+    by_threads = limits.threads_per_sm // (32 * warps)
+    by_registers = limits.registers_per_sm // (-(-max(registers, 1) * 32 // 256) * 256 * warps)
+    reserved = 1024 if tuple(limits.cc) >= (8, 0) else 0
+    by_shared = limits.shared_per_sm // (shared_bytes + reserved) if shared_bytes else limits.blocks_per_sm
+    return max(0, min(limits.blocks_per_sm, by_threads, by_registers, by_shared))
+
+
 def threads_of(table: str, t: Tiles) -> Tiles:
     """t with the threads the family derives from its tiles (v1: a thread per row; tensor cores: a warp per 16
     rows) filled in."""

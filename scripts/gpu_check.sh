@@ -32,8 +32,11 @@ for step in $STEPS; do
     notebooks) # executed in place (scripts/run_notebook.py: no Jupyter on the GPU machine), copied to $OUT
       (cd notebooks && timeout ${NOTEBOOK_TIMEOUT:-540} python3 ../scripts/run_notebook.py ${NOTEBOOKS:-*.ipynb}) \
         2>&1 | tee "$OUT/notebooks.log"; cp notebooks/*.ipynb "$OUT"/ ;;
-    sweep_bwd) timeout ${SWEEP_TIMEOUT:-300} python3 -P scripts/tc_sweep_backward.py ${SWEEP_SEQLEN:-4096} ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep_bwd.log" ;;
-    sweep_tf32) timeout ${SWEEP_TIMEOUT:-300} python3 scripts/tf32_sweep.py ${SWEEP_SEQLEN:-4096} ${SWEEP_TF32_ARGS:-} 2>&1 | tee "$OUT/sweep_tf32.log" ;;
+    sweep) # SWEEPS="tc tc_dq tc_dkdv" SWEEP_ARGS="--seqlen 4096": python -m flashnumba sweep, one family after another
+      for family in ${SWEEPS:-tc tc_dq tc_dkdv}; do
+        timeout ${SWEEP_TIMEOUT:-300} python3 -m flashnumba sweep $family --out "$OUT" ${SWEEP_ARGS:-} 2>&1 \
+          | tee "$OUT/sweep-$family.log"
+      done ;;
     latency) python3 -m flashnumba bench --latency --out "$OUT" 2>&1 | tee "$OUT/latency.log" ;;
     train) timeout ${TRAIN_TIMEOUT:-420} python3 examples/train_tiny_gpt.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
     capped) # the GPU profile with the shared memory per block capped as on smaller GPUs (64 KB: T4; 99 KB: RTX, L4)

@@ -13,7 +13,8 @@ from flashnumba.tools import bench
 def test_bench_runs_and_writes_json(tmp_path, capsys):
     rc = bench.main(["--seqlens", "16", "--head-dims", "16", "--dtypes", "float32", "--causal", "on",
                      "--tokens", "16", "--width", "16", "--repeat", "1", "--warmup", "0",
-                     "--impls", "flashnumba_v1", "flashnumba_v3", "standard_cupy", "--out", str(tmp_path)])
+                     "--impls", "flashnumba_v1", "flashnumba_v3", "standard_cupy", "--passes", "fwd", "bwd", "fwd+bwd",
+                     "--out", str(tmp_path)])
     assert rc == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["environment"]["backend"] == flashnumba.BACKEND
@@ -25,6 +26,22 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
         assert r["ms"] > 0 and r["tflops"] > 0
         assert r["batch"] == 1 and r["nheads"] == 1
     assert "flashnumba_v3" in capsys.readouterr().out
+
+
+def test_default_run_compares_the_default_path_and_leaves_out_incompatible_pairs(tmp_path):
+    """With no --impls: flashnumba's default path beside standard attention (and torch's backends where
+    installed); an implementation is not run on a dtype it does not take (CuPy's standard attention on bfloat16),
+    and bfloat16 works (on NumPy arrays of ml_dtypes.bfloat16 in the simulator, torch tensors on a GPU)."""
+    rc = bench.main(["--seqlens", "16", "--head-dims", "16", "--dtypes", "bfloat16", "float32", "--causal", "on",
+                     "--tokens", "16", "--width", "16", "--repeat", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    timed = {(r["impl"], r["dtype"], r["pass_"]) for r in rows if "ms" in r}
+    assert {("flashnumba", dt, p) for dt in ("bfloat16", "float32") for p in ("fwd", "bwd")} <= timed
+    assert ("standard_cupy", "float32", "fwd") in timed
+    assert not [r for r in rows if r["impl"] == "standard_cupy" and r["dtype"] == "bfloat16"]
+    assert not [r for r in rows if "error" in r]
+    assert {r["impl"] for r in rows} <= set(bench.DEFAULT_IMPLS)
 
 
 def test_validation_rejects_a_wrong_implementation():

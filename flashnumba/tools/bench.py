@@ -82,7 +82,39 @@ def _flashnumba(kernel):
 
     if kernel != "v1":
         make.varlen = make_varlen
+    make.dtypes = ALL_DTYPES
     return make
+
+
+ALL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _flashnumba_default(q, k, v, dout, causal, window_size=(-1, -1)):
+    """What a user gets: the plan's choice (``kernel=None``), forward and backward (the tensor cores for float16
+    and bfloat16 where they apply, else the SIMT kernels)."""
+    opts = dict(causal=causal, window_size=window_size)
+    out, lse = flash_attn_forward(q, k, v, **opts)
+    return {
+        FWD: lambda: flash_attn_forward(q, k, v, **opts),
+        BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, **opts),
+        FWDBWD: lambda: attention_with_grad(q, k, v, dout, **opts),
+    }
+
+
+_flashnumba_default.features = True
+_flashnumba_default.dtypes = ALL_DTYPES
+
+
+def _flashnumba_default_varlen(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, window_size=(-1, -1)):
+    opts = dict(causal=causal, window_size=window_size)
+    out, lse = flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, **opts)
+    return {
+        FWD: lambda: flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, **opts),
+        BWD: lambda: flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **opts),
+    }
+
+
+_flashnumba_default.varlen = _flashnumba_default_varlen
 
 
 def _flashnumba_tc(q, k, v, dout, causal):
@@ -96,6 +128,9 @@ def _flashnumba_tc(q, k, v, dout, causal):
     }
 
 
+_flashnumba_tc.dtypes = ("float16", "bfloat16")
+
+
 def _flashnumba_tf32(precision):
     """The float32 forward on tensor cores (``kernel="tf32"`` or ``"3xtf32"``, head_dim 64 or 128)."""
 
@@ -106,6 +141,7 @@ def _flashnumba_tf32(precision):
 
     if precision == "tf32":  # operands rounded to 10 mantissa bits: float16's precision, float32's range
         make.baseline_dtype = np.float16
+    make.dtypes = ("float32",)
     return make
 
 
@@ -168,6 +204,9 @@ def _standard(q, k, v, dout, causal):
     }
 
 
+_standard.dtypes = ("float32", "float16")  # CuPy has no bfloat16
+
+
 def _torch_sdpa(backend_name):
     def make(q, k, v, dout, causal):
         import torch
@@ -196,11 +235,19 @@ def _torch_sdpa(backend_name):
 
         return {FWD: fwd, BWD: bwd, FWDBWD: fwdbwd}
 
+    make.dtypes = ("float16", "bfloat16") if backend_name in ("FLASH_ATTENTION", "CUDNN_ATTENTION") else ALL_DTYPES
     return make
 
 
+# What `bench` runs when no --impls are given: the library's default path beside standard attention and the peers.
+# The teaching kernels (flashnumba_v1, _v2, _v3), the explicit tensor-core and TF32 ones and torch's math backend
+# run on request.
+DEFAULT_IMPLS = ("flashnumba", "standard_cupy", "torch_sdpa_flash", "torch_sdpa_cudnn", "torch_sdpa_efficient")
+
+
 def available_implementations(include_peers=True):
-    impls = {f"flashnumba_{k}": _flashnumba(k) for k in ("v1", "v2", "v3")}
+    impls = {"flashnumba": _flashnumba_default}
+    impls.update({f"flashnumba_{k}": _flashnumba(k) for k in ("v1", "v2", "v3")})
     impls["flashnumba_tc"] = _flashnumba_tc
     impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
     impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
@@ -232,6 +279,37 @@ def _xp():
     return cupy
 
 
+def dtype_of(name):
+    """The NumPy dtype of a dtype name (bfloat16: ml_dtypes')."""
+    if name == "bfloat16":
+        from .._arrays import bfloat16
+
+        if bfloat16() is None:
+            raise SystemExit("bfloat16 needs the ml_dtypes package: pip install ml_dtypes")
+        return bfloat16()
+    return np.dtype(name)
+
+
+def _to_device(x, like=None):
+    """A host array on the device the benchmark runs on: CuPy (NumPy under the simulator); bfloat16, which CuPy
+    lacks, as a torch.bfloat16 CUDA tensor, and then (``like`` a torch tensor) the other arrays of the call too."""
+    if _backend.SIMULATOR:
+        return x
+    if like is not None and type(like).__module__.startswith("torch"):
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).cuda()
+    if x.dtype.name == "bfloat16":
+        try:
+            import torch
+        except ImportError:
+            raise SystemExit("bfloat16 on a GPU runs on torch tensors (CuPy has no bfloat16): install torch") from None
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
+    import cupy
+
+    return cupy.asarray(x)
+
+
 def _host(x):
     if hasattr(x, "detach"):  # torch
         x = x.detach()
@@ -240,20 +318,19 @@ def _host(x):
 
 
 def validate(make, head_dim, causal, dtype, seqlen=96, window_size=None, gqa=1):
-    """Run the implementation on a small problem and compare out (and dq) with the float64 reference.
+    """Run the implementation on a small problem and compare out with the float64 reference.
 
     Returns None when it agrees, else a string saying what failed. Tolerance: 10x the error of the same
     computation in NumPy at the input's dtype, or at the precision an implementation declares in its
     ``baseline_dtype`` attribute (TF32: float16), plus 1e-5: loose enough for any correct kernel, tight enough
     to catch wrong masking or indexing.
     """
-    xp = _xp()
     rng = np.random.default_rng(0)
     shape = (1, seqlen, 2 * gqa, head_dim)
     kv_shape = (1, seqlen, 2, head_dim)
     hq, hdo = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
     hk, hv = (rng.standard_normal(kv_shape).astype(dtype) for _ in range(2))
-    q, k, v, dout = (xp.asarray(x) for x in (hq, hk, hv, hdo))
+    q, k, v, dout = (_to_device(x) for x in (hq, hk, hv, hdo))
     opts = {} if window_size is None else dict(window_size=window_size)
     try:
         fns = make(q, k, v, dout, causal, **opts)
@@ -278,7 +355,6 @@ def _forward_error(out, truth, base, what):
 
 def validate_varlen(make_varlen, head_dim, causal, dtype, window_size=None, gqa=1):
     """validate() for a packed batch of three sequences, one of them empty (out against the reference)."""
-    xp = _xp()
     rng = np.random.default_rng(0)
     lens_q, lens_k = [37, 0, 70], [50, 0, 81]
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
@@ -286,7 +362,8 @@ def validate_varlen(make_varlen, head_dim, causal, dtype, window_size=None, gqa=
     hk, hv = (rng.standard_normal((cu_k[-1], 2, head_dim)).astype(dtype) for _ in range(2))
     opts = {} if window_size is None else dict(window_size=tuple(window_size))
     try:
-        fns = make_varlen(*(xp.asarray(x) for x in (hq, hk, hv, hdo, cu_q, cu_k)), 70, 81, causal, **opts)
+        q = _to_device(hq)
+        fns = make_varlen(q, *(_to_device(x, like=q) for x in (hk, hv, hdo, cu_q, cu_k)), 70, 81, causal, **opts)
         out = fns[FWD]()[0]
     except Exception as err:  # noqa: BLE001
         return f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
@@ -339,7 +416,7 @@ def _progress(total):
 
 def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=16384, width=2048, warmup=2,
               repeat=10, skip_standard_above_gib=60.0, max_call_ms=5000.0, on_row=None, window_size=None, gqa=1,
-              varlen=False, group_ms=0.0):
+              varlen=False, group_ms=0.0, explicit=True):
     """Measure every (head_dim, causal, dtype, seqlen) x implementation x pass; returns the rows.
 
     ``on_row(row)`` is called as each row is measured (the CLI prints it and saves the JSON, so that a run cut
@@ -347,8 +424,8 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
     seqlen is not run at the longer ones (recorded as skipped). ``window_size`` (a sliding window) and ``gqa``
     (query heads per key/value head) time only the implementations that take them (flashnumba's). ``varlen``
     packs each batch as sequences of random lengths up to seqlen (``varlen_lengths``) and times the varlen entry
-    points, again flashnumba's only."""
-    xp = _xp()
+    points, again flashnumba's only. A pair of an implementation and a dtype it does not take (its ``dtypes``) is
+    recorded as skipped when ``explicit`` (the implementations were asked for by name), else left out."""
     rows, invalid, too_slow = [], {}, set()
 
     def emit(row):
@@ -365,10 +442,12 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
         lens = None
         if varlen:  # one packed batch of about the same number of tokens
             lens = varlen_lengths(batch * n, n, rng)
-            cu = xp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+            cu_host = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
             shape, kv_shape = (sum(lens), nheads, d), (sum(lens), kv_shape[2], d)
-        q, dout = (xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype)) for _ in range(2))
-        k, v = (xp.asarray(rng.standard_normal(kv_shape, dtype=np.float32).astype(dtype)) for _ in range(2))
+        q, dout = (_to_device(rng.standard_normal(shape, dtype=np.float32).astype(dtype)) for _ in range(2))
+        k, v = (_to_device(rng.standard_normal(kv_shape, dtype=np.float32).astype(dtype)) for _ in range(2))
+        if varlen:
+            cu = _to_device(cu_host, like=q)
         opts = {} if window_size is None else dict(window_size=tuple(window_size))
         for name, make in impls.items():
             bar.set_description(f"{name} d={d} N={n} causal={causal} {np.dtype(dtype).name}")
@@ -377,6 +456,10 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
             base = dict(impl=name, head_dim=d, seqlen=n, batch=batch, nheads=nheads, causal=causal,
                         dtype=np.dtype(dtype).name, nheads_k=kv_shape[-2],
                         window_size=None if window_size is None else list(window_size))
+            if np.dtype(dtype).name not in getattr(make, "dtypes", ALL_DTYPES):
+                if explicit:
+                    emit(dict(base, error=f"skipped: takes {', '.join(make.dtypes)}"))
+                continue
             if varlen:
                 base.update(batch=len(lens), varlen_lengths=lens)
                 if not hasattr(make, "varlen"):
@@ -400,7 +483,7 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
             if name.startswith(("standard", "torch_sdpa_math")) and 2 * n2_gib > skip_standard_above_gib:
                 emit(dict(base, error=f"skipped: needs > {2 * n2_gib:.0f} GiB"))
                 continue
-            lib = "torch" if name.startswith("torch") else "cupy"
+            lib = "torch" if name.startswith("torch") or np.dtype(dtype).name == "bfloat16" else "cupy"
             try:
                 if varlen:
                     fns = make.varlen(q, k, v, dout, cu, cu, max(lens), max(lens), causal, **opts)
@@ -554,12 +637,14 @@ def plots(rows, out_dir, prefix="bench_"):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m flashnumba bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
-    p.add_argument("--passes", nargs="+", default=[FWD, BWD, FWDBWD], choices=[FWD, BWD, FWDBWD])
-    p.add_argument("--impls", nargs="+", default=None, help="names to run (default: every one available)")
+    p.add_argument("--dtypes", nargs="+", default=["float16", "float32"], choices=list(ALL_DTYPES))
+    p.add_argument("--passes", nargs="+", default=[FWD, BWD], choices=[FWD, BWD, FWDBWD])
+    p.add_argument("--impls", nargs="+", default=None,
+                   help=f"names to run (default: {', '.join(DEFAULT_IMPLS)}, those available; also flashnumba_v1, "
+                        f"_v2, _v3 (the teaching kernels), flashnumba_tc, _tf32, _3xtf32, torch_sdpa_math)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     p.add_argument("--width", type=int, default=2048, help="nheads * head_dim")
     p.add_argument("--repeat", type=int, default=10)
@@ -612,6 +697,8 @@ def main(argv=None):
         if unknown:
             p.error(f"unknown or unavailable implementations {sorted(unknown)}; available: {sorted(impls)}")
         impls = {n: impls[n] for n in a.impls}
+    else:
+        impls = {n: impls[n] for n in DEFAULT_IMPLS if n in impls}
     os.makedirs(a.out, exist_ok=True)
     result = dict(environment=environment())
     if a.budget_gib is not None:
@@ -635,9 +722,10 @@ def main(argv=None):
             _save(result, path)
 
         rows = run_sweep(seqlens=a.seqlens, head_dims=a.head_dims, causals=causals,
-                         dtypes=[np.dtype(d) for d in a.dtypes], passes=a.passes, impls=impls, tokens=a.tokens,
+                         dtypes=[dtype_of(d) for d in a.dtypes], passes=a.passes, impls=impls, tokens=a.tokens,
                          width=a.width, warmup=a.warmup, repeat=a.repeat, max_call_ms=a.max_call_ms,
-                         on_row=on_row, window_size=a.window, gqa=a.gqa, varlen=a.varlen, group_ms=a.group_ms)
+                         on_row=on_row, window_size=a.window, gqa=a.gqa, varlen=a.varlen, group_ms=a.group_ms,
+                         explicit=bool(a.impls))
         result["group_ms"] = a.group_ms
         print()
         print(table(rows))

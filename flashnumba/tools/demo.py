@@ -1,12 +1,13 @@
-"""``python -m flashnumba demo``: one forward call on a realistic shape, checked, timed, and its memory compared
-with standard (materialised) attention. Without a GPU the same runs on a small shape in the simulator."""
+"""``python -m flashnumba demo``: the path a user gets by default, for each dtype: the plan (kernel family and
+tiles), one forward call checked against the float64 reference, timed, and its speed and memory compared with
+standard (materialised) attention. Without a GPU the same runs on a small shape in the simulator."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .. import _backend, reference
-from ..api import flash_attn_forward
+from .. import _arrays, _backend, reference
+from ..api import flash_attn_forward, plan
 from .standard import standard_attention
 from .timing import cuda_time_ms, peak_device_bytes
 
@@ -18,50 +19,79 @@ def _gib(n):
     return f"{n} B"
 
 
+def _dtypes():
+    """(name, NumPy dtype) of each dtype the demo can run here: bfloat16 needs ml_dtypes, and on a GPU torch
+    (CuPy has no bfloat16)."""
+    out = [("float16", np.dtype(np.float16)), ("float32", np.dtype(np.float32))]
+    bf16 = _arrays.bfloat16()
+    if bf16 is not None:
+        if _backend.SIMULATOR:
+            out.append(("bfloat16", bf16))
+        else:
+            try:
+                import torch  # noqa: F401
+
+                out.append(("bfloat16", bf16))
+            except ImportError:
+                print("(bfloat16: on a GPU it runs on torch tensors; torch is not installed)")
+    return out
+
+
+def _device(x):
+    if _backend.SIMULATOR:
+        return x
+    if x.dtype.name == "bfloat16":
+        import torch
+
+        return torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+    import cupy
+
+    return cupy.asarray(x)
+
+
 def run(size="auto"):
     sim = _backend.SIMULATOR
     if size == "auto":
         size = "small" if sim else "large"
-    if size == "large":
-        batch, nheads, seqlen, d = 4, 16, 4096, 64
-    else:
-        batch, nheads, seqlen, d = 1, 2, 80, 64
+    batch, nheads, seqlen, d = (4, 16, 4096, 64) if size == "large" else (1, 2, 80, 64)
     print(f"flashnumba demo on {_backend.device_name()} [{_backend.BACKEND}]")
-    print(f"shape: batch {batch}, heads {nheads}, seqlen {seqlen}, head_dim {d}, float32")
+    print(f"shape: batch {batch}, heads {nheads}, seqlen {seqlen}, head_dim {d}; causal; the default plan "
+          f"(kernel=None) for each dtype")
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((batch, seqlen, nheads, d), dtype=np.float32) for _ in range(3))
-
-    if sim:
-        xq, xk, xv = q, k, v
-    else:
-        import cupy
-
-        xq, xk, xv = (cupy.asarray(x) for x in (q, k, v))
-
-    for causal in (False, True):
-        (out, lse), flash_bytes = ((flash_attn_forward(xq, xk, xv, causal=causal), 0) if sim
-                                   else peak_device_bytes(lambda: flash_attn_forward(xq, xk, xv, causal=causal)))
-        out = out if sim else out.get()
-        lse = lse if sim else lse.get()
-        # error against the float64 reference, on one (batch, head) slice
-        ro, rl = reference.attention_forward(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], causal=causal)
-        err_o = float(np.abs(out[:1, :, :1] - ro).max())
-        err_l = float(np.abs(lse[:1, :1] - rl).max())
-        ms, _ = cuda_time_ms(lambda: flash_attn_forward(xq, xk, xv, causal=causal), repeat=1 if sim else 20)
-        flops = 4 * batch * nheads * seqlen * seqlen * d / (2 if causal else 1)
-        print(f"\ncausal={causal}")
-        print(f"  max |out - reference| = {err_o:.2e}, max |lse - reference| = {err_l:.2e} (batch 0, head 0)")
+    host = [rng.standard_normal((batch, seqlen, nheads, d), dtype=np.float32) for _ in range(3)]
+    flops = 4 * batch * nheads * seqlen * seqlen * d / 2
+    for name, dtype in _dtypes():
+        q, k, v = (x.astype(dtype) for x in host)
+        xq, xk, xv = (_device(x) for x in (q, k, v))
+        p = plan(xq, xk, xv, causal=True)
+        tiles = ", ".join(f"{s.name}: B_r {s.tiles.block_m}, B_c {s.tiles.block_n}, {int(np.prod(s.block))} threads"
+                          for s in p.launches if s.tiles is not None)
+        print(f"\n{name}: kernel {p.kernel!r} ({tiles})")
+        print(f"  why: {p.why}" + (f" (the faster path does not apply: {p.fallback})" if p.fallback else ""))
+        call = lambda: flash_attn_forward(xq, xk, xv, causal=True)  # noqa: E731
+        (out, lse), flash_bytes = (call(), 0) if sim else peak_device_bytes(call)
+        out = _arrays.to_host(out)
+        # the error on one (batch, head) slice: the float64 reference, and the same attention computed in this dtype
+        one = [x[:1, :, :1] for x in (q, k, v)]
+        truth, _ = reference.attention_forward(*one, causal=True)
+        base, _ = reference.attention_forward(*one, causal=True, dtype=dtype)
+        err = float(np.abs(out[:1, :, :1].astype(np.float64) - truth).max())
+        base_err = float(np.abs(base.astype(np.float64) - truth).max())
+        print(f"  max |out - float64 reference| = {err:.2e} (plain attention in {name}: {base_err:.2e}; "
+              f"batch 0, head 0)")
+        ms, _ = cuda_time_ms(call, repeat=1 if sim else 20)
         if sim:
-            print(f"  simulator wall time: {ms:.0f} ms (a CPU emulation; not a GPU timing)")
             n2 = batch * nheads * seqlen * seqlen * 4
-            print(f"  memory (computed, no GPU): flashnumba extra = out + lse = "
-                  f"{_gib(out.nbytes + lse.nbytes)}; standard attention holds S and P = {_gib(2 * n2)}")
+            print(f"  simulator wall time: {ms:.0f} ms (a CPU emulation, not a GPU timing); memory: flashnumba "
+                  f"adds out + lse = {_gib(out.nbytes + batch * nheads * seqlen * 4)}, standard attention holds "
+                  f"S and P = {_gib(2 * n2)}")
             continue
-        print(f"  flashnumba kernel: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s (median of 20, CUDA events)")
-        (_, _), std_bytes = peak_device_bytes(lambda: standard_attention(xq, xk, xv, causal=causal))
-        std_ms, _ = cuda_time_ms(lambda: standard_attention(xq, xk, xv, causal=causal), repeat=20)
-        print(f"  standard attention (CuPy, materialised): {std_ms:.3f} ms -> speed-up of flashnumba over it: "
-              f"{std_ms / ms:.2f}x")
-        print(f"  peak extra device memory: flashnumba {_gib(flash_bytes)}, standard {_gib(std_bytes)} "
-              f"({std_bytes / max(flash_bytes, 1):.1f}x)")
+        print(f"  flashnumba: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s (median of 20, CUDA events), peak extra "
+              f"memory {_gib(flash_bytes)}")
+        if name == "bfloat16":
+            continue  # standard attention runs on CuPy, which has no bfloat16
+        (_, _), std_bytes = peak_device_bytes(lambda: standard_attention(xq, xk, xv, causal=True))
+        std_ms, _ = cuda_time_ms(lambda: standard_attention(xq, xk, xv, causal=True), repeat=20)
+        print(f"  standard attention (CuPy, materialised): {std_ms:.3f} ms, peak extra memory {_gib(std_bytes)}: "
+              f"flashnumba is {std_ms / ms:.2f}x faster and needs {std_bytes / max(flash_bytes, 1):.0f}x less memory")
     return 0

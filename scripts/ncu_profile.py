@@ -2,7 +2,7 @@
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats \\
-        python scripts/profile.py [seqlen] [head_dim] [tc | 3xtf32]
+        python scripts/ncu_profile.py [seqlen] [head_dim] [tc | 3xtf32]
 
 Workload as in the benchmark (batch = 16384 / seqlen, heads = 2048 / head_dim, float32, non-causal); each kernel
 is compiled and run once before the profiled calls. With ``tc``: the tensor-core forward and backward on float16

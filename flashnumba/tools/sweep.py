@@ -1,0 +1,236 @@
+"""Tile sweeps: ``python -m flashnumba sweep FAMILY`` times one kernel family over its tile candidates on this GPU.
+
+For each head dim and each candidate (block_m, block_n, and num_threads where the family takes it) that suits the
+family (:func:`flashnumba.tiling.check`) and fits this GPU's shared memory (:func:`flashnumba.tiling.fits`): the
+plan is made with those tiles (:func:`flashnumba.plan` / :func:`flashnumba.plan_backward`), its kernels bound, and
+the family's kernels launched back to back between two CUDA events: kernel time only, no host time, the median of
+``--repeat`` groups. Per configuration: milliseconds, TFLOP/s (the pass's FLOP count over these kernels' time: for
+the dQ and the dK/dV kernel alone, each one's share), registers per thread, spills, shared memory per block, the
+blocks that fit on one SM (:func:`flashnumba.tiling.occupancy`), and whether it is the table's default here.
+
+Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``;
+backward ``bwd_v1``, ``bwd_v2`` (dQ and dK/dV together, one tile for both), ``tc_dq``, ``tc_dkdv`` (each
+tensor-core backward kernel with its own tiles). Workload: batch = 16384 / seqlen, heads = 2048 / head_dim.
+
+Writes ``sweep-FAMILY.json`` and ``sweep-FAMILY.png`` (a heatmap per head dim: block_m x block_n, TFLOP/s, the
+best over threads) to ``--out``. Needs a GPU and CuPy (matplotlib for the heatmap, tqdm for a progress bar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import numpy as np
+
+FAMILIES = {  # family: (pass, kernel= of the API, the tables of the launches timed)
+    "v1": ("forward", "v1"), "v2": ("forward", "v2"), "v3": ("forward", "v3"), "tc": ("forward", "tc"),
+    "tf32": ("forward", "tf32"), "3xtf32": ("forward", "3xtf32"),
+    "bwd_v1": ("backward", "v1"), "bwd_v2": ("backward", "v2"), "tc_dq": ("backward", "tc"),
+    "tc_dkdv": ("backward", "tc"),
+}
+TILE_SIZES = (16, 32, 64, 128)
+THREADS = (64, 128, 256)  # for the families that take num_threads (v2, v3, bwd_v2)
+
+
+def candidates(family: str, D: int, limits) -> list:
+    """The (block_m, block_n, num_threads) the family accepts at head dim D that fit ``limits``; num_threads None
+    where the family derives it from its tiles."""
+    from .. import tiling
+
+    takes_threads = family in ("v2", "v3", "bwd_v2")
+    out = []
+    for m, n, nt in itertools.product(TILE_SIZES, TILE_SIZES, THREADS if takes_threads else (None,)):
+        t = tiling.threads_of(family, tiling.Tiles(m, n, nt or max(m, n)))  # (bwd_v1: a thread per row)
+        try:
+            tiling.check(family, D, t)
+        except ValueError:
+            continue
+        if tiling.fits(family, D, t, limits):
+            out.append((m, n, nt))
+    return out
+
+
+def _arrays(dtype, seqlen, D, seed=0):
+    import cupy
+
+    batch, heads = max(1, 16384 // seqlen), max(1, 2048 // D)
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    return [cupy.asarray(rng.standard_normal((batch, seqlen, heads, D), dtype=np.float32).astype(dt))
+            for _ in range(4)]
+
+
+def _flops(pass_, q, causal):
+    batch, seqlen, heads, D = q.shape
+    f = 4 * batch * heads * seqlen * seqlen * D / (2 if causal else 1)
+    return f * (2.5 if pass_ == "backward" else 1.0)
+
+
+def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
+    """One configuration: the family's kernels of its plan, timed alone."""
+    import cupy
+
+    import flashnumba
+    from .. import _launch, tiling
+    from .timing import cuda_events_ms
+
+    pass_, kernel = FAMILIES[family]
+    m, n, nt = tiles
+    kw = dict(causal=causal, kernel=kernel, block_m=m, block_n=n, num_threads=nt)
+    if pass_ == "forward":
+        plan = flashnumba.plan(q, k, v, **kw)
+        arrays = (q, k, v, None, None, None)
+    else:
+        out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal)
+        plan = flashnumba.plan_backward(dout, q, k, v, out, lse, **kw)
+        arrays = (dout, q, k, v, out, lse, None, None, None)
+    call = _launch.Call(plan)
+    values, outs, keep = call.prepare(arrays)
+    timed = [b for b in call.bound if b.spec.table == family]
+    stream = cupy.cuda.get_current_stream().ptr
+
+    def launch():
+        for b in timed:
+            b(values, stream)
+
+    launch()
+    cupy.cuda.Device().synchronize()
+    ms = float(np.median([cuda_events_ms(launch, 10) for _ in range(repeat)]))
+    res = [b.compiled.resources for b in timed]
+    threads = [int(np.prod(b.spec.block)) for b in timed]
+    shared = [b.spec.shared_bytes + r["static_shared_bytes"] for b, r in zip(timed, res)]
+    blocks = [tiling.occupancy(limits, t, r["registers"], s) for t, r, s in zip(threads, res, shared)]
+    default = tiling.default(family, D, limits).tiles
+    is_default = (default.block_m, default.block_n) == (m, n) and (nt is None or default.num_threads == nt)
+    return dict(block_m=m, block_n=n, num_threads=threads[0] if nt is None else nt, ms=round(ms, 4),
+                tflops=round(_flops(pass_, q, causal) / ms / 1e9, 2), registers=max(r["registers"] for r in res),
+                spill_bytes=max(r["spill_stores"] + r["spill_loads"] for r in res), shared_bytes=max(shared),
+                blocks_per_sm=min(blocks), default=is_default)
+
+
+def sweep(family, head_dims, seqlen, causal, dtype, repeat=5, progress=True):
+    """Rows of :func:`measure` for every candidate of ``family`` at each head dim, on the current GPU."""
+    from .. import planner
+    from ..kernels import mma_forward, mma_tf32
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    limits = planner.current_device()
+    if dtype is None:
+        dtype = "float16" if family in ("tc", "tc_dq", "tc_dkdv") else "float32"
+    if family in ("tc", "tc_dq", "tc_dkdv", "tf32", "3xtf32"):
+        allowed = mma_tf32.HEAD_DIMS if "tf32" in family else mma_forward.HEAD_DIMS
+        head_dims = [d for d in head_dims if d in allowed] or list(allowed)
+    jobs = [(d, t) for d in head_dims for t in candidates(family, d, limits)]
+    bar = _progress(len(jobs), f"sweep {family}") if progress else None
+    rows, arrays = [], {}
+    for d, tiles in jobs:
+        if d not in arrays:
+            arrays = {d: _arrays(_numpy_dtype(dtype), seqlen, d)}
+        try:
+            row = measure(family, d, tiles, *arrays[d], causal, repeat, limits)
+        except Exception as err:  # noqa: BLE001  (a configuration the compiler or the device refuses)
+            row = dict(block_m=tiles[0], block_n=tiles[1], num_threads=tiles[2], error=f"{type(err).__name__}: {err}")
+        rows.append(dict(head_dim=d, **row))
+        if bar is not None:
+            bar.update(1)
+            if "tflops" in row:
+                bar.set_postfix_str(f"d={d} {tiles[0]}x{tiles[1]} {row['tflops']:.0f} TFLOP/s")
+    if bar is not None:
+        bar.close()
+    return dict(family=family, pass_=FAMILIES[family][0], seqlen=seqlen, causal=causal, dtype=dtype,
+                device=limits.name, rows=rows)
+
+
+def _numpy_dtype(name):
+    if name == "bfloat16":
+        raise ValueError("the sweep runs on CuPy arrays, which have no bfloat16: sweep float16 (the tensor-core "
+                         "kernels take the same tiles for both)")
+    return np.dtype(name)
+
+
+def _progress(total, desc):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="config")
+
+
+def heatmap(result, path):
+    """A heatmap per head dim: block_m (rows) x block_n (columns), TFLOP/s (the best over threads), the default
+    framed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["head_dim"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(dims), figsize=(4.5 * len(dims), 4), squeeze=False)
+    for ax, d in zip(axes[0], dims):
+        grid = np.full((len(TILE_SIZES), len(TILE_SIZES)), np.nan)
+        for r in result["rows"]:
+            if r["head_dim"] == d and "tflops" in r:
+                i, j = TILE_SIZES.index(r["block_m"]), TILE_SIZES.index(r["block_n"])
+                grid[i, j] = np.nanmax([grid[i, j], r["tflops"]])
+        im = ax.imshow(grid, cmap="viridis")
+        for (i, j), value in np.ndenumerate(grid):
+            if not np.isnan(value):
+                ax.text(j, i, f"{value:.0f}", ha="center", va="center", color="w", fontsize=9)
+        for r in result["rows"]:
+            if r["head_dim"] == d and r.get("default"):
+                i, j = TILE_SIZES.index(r["block_m"]), TILE_SIZES.index(r["block_n"])
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
+        ax.set_xticks(range(len(TILE_SIZES)), TILE_SIZES)
+        ax.set_yticks(range(len(TILE_SIZES)), TILE_SIZES)
+        ax.set_xlabel("block_n (B_c)")
+        ax.set_ylabel("block_m (B_r)")
+        ax.set_title(f"head_dim {d}")
+        fig.colorbar(im, ax=ax, label="TFLOP/s")
+    fig.suptitle(f"{result['family']} ({result['pass_']}), {result['dtype']}, seqlen {result['seqlen']}"
+                 f"{', causal' if result['causal'] else ''}, {result['device']}; red: the default")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m flashnumba sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("family", choices=list(FAMILIES), help="the kernel family (a table of flashnumba.tiling)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "float16"], default=None,
+                   help="default: float16 for the tensor-core families, float32 for the others")
+    p.add_argument("--repeat", type=int, default=5, help="groups of 10 launches timed per configuration")
+    p.add_argument("--out", default=".", help="directory for sweep-FAMILY.json and sweep-FAMILY.png")
+    args = p.parse_args(argv)
+    from .._backend import SIMULATOR
+
+    if SIMULATOR:
+        print("the sweep times kernels on a GPU; this machine runs the simulator "
+              "(see which configurations would be swept: flashnumba.tools.sweep.candidates)")
+        return 2
+    result = sweep(args.family, args.head_dims, args.seqlen, args.causal, args.dtype, args.repeat)
+    print(f"{'d':>4} {'B_r':>4} {'B_c':>4} {'thr':>4} {'ms':>8} {'TFLOP/s':>8} {'regs':>5} {'spill':>6} "
+          f"{'smem':>7} {'blk/SM':>6}")
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"{r['head_dim']:4} {r['block_m']:4} {r['block_n']:4}  {r['error'][:90]}")
+            continue
+        print(f"{r['head_dim']:4} {r['block_m']:4} {r['block_n']:4} {r['num_threads']:4} {r['ms']:8.3f} "
+              f"{r['tflops']:8.1f} {r['registers']:5} {r['spill_bytes']:6} {r['shared_bytes']:7} "
+              f"{r['blocks_per_sm']:6}{'  default' if r['default'] else ''}")
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"sweep-{args.family}")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        heatmap(result, base + ".png")
+    except ImportError:
+        print("(matplotlib is not installed: no heatmap)")
+    print(f"wrote {base}.json" + (f", {base}.png" if os.path.exists(base + ".png") else ""))
+    return 0

@@ -1,0 +1,42 @@
+"""python -m flashnumba sweep: the configurations it would time (without a GPU), its occupancy arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashnumba import tiling
+from flashnumba.tools import sweep
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
+@pytest.mark.parametrize("family", list(sweep.FAMILIES))
+def test_candidates_are_valid_fit_and_include_the_default(family, arch):
+    limits = tiling.ARCHS[arch]
+    dims = (64, 128) if family in ("tc", "tc_dq", "tc_dkdv", "tf32", "3xtf32") else (32, 64, 128)
+    for d in dims:
+        found = sweep.candidates(family, d, limits)
+        assert found, (family, d)
+        for m, n, nt in found:
+            t = tiling.threads_of(family, tiling.Tiles(m, n, nt or max(m, n)))
+            tiling.check(family, d, t)
+            assert tiling.fits(family, d, t, limits)
+        default = tiling.default(family, d, limits).tiles
+        assert any((m, n) == (default.block_m, default.block_n) and nt in (None, default.num_threads)
+                   for m, n, nt in found), (family, d, default)
+
+
+def test_occupancy_is_the_tightest_limit():
+    h200 = tiling.ARCHS["sm_90"]
+    assert tiling.occupancy(h200, 128, 32, 0) == 16  # threads: 2048 / 128
+    assert tiling.occupancy(h200, 128, 255, 0) == 2  # registers: 65536 / (256 per thread-warp-unit * 4 warps)
+    assert tiling.occupancy(h200, 128, 32, 100 * 1024) == 2  # shared memory: 228 KB / (100 KB + 1 KB)
+    assert tiling.occupancy(h200, 32, 16, 0) == h200.blocks_per_sm
+
+
+def test_the_sweep_needs_a_gpu(capsys):
+    from flashnumba import SIMULATOR
+
+    if not SIMULATOR:
+        pytest.skip("on a GPU the sweep runs")
+    assert sweep.main(["tc"]) == 2
+    assert "simulator" in capsys.readouterr().out
