@@ -1,5 +1,5 @@
 """Regenerate the tables of docs/benchmarks.md and README.md that come from docs/results/latest/ (latency.json,
-caps.json, train_tiny_gpt.json): each replaces what stands between its ``<!-- NAME:begin -->`` and
+caps.json, train_tiny_gpt.json, bench-float16.json and bench-float32.json): each replaces what stands between its ``<!-- NAME:begin -->`` and
 ``<!-- NAME:end -->`` markers.
 
     python scripts/update_docs_tables.py
@@ -82,11 +82,54 @@ def train(d, prefix="results/latest/"):
     return out
 
 
+# flashnumba's default path in a benchmark JSON, by dtype (runs made before `bench` had the "flashnumba" entry
+# name the default kernels): and the peers shown beside it
+DEFAULT_PATH = {"float16": ("flashnumba", "flashnumba_tc"), "float32": ("flashnumba", "flashnumba_v3")}
+PEERS = {"float16": ("torch_sdpa_flash", "torch_sdpa_cudnn"), "float32": ("torch_sdpa_efficient", "standard_cupy")}
+PEER_NAMES = {"torch_sdpa_flash": "FlashAttention-2 (torch)", "torch_sdpa_cudnn": "cuDNN (torch)",
+              "torch_sdpa_efficient": "mem-efficient (torch)", "standard_cupy": "standard (CuPy)"}
+
+
+def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096):
+    """One dtype's headline: flashnumba's default kernels beside the peers, TFLOP/s at one seqlen."""
+    rows = [r for r in d["rows"] if "ms" in r and r["seqlen"] == seqlen and r["dtype"] == dtype]
+    ours = next(i for i in DEFAULT_PATH[dtype] if any(r["impl"] == i for r in rows))
+    peers = [p for p in PEERS[dtype] if any(r["impl"] == p for r in rows)]
+    tf = {(r["impl"], r["head_dim"], r["causal"], r["pass_"]): r["tflops"] for r in rows}
+    e = d["environment"]
+    timing = ("calls back to back" if d.get("group_ms") else "one call per pair of CUDA events (its host time on "
+              "the clock)")
+    out = [f"{dtype}, seqlen {seqlen}, batch x heads = 4 x 32 (d=64) or 4 x 16 (d=128), TFLOP/s; flashnumba's "
+           f"default kernels (`{ours}`). {e['device']}, {e['date'][:10]}, {timing}; source: "
+           f"[`{prefix}{source}`]({prefix}{source}).", "",
+           "| head_dim | causal | pass | flashnumba | " + " | ".join(PEER_NAMES[p] for p in peers) +
+           " | flashnumba / " + PEER_NAMES[peers[0]].split(" (")[0] + " |",
+           "| ---: | --- | --- | ---: | " + " | ".join("---:" for _ in peers) + " | ---: |"]
+    order = {"fwd": 0, "bwd": 1, "fwd+bwd": 2}
+    for (impl, hd, causal, pass_), value in sorted(tf.items(), key=lambda kv: (kv[0][1], kv[0][2], order[kv[0][3]])):
+        if impl != ours:
+            continue
+        others = [tf.get((p, hd, causal, pass_)) for p in peers]
+        ratio = f"{value / others[0]:.2f}" if others[0] else "-"
+        out.append(f"| {hd} | {'yes' if causal else 'no'} | {pass_} | {value:.0f} | "
+                   + " | ".join("-" if o is None else f"{o:.0f}" for o in others) + f" | {ratio} |")
+    return out
+
+
+def headlines(_data=None, prefix="docs/results/latest/"):
+    out = []
+    for dtype in ("float16", "float32"):
+        source = f"bench-{dtype}.json"
+        out += headline(json.loads((LATEST / source).read_text()), dtype, source, prefix) + [""]
+    return out[:-1]
+
+
 TARGETS = {  # file: (marker name, table function, its arguments)
     "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {})],
-    "README.md": [("train", train, {"prefix": "docs/results/latest/"})],
+    "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {})],
 }
-SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json"}
+SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
+           "headline": "bench-float16.json"}
 
 
 def main():
