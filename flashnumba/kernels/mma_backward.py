@@ -1,9 +1,9 @@
 """Backward kernels on tensor cores: FlashAttention-2, Algorithm 2, with its five matrix products as ``mma.sync``.
 
-The SIMT backward (:mod:`flashnumba.backward`) in the tile operations of :mod:`flashnumba.forward_tc`: float16 or
-bfloat16 inputs, float32 accumulation, head_dim 64 or 128, with every option of the SIMT kernels (window,
-softcap, ALiBi, GQA, varlen, dropout; :func:`make_entry` holds the per-entry part). As there, D_i =
-rowsum(dO_i * O_i) comes first (``backward.make_backward_preprocess``), then two kernels, neither with atomics,
+The SIMT backward (:mod:`flashnumba.kernels.simt_backward`) in the tile operations of
+:mod:`flashnumba.kernels.mma_forward`: float16 or bfloat16 inputs, float32 accumulation, head_dim 64 or 128, with
+every option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen, dropout; :func:`make_entry` holds the
+per-entry part). As there, D_i = rowsum(dO_i * O_i) comes first (``simt_backward.make_backward_preprocess_warp``), then two kernels, neither with atomics,
 so the gradients are deterministic:
 
 dQ, one block per query tile Q_i (warp w owns its rows 16w .. 16w + 15), looping over the key tiles K_j, V_j::
@@ -18,7 +18,7 @@ dQ, one block per query tile Q_i (warp w owns its rows 16w .. 16w + 15), looping
 dK, dV, one block per key tile K_j, V_j of one key/value head (warp w owns its keys 16w .. 16w + 15), looping
 over the query tiles of each query head that shares it (GQA: in order, so the sum is deterministic). The
 products are taken transposed, keys as rows, so that P^T and dS^T come out of the mma in the C layout that is
-already the A operand of the next product (the module docstring of forward_tc shows why)::
+already the A operand of the next product (the module docstring of mma_forward shows why)::
 
     S_ij^T  = K_j Q_i^T                    mma_abt: A = K_j, B = Q_i^T
     P_ij^T  = exp2(scale log2(e) S_ij^T - log2(e) L_i)  (L_i per column)
@@ -119,12 +119,12 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     Arguments: (dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop,
     rp_keep, seed, offset): dout, q, k, v, dq C-contiguous 16-bit arrays (uint16 holding bfloat16 bits) laid out
     as the forward's; lse, delta (batch, nheads, seqlen_q) float32; scale_log2 = softmax_scale * log2(e); the
-    rest as the SIMT kernels take them (flashnumba.backward.make_backward_dq_v2). ``strided``: dout, q, k, v may
-    be strided views, read in place (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
+    rest as the SIMT kernels take them (:func:`flashnumba.kernels.simt_backward.make_backward_dq_v2`).
+    ``strided``: dout, q, k, v may be strided views, read in place (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
-    GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see forward_tc.make_forward_tc)
+    GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see mma_forward.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant)
     is_bf16 = dtype == "bfloat16"
@@ -156,7 +156,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
         t = lane & 3
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
-        hk = h  # the key/value head of query head h (compiled in only for GQA, as in forward_tc)
+        hk = h  # the key/value head of query head h (compiled in only for GQA, as in mma_forward)
         if GQA:
             hk = h // (nheads // k.shape[2])
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first, as in the forward
@@ -237,7 +237,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
-    GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see forward_tc.make_forward_tc)
+    GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see mma_forward.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant)
     is_bf16 = dtype == "bfloat16"

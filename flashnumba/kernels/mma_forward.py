@@ -1,7 +1,7 @@
 """Forward kernel on tensor cores: FlashAttention-2, Algorithm 1, with S = Q K^T and O += P V as ``mma.sync``.
 
-The SIMT kernels of :mod:`flashnumba.forward` compute every product with float32 FMAs. This one hands the two
-matrix products of each key tile to the tensor cores, through the intrinsics of :mod:`flashnumba.ptx`
+The SIMT kernels of :mod:`flashnumba.kernels.simt_forward` compute every product with float32 FMAs. This one hands
+the two matrix products of each key tile to the tensor cores, through the intrinsics of :mod:`flashnumba.kernels.ptx`
 (``mma_m16n8k16_*``, ``ldmatrix_x4``, ``ldmatrix_x4_trans``, ``pack_*x2``, ``cp_async_16``, ``shfl_xor_f32``):
 float16 or bfloat16 inputs, float32 accumulation. The online softmax recurrence, the masking and lse are v1's,
 done on the accumulator fragments in registers. head_dim 64 or 128, with every option of the SIMT kernels
@@ -73,14 +73,14 @@ def shared_bytes(D, B_c, warps):
 def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False):
     """The tensor-core forward kernel for head_dim D (64 or 128), B_c keys per tile (a multiple of 16), ``warps``
     warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by ``variant``
-    (a :class:`flashnumba.forward.Variant`: window bounds, softcap, ALiBi, varlen, dropout). ``gqa``: fewer
-    key/value heads than query heads. It is compiled in because the integer division that maps a query head to
-    its key/value head, although computed once per thread, made the d=64 causal kernel 30% slower on the H200
-    (2.05 ms against 1.55 ms at seqlen 4096, the same output bits; docs/benchmarks.md).
+    (a :class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen, dropout). ``gqa``: fewer
+    key/value heads than query heads. It is compiled in, so that a kernel without GQA carries no integer division
+    mapping a query head to its key/value head: that division, although computed once per thread, slowed the
+    causal kernel measurably (docs/benchmarks.md, "A division that cost 30%").
 
-    Arguments, as the SIMT kernels' (flashnumba.forward.make_forward_v3): (q, k, v, out, lse, scale_q, softcap,
-    left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset); q, k, v, out (batch, seqlen, nheads(_k), D)
-    C-contiguous, float16 or uint16 holding bfloat16 bits ((1, total, nheads, D) for varlen); lse
+    Arguments, as the SIMT kernels' (:func:`flashnumba.kernels.simt_forward.make_forward_v3`): (q, k, v, out, lse,
+    scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset); q, k, v, out
+    (batch, seqlen, nheads(_k), D) C-contiguous (or strided q, k, v: ``strided``), float16 or uint16 holding bfloat16 bits ((1, total, nheads, D) for varlen); lse
     (batch, nheads, seqlen_q) float32; scale_q = softmax_scale * log2(e), or softmax_scale with softcap or
     ALiBi (the score is then modified in natural units first). Query i sees key j iff
     i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q (each bound only where compiled in).

@@ -1,8 +1,8 @@
 """Forward kernel for float32 inputs on tensor cores: TF32 ``mma.sync`` (m16n8k8), and 3xTF32 for float32 accuracy.
 
-The structure of :mod:`flashnumba.forward_tc` (warps of 16 query rows, S and O accumulated in registers, the
+The structure of :mod:`flashnumba.kernels.mma_forward` (warps of 16 query rows, S and O accumulated in registers, the
 online softmax on the accumulator fragments, cp.async double buffering), with float32 tiles in shared memory and
-the TF32 instruction of :mod:`flashnumba.ptx` (its layout: ``ptx.MMA_TF32_DOC``):
+the TF32 instruction of :mod:`flashnumba.kernels.ptx` (its layout: ``ptx.MMA_TF32_DOC``):
 
 - ``precision="tf32"``: every operand rounded to TF32 (10 mantissa bits, ``ptx.to_tf32``), one mma per product:
   the error of a float16-like input rounding (about 2^-11 relative per operand), at the tensor cores' speed.

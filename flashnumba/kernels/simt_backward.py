@@ -87,9 +87,9 @@ def make_backward_preprocess_warp(D, B_r, bf16=False):
 
     Lane l of a row's warp adds the products of columns l, l + 32, l + 64, ...: the 32 lanes read 32
     consecutive elements at each step, one contiguous segment of the row. (With a thread per row,
-    :func:`make_backward_preprocess`, each load of a warp touches 32 rows: on the H200 that kernel waited on
-    memory 92% of its time, 1.2 ms at seqlen 4096, d=128.) The 32 partial sums are then added in shared memory,
-    halving the number of lanes at each step."""
+    :func:`make_backward_preprocess`, each load of a warp touches 32 rows, 32 separate segments: the kernel then
+    waits on memory most of its time; docs/benchmarks.md has the profile.) The 32 partial sums are then added in
+    shared memory, halving the number of lanes at each step."""
     load, _ = _bf16.load_store(bf16)
 
     @cuda.jit
@@ -334,7 +334,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     Per query tile i:  S^T = K_j Q_i^T and dP^T = V_j dO_i^T (registers, TM x TN);  P^T, dS^T to shared;
     dV_j += P^T dO_i and dK_j += dS^T Q_i (registers, TM x DC). With GQA the block loops over the query heads
     that share its key/value head, in order, so dK and dV are summed deterministically. ``variant`` and
-    ``bf16`` as in :func:`flashnumba.forward.make_forward_v2`.
+    ``bf16`` as in :func:`flashnumba.kernels.simt_forward.make_forward_v2`.
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
@@ -505,7 +505,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     tx + 8n; in dQ, feature columns tx + 8n.
 
     Per key tile j:  S = Q_i K_j^T, dP = dO_i V_j^T (registers);  dS^T to shared;  dQ_i += dS K_j.
-    ``variant`` and ``bf16`` as in :func:`flashnumba.forward.make_forward_v2`.
+    ``variant`` and ``bf16`` as in :func:`flashnumba.kernels.simt_forward.make_forward_v2`.
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
