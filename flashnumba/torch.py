@@ -24,11 +24,12 @@ Dropout. With ``dropout_p > 0`` the seed and offset come from torch's CUDA gener
 does (:func:`flashnumba.draw_dropout_seed`), so ``torch.manual_seed`` reproduces a run; the backward regenerates
 the forward's mask from the saved state. A CUDA graph replays the mask of its capture.
 
-``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``: probs are flashnumba's float32 P (after
-dropout: 0 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask; a
-debugging path for small sizes, not for varlen. softmax_lse and probs have no backward: a loss that reaches them
-raises ``NotImplementedError`` at backward time (rather than a gradient that silently leaves them out). ``deterministic`` is accepted: flashnumba's backward is always
-deterministic. ``block_table`` (paged KV) is not supported by the varlen functions.
+``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``: probs are flashnumba's float32 P (after dropout:
+0 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask; a debugging path
+for small sizes, not for varlen. softmax_lse and probs have no backward: a loss that reaches them raises
+``NotImplementedError`` at backward time (rather than a gradient that silently leaves them out). ``deterministic``
+is accepted: flashnumba's backward is always deterministic. ``block_table`` (paged KV) is not supported by the
+varlen functions.
 """
 
 from __future__ import annotations

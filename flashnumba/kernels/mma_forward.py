@@ -79,10 +79,10 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     causal kernel measurably (docs/benchmarks.md, "A division that cost 30%").
 
     Arguments, as the SIMT kernels' (:func:`flashnumba.kernels.simt_forward.make_forward_v3`): (q, k, v, out, lse,
-    scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset); q, k, v, out
-    (batch, seqlen, nheads(_k), D) C-contiguous (or strided q, k, v: ``strided``), float16 or uint16 holding bfloat16 bits ((1, total, nheads, D) for varlen); lse
-    (batch, nheads, seqlen_q) float32; scale_q = softmax_scale * log2(e), or softmax_scale with softcap or
-    ALiBi (the score is then modified in natural units first). Query i sees key j iff
+    scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset); q, k, v, out (batch, seqlen,
+    nheads(_k), D) C-contiguous (or strided q, k, v: ``strided``), float16 or uint16 holding bfloat16 bits ((1,
+    total, nheads, D) for varlen); lse (batch, nheads, seqlen_q) float32; scale_q = softmax_scale * log2(e), or
+    softmax_scale with softcap or ALiBi (the score is then modified in natural units first). Query i sees key j iff
     i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q (each bound only where compiled in).
     Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (32 * warps,), dynamic shared memory
     :func:`shared_bytes`. ``strided``: q, k, v may be strided views, read in place
