@@ -217,9 +217,9 @@ def _torch_sdpa(backend_name):
         tq, tk, tv, tdo = (torch.as_tensor(x, device="cuda").transpose(1, 2) for x in (q, k, v, dout))
         leaves = [t.detach().requires_grad_() for t in (tq, tk, tv)]
 
-        def fwd():
+        def fwd():  # the output back in (batch, seqlen, nheads, d), a view
             with sdpa_kernel(backend), torch.no_grad():
-                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal).transpose(1, 2)
 
         def fwdbwd():
             with sdpa_kernel(backend):
@@ -311,9 +311,8 @@ def _to_device(x, like=None):
 
 
 def _host(x):
-    if hasattr(x, "detach"):  # torch
-        x = x.detach()
-        return x.transpose(1, 2).float().cpu().numpy() if x.dim() == 4 else x.cpu().numpy()
+    if hasattr(x, "detach"):  # torch, in flashnumba's layout (batch, seqlen, nheads, d)
+        return x.detach().float().cpu().numpy()
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
