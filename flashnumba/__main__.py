@@ -1,4 +1,4 @@
-"""Command line: ``python -m flashnumba info | demo | bench | sweep | cache`` (each with ``--help``)."""
+"""Command line: ``python -m flashnumba info | demo | bench | sweep | check | cache`` (each with ``--help``)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,22 @@ def _demo(args):
     return run(size=args.size)
 
 
+def _check(args):
+    import json
+
+    from .check import PROPERTIES, check_attention, adapter
+
+    report = check_attention(adapter(args.target), dtypes=args.dtypes, head_dims=args.head_dims,
+                             examples=args.examples, max_seqlen=args.max_seqlen, seed=args.seed,
+                             properties=args.properties or PROPERTIES)
+    print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if report.passed else 1
+
+
 def _cache_cmd(args):
     from . import _cache
 
@@ -70,6 +86,17 @@ def main(argv=None):
     demo = sub.add_parser("demo", help="run the forward kernel, check it, time it, compare memory")
     demo.add_argument("--size", choices=["auto", "small", "large"], default="auto",
                       help="large: batch 4, 16 heads, seqlen 4096, head_dim 64 (GPU); small: simulator-sized")
+    check = sub.add_parser("check", help="run the numerics battery on an attention implementation "
+                                         "(flashnumba.check); exit status 1 when a property fails")
+    check.add_argument("target", help="a built-in adapter (numpy-reference, flashnumba, flash-attn, "
+                                      "torch-sdpa-flash, -cudnn, -efficient, -math) or module:function")
+    check.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "float16", "bfloat16"])
+    check.add_argument("--head-dims", type=int, nargs="+", default=None)
+    check.add_argument("--examples", type=int, default=50, help="drawn problems per accuracy property")
+    check.add_argument("--max-seqlen", type=int, default=80)
+    check.add_argument("--seed", type=int, default=0, help="a reproducible search (the same examples each run)")
+    check.add_argument("--properties", nargs="+", default=None, help="a subset of the battery")
+    check.add_argument("--json", default=None, help="write the report as JSON here")
     cache = sub.add_parser("cache", help="the compiled-kernel cache on disk: info or clear")
     cache.add_argument("action", choices=["info", "clear"])
     sub.add_parser("bench", help="benchmark against standard attention and peers (see bench --help)",
@@ -86,7 +113,7 @@ def main(argv=None):
 
         return sweep_main(argv[1:])
     args = parser.parse_args(argv)
-    return {"info": _info, "demo": _demo, "cache": _cache_cmd}[args.command](args)
+    return {"info": _info, "demo": _demo, "check": _check, "cache": _cache_cmd}[args.command](args)
 
 
 if __name__ == "__main__":

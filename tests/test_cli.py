@@ -7,7 +7,7 @@ import pytest
 from flashnumba.__main__ import main
 
 
-@pytest.mark.parametrize("command", ["info", "demo", "bench", "sweep", "cache"])
+@pytest.mark.parametrize("command", ["info", "demo", "bench", "sweep", "check", "cache"])
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])

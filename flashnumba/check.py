@@ -1,0 +1,677 @@
+"""A numerics checker for any attention implementation: ``check_attention(fn, ...) -> Report``.
+
+Point it at a function that computes attention in flash-attn's layout and it runs a battery of properties, each
+reported on its own with the error, the tolerance and, where one fails, the smallest failing example Hypothesis
+found::
+
+    from flashnumba.check import check_attention, Implementation
+    report = check_attention(Implementation("mine", my_attention, supports={"causal"}))
+    print(report)                       # one line per property: passed / failed, error, tolerance, example
+
+The implementation. ``forward(q, k, v, **options) -> out`` or ``(out, lse)``, on arrays of its own library in the
+layout (batch, seqlen, nheads, head_dim), lse (batch, nheads, seqlen_q) in natural log; ``backward(dout, q, k, v,
+**options) -> (dq, dk, dv)`` where it has one. ``array`` says which arrays it takes ("numpy", "cupy", "torch"):
+the checker draws NumPy inputs and converts them. ``supports`` declares the options it takes, and only those
+are tested: ``causal``, ``window`` (window_size=(left, right)), ``softcap``, ``alibi`` (alibi_slopes, (nheads,)
+float32), ``gqa`` (k, v with fewer heads), ``dropout`` (dropout_p, with ``seed``), ``scale`` (softmax_scale).
+:func:`adapter` builds implementations for torch's SDPA backends, flash-attn, and flashnumba itself.
+
+The battery (:data:`PROPERTIES`):
+
+* ``forward``, ``lse``, ``backward``: against the float64 reference (:mod:`flashnumba.reference`) on drawn shapes
+  (awkward seqlens such as 1, 17, 65; seqlen_q != seqlen_k; head dims such as 40 and 59) and options, with
+  flash-attn's derived tolerance: the error may be ``FACTOR`` times that of the same attention computed plainly
+  in the input's dtype, plus a floor of a few ulps at the output's magnitude; the ratio error / tolerance is
+  reported;
+* ``causal-convention``: which causal alignment the implementation follows (bottom-right as flash-attn >= 2.1,
+  or top-left as torch's SDPA), detected on seqlen_q != seqlen_k and named; bottom-right passes;
+* ``empty-rows``: a row that sees no key gives 0 (flash-attn's convention), not NaN;
+* ``large-logits``: scores of several hundred do not overflow;
+* ``nan-containment``: a NaN in one query row stays in that row;
+* ``dropout``: reproducible under a seed, and unbiased (the mean over seeds approaches the output without
+  dropout: a dropout that forgets its 1 / (1 - p) rescale fails);
+* ``determinism``: two runs give the same bits, forward and backward;
+* ``immutability``: no input is written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from . import reference
+
+FACTOR = 3.0  # the error may be this many times that of the plain computation in the input's dtype
+FLOOR_ULPS = 4
+OPTIONS = ("causal", "window", "softcap", "alibi", "gqa", "dropout", "scale")
+AWKWARD_SEQLENS = (1, 2, 17, 63, 64, 65, 97)
+AWKWARD_HEAD_DIMS = (16, 40, 59, 64, 96, 128)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what is checked, and what a check says
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Implementation:
+    """An attention function to check (see the module docstring)."""
+
+    name: str
+    forward: Callable
+    backward: Callable | None = None
+    supports: frozenset = frozenset()
+    array: str = "numpy"
+    dtypes: tuple = ("float32", "float16")
+    head_dims: tuple = AWKWARD_HEAD_DIMS
+
+    def __post_init__(self):
+        self.supports = frozenset(self.supports)
+        unknown = self.supports - set(OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown options {sorted(unknown)}; the checker knows {OPTIONS}")
+        if self.array not in ("numpy", "cupy", "torch"):
+            raise ValueError(f"array must be 'numpy', 'cupy' or 'torch', got {self.array!r}")
+
+
+@dataclass
+class Result:
+    """One property: passed or not, the largest error / tolerance seen (ratio <= 1 passes), a note (what was
+    found: a convention, a behaviour), and the smallest failing example."""
+
+    name: str
+    passed: bool | None  # None: not applicable (an option not declared, no backward)
+    ratio: float = 0.0
+    error: float = 0.0
+    tolerance: float = 0.0
+    note: str = ""
+    example: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        status = {True: "pass", False: "FAIL", None: "n/a"}[self.passed]
+        nums = f" error {self.error:.3g} / tolerance {self.tolerance:.3g} = {self.ratio:.2f}" if self.tolerance else ""
+        ex = f"  [example: {_describe(self.example)}]" if self.example and self.passed is False else ""
+        return f"  {status:4}  {self.name:18}{nums}{'  ' + self.note if self.note else ''}{ex}"
+
+
+@dataclass
+class Report:
+    implementation: str
+    results: list
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed is not False for r in self.results)
+
+    def __getitem__(self, name) -> Result:
+        return next(r for r in self.results if r.name == name)
+
+    def __str__(self) -> str:
+        head = f"{self.implementation}: {'all properties hold' if self.passed else 'FAILED'}"
+        return "\n".join([head] + [r.line() for r in self.results])
+
+    def to_dict(self) -> dict:
+        return {"implementation": self.implementation, "passed": self.passed,
+                "results": [dict(r.__dict__, example=_jsonable(r.example)) for r in self.results]}
+
+
+class _Failure(Exception):
+    """Raised inside a Hypothesis search when an example breaks a property (carries what to report)."""
+
+    def __init__(self, ratio, error, tolerance, note=""):
+        super().__init__(note)
+        self.ratio, self.error, self.tolerance, self.note = ratio, error, tolerance, note
+
+
+def _describe(example) -> str:
+    return ", ".join(f"{k}={v}" for k, v in example.items())
+
+
+def _jsonable(example):
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in example.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tolerances
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _eps(dtype) -> float:
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return 2.0**-7
+    return float(np.finfo(dtype).eps)
+
+
+def max_error(a, b) -> float:
+    """max |a - b| over the finite elements; inf where one has a NaN or an infinity the other does not."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return math.inf
+    if a.size == 0:
+        return 0.0
+    if np.isnan(a).any() or np.isnan(b).any():
+        return math.inf
+    same_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+    if (np.isinf(a) ^ np.isinf(b)).any():
+        return math.inf
+    return float(np.abs(np.where(same_inf, 0.0, a - np.where(same_inf, 0.0, b))).max())
+
+
+def tolerance(truth, baseline, dtype, reduction) -> float:
+    """FACTOR x the baseline's error against the truth, plus FLOOR_ULPS ulps of ``dtype`` and FLOOR_ULPS sqrt(n)
+    float32 ulps at the truth's magnitude (n: the longest sum accumulated), as flash-attn's tests allow."""
+    finite = np.asarray(truth)[np.isfinite(truth)]
+    magnitude = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
+    floor = FLOOR_ULPS * magnitude * (_eps(dtype) + math.sqrt(reduction) * _eps(np.float32))
+    return FACTOR * max_error(baseline, truth) + floor
+
+
+def _compare(got, truth, baseline, dtype, reduction, what):
+    err, tol = max_error(got, truth), tolerance(truth, baseline, dtype, reduction)
+    if not err <= tol:
+        raise _Failure(err / tol if tol else math.inf, err, tol, f"{what} error {err:.3g} > {tol:.3g}")
+    return err, tol
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arrays: NumPy in, the implementation's library through it, NumPy out
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _to(x, array):
+    if x is None or array == "numpy":
+        return x
+    if array == "cupy":
+        import cupy
+
+        return cupy.asarray(x)
+    import torch
+
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x)).cuda()
+
+
+def _back(x):
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):
+        return x.get()
+    if hasattr(x, "detach"):
+        x = x.detach()
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            from ._arrays import bfloat16
+
+            return x.view(torch.int16).cpu().numpy().view(bfloat16())
+        return x.cpu().numpy()
+    return np.asarray(x)
+
+
+def _np_dtype(name):
+    if name == "bfloat16":
+        from ._arrays import bfloat16
+
+        return bfloat16()
+    return np.dtype(name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a problem: shapes, options, inputs; and running the implementation on it
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    dtype: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    options: dict
+    seed: int
+
+    def example(self) -> dict:
+        return dict(dtype=self.dtype, shape_q=(self.batch, self.seqlen_q, self.nheads, self.head_dim),
+                    seqlen_k=self.seqlen_k, nheads_k=self.nheads_k, **self.options)
+
+    def inputs(self, scale=1.0):
+        rng = np.random.default_rng(self.seed)
+        dt = _np_dtype(self.dtype)
+        q = (scale * rng.standard_normal((self.batch, self.seqlen_q, self.nheads, self.head_dim))).astype(dt)
+        k = (scale * rng.standard_normal((self.batch, self.seqlen_k, self.nheads_k, self.head_dim))).astype(dt)
+        v = rng.standard_normal((self.batch, self.seqlen_k, self.nheads_k, self.head_dim)).astype(dt)
+        dout = rng.standard_normal((self.batch, self.seqlen_q, self.nheads, self.head_dim)).astype(dt)
+        return q, k, v, dout
+
+    def reference_options(self) -> dict:
+        o = dict(self.options)
+        if "alibi_slopes" in o:
+            o["alibi_slopes"] = np.asarray(o["alibi_slopes"], np.float32)
+        return o
+
+
+def _call_options(problem, impl):
+    o = dict(problem.options)
+    if "alibi_slopes" in o:
+        o["alibi_slopes"] = _to(np.asarray(o["alibi_slopes"], np.float32), impl.array)
+    return o
+
+
+def _forward(impl, problem, q, k, v, **extra):
+    result = impl.forward(_to(q, impl.array), _to(k, impl.array), _to(v, impl.array),
+                          **_call_options(problem, impl), **extra)
+    if isinstance(result, tuple):
+        return _back(result[0]), _back(result[1])
+    return _back(result), None
+
+
+def _backward(impl, problem, dout, q, k, v):
+    grads = impl.backward(*(_to(x, impl.array) for x in (dout, q, k, v)), **_call_options(problem, impl))
+    return tuple(_back(g) for g in grads)
+
+
+def _problems(impl, dtypes, head_dims, max_seqlen, options=None):
+    """The Hypothesis strategy of problems within what ``impl`` declares."""
+    from hypothesis import strategies as st
+
+    s = impl.supports if options is None else impl.supports & set(options)
+
+    @st.composite
+    def draw(data):
+        dtype = data(st.sampled_from(dtypes))
+        d = data(st.sampled_from(head_dims))
+        nheads_k = data(st.sampled_from([1, 2]))
+        nheads = nheads_k * (data(st.sampled_from([1, 2, 3])) if "gqa" in s else 1)
+        seqlens = st.one_of(st.sampled_from([n for n in AWKWARD_SEQLENS if n <= max_seqlen]),
+                            st.integers(1, max_seqlen))
+        sq, sk = data(seqlens), data(st.one_of(st.just(-1), seqlens))
+        sk = sq if sk == -1 else sk
+        opts = {}
+        if "causal" in s and data(st.booleans()):
+            opts["causal"] = True
+        if "window" in s and data(st.booleans()):
+            opts["window_size"] = (data(st.integers(-1, 24)), data(st.integers(-1, 24)))
+        if "softcap" in s and data(st.booleans()):
+            opts["softcap"] = data(st.sampled_from([5.0, 30.0]))
+        if "alibi" in s and data(st.booleans()):
+            opts["alibi_slopes"] = tuple(round(2.0 ** -(i + 1), 6) for i in range(nheads))
+        if "scale" in s and data(st.booleans()):
+            opts["softmax_scale"] = data(st.sampled_from([0.05, 0.5]))
+        return Problem(dtype, data(st.integers(1, 2)), sq, sk, nheads, nheads_k, d, opts,
+                       data(st.integers(0, 2**16)))
+
+    return draw()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the properties
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _search(name, strategy, body, examples, seed):
+    """Run ``body(problem)`` (which returns (error, tolerance) or raises _Failure) over ``examples`` drawn problems;
+    on a failure, Hypothesis shrinks it and the smallest failing example is reported."""
+    from hypothesis import HealthCheck, given, settings
+
+    worst = {"ratio": 0.0, "error": 0.0, "tolerance": 0.0}
+    failing = {}
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is not None,
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @given(problem=strategy)
+    def run(problem):
+        try:
+            err, tol = body(problem)
+        except _Failure:
+            failing["problem"] = problem
+            raise
+        if tol and err / tol > worst["ratio"]:
+            worst.update(ratio=err / tol, error=err, tolerance=tol)
+
+    try:
+        run()
+    except _Failure as f:
+        p = failing["problem"]
+        return Result(name, False, f.ratio, f.error, f.tolerance, f.note, p.example())
+    return Result(name, True, worst["ratio"], worst["error"], worst["tolerance"])
+
+
+def check_forward(impl, examples, dtypes, head_dims, max_seqlen, seed):
+    def body(p):
+        q, k, v, _ = p.inputs()
+        out, _ = _forward(impl, p, q, k, v)
+        ro = p.reference_options()
+        truth, _ = reference.attention_forward(q, k, v, **ro)
+        base, _ = reference.attention_forward(q, k, v, dtype=np.dtype(q.dtype), **ro)
+        return _compare(out, truth, base, q.dtype, max(p.head_dim, p.seqlen_k), "out")
+
+    return _search("forward", _problems(impl, dtypes, head_dims, max_seqlen), body, examples, seed)
+
+
+def check_lse(impl, examples, dtypes, head_dims, max_seqlen, seed):
+    probe = Problem(dtypes[0], 1, 3, 5, 1, 1, head_dims[0], {}, 0)
+    q, k, v, _ = probe.inputs()
+    if _forward(impl, probe, q, k, v)[1] is None:
+        return Result("lse", None, note="the implementation returns no lse")
+
+    def body(p):
+        q, k, v, _ = p.inputs()
+        _, lse = _forward(impl, p, q, k, v)
+        ro = p.reference_options()
+        _, truth = reference.attention_forward(q, k, v, **ro)
+        _, base = reference.attention_forward(q, k, v, dtype=np.dtype(q.dtype), **ro)
+        return _compare(lse, truth, base, q.dtype, max(p.head_dim, p.seqlen_k), "lse")
+
+    return _search("lse", _problems(impl, dtypes, head_dims, max_seqlen), body, examples, seed)
+
+
+def check_backward(impl, examples, dtypes, head_dims, max_seqlen, seed):
+    if impl.backward is None:
+        return Result("backward", None, note="no backward given")
+
+    def body(p):
+        q, k, v, dout = p.inputs()
+        grads = _backward(impl, p, dout, q, k, v)
+        ro = p.reference_options()
+        truth = reference.attention_backward(dout, q, k, v, **ro)
+        base = reference.attention_backward(dout, q, k, v, dtype=np.dtype(q.dtype), **ro)
+        worst = (0.0, 1.0)
+        for name, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
+            err, tol = _compare(g, t, b, q.dtype, max(p.head_dim, p.seqlen_q, p.seqlen_k), name)
+            worst = max(worst, (err, tol), key=lambda et: et[0] / et[1] if et[1] else 0)
+        return worst
+
+    return _search("backward", _problems(impl, dtypes, head_dims, max_seqlen), body, examples, seed)
+
+
+def check_causal_convention(impl, dtypes, head_dims):
+    """Which causal alignment: compared on seqlen_q = 4, seqlen_k = 9 and the reverse with both conventions."""
+    if "causal" not in impl.supports:
+        return Result("causal-convention", None, note="causal not declared")
+    found = set()
+    errors = []
+    for sq, sk in ((4, 9), (9, 4)):
+        p = Problem("float32" if "float32" in dtypes else dtypes[0], 1, sq, sk, 1, 1, head_dims[0],
+                    {"causal": True}, 7)
+        q, k, v, _ = p.inputs()
+        out, _ = _forward(impl, p, q, k, v)
+        i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        bottom = _masked_attention(q, k, v, j <= i + (sk - sq))
+        top = _masked_attention(q, k, v, j <= i)
+        base = _masked_attention(q, k, v, j <= i + (sk - sq), np.dtype(q.dtype))
+        tol = tolerance(bottom, base, q.dtype, sk)
+        bottom_err, top_err = max_error(out, bottom), max_error(out, top)
+        errors.append((bottom_err, tol))
+        found.add("bottom-right" if bottom_err <= tol else "top-left" if top_err <= tol else "neither")
+    if found == {"bottom-right"}:
+        return Result("causal-convention", True, note="bottom-right (flash-attn >= 2.1)")
+    note = "top-left (torch SDPA's is_causal)" if found == {"top-left"} else \
+        f"neither convention ({', '.join(sorted(found))} by shape)"
+    err, tol = max(errors, key=lambda et: et[0] / et[1])
+    return Result("causal-convention", False, err / tol, err, tol, note, dict(seqlen_q=4, seqlen_k=9, causal=True))
+
+
+def _masked_attention(q, k, v, mask, dtype=np.float64):
+    """Dense attention of (batch, seqlen, 1, d) arrays under a (seqlen_q, seqlen_k) visibility mask, in ``dtype``;
+    a row that sees no key gives 0."""
+    qd, kd, vd = (np.asarray(x, np.float64 if np.dtype(dtype).name == "bfloat16" else dtype) for x in (q, k, v))
+    s = np.einsum("bqhd,bkhd->bhqk", qd, kd) / math.sqrt(q.shape[-1])
+    s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    e = np.where(mask, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+    z = e.sum(axis=-1, keepdims=True)
+    p = np.divide(e, z, out=np.zeros_like(e), where=z > 0)
+    return np.einsum("bhqk,bkhd->bqhd", p, vd)
+
+
+def check_empty_rows(impl, dtypes, head_dims):
+    """seqlen_q > seqlen_k, causal (bottom-right): the first rows see no key; flash-attn returns 0 there."""
+    if "causal" not in impl.supports:
+        return Result("empty-rows", None, note="causal not declared")
+    p = Problem(dtypes[0], 1, 6, 3, 1, 1, head_dims[0], {"causal": True}, 3)
+    q, k, v, _ = p.inputs()
+    out, _ = _forward(impl, p, q, k, v)
+    empty = out[:, :3].astype(np.float64)
+    if np.isnan(empty).any():
+        return Result("empty-rows", False, note="NaN in rows that see no key (flash-attn gives 0)",
+                      example=p.example())
+    if np.abs(empty).max() > 0:
+        return Result("empty-rows", False, note="non-zero output in rows that see no key (or top-left causal)",
+                      example=p.example())
+    return Result("empty-rows", True, note="0")
+
+
+def check_large_logits(impl, dtypes, head_dims):
+    """Scores of several hundred: exp overflows unless the row maximum is subtracted first."""
+    results = []
+    for dtype in dtypes:
+        p = Problem(dtype, 1, 17, 33, 2, 2, head_dims[0], {}, 5)
+        q, k, v, _ = p.inputs(scale=6.0 if dtype != "float16" else 3.0)
+        out, _ = _forward(impl, p, q, k, v)
+        truth, _ = reference.attention_forward(q, k, v)
+        base, _ = reference.attention_forward(q, k, v, dtype=np.dtype(q.dtype))
+        err, tol = max_error(out, truth), tolerance(truth, base, q.dtype, p.seqlen_k)
+        results.append((err, tol, p))
+    err, tol, p = max(results, key=lambda r: r[0] / r[1])
+    if not err <= tol:
+        note = "overflow (NaN or inf)" if not math.isfinite(err) else "inaccurate"
+        return Result("large-logits", False, err / tol if tol else math.inf, err, tol, note, p.example())
+    return Result("large-logits", True, err / tol, err, tol)
+
+
+def check_nan_containment(impl, dtypes, head_dims):
+    """A NaN in one query row (b 0, row 2, head 0) may make that row NaN, no other."""
+    p = Problem(dtypes[0], 1, 5, 7, 2, 2, head_dims[0], {}, 9)
+    q, k, v, _ = p.inputs()
+    q = q.copy()
+    q[0, 2, 0, 0] = np.nan
+    out, _ = _forward(impl, p, q, k, v)
+    others = np.ones(out.shape, bool)
+    others[0, 2, 0] = False
+    if np.isnan(out[others].astype(np.float64)).any():
+        return Result("nan-containment", False, note="a NaN in one query row spread to other rows",
+                      example=dict(p.example(), nan_at="q[0, 2, 0, 0]"))
+    return Result("nan-containment", True)
+
+
+def check_dropout(impl, dtypes, head_dims, samples=400, p_drop=0.3):
+    """Reproducible under a seed; unbiased: the mean over ``samples`` seeds of the output approaches the output
+    without dropout (each kept probability is scaled by 1 / (1 - p)), within 5 standard errors."""
+    if "dropout" not in impl.supports:
+        return Result("dropout", None, note="dropout not declared")
+    p = Problem("float32" if "float32" in dtypes else dtypes[0], 1, 8, 24, 1, 1, head_dims[0], {}, 11)
+    q, k, v, _ = p.inputs()
+    a, _ = _forward(impl, p, q, k, v, dropout_p=p_drop, seed=1)
+    b, _ = _forward(impl, p, q, k, v, dropout_p=p_drop, seed=1)
+    if not np.array_equal(a, b, equal_nan=True):
+        return Result("dropout", False, note="not reproducible: two calls with the same seed differ",
+                      example=p.example())
+    outs = np.stack([_forward(impl, p, q, k, v, dropout_p=p_drop, seed=s)[0].astype(np.float64)
+                     for s in range(2, 2 + samples)])
+    clean, _ = reference.attention_forward(q, k, v)
+    mean, sem = outs.mean(axis=0), outs.std(axis=0) / math.sqrt(samples)
+    z = float(np.max(np.abs(mean - clean) / np.maximum(sem, 1e-12)))
+    err = float(np.abs(mean - clean).max())
+    tol = float((5 * sem).max())
+    if z > 5:
+        return Result("dropout", False, z / 5, err, tol,
+                      "biased: the mean over seeds is not the output without dropout (1 / (1 - p) rescale?)",
+                      dict(p.example(), dropout_p=p_drop, samples=samples))
+    return Result("dropout", True, z / 5, err, tol, "reproducible, unbiased")
+
+
+def check_determinism(impl, dtypes, head_dims):
+    p = Problem(dtypes[0], 2, 33, 47, 2, 2, head_dims[0], {}, 13)
+    q, k, v, dout = p.inputs()
+    a, b = _forward(impl, p, q, k, v)[0], _forward(impl, p, q, k, v)[0]
+    if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+        return Result("determinism", False, note="two forward runs differ in their bits", example=p.example())
+    if impl.backward is not None:
+        g1, g2 = _backward(impl, p, dout, q, k, v), _backward(impl, p, dout, q, k, v)
+        for name, x, y in zip(("dq", "dk", "dv"), g1, g2):
+            if not np.array_equal(x.view(np.uint8), y.view(np.uint8)):
+                return Result("determinism", False, note=f"two backward runs differ in {name}", example=p.example())
+    return Result("determinism", True, note="bitwise equal reruns" + (", forward and backward" if impl.backward
+                                                                      else ""))
+
+
+def check_immutability(impl, dtypes, head_dims):
+    p = Problem(dtypes[0], 1, 9, 11, 2, 2, head_dims[0], {}, 17)
+    q, k, v, dout = p.inputs()
+    arrays = [_to(x, impl.array) for x in (q, k, v, dout)]
+    before = [np.array(_back(x), copy=True) for x in arrays]
+    impl.forward(*arrays[:3], **_call_options(p, impl))
+    if impl.backward is not None:
+        impl.backward(arrays[3], *arrays[:3], **_call_options(p, impl))
+    for name, x, b in zip(("q", "k", "v", "dout"), arrays, before):
+        if not np.array_equal(_back(x).view(np.uint8), b.view(np.uint8)):
+            return Result("immutability", False, note=f"{name} was written", example=p.example())
+    return Result("immutability", True)
+
+
+PROPERTIES = ("forward", "lse", "backward", "causal-convention", "empty-rows", "large-logits", "nan-containment",
+              "dropout", "determinism", "immutability")
+
+
+def check_attention(impl: Implementation, *, dtypes=None, head_dims=None, examples=50, max_seqlen=80, seed=0,
+                    properties=PROPERTIES) -> Report:
+    """Run the battery on ``impl`` (an :class:`Implementation`, or an :func:`adapter` name) and return a
+    :class:`Report`. ``dtypes``, ``head_dims``: those drawn (default: the implementation's); ``examples``: drawn
+    problems per accuracy property; ``max_seqlen``: the longest seqlen drawn; ``seed``: None for a fresh search
+    each run, else a reproducible one."""
+    if isinstance(impl, str):
+        impl = adapter(impl)
+    dtypes = tuple(dtypes or impl.dtypes)
+    head_dims = tuple(head_dims or impl.head_dims)
+    runs = {
+        "forward": lambda: check_forward(impl, examples, dtypes, head_dims, max_seqlen, seed),
+        "lse": lambda: check_lse(impl, examples, dtypes, head_dims, max_seqlen, seed),
+        "backward": lambda: check_backward(impl, examples, dtypes, head_dims, max_seqlen, seed),
+        "causal-convention": lambda: check_causal_convention(impl, dtypes, head_dims),
+        "empty-rows": lambda: check_empty_rows(impl, dtypes, head_dims),
+        "large-logits": lambda: check_large_logits(impl, dtypes, head_dims),
+        "nan-containment": lambda: check_nan_containment(impl, dtypes, head_dims),
+        "dropout": lambda: check_dropout(impl, dtypes, head_dims),
+        "determinism": lambda: check_determinism(impl, dtypes, head_dims),
+        "immutability": lambda: check_immutability(impl, dtypes, head_dims),
+    }
+    results = []
+    for name in properties:
+        try:
+            results.append(runs[name]())
+        except _Failure as f:
+            results.append(Result(name, False, f.ratio, f.error, f.tolerance, f.note))
+        except Exception as err:  # noqa: BLE001  (the implementation raised: that is the finding)
+            results.append(Result(name, False, note=f"raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
+    return Report(impl.name, results)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# adapters: the layouts people have
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def reference_implementation(dtype_of_inputs=True) -> Implementation:
+    """:func:`flashnumba.reference.attention_forward` computing in the inputs' dtype: a correct NumPy attention."""
+
+    def forward(q, k, v, **o):
+        return reference.attention_forward(q, k, v, dtype=np.dtype(q.dtype), **o)
+
+    def backward(dout, q, k, v, **o):
+        return reference.attention_backward(dout, q, k, v, dtype=np.dtype(q.dtype), **o)
+
+    return Implementation("numpy-reference", forward, backward,
+                          supports={"causal", "window", "softcap", "alibi", "gqa", "scale"})
+
+
+def _flashnumba() -> Implementation:
+    from . import api
+
+    def forward(q, k, v, dropout_p=0.0, seed=None, **o):
+        if dropout_p:
+            o.update(dropout_p=dropout_p, dropout_seed=seed)
+        return api.flash_attn_forward(q, k, v, **o)
+
+    def backward(dout, q, k, v, **o):
+        out, lse = api.flash_attn_forward(q, k, v, **o)
+        return api.flash_attn_backward(dout, q, k, v, out, lse, **o)
+
+    from ._backend import SIMULATOR
+
+    array = "numpy" if SIMULATOR else "cupy"
+    return Implementation("flashnumba", forward, backward, supports=set(OPTIONS), array=array)
+
+
+def _torch_sdpa(backend):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b = getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient":
+                             "EFFICIENT_ATTENTION", "math": "MATH"}[backend])
+
+    def run(q, k, v, causal=False, softmax_scale=None):
+        with sdpa_kernel(b):  # torch's (batch, nheads, seqlen, d), from flash-attn's layout and back
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=softmax_scale,
+                enable_gqa=k.shape[2] != q.shape[2])
+        return out.transpose(1, 2)
+
+    def backward(dout, q, k, v, **o):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = run(*leaves, **o)
+        return torch.autograd.grad(out, leaves, dout)
+
+    dtypes = ("float16", "bfloat16") if backend in ("flash", "cudnn") else ("float32", "float16", "bfloat16")
+    return Implementation(f"torch-sdpa-{backend}", run, backward, supports={"causal", "gqa", "scale"},
+                          array="torch", dtypes=dtypes, head_dims=(16, 40, 64, 96, 128))
+
+
+def _flash_attn():
+    from flash_attn import flash_attn_func
+
+    def forward(q, k, v, dropout_p=0.0, seed=None, **o):
+        return flash_attn_func(q, k, v, dropout_p=dropout_p, **o)
+
+    def backward(dout, q, k, v, **o):
+        import torch
+
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(flash_attn_func(*leaves, **o), leaves, dout)
+
+    return Implementation("flash-attn", forward, backward,
+                          supports={"causal", "window", "softcap", "alibi", "gqa", "scale"}, array="torch",
+                          dtypes=("float16", "bfloat16"), head_dims=(16, 40, 64, 96, 128))
+
+
+ADAPTERS = {
+    "numpy-reference": reference_implementation, "flashnumba": _flashnumba, "flash-attn": _flash_attn,
+    **{f"torch-sdpa-{b}": (lambda b=b: _torch_sdpa(b)) for b in ("flash", "cudnn", "efficient", "math")},
+}
+
+
+def adapter(name: str) -> Implementation:
+    """A built-in implementation by name (:data:`ADAPTERS`), or ``module:function`` (a NumPy function
+    ``fn(q, k, v, causal=...)`` in flash-attn's layout, declared to support causal)."""
+    if name in ADAPTERS:
+        return ADAPTERS[name]()
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        fn = getattr(importlib.import_module(module), attr)
+        if isinstance(fn, Implementation):
+            return fn
+        return Implementation(name, fn, supports={"causal"})
+    raise ValueError(f"unknown implementation {name!r}; built in: {', '.join(ADAPTERS)}, or module:function")
+
+
+__all__ = ["Implementation", "Report", "Result", "check_attention", "adapter", "ADAPTERS", "PROPERTIES",
+           "tolerance", "max_error", "reference_implementation"]

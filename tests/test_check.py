@@ -1,0 +1,126 @@
+"""The checker checks itself: each deliberately wrong attention (one classic bug each) is caught by the property
+that should catch it, and the correct implementations pass every property (flashnumba.check)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import flashnumba
+from flashnumba.check import Implementation, adapter, check_attention, reference_implementation
+
+
+def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, bug=None):
+    """Attention written plainly in NumPy (float32 arithmetic, flash-attn's layout), returning (out, lse); ``bug``
+    plants one classic mistake."""
+    if bug == "writes-input":
+        q *= 1.0 + 2.0**-8  # an in-place "scale" of the caller's array
+    dtype = q.dtype
+    qf, kf, vf = (np.asarray(x, np.float32) for x in (q, k, v))
+    b, sq, h, d = qf.shape
+    sk, hk = kf.shape[1], kf.shape[2]
+    heads = np.arange(h) % hk if bug == "gqa-modulo" else np.arange(h) // (h // hk)
+    kf, vf = kf[:, :, heads], vf[:, :, heads]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    scale = {"no-scale": 1.0, "double-scale": 2 * scale}.get(bug, scale)
+    if bug == "nondeterministic":  # the keys summed in a different order at each call
+        order = np.random.default_rng().permutation(sk)
+        kf, vf = kf[:, order], vf[:, order]
+    else:
+        order = np.arange(sk)
+    s = np.einsum("bqhd,bkhd->bhqk", qf, kf) * np.float32(scale)
+    if causal:
+        i, j = np.arange(sq)[:, None], order[None, :]
+        visible = j <= i if bug == "top-left" else j <= i + sk - sq
+        s = np.where(visible, s, -np.inf)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        if bug == "no-max":
+            e = np.exp(s)
+            lse = np.log(e.sum(axis=-1))
+        else:
+            m = s.max(axis=-1, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0)
+            e = np.exp(s - m)
+            lse = np.log(e.sum(axis=-1)) + m[..., 0]
+        z = e.sum(axis=-1, keepdims=True)
+        p = np.divide(e, z, out=np.zeros_like(e), where=z > 0)
+    if dropout_p:
+        keep = np.random.default_rng(seed).random(p.shape) >= dropout_p
+        p = p * keep if bug == "dropout-no-rescale" else p * keep / np.float32(1 - dropout_p)
+    if bug == "lse-log2":
+        lse = lse / np.log(2)
+    out = np.einsum("bhqk,bkhd->bqhd", p, vf)
+    return out.astype(dtype), lse.astype(np.float32)
+
+
+def implementation(bug=None):
+    def forward(q, k, v, **options):
+        return plain_attention(q, k, v, bug=bug, **options)
+
+    return Implementation(f"plain-{bug or 'correct'}", forward, supports={"causal", "gqa", "scale", "dropout"})
+
+
+# each mutant, and the property that must catch it
+MUTANTS = {
+    "top-left": "causal-convention",
+    "no-max": "large-logits",
+    "no-scale": "forward",
+    "double-scale": "forward",
+    "dropout-no-rescale": "dropout",
+    "lse-log2": "lse",
+    "gqa-modulo": "forward",
+    "nondeterministic": "determinism",
+    "writes-input": "immutability",
+}
+
+
+@pytest.mark.parametrize("bug", list(MUTANTS))
+def test_every_mutant_is_caught(bug):
+    report = check_attention(implementation(bug), examples=30, max_seqlen=40, head_dims=(16, 40))
+    assert not report.passed, str(report)
+    result = report[MUTANTS[bug]]
+    assert result.passed is False, str(report)
+    if MUTANTS[bug] in ("forward", "lse"):  # an accuracy failure comes with its (shrunk) example and ratio
+        assert result.example and result.ratio > 1
+
+
+@pytest.mark.parametrize("impl", [implementation(None), reference_implementation()], ids=["plain", "reference"])
+def test_correct_implementations_pass(impl):
+    report = check_attention(impl, examples=30, max_seqlen=40, head_dims=(16, 40))
+    assert report.passed, str(report)
+    assert report["causal-convention"].note.startswith("bottom-right")
+    json.dumps(report.to_dict())  # the CLI writes it
+
+
+def test_flashnumba_passes():
+    """flashnumba's own kernels (in the simulator on a machine without a GPU: few, small examples)."""
+    small = flashnumba.SIMULATOR
+    report = check_attention(adapter("flashnumba"), examples=2 if small else 60, max_seqlen=20 if small else 200,
+                             head_dims=(16,) if small else (40, 64, 128), dtypes=("float32",) if small else None,
+                             properties=("forward", "lse", "backward", "causal-convention", "empty-rows",
+                                         "large-logits", "nan-containment", "determinism", "immutability"))
+    assert report.passed, str(report)
+
+
+def test_the_command_line(tmp_path, capsys, monkeypatch):
+    from flashnumba.__main__ import main
+
+    out = tmp_path / "report.json"
+    assert main(["check", "numpy-reference", "--examples", "10", "--json", str(out)]) == 0
+    assert "numpy-reference: all properties hold" in capsys.readouterr().out
+    assert json.loads(out.read_text())["passed"] is True
+    # module:function: a plain NumPy function (declared to take causal), here with the top-left convention
+    (tmp_path / "my_attention.py").write_text(
+        "import numpy as np\n"
+        "def attention(q, k, v, causal=False):\n"
+        "    s = np.einsum('bqhd,bkhd->bhqk', q.astype(np.float64), k) / np.sqrt(q.shape[-1])\n"
+        "    if causal:\n"
+        "        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)\n"
+        "    p = np.exp(s - s.max(-1, keepdims=True))\n"
+        "    return np.einsum('bhqk,bkhd->bqhd', p / p.sum(-1, keepdims=True), v).astype(q.dtype)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "my_attention:attention", "--examples", "5"]) == 1
+    assert "top-left" in capsys.readouterr().out
