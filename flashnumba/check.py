@@ -28,6 +28,8 @@ The battery (:data:`PROPERTIES`):
 * ``empty-rows``: a row that sees no key gives 0 (flash-attn's convention), not NaN;
 * ``large-logits``: scores of several hundred do not overflow;
 * ``nan-containment``: a NaN in one query row stays in that row;
+* ``varlen`` (where a ``varlen`` function is given): packed sequences of random lengths, empty ones included, each
+  against the reference of that sequence alone;
 * ``dropout``: reproducible under a seed, and unbiased (the mean over seeds approaches the output without
   dropout: a dropout that forgets its 1 / (1 - p) rescale fails);
 * ``determinism``: two runs give the same bits, forward and backward;
@@ -64,6 +66,7 @@ class Implementation:
     forward: Callable
     backward: Callable | None = None
     supports: frozenset = frozenset()
+    varlen: Callable | None = None  # varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **o)
     array: str = "numpy"
     dtypes: tuple = ("float32", "float16")
     head_dims: tuple = AWKWARD_HEAD_DIMS
@@ -340,7 +343,8 @@ def _search(name, strategy, body, examples, seed):
         run()
     except _Failure as f:
         p = failing["problem"]
-        return Result(name, False, f.ratio, f.error, f.tolerance, f.note, p.example())
+        example = p.example() if isinstance(p, Problem) else dict(p[0].example(), lengths=p[1])
+        return Result(name, False, f.ratio, f.error, f.tolerance, f.note, example)
     return Result(name, True, worst["ratio"], worst["error"], worst["tolerance"])
 
 
@@ -482,6 +486,41 @@ def check_nan_containment(impl, dtypes, head_dims):
     return Result("nan-containment", True)
 
 
+def check_varlen(impl, examples, dtypes, head_dims, max_seqlen, seed):
+    """Packed batches (flash-attn's varlen layout: q (total_q, nheads, d), cu_seqlens int32): 1 to 4 sequences of
+    random lengths, 0 included, with the declared options; each sequence against the reference of it alone."""
+    if impl.varlen is None:
+        return Result("varlen", None, note="no varlen function given")
+    from hypothesis import strategies as st
+
+    @st.composite
+    def packed(draw):
+        p = draw(_problems(impl, dtypes, head_dims, max_seqlen, options={"causal", "window", "softcap", "gqa",
+                                                                          "scale"}))
+        n = draw(st.integers(1, 4))
+        lens = [(draw(st.integers(0, max_seqlen)), draw(st.integers(0, max_seqlen))) for _ in range(n)]
+        return p, lens
+
+    def body(problem):
+        p, lens = problem
+        rng = np.random.default_rng(p.seed)
+        dt = _np_dtype(p.dtype)
+        tq, tk = sum(a for a, _ in lens), sum(b for _, b in lens)
+        q = rng.standard_normal((tq, p.nheads, p.head_dim)).astype(dt)
+        k, v = (rng.standard_normal((tk, p.nheads_k, p.head_dim)).astype(dt) for _ in range(2))
+        cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in zip(*lens))
+        args = [_to(x, impl.array) for x in (q, k, v, cu_q, cu_k)]
+        out = impl.varlen(*args, max(a for a, _ in lens), max(b for _, b in lens), **_call_options(p, impl))
+        out = _back(out[0] if isinstance(out, tuple) else out)
+        ro = p.reference_options()
+        truth, _ = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, **ro)
+        base, _ = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, dtype=np.dtype(q.dtype), **ro)
+        return _compare(out, truth, base, q.dtype, max(p.head_dim, max_seqlen), "varlen out")
+
+    result = _search("varlen", packed(), body, examples, seed)
+    return result
+
+
 def check_dropout(impl, dtypes, head_dims, samples=400, p_drop=0.3):
     """Reproducible under a seed; unbiased: the mean over ``samples`` seeds of the output approaches the output
     without dropout (each kept probability is scaled by 1 / (1 - p)), within 5 standard errors."""
@@ -538,7 +577,7 @@ def check_immutability(impl, dtypes, head_dims):
 
 
 PROPERTIES = ("forward", "lse", "backward", "causal-convention", "empty-rows", "large-logits", "nan-containment",
-              "dropout", "determinism", "immutability")
+              "varlen", "dropout", "determinism", "immutability")
 
 
 def check_attention(impl: Implementation, *, dtypes=None, head_dims=None, examples=50, max_seqlen=80, seed=0,
@@ -559,6 +598,7 @@ def check_attention(impl: Implementation, *, dtypes=None, head_dims=None, exampl
         "empty-rows": lambda: check_empty_rows(impl, dtypes, head_dims),
         "large-logits": lambda: check_large_logits(impl, dtypes, head_dims),
         "nan-containment": lambda: check_nan_containment(impl, dtypes, head_dims),
+        "varlen": lambda: check_varlen(impl, examples, dtypes, head_dims, max_seqlen, seed),
         "dropout": lambda: check_dropout(impl, dtypes, head_dims),
         "determinism": lambda: check_determinism(impl, dtypes, head_dims),
         "immutability": lambda: check_immutability(impl, dtypes, head_dims),
@@ -588,8 +628,11 @@ def reference_implementation(dtype_of_inputs=True) -> Implementation:
     def backward(dout, q, k, v, **o):
         return reference.attention_backward(dout, q, k, v, dtype=np.dtype(q.dtype), **o)
 
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **o):
+        return reference.attention_varlen_forward(q, k, v, cu_q, cu_k, dtype=np.dtype(q.dtype), **o)
+
     return Implementation("numpy-reference", forward, backward,
-                          supports={"causal", "window", "softcap", "alibi", "gqa", "scale"})
+                          supports={"causal", "window", "softcap", "alibi", "gqa", "scale"}, varlen=varlen)
 
 
 def _flashnumba() -> Implementation:
@@ -604,10 +647,13 @@ def _flashnumba() -> Implementation:
         out, lse = api.flash_attn_forward(q, k, v, **o)
         return api.flash_attn_backward(dout, q, k, v, out, lse, **o)
 
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **o):
+        return api.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, **o)
+
     from ._backend import SIMULATOR
 
     array = "numpy" if SIMULATOR else "cupy"
-    return Implementation("flashnumba", forward, backward, supports=set(OPTIONS), array=array)
+    return Implementation("flashnumba", forward, backward, supports=set(OPTIONS), array=array, varlen=varlen)
 
 
 def _torch_sdpa(backend):

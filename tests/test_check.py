@@ -56,11 +56,28 @@ def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     return out.astype(dtype), lse.astype(np.float32)
 
 
+def plain_varlen(q, k, v, cu_q, cu_k, max_q, max_k, bug=None, **options):
+    """Packed sequences one by one through :func:`plain_attention`; ``bug="varlen-one-sequence"`` attends across
+    the sequence boundaries (the packed batch taken as one sequence)."""
+    if bug == "varlen-one-sequence":
+        return plain_attention(q[None], k[None], v[None], **options)[0][0]
+    out = np.zeros_like(q)
+    for b in range(len(cu_q) - 1):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rq.stop > rq.start and rk.stop > rk.start:  # (no keys: the rows see nothing, out 0)
+            out[rq] = plain_attention(q[None, rq], k[None, rk], v[None, rk], **options)[0][0]
+    return out
+
+
 def implementation(bug=None):
     def forward(q, k, v, **options):
         return plain_attention(q, k, v, bug=bug, **options)
 
-    return Implementation(f"plain-{bug or 'correct'}", forward, supports={"causal", "gqa", "scale", "dropout"})
+    def varlen(*args, **options):
+        return plain_varlen(*args, bug=bug, **options)
+
+    return Implementation(f"plain-{bug or 'correct'}", forward, supports={"causal", "gqa", "scale", "dropout"},
+                          varlen=varlen)
 
 
 # each mutant, and the property that must catch it
@@ -74,6 +91,7 @@ MUTANTS = {
     "gqa-modulo": "forward",
     "nondeterministic": "determinism",
     "writes-input": "immutability",
+    "varlen-one-sequence": "varlen",
 }
 
 
@@ -101,7 +119,8 @@ def test_flashnumba_passes():
     report = check_attention(adapter("flashnumba"), examples=2 if small else 60, max_seqlen=20 if small else 200,
                              head_dims=(16,) if small else (40, 64, 128), dtypes=("float32",) if small else None,
                              properties=("forward", "lse", "backward", "causal-convention", "empty-rows",
-                                         "large-logits", "nan-containment", "determinism", "immutability"))
+                                         "large-logits", "nan-containment", "varlen", "determinism",
+                                         "immutability"))
     assert report.passed, str(report)
 
 
