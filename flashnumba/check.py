@@ -30,8 +30,9 @@ The battery (:data:`PROPERTIES`):
 * ``nan-containment``: a NaN in one query row stays in that row;
 * ``varlen`` (where a ``varlen`` function is given): packed sequences of random lengths, empty ones included, each
   against the reference of that sequence alone;
-* ``dropout``: reproducible under a seed, and unbiased (the mean over seeds approaches the output without
-  dropout: a dropout that forgets its 1 / (1 - p) rescale fails);
+* ``dropout``: reproducible under a seed, the keep rate within binomial bounds, unbiased (the mean over seeds
+  approaches the output without dropout: a dropout that forgets its 1 / (1 - p) rescale fails), and the
+  backward consistent with the forward's mask (a directional derivative against central differences);
 * ``determinism``: two runs give the same bits, forward and backward;
 * ``immutability``: no input is written.
 """
@@ -522,29 +523,75 @@ def check_varlen(impl, examples, dtypes, head_dims, max_seqlen, seed):
 
 
 def check_dropout(impl, dtypes, head_dims, samples=400, p_drop=0.3):
-    """Reproducible under a seed; unbiased: the mean over ``samples`` seeds of the output approaches the output
-    without dropout (each kept probability is scaled by 1 / (1 - p)), within 5 standard errors."""
+    """Dropout, four ways: reproducible under a seed; the keep rate within 5 binomial standard deviations of
+    1 - p (V the identity, so that out = P Z shows each kept and dropped probability); unbiased (the mean over
+    ``samples`` seeds approaches the output without dropout, within 5 standard errors: a dropout that forgets its
+    1 / (1 - p) rescale fails); and, with a backward, the gradient consistent with the forward's mask (the
+    directional derivative of sum(out * dout) along a random direction, by central differences in float64)."""
     if "dropout" not in impl.supports:
         return Result("dropout", None, note="dropout not declared")
-    p = Problem("float32" if "float32" in dtypes else dtypes[0], 1, 8, 24, 1, 1, head_dims[0], {}, 11)
-    q, k, v, _ = p.inputs()
+    dtype = "float32" if "float32" in dtypes else dtypes[0]
+    d = max(h for h in head_dims if h >= 16) if any(h >= 16 for h in head_dims) else head_dims[0]
+    sk = min(d, 24)
+    p = Problem(dtype, 1, 8, sk, 1, 1, d, {}, 11)
+    q, k, v, dout = p.inputs()
     a, _ = _forward(impl, p, q, k, v, dropout_p=p_drop, seed=1)
     b, _ = _forward(impl, p, q, k, v, dropout_p=p_drop, seed=1)
     if not np.array_equal(a, b, equal_nan=True):
         return Result("dropout", False, note="not reproducible: two calls with the same seed differ",
                       example=p.example())
-    outs = np.stack([_forward(impl, p, q, k, v, dropout_p=p_drop, seed=s)[0].astype(np.float64)
-                     for s in range(2, 2 + samples)])
+    # the keep rate: with V = I (keys as one-hot rows), out[i, j] = P_ij Z_ij
+    eye = np.zeros_like(v)
+    eye[0, np.arange(sk), 0, np.arange(sk)] = 1
+    kept, total = 0, 0
+    for s_ in range(2, 2 + 20):
+        z, _ = _forward(impl, p, q, k, eye, dropout_p=p_drop, seed=s_)
+        kept += int(np.count_nonzero(z[0, :, 0, :sk]))
+        total += z.shape[1] * sk
+    rate, sd = kept / total, math.sqrt(p_drop * (1 - p_drop) / total)
+    if abs(rate - (1 - p_drop)) > 5 * sd:
+        return Result("dropout", False, abs(rate - (1 - p_drop)) / (5 * sd), abs(rate - (1 - p_drop)), 5 * sd,
+                      f"keep rate {rate:.4f}, expected {1 - p_drop:.2f}", dict(p.example(), dropout_p=p_drop))
+    outs = np.stack([_forward(impl, p, q, k, v, dropout_p=p_drop, seed=s_)[0].astype(np.float64)
+                     for s_ in range(2, 2 + samples)])
     clean, _ = reference.attention_forward(q, k, v)
     mean, sem = outs.mean(axis=0), outs.std(axis=0) / math.sqrt(samples)
     z = float(np.max(np.abs(mean - clean) / np.maximum(sem, 1e-12)))
-    err = float(np.abs(mean - clean).max())
-    tol = float((5 * sem).max())
     if z > 5:
-        return Result("dropout", False, z / 5, err, tol,
+        return Result("dropout", False, z / 5, float(np.abs(mean - clean).max()), float((5 * sem).max()),
                       "biased: the mean over seeds is not the output without dropout (1 / (1 - p) rescale?)",
                       dict(p.example(), dropout_p=p_drop, samples=samples))
-    return Result("dropout", True, z / 5, err, tol, "reproducible, unbiased")
+    note = f"reproducible, keep rate {rate:.3f}, unbiased"
+    if impl.backward is not None:
+        bad = _dropout_gradient_mismatch(impl, p, q, k, v, dout, p_drop)
+        if bad:
+            return Result("dropout", False, note=bad, example=dict(p.example(), dropout_p=p_drop))
+        note += ", backward consistent with the forward's mask"
+    return Result("dropout", True, z / 5, note=note)
+
+
+def _dropout_gradient_mismatch(impl, p, q, k, v, dout, p_drop, seed=5):
+    """None where <(dq, dk, dv), u> matches the central difference of sum(out * dout) along u (float32
+    inputs; step 1e-3), else what differs."""
+    grads = impl.backward(*(_to(x, impl.array) for x in (dout, q, k, v)), dropout_p=p_drop, seed=seed)
+    grads = [np.asarray(_back(g), np.float64) for g in grads]
+    rng = np.random.default_rng(1)
+    f32 = [np.asarray(x, np.float32) for x in (q, k, v)]
+    us = [rng.standard_normal(x.shape).astype(np.float32) for x in f32]
+    h = np.float32(1e-3)
+
+    def loss(sign):
+        xs = [(x + sign * h * u).astype(q.dtype) for x, u in zip(f32, us)]
+        out, _ = _forward(impl, p, *xs, dropout_p=p_drop, seed=seed)
+        return float(np.sum(np.asarray(out, np.float64) * np.asarray(dout, np.float64)))
+
+    numeric = (loss(1) - loss(-1)) / (2 * float(h))
+    analytic = float(sum(np.sum(g * u) for g, u in zip(grads, us)))
+    scale = max(1.0, abs(analytic), abs(numeric))
+    if abs(numeric - analytic) > 0.05 * scale:
+        return (f"the backward with dropout does not match the forward's mask: directional derivative "
+                f"{analytic:.4g}, central difference {numeric:.4g}")
+    return None
 
 
 def check_determinism(impl, dtypes, head_dims):
@@ -643,7 +690,9 @@ def _flashnumba() -> Implementation:
             o.update(dropout_p=dropout_p, dropout_seed=seed)
         return api.flash_attn_forward(q, k, v, **o)
 
-    def backward(dout, q, k, v, **o):
+    def backward(dout, q, k, v, dropout_p=0.0, seed=None, **o):
+        if dropout_p:
+            o.update(dropout_p=dropout_p, dropout_seed=seed)
         out, lse = api.flash_attn_forward(q, k, v, **o)
         return api.flash_attn_backward(dout, q, k, v, out, lse, **o)
 

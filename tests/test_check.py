@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import flashnumba
+from flashnumba import reference
 from flashnumba.check import Implementation, adapter, check_attention, reference_implementation
 
 
@@ -76,8 +77,19 @@ def implementation(bug=None):
     def varlen(*args, **options):
         return plain_varlen(*args, bug=bug, **options)
 
-    return Implementation(f"plain-{bug or 'correct'}", forward, supports={"causal", "gqa", "scale", "dropout"},
-                          varlen=varlen)
+    def backward(dout, q, k, v, dropout_p=0.0, seed=None, **options):
+        """The reference gradient, with the forward's dropout mask regenerated from the seed (the mutant: from
+        another seed)."""
+        z = None
+        if dropout_p:
+            b, sq, h, _ = q.shape
+            rng = np.random.default_rng(seed + 1 if bug == "dropout-backward-mask" else seed)
+            z = (rng.random((b, h, sq, k.shape[1])) >= dropout_p) / (1 - dropout_p)
+        return reference.attention_backward(dout, q, k, v, dropout_z=z, dtype=np.dtype(q.dtype), **options)
+
+    has_backward = bug in (None, "dropout-backward-mask")
+    return Implementation(f"plain-{bug or 'correct'}", forward, backward if has_backward else None,
+                          supports={"causal", "gqa", "scale", "dropout"}, varlen=varlen)
 
 
 # each mutant, and the property that must catch it
@@ -92,6 +104,7 @@ MUTANTS = {
     "nondeterministic": "determinism",
     "writes-input": "immutability",
     "varlen-one-sequence": "varlen",
+    "dropout-backward-mask": "dropout",
 }
 
 
