@@ -46,18 +46,34 @@ def _demo(args):
 
 def _check(args):
     import json
+    import os
 
-    from .check import PROPERTIES, check_attention, adapter
+    from .check import PROPERTIES, adapter, check_attention
 
-    report = check_attention(adapter(args.target), dtypes=args.dtypes, head_dims=args.head_dims,
-                             examples=args.examples, max_seqlen=args.max_seqlen, seed=args.seed,
-                             properties=args.properties or PROPERTIES)
-    print(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report.to_dict(), f, indent=1)
-        print(f"wrote {args.json}")
-    return 0 if report.passed else 1
+    failed = False
+    for target in args.targets:
+        impl = adapter(target)
+        runs = [[d] for d in (args.dtypes or impl.dtypes)] if args.per_dtype else [args.dtypes]
+        for dtypes in runs:
+            if dtypes is not None and not set(dtypes) & set(impl.dtypes):
+                continue
+            dts = None if dtypes is None else [d for d in dtypes if d in impl.dtypes]
+            report = check_attention(impl, dtypes=dts, head_dims=args.head_dims, examples=args.examples,
+                                     max_seqlen=args.max_seqlen, seed=args.seed,
+                                     properties=args.properties or PROPERTIES)
+            print(report if dts is None else f"[{', '.join(dts)}] {report}", flush=True)
+            failed |= not report.passed
+            data = dict(report.to_dict(), dtypes=dts or list(impl.dtypes))
+            if args.json and len(args.targets) == 1 and len(runs) == 1:
+                with open(args.json, "w") as f:
+                    json.dump(data, f, indent=1)
+                print(f"wrote {args.json}")
+            if args.out:
+                os.makedirs(args.out, exist_ok=True)
+                name = target.replace(":", "-") + ("" if dts is None else "-" + "-".join(dts))
+                with open(os.path.join(args.out, f"check-{name}.json"), "w") as f:
+                    json.dump(data, f, indent=1)
+    return 1 if failed else 0
 
 
 def _cache_cmd(args):
@@ -88,15 +104,18 @@ def main(argv=None):
                       help="large: batch 4, 16 heads, seqlen 4096, head_dim 64 (GPU); small: simulator-sized")
     check = sub.add_parser("check", help="run the numerics battery on an attention implementation "
                                          "(flashnumba.check); exit status 1 when a property fails")
-    check.add_argument("target", help="a built-in adapter (numpy-reference, flashnumba, flash-attn, "
-                                      "torch-sdpa-flash, -cudnn, -efficient, -math) or module:function")
+    check.add_argument("targets", nargs="+", metavar="target",
+                       help="a built-in adapter (numpy-reference, flashnumba, flash-attn, torch-sdpa-flash, -cudnn, "
+                            "-efficient, -math) or module:function; several run one after another")
     check.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "float16", "bfloat16"])
     check.add_argument("--head-dims", type=int, nargs="+", default=None)
     check.add_argument("--examples", type=int, default=50, help="drawn problems per accuracy property")
     check.add_argument("--max-seqlen", type=int, default=80)
     check.add_argument("--seed", type=int, default=0, help="a reproducible search (the same examples each run)")
     check.add_argument("--properties", nargs="+", default=None, help="a subset of the battery")
-    check.add_argument("--json", default=None, help="write the report as JSON here")
+    check.add_argument("--per-dtype", action="store_true", help="one report per dtype")
+    check.add_argument("--json", default=None, help="write the report as JSON here (one target)")
+    check.add_argument("--out", default=None, help="write check-TARGET[-DTYPE].json for every report here")
     cache = sub.add_parser("cache", help="the compiled-kernel cache on disk: info or clear")
     cache.add_argument("action", choices=["info", "clear"])
     sub.add_parser("bench", help="benchmark against standard attention and peers (see bench --help)",

@@ -124,12 +124,41 @@ def headlines(_data=None, prefix="docs/results/latest/"):
     return out[:-1]
 
 
+def numerics(_data=None, prefix="results/latest/"):
+    """The checker's reports (``python -m flashnumba check ... --per-dtype --out``: check-*.json): one column per
+    implementation and dtype, one row per property: pass, FAIL (with error / tolerance where measured), n/a; the
+    causal convention found."""
+    reports = [json.loads(p.read_text()) for p in sorted(LATEST.glob("check-*.json"))]
+    if not reports:
+        return ["(no report committed yet: `python -m flashnumba check TARGET ... --per-dtype --out "
+                "docs/results/latest`)"]
+    cols = [f"{r['implementation']} {'/'.join(r['dtypes'])}" for r in reports]
+    names = [res["name"] for res in reports[0]["results"]]
+    out = ["| property | " + " | ".join(cols) + " |", "| --- | " + " | ".join("---" for _ in cols) + " |"]
+    for name in names:
+        cells = []
+        for r in reports:
+            res = next((x for x in r["results"] if x["name"] == name), None)
+            if res is None or res["passed"] is None:
+                cells.append("n/a")
+            elif res["passed"]:
+                cells.append("pass" + (f" ({res['note'].split(' (')[0]})" if name == "causal-convention" else ""))
+            else:
+                ratio = f" ({res['ratio']:.3g}x)" if res.get("tolerance") else ""
+                cells.append(f"**FAIL**{ratio}: {res['note'][:60]}")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    files = ", ".join(f"[{p.name}]({prefix}{p.name})" for p in sorted(LATEST.glob("check-*.json")))
+    return out + ["", f"Reports: {files}."]
+
+
 TARGETS = {  # file: (marker name, table function, its arguments)
-    "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}), ("headline", headlines, {"prefix": "results/latest/"})],
+    "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}),
+                           ("headline", headlines, {"prefix": "results/latest/"})],
+    "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {})],
 }
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
-           "headline": "bench-float16.json"}
+           "headline": "bench-float16.json", "numerics": None}
 
 
 def main():
@@ -137,7 +166,7 @@ def main():
         path = ROOT / rel
         text = path.read_text()
         for name, fn, kw in blocks:
-            data = json.loads((LATEST / SOURCES[name]).read_text())
+            data = json.loads((LATEST / SOURCES[name]).read_text()) if SOURCES[name] else None
             block = "\n".join(fn(data, **kw))
             text, n = re.subn(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->",
                               lambda m: f"<!-- {name}:begin -->\n{block}\n<!-- {name}:end -->", text, flags=re.S)
