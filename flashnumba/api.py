@@ -4,8 +4,9 @@ Layout as in flash-attn: q ``(batch, seqlen_q, nheads, head_dim)``, k and v ``(b
 head_dim)``, out like q, lse ``(batch, nheads, seqlen_q)`` float32 (natural log). Arrays may be NumPy arrays (copied
 to the GPU and back, or run in the simulator), CuPy arrays, torch CUDA tensors, or any ``__cuda_array_interface__``
 object; the results have the input's array type (CuPy for a foreign CUDA array when CuPy is installed, else Numba
-device arrays). Inputs are only read; strided inputs whose last dimension is contiguous are used in place by the
-SIMT kernels and copied for the tensor-core ones.
+device arrays). Inputs are only read; strided inputs whose last dimension is contiguous are used in place (the
+tensor-core kernels copy an input whose other strides are not multiples of 16 bytes, or whose start is not 16-byte
+aligned).
 
 dtypes: float32, float16 and bfloat16, accumulated in float32. bfloat16 comes as NumPy arrays of
 ``ml_dtypes.bfloat16`` or as torch.bfloat16 CUDA tensors; CuPy has no bfloat16.
