@@ -11,8 +11,10 @@ ask for without running anything::
 How ``kernel=None`` chooses:
 
 * float16 / bfloat16: the tensor-core kernels (``tc``) where they apply: a GPU of compute capability >= 8.0
-  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim 64 or 128, and no tile arguments given (those are the SIMT
-  kernels'); strided inputs are copied to C-contiguous ones for them (their row copies address whole rows).
+  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim 64 or 128 (:data:`flashnumba.tiling.DEFAULT_MMA_HEAD_DIMS`;
+  ``kernel="tc"`` takes any multiple of 16 up to 256 forward and 160 backward), and no tile arguments given (those
+  are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
+  16-byte row copies).
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
   ``fallback`` and a one-time :class:`SlowPathWarning` says so (``flashnumba.config.warn_slow_path = False``
   silences it). Under the simulator the SIMT kernels are chosen without a warning.
@@ -179,7 +181,7 @@ def _dtype_name(dtype) -> str:
     return "bfloat16" if _arrays.is_bfloat16(dtype) else np.dtype(dtype).name
 
 
-def _mma_blocker(tq, tensors, limits, tiles_given) -> str | None:
+def _mma_blocker(tq, tensors, limits, tiles_given, pass_="forward") -> str | None:
     """Why the tensor-core kernels do not apply to a float16/bfloat16 call, or None where they do."""
     if SIMULATOR:
         return "the simulator runs the SIMT kernels by default (ask for kernel='tc' to simulate the tensor cores)"
@@ -189,8 +191,13 @@ def _mma_blocker(tq, tensors, limits, tiles_given) -> str | None:
     if tuple(limits.cc) < tiling.MMA_MIN_CC:
         return (f"compute capability {limits.cc[0]}.{limits.cc[1]} has no mma.sync m16n8k16 / cp.async "
                 f"(the tensor-core kernels need 8.0 or newer)")
-    if tq.shape[-1] not in tiling.MMA_HEAD_DIMS:
-        return f"the tensor-core kernels are instantiated for head_dim {tiling.MMA_HEAD_DIMS}, not {tq.shape[-1]}"
+    D = tq.shape[-1]
+    built = tiling.MMA_HEAD_DIMS if pass_ == "forward" else tiling.MMA_BACKWARD_HEAD_DIMS
+    if D not in built:
+        return (f"the tensor-core {pass_} is built for head_dim a multiple of 16 up to {built[-1]}, not {D}")
+    if D not in tiling.DEFAULT_MMA_HEAD_DIMS:
+        return (f"the tensor cores are the default at head_dim {tiling.DEFAULT_MMA_HEAD_DIMS}, the head dims they "
+                f"have been tested at on a GPU; pass kernel='tc' for head_dim {D}")
     if _arrays.cupy is None and any(t.kind in ("numba", "cai") and not _c_layout(t) and not _rows_in_place(t)
                                     for t in tensors):
         return "strided inputs would need a C-contiguous copy, which needs CuPy"
@@ -236,7 +243,7 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
         _check_family(kernel, tq, opts, limits, pass_)
         return kernel, "asked for by kernel=", None
     if tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype):
-        blocker = _mma_blocker(tq, tensors, limits, tiles_given)
+        blocker = _mma_blocker(tq, tensors, limits, tiles_given, pass_)
         if blocker is None:
             return "tc", f"{_dtype_name(tq.dtype)} on tensor cores (mma.sync, cp.async, ldmatrix)", None
         return simt, "the register-tiled SIMT kernels", (None if SIMULATOR else blocker)
@@ -250,8 +257,10 @@ def _check_family(kernel, tq, opts, limits, pass_):
     if kernel == "tc":
         if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
             raise TypeError(f"the tensor-core kernels take float16 or bfloat16; q has dtype {tq.dtype}")
-        if tq.shape[-1] not in tiling.MMA_HEAD_DIMS:
-            raise ValueError(f"the tensor-core kernels support head_dim in {tiling.MMA_HEAD_DIMS}, got {tq.shape[-1]}")
+        built = tiling.MMA_HEAD_DIMS if pass_ == "forward" else tiling.MMA_BACKWARD_HEAD_DIMS
+        if tq.shape[-1] not in built:
+            raise ValueError(f"the tensor-core {pass_} supports head_dim a multiple of 16 up to {built[-1]}, got "
+                             f"{tq.shape[-1]}")
     if kernel in mma_tf32.PRECISIONS:
         if tq.dtype != np.float32:
             raise TypeError(f"the TF32 kernel takes float32; q has dtype {tq.dtype}")

@@ -38,7 +38,11 @@ from ._launch import STATIC_SHARED_LIMIT
 from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward
 
 MAX_REGISTERS_PER_THREAD = 255
-MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core kernels are instantiated for
+MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core forward is built for (kernel="tc")
+MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
+# kernel=None takes the tensor cores at the head dims whose tensor-core kernels have run the GPU test profile; the
+# others are taken with kernel="tc" (compiled and checked in the simulator, not yet on a GPU)
+DEFAULT_MMA_HEAD_DIMS = (64, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,18 +177,28 @@ TABLES = {
         Candidate(128, Tiles(128, 64, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 64"),
         Candidate(128, Tiles(128, 32, _tc_threads(128)), "B_c 32: fits 99 KB at d = 128 (RTX 30/40, A10, L4)"),
         Candidate(128, Tiles(64, 32, _tc_threads(64)), "4 warps: fits 64 KB"),
+        Candidate(192, Tiles(128, 64, _tc_threads(128)), "8 warps, B_c 64: S and O within 255 registers at d <= 192"),
+        Candidate(192, Tiles(64, 32, _tc_threads(64)), "4 warps, B_c 32: fits 99 KB at d <= 192"),
+        Candidate(192, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB at d <= 192"),
+        Candidate(256, Tiles(64, 32, _tc_threads(64)), "4 warps, B_c 32: O of d = 256 leaves registers for 32 keys"),
+        Candidate(256, Tiles(64, 16, _tc_threads(64)), "B_c 16: fits 99 KB at d = 256"),
+        Candidate(256, Tiles(32, 16, _tc_threads(32)), "2 warps, B_c 16: fits 64 KB at d = 256"),
     ],
     "tc_dq": [
         Candidate(64, Tiles(64, 64, _tc_threads(64)), "fastest of the H200 sweep at d = 64"),
         Candidate(128, Tiles(64, 32, _tc_threads(64)),
                   "fastest of the H200 sweep at d = 128: 4 warps on 32-row K_j, V_j tiles (2.5x (32, 64))"),
         Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
+        Candidate(160, Tiles(64, 32, _tc_threads(64)), "4 warps on 32-row K_j, V_j tiles: fits 99 KB at d <= 160"),
+        Candidate(160, Tiles(32, 16, _tc_threads(32)), "2 warps, 16-row K_j, V_j tiles: fits 64 KB"),
     ],
     "tc_dkdv": [
         Candidate(64, Tiles(32, 64, _tc_threads(64)), "fastest of the H200 sweep at d = 64"),
         Candidate(128, Tiles(32, 64, _tc_threads(64)),
                   "fastest of the H200 sweep at d = 128: dK_j, dV_j accumulators within 255 registers"),
         Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
+        Candidate(160, Tiles(16, 64, _tc_threads(64)), "16-row Q_i tiles: dK_j, dV_j of d = 160 within 255 registers"),
+        Candidate(160, Tiles(16, 32, _tc_threads(32)), "2 warps: fits 64 KB at d <= 160"),
     ],
     "tf32": [
         Candidate(64, Tiles(64, 64, _tc_threads(64)), "4 warps, B_c 64 at d = 64"),
@@ -264,14 +278,14 @@ def check(table: str, D: int, t: Tiles):
             raise ValueError(f"kernel v1 runs a thread per row: at most 1024 rows a tile, got {m}, {n}")
     elif table == "tc":
         if D not in mma_forward.HEAD_DIMS:
-            raise ValueError(f"the tensor-core kernels support head_dim in {mma_forward.HEAD_DIMS}, got {D}")
+            raise ValueError(f"the tensor-core forward supports head_dim a multiple of 16 up to 256, got {D}")
         if m not in (16, 32, 64, 128):
             raise ValueError(f"kernel 'tc' takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {m}")
         if n <= 0 or n % 16:
             raise ValueError(f"kernel 'tc' takes block_n a positive multiple of 16, got {n}")
     elif table in ("tc_dq", "tc_dkdv"):
-        if D not in mma_forward.HEAD_DIMS:
-            raise ValueError(f"the tensor-core kernels support head_dim in {mma_forward.HEAD_DIMS}, got {D}")
+        if D not in mma_backward.BACKWARD_HEAD_DIMS:
+            raise ValueError(f"the tensor-core backward supports head_dim a multiple of 16 up to 160, got {D}")
         for name, value in (("block_m", m), ("block_n", n)):
             if value not in mma_backward.TILES:
                 raise ValueError(f"the tensor-core backward takes {name} in {mma_backward.TILES}, got {value}")
@@ -291,18 +305,6 @@ def fits(table: str, D: int, t: Tiles, limits: DeviceLimits) -> bool:
         if nbytes > (STATIC_SHARED_LIMIT if static else limits.max_shared_per_block):
             return False
     return True
-
-
-def occupancy(limits: DeviceLimits, threads: int, registers: int, shared_bytes: int) -> int:
-    """Blocks of a kernel that fit on one SM at once: the least of the SM's limits on blocks, threads, registers
-    (allocated per warp in units of 256) and shared memory (each block's plus the 1 KB the system reserves per
-    block from compute capability 8.0 on)."""
-    warps = -(-threads // 32)
-    by_threads = limits.threads_per_sm // (32 * warps)
-    by_registers = limits.registers_per_sm // (-(-max(registers, 1) * 32 // 256) * 256 * warps)
-    reserved = 1024 if tuple(limits.cc) >= (8, 0) else 0
-    by_shared = limits.shared_per_sm // (shared_bytes + reserved) if shared_bytes else limits.blocks_per_sm
-    return max(0, min(limits.blocks_per_sm, by_threads, by_registers, by_shared))
 
 
 def threads_of(table: str, t: Tiles) -> Tiles:

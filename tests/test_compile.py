@@ -42,7 +42,14 @@ for dtype, d, opts in cases:
     add(flashnumba.plan(q, k, v, device=arch, **opts))
     out, lse = q.copy(), np.zeros((1, 4, 64), np.float32)
     add(flashnumba.plan_backward(q, q, k, v, out, lse, device=arch, **opts))
-if arch != "sm_75":
+if arch != "sm_75":  # kernel="tc" beyond the default head dims: 96 (both passes), 160 (both), 256 (forward)
+    for d, opts in ((96, {}), (160, {"causal": True})):
+        q, k, v = (rng.standard_normal((1, 64, 4, d)).astype(np.float16) for _ in range(3))
+        add(flashnumba.plan(q, k, v, kernel="tc", device=arch, **opts))
+        add(flashnumba.plan_backward(q, q, k, v, q.copy(), np.zeros((1, 4, 64), np.float32), kernel="tc",
+                                     device=arch, **opts))
+    q = rng.standard_normal((1, 64, 4, 256)).astype(np.float16)
+    add(flashnumba.plan(q, q, q, kernel="tc", device=arch))
     for kernel in ("tf32", "3xtf32"):
         q, k, v = (rng.standard_normal((1, 64, 4, 128)).astype(np.float32) for _ in range(3))
         add(flashnumba.plan(q, k, v, kernel=kernel, causal=True, device=arch))

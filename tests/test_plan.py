@@ -19,6 +19,15 @@ def _no_shared_cap(monkeypatch):
     monkeypatch.delenv("FLASHNUMBA_MAX_SHARED_BYTES", raising=False)
 
 
+def _dims(table):
+    """The head dims a family is built for."""
+    from flashnumba.kernels import mma_tf32
+
+    return {"tc": tiling.MMA_HEAD_DIMS, "tc_dq": tiling.MMA_BACKWARD_HEAD_DIMS,
+            "tc_dkdv": tiling.MMA_BACKWARD_HEAD_DIMS, "tf32": mma_tf32.HEAD_DIMS,
+            "3xtf32": mma_tf32.HEAD_DIMS}.get(table, range(1, 257))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_family_has_a_fitting_default_at_every_head_dim(arch):
     lim = tiling.ARCHS[arch]
@@ -28,7 +37,7 @@ def test_every_family_has_a_fitting_default_at_every_head_dim(arch):
             assert tiling.fits(table, d, c.tiles, lim), (table, d, c)
     if lim.cc >= tiling.MMA_MIN_CC:
         for table in ("tc", "tc_dq", "tc_dkdv", "tf32", "3xtf32"):
-            for d in tiling.MMA_HEAD_DIMS:
+            for d in _dims(table):
                 assert tiling.fits(table, d, tiling.default(table, d, lim).tiles, lim)
 
 
@@ -38,8 +47,7 @@ def test_defaults_fit_under_a_shared_memory_cap(cap, monkeypatch):
     lim = tiling.capped(tiling.ARCHS["sm_90"])
     assert lim.max_shared_per_block == cap
     for table in tiling.TABLES:
-        dims = tiling.MMA_HEAD_DIMS if table.startswith(("tc", "tf32", "3xtf32")) else range(1, 257)
-        for d in dims:
+        for d in _dims(table):
             t = tiling.default(table, d, lim).tiles
             for part in tiling._parts(table):
                 nbytes, static = tiling.shared_bytes(part, d, t)

@@ -498,3 +498,58 @@ def test_tc_copies_an_input_that_does_not_start_on_16_bytes():
     a, la = flashnumba.flash_attn_forward(odd, odd, odd, kernel="tc")
     b, lb = flashnumba.flash_attn_forward(cupy.asarray(q), cupy.asarray(q), cupy.asarray(q), kernel="tc")
     assert bool((a == b).all()) and bool((la == lb).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every head dim a multiple of 16: forward up to 256, backward up to 160 (kernel="tc"; the default stays on the
+# head dims in tiling.DEFAULT_MMA_HEAD_DIMS until the others have run the GPU profile)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("D", [32, 96])
+def test_forward_tc_other_head_dims(D):
+    rng = np.random.default_rng(D)
+    q, k, v = random_qkv(rng, 1, 17, 33, 1, D, np.float16)
+    out, lse = forward_tc(q, k, v, causal=True, block_n=16, warps=1)
+    check_forward(out, lse, q, k, v, causal=True)
+
+
+def test_backward_tc_other_head_dims():
+    rng = np.random.default_rng(96)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 17, 20, 1, 96, np.float16, True, block_m=16,
+                                                      block_n=16)
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+
+
+def test_head_dims_beyond_the_tensor_cores_are_refused_or_fall_back():
+    q = np.zeros((1, 8, 1, 40), np.float16)  # not a multiple of 16
+    with pytest.raises(ValueError, match="multiple of 16 up to 256"):
+        flashnumba.plan(q, q, q, kernel="tc")
+    q = np.zeros((1, 8, 1, 192), np.float16)  # forward on tensor cores, backward not
+    lse = np.zeros((1, 1, 8), np.float32)
+    assert flashnumba.plan(q, q, q, kernel="tc").kernel == "tc"
+    with pytest.raises(ValueError, match="tensor-core backward supports head_dim a multiple of 16 up to 160"):
+        flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc")
+
+
+GPU_HEAD_DIMS = [d for d in tiling.MMA_HEAD_DIMS if d not in (64, 128)]
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("D", GPU_HEAD_DIMS)
+def test_tc_every_head_dim_gpu(D, dtype):
+    """kernel="tc" at every head dim it is built for, awkward lengths, causal and not, with the default tiles;
+    the backward where it is built (d <= 160)."""
+    import ml_dtypes
+
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(D)
+    for sq, sk, causal in ((1, 97, False), (300, 257, True)):
+        q, k, v = random_qkv(rng, 2, sq, sk, 2, D, np_dtype)
+        out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="tc")
+        check_forward(out, lse, q, k, v, causal=causal)
+        if D in tiling.MMA_BACKWARD_HEAD_DIMS:
+            dout = rng.standard_normal(q.shape).astype(np_dtype)
+            grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, kernel="tc")
+            check_backward(grads, dout, q, k, v, out, lse, causal=causal)

@@ -1,10 +1,11 @@
 """Backward kernels on tensor cores: FlashAttention-2, Algorithm 2, with its five matrix products as ``mma.sync``.
 
 The SIMT backward (:mod:`flashnumba.kernels.simt_backward`) in the tile operations of
-:mod:`flashnumba.kernels.mma_forward`: float16 or bfloat16 inputs, float32 accumulation, head_dim 64 or 128, with
-every option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen, dropout; :func:`make_entry` holds the
-per-entry part). As there, D_i = rowsum(dO_i * O_i) comes first (``simt_backward.make_backward_preprocess_warp``),
-then two kernels, neither with atomics, so the gradients are deterministic:
+:mod:`flashnumba.kernels.mma_forward`: float16 or bfloat16 inputs, float32 accumulation, head_dim a multiple of 16
+up to 160 (:data:`BACKWARD_HEAD_DIMS`), with every option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen,
+dropout; :func:`make_entry` holds the per-entry part). As there, D_i = rowsum(dO_i * O_i) comes first
+(``simt_backward.make_backward_preprocess_warp``), then two kernels, neither with atomics, so the gradients are
+deterministic:
 
 dQ, one block per query tile Q_i (warp w owns its rows 16w .. 16w + 15), looping over the key tiles K_j, V_j::
 
@@ -49,6 +50,9 @@ from numba import float32, uint16, uint32
 from numba.cuda.types import float16
 
 TILES = (16, 32, 64, 128)  # block_m and block_n: multiples of the 16 rows of one warp
+# The dK/dV kernel keeps dK_j and dV_j of its warp's 16 keys x d in registers (2 x d / 8 x 4 floats a lane): beyond
+# d = 160 they and the products' operands no longer fit in 255 registers.
+BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 160)
 
 
 def shared_bytes_dq(D, block_m, block_n):
@@ -62,8 +66,8 @@ def shared_bytes_dkdv(D, block_m, block_n):
 
 
 def _check(D, block_m, block_n, dtype):
-    if D not in HEAD_DIMS:
-        raise ValueError(f"the tensor-core kernels support head_dim in {HEAD_DIMS}, got {D}")
+    if D not in BACKWARD_HEAD_DIMS:
+        raise ValueError(f"the tensor-core backward supports head_dim in {BACKWARD_HEAD_DIMS}, got {D}")
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value not in TILES:
             raise ValueError(f"the tensor-core backward takes {name} in {TILES}, got {value}")

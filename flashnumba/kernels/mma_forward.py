@@ -1,11 +1,12 @@
 """Forward kernel on tensor cores: FlashAttention-2, Algorithm 1, with S = Q K^T and O += P V as ``mma.sync``.
 
 The SIMT kernels of :mod:`flashnumba.kernels.simt_forward` compute every product with float32 FMAs. This one hands
-the two matrix products of each key tile to the tensor cores, through the intrinsics of :mod:`flashnumba.kernels.ptx`
-(``mma_m16n8k16_*``, ``ldmatrix_x4``, ``ldmatrix_x4_trans``, ``pack_*x2``, ``cp_async_16``, ``shfl_xor_f32``):
-float16 or bfloat16 inputs, float32 accumulation. The online softmax recurrence, the masking and lse are v1's,
-done on the accumulator fragments in registers. head_dim 64 or 128, with every option of the SIMT kernels
-(GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked for, as there.
+the two matrix products of each key tile to the tensor cores, through the intrinsics of
+:mod:`flashnumba.kernels.ptx` (``mma_m16n8k16_*``, ``ldmatrix_x4``, ``ldmatrix_x4_trans``, ``pack_*x2``,
+``cp_async_16``, ``shfl_xor_f32``): float16 or bfloat16 inputs, float32 accumulation. The online softmax recurrence,
+the masking and lse are v1's, done on the accumulator fragments in registers. head_dim a multiple of 16 up to 256,
+with every option of the SIMT kernels (GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked
+for, as there.
 
 Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 W;
 block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest causal rows first).
@@ -71,12 +72,12 @@ def shared_bytes(D, B_c, warps):
 
 @functools.lru_cache(maxsize=None)
 def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False):
-    """The tensor-core forward kernel for head_dim D (64 or 128), B_c keys per tile (a multiple of 16), ``warps``
-    warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by ``variant``
-    (a :class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen, dropout). ``gqa``: fewer
-    key/value heads than query heads. It is compiled in, so that a kernel without GQA carries no integer division
-    mapping a query head to its key/value head: that division, although computed once per thread, slowed the
-    causal kernel measurably (docs/benchmarks.md, "A division that cost 30%").
+    """The tensor-core forward kernel for head_dim D (a multiple of 16 up to 256), B_c keys per tile (a multiple of 16),
+    ``warps`` warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by
+    ``variant`` (a :class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen, dropout).
+    ``gqa``: fewer key/value heads than query heads. It is compiled in, so that a kernel without GQA carries no
+    integer division mapping a query head to its key/value head: that division, although computed once per thread,
+    slowed the causal kernel measurably (docs/benchmarks.md, "A division that cost 30%").
 
     Arguments, as the SIMT kernels' (:func:`flashnumba.kernels.simt_forward.make_forward_v3`): (q, k, v, out, lse,
     scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset); q, k, v, out (batch, seqlen,
@@ -89,7 +90,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
     """
     if D not in HEAD_DIMS:
-        raise ValueError(f"the tensor-core kernel supports head_dim in {HEAD_DIMS}, got {D}")
+        raise ValueError(f"the tensor-core kernel supports head_dim a multiple of 16 up to 256, got {D}")
     if B_c % 16 or B_c <= 0:
         raise ValueError(f"B_c must be a positive multiple of 16, got {B_c}")
     if warps not in (1, 2, 4, 8):

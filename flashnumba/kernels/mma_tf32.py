@@ -32,8 +32,10 @@ import math
 from . import ptx
 from .._backend import cuda
 from .common import LN2, LOG2E, NEG_INF, make_key_range
-from .mma_tiles import HEAD_DIMS, WARP_ROWS, make_load_rows, tile_landed
+from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
 from numba import float32, uint32
+
+HEAD_DIMS = (64, 128)  # the head dims the TF32 kernels are built and tuned for
 
 PRECISIONS = ("tf32", "3xtf32")
 PAD_K = 4  # floats added to a row of Q_i and K_j: conflict-free reads of (row pi(g), column t)

@@ -26,7 +26,7 @@ from . import ptx
 from .._backend import cuda
 
 WARP_ROWS = 16  # the M of mma.m16n8k16 (and m16n8k8): query rows per warp
-HEAD_DIMS = (64, 128)  # the head dimensions the tensor-core kernels are built for
+HEAD_DIMS = tuple(range(16, 257, 16))  # head dims the tensor-core forward is built for: k-steps of 16 (m16n8k16)
 PAD = 8  # elements added to each shared-memory row (16 bytes): conflict-free ldmatrix
 
 

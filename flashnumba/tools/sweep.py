@@ -6,7 +6,7 @@ plan is made with those tiles (:func:`flashnumba.plan` / :func:`flashnumba.plan_
 the family's kernels launched back to back between two CUDA events: kernel time only, no host time, the median of
 ``--repeat`` groups. Per configuration: milliseconds, TFLOP/s (the pass's FLOP count over these kernels' time: for
 the dQ and the dK/dV kernel alone, each one's share), registers per thread, spills, shared memory per block, the
-blocks that fit on one SM (:func:`flashnumba.tiling.occupancy`), and whether it is the table's default here.
+blocks that fit on one SM (:func:`flashnumba.tools.resources.occupancy`), and whether it is the table's default here.
 
 Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``;
 backward ``bwd_v1``, ``bwd_v2`` (dQ and dK/dV together, one tile for both), ``tc_dq``, ``tc_dkdv`` (each
@@ -75,6 +75,7 @@ def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
 
     import flashnumba
     from .. import _launch, tiling
+    from .resources import occupancy
     from .timing import cuda_events_ms
 
     pass_, kernel = FAMILIES[family]
@@ -102,7 +103,7 @@ def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
     res = [b.compiled.resources for b in timed]
     threads = [int(np.prod(b.spec.block)) for b in timed]
     shared = [b.spec.shared_bytes + r["static_shared_bytes"] for b, r in zip(timed, res)]
-    blocks = [tiling.occupancy(limits, t, r["registers"], s) for t, r, s in zip(threads, res, shared)]
+    blocks = [occupancy(r["registers"], s, t, limits)[0] for t, r, s in zip(threads, res, shared)]
     default = tiling.default(family, D, limits).tiles
     is_default = (default.block_m, default.block_n) == (m, n) and (nt is None or default.num_threads == nt)
     return dict(block_m=m, block_n=n, num_threads=threads[0] if nt is None else nt, ms=round(ms, 4),
