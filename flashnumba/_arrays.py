@@ -129,12 +129,12 @@ def shape_strides_dtype(x):
     return tuple(x.shape), tuple(x.strides), np.dtype(x.dtype)
 
 
-def _meta_cupy(x):
-    return (x.shape, x.strides, x.dtype.char, x.data.device_id)
+def _meta_cupy(x):  # (the last item: whether the data starts on 16 bytes, as the tensor cores' copies need)
+    return (x.shape, x.strides, x.dtype.char, x.data.device_id, x.data.ptr % 16 == 0)
 
 
 def _meta_torch(x):
-    return (tuple(x.shape), x.stride(), x.dtype, x.device.index)
+    return (tuple(x.shape), x.stride(), x.dtype, x.device.index, x.data_ptr() % 16 == 0)
 
 
 def _meta_numpy(x):
@@ -155,7 +155,7 @@ def meta_key(x):
             f = _meta_torch
         else:
             shape, strides, dtype = shape_strides_dtype(x)
-            return (t, shape, strides, dtype.str)
+            return (t, shape, strides, dtype.str, starts_aligned(x))
         _META[t] = f
     return (t, f(x))
 
@@ -171,9 +171,20 @@ POINTER = {  # the device address of a device array's first element, by kind
 }
 
 
-def device_copy(x, k: str, fresh: bool = False):
-    """A C-contiguous device copy of x (a NumPy array is copied to the GPU; bfloat16 as its uint16 bits);
-    ``fresh``: a new allocation even where x is already C-contiguous (its start then is aligned)."""
+def starts_aligned(x) -> bool:
+    """Whether a device array's data starts on a 16-byte boundary (True for NumPy arrays, which are copied, and
+    under the simulator)."""
+    if SIMULATOR or isinstance(x, np.ndarray):
+        return True
+    try:
+        return POINTER[kind(x)](x) % 16 == 0
+    except (TypeError, AttributeError, KeyError):
+        return True
+
+
+def device_copy(x, k: str):
+    """A C-contiguous device copy of x in a new allocation (so its start is aligned), a NumPy array copied to the
+    GPU (bfloat16 as its uint16 bits)."""
     if k == "numpy":
         host = np.ascontiguousarray(x)
         if is_bfloat16(host.dtype):
@@ -181,11 +192,11 @@ def device_copy(x, k: str, fresh: bool = False):
         return cupy.asarray(host) if cupy is not None else cuda.to_device(host)
     if k == "torch":
         torch = sys.modules["torch"]
-        return x.detach().clone(memory_format=torch.contiguous_format) if fresh else x.detach().contiguous()
+        return x.detach().clone(memory_format=torch.contiguous_format)
     if cupy is None:
         raise ValueError("a strided or unaligned CUDA array must be copied for the tensor-core kernels, which "
                          "needs CuPy; pass a C-contiguous array that starts on a 16-byte boundary")
-    return cupy.array(cupy.asarray(x), copy=True, order="C") if fresh else cupy.ascontiguousarray(cupy.asarray(x))
+    return cupy.array(cupy.asarray(x), copy=True, order="C")
 
 
 def to_host_as(x, dtype):

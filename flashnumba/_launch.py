@@ -445,8 +445,7 @@ class Call:
             else:
                 moved = spec.to_device or spec.copy
                 kind = ("cupy" if _arrays.cupy is not None else "numba") if spec.to_device else spec.kind
-                check = spec.aligned and not moved  # a copy is aligned; a user array may start anywhere
-                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind], check))
+                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind]))
         self.allocs = []  # (name, shape, kernel dtype, returned)
         for spec in self.outputs:
             kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(spec.dtype) else np.dtype(spec.dtype)
@@ -468,6 +467,17 @@ class Call:
         if _arrays.cupy is not None and self.like != "numba":
             return _arrays.cupy.cuda.get_current_stream().ptr
         return 0
+
+    def _on(self, stream: int):
+        """A context in which torch's or CuPy's allocations and copies go on ``stream``."""
+        if self.torch:
+            torch = sys.modules["torch"]
+            return torch.cuda.stream(torch.cuda.ExternalStream(stream))
+        if _arrays.cupy is not None:
+            return _arrays.cupy.cuda.ExternalStream(stream)
+        import contextlib
+
+        return contextlib.nullcontext()
 
     def _alloc(self, shape, dtype, ref):
         """(array, address) of a new output; NaN-filled when ``config.poison_outputs`` is set (bfloat16 bits:
@@ -496,17 +506,12 @@ class Call:
         values["seed"] = int(seed)
         values["offset"] = int(offset)
         keep = []
-        for i, name, copy_from, address, check in self.reads:
+        for i, name, copy_from, address in self.reads:
             x = arrays[i]
             if copy_from:
                 x = _arrays.device_copy(x, copy_from)
                 keep.append(x)
-            ptr = address(x)
-            if check and ptr % 16:  # the 16-byte copies of the tensor-core kernels need a 16-byte aligned start
-                x = _arrays.device_copy(x, self.inputs[i].kind, fresh=True)
-                keep.append(x)
-                ptr = address(x)
-            values[name] = ptr
+            values[name] = address(x)
         ref = arrays[0]
         outs = []
         for name, shape, dtype, returned in self.allocs:
@@ -519,9 +524,12 @@ class Call:
         see :meth:`_stream`) and return the outputs."""
         if SIMULATOR:
             return self._run_sim(arrays, seed, offset)
-        values, outs, keep = self.prepare(arrays, seed, offset)
         if stream is None:
+            values, outs, keep = self.prepare(arrays, seed, offset)
             stream = self._stream(arrays[0])
+        else:  # outputs, temporaries and copies on the given stream too: ordered with the kernels, and returned
+            with self._on(stream):  # to the allocator's pool of that stream
+                values, outs, keep = self.prepare(arrays, seed, offset)
         for b in self.bound:
             b(values, stream)
         if self.host_results is not None:

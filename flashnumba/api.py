@@ -197,8 +197,8 @@ def flash_attn_forward(
         float32's precision), flashnumba.kernels.mma_tf32.
 
     stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'
-        current stream (torch's for torch tensors, CuPy's for CuPy arrays). Outputs are allocated on the current
-        stream: with another stream, keep them alive until that stream has run.
+        current stream (torch's for torch tensors, CuPy's for CuPy arrays). The outputs (and any temporary or
+        copy) are allocated on that stream: use them there, or order the other stream after it.
 
     Returns
     -------
@@ -309,6 +309,10 @@ def draw_dropout_seed(q: Array, heads_of_batch: int = 1) -> tuple[int, int]:
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(q, torch.Tensor) and q.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("dropout while a CUDA graph is being captured: torch's generator cannot be read "
+                               "then; pass dropout_seed (and dropout_offset) to flashnumba's core API, or capture "
+                               "without dropout")
         gen = torch.cuda.default_generators[q.device.index]
         seed, offset = gen.initial_seed() % 2**64, gen.get_offset()
         gen.set_offset(offset + PHILOX_STEP * max(int(heads_of_batch), 1))
@@ -342,7 +346,7 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
     out, lse = flash_attn_forward(q, k, v, **opts, **kwargs)
     if not return_attn_probs:
         return out
-    seeds = {n: kwargs[n] for n in ("dropout_seed", "dropout_offset") if n in kwargs}
+    seeds = {n: kwargs[n] for n in ("dropout_seed", "dropout_offset", "stream") if n in kwargs}
     return out, lse, attention_probs(q, k, v, lse, **opts, **seeds)
 
 
@@ -521,6 +525,8 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
     both passes.
     """
     fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
+    if "stream" in kwargs:
+        fwd_kw["stream"] = kwargs["stream"]
     if dropout_p and dropout_seed is None:
         dropout_seed, dropout_offset = draw_dropout_seed(q, _heads_of_batch(q, 4, None))
     if "backward_kernel" in kwargs:

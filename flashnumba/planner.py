@@ -47,8 +47,9 @@ class SlowPathWarning(UserWarning):
 
 @dataclass(frozen=True)
 class InputSpec:
-    """A user array a call reads: its name, kind, whether it is copied to the device (NumPy) or to a C-contiguous
-    copy (strided input of a tensor-core kernel), a leading axis added (varlen), a broadcast (ALiBi slopes
+    """A user array a call reads: its name, kind, whether it is copied to the device (NumPy) or to a C-contiguous copy
+    (an input of a tensor-core kernel that is strided in a way its row copies cannot read, or does not start on 16
+    bytes: the start's alignment is part of a call's key), a leading axis added (varlen), a broadcast (ALiBi slopes
     (nheads,) -> (batch, nheads)), and the dummy that stands in when it is absent."""
 
     name: str
@@ -59,7 +60,6 @@ class InputSpec:
     broadcast: tuple | None = None
     dummy_shape: tuple = (1,)
     dummy_dtype: str = "float32"
-    aligned: bool = False  # read by 16-byte copies: a start not 16-byte aligned is copied first
 
 
 @dataclass(frozen=True)
@@ -198,9 +198,9 @@ def _mma_blocker(tq, tensors, limits, tiles_given, pass_="forward") -> str | Non
     if D not in tiling.DEFAULT_MMA_HEAD_DIMS:
         return (f"the tensor cores are the default at head_dim {tiling.DEFAULT_MMA_HEAD_DIMS}, the head dims they "
                 f"have been tested at on a GPU; pass kernel='tc' for head_dim {D}")
-    if _arrays.cupy is None and any(t.kind in ("numba", "cai") and not _c_layout(t) and not _rows_in_place(t)
-                                    for t in tensors):
-        return "strided inputs would need a C-contiguous copy, which needs CuPy"
+    if _arrays.cupy is None and any(t.kind in ("numba", "cai") and (
+            not _arrays.starts_aligned(t.array) or (not _c_layout(t) and not _rows_in_place(t))) for t in tensors):
+        return "strided or unaligned inputs would need a C-contiguous copy, which needs CuPy"
     return None
 
 
@@ -296,8 +296,9 @@ def _inputs(tensors, family, lead, opts, batch, cu):
     specs, metas = [], {}
     mma = family in ("tc",) + mma_tf32.PRECISIONS
     for t in tensors:
-        copy = mma and t.kind != "numpy" and not _c_layout(t) and not (family == "tc" and _rows_in_place(t))
-        specs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, lead=lead, aligned=mma))
+        copy = mma and t.kind != "numpy" and (not _arrays.starts_aligned(t.array) or (
+            not _c_layout(t) and not (family == "tc" and _rows_in_place(t))))
+        specs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, lead=lead))
         metas[t.name] = _kernel_meta(t, lead, copy)
     nheads = tensors[0].shape[-2]
     a = opts.alibi

@@ -22,7 +22,8 @@ Three layers, as in flash-attn:
 
 Dropout. With ``dropout_p > 0`` the seed and offset come from torch's CUDA generator and advance it as flash-attn
 does (:func:`flashnumba.draw_dropout_seed`), so ``torch.manual_seed`` reproduces a run; the backward regenerates
-the forward's mask from the saved state. A CUDA graph replays the mask of its capture.
+the forward's mask from the saved state. torch's generator cannot be read while a CUDA graph is captured, so a
+call with dropout raises there (capture without dropout, or use the core API with an explicit dropout_seed).
 
 ``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``: probs are flashnumba's float32 P (after dropout:
 0 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask; a debugging path

@@ -4,13 +4,15 @@ For each head dim and each candidate (block_m, block_n, and num_threads where th
 family (:func:`flashnumba.tiling.check`) and fits this GPU's shared memory (:func:`flashnumba.tiling.fits`): the
 plan is made with those tiles (:func:`flashnumba.plan` / :func:`flashnumba.plan_backward`), its kernels bound, and
 the family's kernels launched back to back between two CUDA events: kernel time only, no host time, the median of
-``--repeat`` groups. Per configuration: milliseconds, TFLOP/s (the pass's FLOP count over these kernels' time: for
-the dQ and the dK/dV kernel alone, each one's share), registers per thread, spills, shared memory per block, the
+``--repeat`` groups. Per configuration: milliseconds, TFLOP/s (the pass's FLOP count over these kernels' time; for
+``tc_dq`` and ``tc_dkdv``, the whole backward's count over that one kernel's time: a rate to compare the tiles of
+one kernel, not a throughput), registers per thread, spills, shared memory per block, the
 blocks that fit on one SM (:func:`flashnumba.tools.resources.occupancy`), and whether it is the table's default here.
 
 Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``;
-backward ``bwd_v1``, ``bwd_v2`` (dQ and dK/dV together, one tile for both), ``tc_dq``, ``tc_dkdv`` (each
-tensor-core backward kernel with its own tiles). Workload: batch = 16384 / seqlen, heads = 2048 / head_dim.
+backward ``bwd_v1``, ``bwd_v2`` (dQ and dK/dV together, one tile for both), ``tc_dq``, ``tc_dkdv`` (each tensor-core
+backward kernel with its own tiles; the API gives block_m and block_n to both backward kernels, so a configuration
+the other kernel cannot take is recorded as an error). Workload: batch = 16384 / seqlen, heads = 2048 / head_dim.
 
 Writes ``sweep-FAMILY.json`` and ``sweep-FAMILY.png`` (a heatmap per head dim: block_m x block_n, TFLOP/s, the
 best over threads) to ``--out``. Needs a GPU and CuPy (matplotlib for the heatmap, tqdm for a progress bar).
