@@ -373,20 +373,10 @@ def validate_varlen(make_varlen, head_dim, causal, dtype, window_size=None, gqa=
 
 def _peak_and_time(fn, lib, warmup, repeat, group_ms=0.0):
     """(median ms, all ms, peak extra bytes, calls per sample) of fn()."""
-    if lib == "torch" and not _backend.SIMULATOR:
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    elif _backend.SIMULATOR:
+    if _backend.SIMULATOR:
         peak = 0  # no device memory to measure
     else:
-        _, peak = peak_device_bytes(fn)
+        _, peak = peak_device_bytes(fn, lib)
     ms, times, calls = cuda_time_calls_ms(fn, warmup=warmup, repeat=repeat, group_ms=group_ms)
     return ms, times, int(peak), calls
 

@@ -49,20 +49,6 @@ def _device(x):
     return cupy.asarray(x)
 
 
-def _peak(fn, dtype_name):
-    """(result, peak extra device bytes) of fn(): CuPy's pool, or torch's allocator for bfloat16 (torch tensors)."""
-    if dtype_name != "bfloat16":
-        return peak_device_bytes(fn)
-    import torch
-
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    return result, torch.cuda.max_memory_allocated() - base
-
-
 def run(size="auto"):
     sim = _backend.SIMULATOR
     if size == "auto":
@@ -83,7 +69,8 @@ def run(size="auto"):
         print(f"\n{name}: kernel {p.kernel!r} ({tiles})")
         print(f"  why: {p.why}" + (f" (the faster path does not apply: {p.fallback})" if p.fallback else ""))
         call = lambda: flash_attn_forward(xq, xk, xv, causal=True)  # noqa: E731
-        (out, lse), flash_bytes = (call(), 0) if sim else _peak(call, name)
+        (out, lse), flash_bytes = (call(), 0) if sim else peak_device_bytes(
+            call, "torch" if name == "bfloat16" else "cupy")
         out = _arrays.to_host(out)
         # the error on one (batch, head) slice: the float64 reference, and the same attention computed in this dtype
         one = [x[:1, :, :1] for x in (q, k, v)]

@@ -64,13 +64,22 @@ def cuda_events_ms(fn, calls=1):
     return cupy.cuda.get_elapsed_time(start, stop) / calls
 
 
-def peak_device_bytes(fn):
-    """Device memory the call had to obtain: the CuPy memory pool is emptied, ``fn()`` runs, and the pool's
-    total (live plus cached blocks it had to allocate) is read. Inputs allocated before the call are not counted.
-
-    This is the footprint the call adds on top of its inputs, as a user of CuPy sees it.
-    Returns (result of fn, bytes).
+def peak_device_bytes(fn, lib="cupy"):
+    """Device memory the call had to obtain, on top of its inputs. ``lib="cupy"``: the CuPy memory pool is emptied,
+    ``fn()`` runs, and the pool's total (live plus cached blocks it had to allocate) is read, the footprint as a
+    user of CuPy sees it; ``lib="torch"``: the peak of torch's allocator during ``fn()`` above what was allocated
+    before. Returns (result of fn, bytes).
     """
+    if lib == "torch":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - base
     import cupy
 
     pool = cupy.get_default_memory_pool()
