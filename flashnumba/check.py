@@ -349,16 +349,22 @@ def _search(name, strategy, body, examples, seed):
     return Result(name, True, worst["ratio"], worst["error"], worst["tolerance"])
 
 
-def check_forward(impl, examples, dtypes, head_dims, max_seqlen, seed):
+def _forward_accuracy(name, index, impl, examples, dtypes, head_dims, max_seqlen, seed):
+    """The forward's result ``index`` (0: out, 1: lse) against the float64 reference, over drawn problems."""
+
     def body(p):
         q, k, v, _ = p.inputs()
-        out, _ = _forward(impl, p, q, k, v)
+        got = _forward(impl, p, q, k, v)[index]
         ro = p.reference_options()
-        truth, _ = reference.attention_forward(q, k, v, **ro)
-        base, _ = reference.attention_forward(q, k, v, dtype=np.dtype(q.dtype), **ro)
-        return _compare(out, truth, base, q.dtype, max(p.head_dim, p.seqlen_k), "out")
+        truth = reference.attention_forward(q, k, v, **ro)[index]
+        base = reference.attention_forward(q, k, v, dtype=np.dtype(q.dtype), **ro)[index]
+        return _compare(got, truth, base, q.dtype, max(p.head_dim, p.seqlen_k), ("out", "lse")[index])
 
-    return _search("forward", _problems(impl, dtypes, head_dims, max_seqlen), body, examples, seed)
+    return _search(name, _problems(impl, dtypes, head_dims, max_seqlen), body, examples, seed)
+
+
+def check_forward(impl, examples, dtypes, head_dims, max_seqlen, seed):
+    return _forward_accuracy("forward", 0, impl, examples, dtypes, head_dims, max_seqlen, seed)
 
 
 def check_lse(impl, examples, dtypes, head_dims, max_seqlen, seed):
@@ -366,16 +372,7 @@ def check_lse(impl, examples, dtypes, head_dims, max_seqlen, seed):
     q, k, v, _ = probe.inputs()
     if _forward(impl, probe, q, k, v)[1] is None:
         return Result("lse", None, note="the implementation returns no lse")
-
-    def body(p):
-        q, k, v, _ = p.inputs()
-        _, lse = _forward(impl, p, q, k, v)
-        ro = p.reference_options()
-        _, truth = reference.attention_forward(q, k, v, **ro)
-        _, base = reference.attention_forward(q, k, v, dtype=np.dtype(q.dtype), **ro)
-        return _compare(lse, truth, base, q.dtype, max(p.head_dim, p.seqlen_k), "lse")
-
-    return _search("lse", _problems(impl, dtypes, head_dims, max_seqlen), body, examples, seed)
+    return _forward_accuracy("lse", 1, impl, examples, dtypes, head_dims, max_seqlen, seed)
 
 
 def check_backward(impl, examples, dtypes, head_dims, max_seqlen, seed):
