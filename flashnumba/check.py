@@ -15,6 +15,8 @@ the checker draws NumPy inputs and converts them. ``supports`` declares the opti
 are tested: ``causal``, ``window`` (window_size=(left, right)), ``softcap``, ``alibi`` (alibi_slopes, (nheads,)
 float32), ``gqa`` (k, v with fewer heads), ``dropout`` (dropout_p, with ``seed``), ``scale`` (softmax_scale).
 :func:`adapter` builds implementations for torch's SDPA backends, flash-attn, and flashnumba itself.
+An implementation that does not take a drawn problem (a head dim or an option it has no kernel for) raises
+:class:`Unsupported`: that problem is set aside, and the report counts the problems set aside and says why.
 
 The battery (:data:`PROPERTIES`):
 
@@ -114,12 +116,19 @@ class Report:
         return next(r for r in self.results if r.name == name)
 
     def __str__(self) -> str:
-        head = f"{self.implementation}: {'all properties hold' if self.passed else 'FAILED'}"
+        counts = {v: sum(r.passed is v for r in self.results) for v in (True, False, None)}
+        head = (f"{self.implementation}: {'FAILED' if counts[False] else 'passed'} ({counts[True]} properties hold, "
+                f"{counts[False]} fail, {counts[None]} not applicable)")
         return "\n".join([head] + [r.line() for r in self.results])
 
     def to_dict(self) -> dict:
         return {"implementation": self.implementation, "passed": self.passed,
                 "results": [dict(r.__dict__, example=_jsonable(r.example)) for r in self.results]}
+
+
+class Unsupported(Exception):
+    """Raised by an implementation for a problem outside what it supports (a head dim, an option): the problem is
+    set aside, not failed; the report counts those set aside and gives the reasons."""
 
 
 class _Failure(Exception):
@@ -325,11 +334,15 @@ def _search(name, strategy, body, examples, seed):
     on a failure, Hypothesis shrinks it and the smallest failing example is reported."""
     from hypothesis import HealthCheck, given, settings
 
+    from hypothesis import reject
+    from hypothesis.errors import Unsatisfiable
+
     worst = {"ratio": 0.0, "error": 0.0, "tolerance": 0.0}
     failing = {}
+    unsupported = {}
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is not None,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+              suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False)
     @given(problem=strategy)
     def run(problem):
         try:
@@ -337,16 +350,35 @@ def _search(name, strategy, body, examples, seed):
         except _Failure:
             failing["problem"] = problem
             raise
+        except Unsupported as why:
+            unsupported[str(why)] = unsupported.get(str(why), 0) + 1
+            reject()
+        except Exception as err:  # noqa: BLE001  (the implementation raised on this problem: that is the finding)
+            failing["problem"] = problem
+            raise _Failure(math.inf, math.inf, 0.0, _raised(err)) from err
         if tol and err / tol > worst["ratio"]:
             worst.update(ratio=err / tol, error=err, tolerance=tol)
 
+    aside = ""
     try:
         run()
     except _Failure as f:
         p = failing["problem"]
         example = p.example() if isinstance(p, Problem) else dict(p[0].example(), lengths=p[1])
         return Result(name, False, f.ratio, f.error, f.tolerance, f.note, example)
-    return Result(name, True, worst["ratio"], worst["error"], worst["tolerance"])
+    except Unsatisfiable:
+        return Result(name, None, note="no drawn problem is supported: " + _reasons(unsupported))
+    if unsupported:
+        aside = f"{sum(unsupported.values())} problems set aside as unsupported: {_reasons(unsupported)}"
+    return Result(name, True, worst["ratio"], worst["error"], worst["tolerance"], aside)
+
+
+def _raised(err) -> str:
+    return f"raised {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+
+
+def _reasons(unsupported: dict) -> str:
+    return "; ".join(f"{why} ({n})" for why, n in sorted(unsupported.items(), key=lambda kv: -kv[1])[:3])
 
 
 def _forward_accuracy(name, index, impl, examples, dtypes, head_dims, max_seqlen, seed):
@@ -595,15 +627,20 @@ def check_determinism(impl, dtypes, head_dims):
     p = Problem(dtypes[0], 2, 33, 47, 2, 2, head_dims[0], {}, 13)
     q, k, v, dout = p.inputs()
     a, b = _forward(impl, p, q, k, v)[0], _forward(impl, p, q, k, v)[0]
-    if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+    if not _bitwise_equal(a, b):
         return Result("determinism", False, note="two forward runs differ in their bits", example=p.example())
     if impl.backward is not None:
         g1, g2 = _backward(impl, p, dout, q, k, v), _backward(impl, p, dout, q, k, v)
         for name, x, y in zip(("dq", "dk", "dv"), g1, g2):
-            if not np.array_equal(x.view(np.uint8), y.view(np.uint8)):
+            if not _bitwise_equal(x, y):
                 return Result("determinism", False, note=f"two backward runs differ in {name}", example=p.example())
     return Result("determinism", True, note="bitwise equal reruns" + (", forward and backward" if impl.backward
                                                                       else ""))
+
+
+def _bitwise_equal(a, b) -> bool:
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)  # a view of another dtype needs a contiguous last axis
+    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def check_immutability(impl, dtypes, head_dims):
@@ -615,7 +652,7 @@ def check_immutability(impl, dtypes, head_dims):
     if impl.backward is not None:
         impl.backward(arrays[3], *arrays[:3], **_call_options(p, impl))
     for name, x, b in zip(("q", "k", "v", "dout"), arrays, before):
-        if not np.array_equal(_back(x).view(np.uint8), b.view(np.uint8)):
+        if not _bitwise_equal(_back(x), b):
             return Result("immutability", False, note=f"{name} was written", example=p.example())
     return Result("immutability", True)
 
@@ -653,8 +690,10 @@ def check_attention(impl: Implementation, *, dtypes=None, head_dims=None, exampl
             results.append(runs[name]())
         except _Failure as f:
             results.append(Result(name, False, f.ratio, f.error, f.tolerance, f.note))
+        except Unsupported as why:
+            results.append(Result(name, None, note=f"its fixed problem is unsupported: {why}"))
         except Exception as err:  # noqa: BLE001  (the implementation raised: that is the finding)
-            results.append(Result(name, False, note=f"raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
+            results.append(Result(name, False, note=_raised(err)))
     return Report(impl.name, results)
 
 
@@ -699,21 +738,42 @@ def _flashnumba() -> Implementation:
     from ._backend import SIMULATOR
 
     array = "numpy" if SIMULATOR else "cupy"
-    return Implementation("flashnumba", forward, backward, supports=set(OPTIONS), array=array, varlen=varlen)
+    dtypes = ("float32", "float16") if SIMULATOR else ("float32", "float16", "bfloat16")  # no bfloat16 simulated
+    return Implementation("flashnumba", forward, backward, supports=set(OPTIONS), array=array, varlen=varlen,
+                          dtypes=dtypes)
 
 
 def _torch_sdpa(backend):
+    """torch's scaled_dot_product_attention under one backend, called as a flash-attn user would: causal
+    bottom-right (torch.nn.attention.bias.causal_lower_right where seqlen_q != seqlen_k; ``is_causal`` is
+    top-left), K and V heads repeated for GQA (so that every backend takes it; autograd sums dK and dV back).
+    "No available kernel" (a head dim or layout the backend refuses) is :class:`Unsupported`, with torch's
+    first warning as the reason."""
+    import warnings
+
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
 
     b = getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient":
                              "EFFICIENT_ATTENTION", "math": "MATH"}[backend])
 
     def run(q, k, v, causal=False, softmax_scale=None):
-        with sdpa_kernel(b):  # torch's (batch, nheads, seqlen, d), from flash-attn's layout and back
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=softmax_scale,
-                enable_gqa=k.shape[2] != q.shape[2])
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # torch's (batch, nheads, seqlen, d)
+        if k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        sq, sk = q.shape[2], k.shape[2]
+        with sdpa_kernel(b), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mask = causal_lower_right(sq, sk) if causal and sq != sk else None
+            try:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=softmax_scale)
+            except RuntimeError as err:
+                if "No available kernel" not in str(err) and "No viable backend" not in str(err):
+                    raise
+                why = [str(w.message).splitlines()[0] for w in caught if "causal bias" not in str(w.message)]
+                raise Unsupported(f"torch SDPA {backend}: {'; '.join(why[-2:]) or str(err)}"[:200]) from None
         return out.transpose(1, 2)
 
     def backward(dout, q, k, v, **o):
@@ -765,5 +825,5 @@ def adapter(name: str) -> Implementation:
     raise ValueError(f"unknown implementation {name!r}; built in: {', '.join(ADAPTERS)}, or module:function")
 
 
-__all__ = ["Implementation", "Report", "Result", "check_attention", "adapter", "ADAPTERS", "PROPERTIES",
+__all__ = ["Implementation", "Report", "Result", "Unsupported", "check_attention", "adapter", "ADAPTERS", "PROPERTIES",
            "tolerance", "max_error", "reference_implementation"]

@@ -11,8 +11,8 @@ ask for without running anything::
 How ``kernel=None`` chooses:
 
 * float16 / bfloat16: the tensor-core kernels (``tc``) where they apply: a GPU of compute capability >= 8.0
-  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim 64 or 128 (:data:`flashnumba.tiling.DEFAULT_MMA_HEAD_DIMS`;
-  ``kernel="tc"`` takes any multiple of 16 up to 256 forward and 160 backward), and no tile arguments given (those
+  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim a multiple of 16 up to 256 forward
+  (:data:`flashnumba.tiling.MMA_HEAD_DIMS`) and up to 160 backward (``MMA_BACKWARD_HEAD_DIMS``), and no tile arguments given (those
   are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies).
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
@@ -195,9 +195,6 @@ def _mma_blocker(tq, tensors, limits, tiles_given, pass_="forward") -> str | Non
     built = tiling.MMA_HEAD_DIMS if pass_ == "forward" else tiling.MMA_BACKWARD_HEAD_DIMS
     if D not in built:
         return (f"the tensor-core {pass_} is built for head_dim a multiple of 16 up to {built[-1]}, not {D}")
-    if D not in tiling.DEFAULT_MMA_HEAD_DIMS:
-        return (f"the tensor cores are the default at head_dim {tiling.DEFAULT_MMA_HEAD_DIMS}, the head dims they "
-                f"have been tested at on a GPU; pass kernel='tc' for head_dim {D}")
     if _arrays.cupy is None and any(t.kind in ("numba", "cai") and (
             not _arrays.starts_aligned(t.array) or (not _c_layout(t) and not _rows_in_place(t))) for t in tensors):
         return "strided or unaligned inputs would need a C-contiguous copy, which needs CuPy"

@@ -40,9 +40,6 @@ from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_fo
 MAX_REGISTERS_PER_THREAD = 255
 MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core forward is built for (kernel="tc")
 MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
-# kernel=None takes the tensor cores at the head dims whose tensor-core kernels have run the GPU test profile; the
-# others are taken with kernel="tc" (compiled and checked in the simulator, not yet on a GPU)
-DEFAULT_MMA_HEAD_DIMS = (64, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------

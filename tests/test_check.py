@@ -11,7 +11,7 @@ import pytest
 
 import flashnumba
 from flashnumba import reference
-from flashnumba.check import Implementation, adapter, check_attention, reference_implementation
+from flashnumba.check import Implementation, Unsupported, adapter, check_attention, reference_implementation
 
 
 def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None, bug=None):
@@ -137,12 +137,44 @@ def test_flashnumba_passes():
     assert report.passed, str(report)
 
 
+def test_unsupported_problems_are_set_aside_and_errors_are_failures():
+    """A problem the implementation declares unsupported is set aside and counted; one on which it raises
+    anything else is a failure, shrunk to a small example."""
+
+    def picky(q, k, v, **o):
+        if q.shape[-1] % 8:
+            raise Unsupported("head_dim not a multiple of 8")
+        return plain_attention(q, k, v, **o)
+
+    report = check_attention(Implementation("picky", picky, supports={"causal"}), examples=20,
+                             properties=("forward",))
+    assert report.passed and "set aside as unsupported: head_dim not a multiple of 8" in report["forward"].note
+
+    def crashes(q, k, v, **o):
+        if q.shape[1] > 60:
+            raise RuntimeError("out of shared memory")
+        return plain_attention(q, k, v, **o)
+
+    report = check_attention(Implementation("crashes", crashes, supports={"causal"}), examples=40,
+                             properties=("forward",))
+    r = report["forward"]
+    assert r.passed is False and "raised RuntimeError: out of shared memory" in r.note
+    assert 60 < r.example["shape_q"][1] <= 65  # shrunk to a small failing seqlen
+
+    def never(q, k, v, **o):
+        raise Unsupported("nothing")
+
+    report = check_attention(Implementation("never", never, supports={"causal"}), examples=5,
+                             properties=("forward", "determinism"))
+    assert [r.passed for r in report.results] == [None, None] and "not applicable" in str(report)
+
+
 def test_the_command_line(tmp_path, capsys, monkeypatch):
     from flashnumba.__main__ import main
 
     out = tmp_path / "report.json"
     assert main(["check", "numpy-reference", "--examples", "10", "--json", str(out)]) == 0
-    assert "numpy-reference: all properties hold" in capsys.readouterr().out
+    assert "numpy-reference: passed (10 properties hold, 0 fail, 1 not applicable)" in capsys.readouterr().out
     assert json.loads(out.read_text())["passed"] is True
     # module:function: a plain NumPy function (declared to take causal), here with the top-left convention
     (tmp_path / "my_attention.py").write_text(

@@ -501,8 +501,7 @@ def test_tc_copies_an_input_that_does_not_start_on_16_bytes():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Every head dim a multiple of 16: forward up to 256, backward up to 160 (kernel="tc"; the default stays on the
-# head dims in tiling.DEFAULT_MMA_HEAD_DIMS until the others have run the GPU profile)
+# Every head dim a multiple of 16: forward up to 256, backward up to 160 (kernel=None takes them on a GPU)
 # ---------------------------------------------------------------------------------------------------------------
 
 

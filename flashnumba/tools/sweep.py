@@ -71,25 +71,55 @@ def _flops(pass_, q, causal):
     return f * (2.5 if pass_ == "backward" else 1.0)
 
 
-def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
-    """One configuration: the family's kernels of its plan, timed alone."""
-    import cupy
-
+def _plan(family, tiles, q, k, v, dout, causal):
+    """The plan of one configuration and the arrays its launches take."""
     import flashnumba
-    from .. import _launch, tiling
-    from .resources import occupancy
-    from .timing import cuda_events_ms
 
     pass_, kernel = FAMILIES[family]
     m, n, nt = tiles
     kw = dict(causal=causal, kernel=kernel, block_m=m, block_n=n, num_threads=nt)
     if pass_ == "forward":
-        plan = flashnumba.plan(q, k, v, **kw)
-        arrays = (q, k, v, None, None, None)
-    else:
-        out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal)
-        plan = flashnumba.plan_backward(dout, q, k, v, out, lse, **kw)
-        arrays = (dout, q, k, v, out, lse, None, None, None)
+        return flashnumba.plan(q, k, v, **kw), (q, k, v, None, None, None)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal)
+    return flashnumba.plan_backward(dout, q, k, v, out, lse, **kw), (dout, q, k, v, out, lse, None, None, None)
+
+
+def _compile_one(job):
+    """In a worker process: compile one configuration's kernels into the disk cache (no timing)."""
+    family, D, tiles, dtype, seqlen, causal = job
+    try:
+        plan, _ = _plan(family, tiles, *_arrays(np.dtype(dtype), seqlen, D), causal)
+        plan.resources()
+    except Exception:  # noqa: BLE001  (the timed run records the error)
+        pass
+
+
+def precompile(jobs, workers):
+    """Compile the configurations' kernels in ``workers`` processes into the disk cache
+    (:mod:`flashnumba._cache`), from which the timed run then loads them: a sweep is mostly compile time, and
+    compiles are independent. Does nothing where the cache is disabled or ``workers`` < 2."""
+    from .. import _cache
+
+    if workers < 2 or _cache.directory() is None or len(jobs) < 2:
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_one, jobs))
+
+
+def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
+    """One configuration: the family's kernels of its plan, timed alone."""
+    import cupy
+
+    from .. import _launch, tiling
+    from .resources import occupancy
+    from .timing import cuda_events_ms
+
+    pass_ = FAMILIES[family][0]
+    m, n, nt = tiles
+    plan, arrays = _plan(family, tiles, q, k, v, dout, causal)
     call = _launch.Call(plan)
     values, outs, keep = call.prepare(arrays)
     timed = [b for b in call.bound if b.spec.table == family]
@@ -114,8 +144,9 @@ def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
                 blocks_per_sm=min(blocks), default=is_default)
 
 
-def sweep(family, head_dims, seqlen, causal, dtype, repeat=5, progress=True):
-    """Rows of :func:`measure` for every candidate of ``family`` at each head dim, on the current GPU."""
+def sweep(family, head_dims, seqlen, causal, dtype, repeat=5, progress=True, workers=None):
+    """Rows of :func:`measure` for every candidate of ``family`` at each head dim, on the current GPU; the
+    kernels compiled first in ``workers`` processes (default: the CPU count, at most 16; see :func:`precompile`)."""
     from .. import planner
     from ..kernels import mma_forward, mma_tf32
 
@@ -128,6 +159,8 @@ def sweep(family, head_dims, seqlen, causal, dtype, repeat=5, progress=True):
         allowed = mma_tf32.HEAD_DIMS if "tf32" in family else mma_forward.HEAD_DIMS
         head_dims = [d for d in head_dims if d in allowed] or list(allowed)
     jobs = [(d, t) for d in head_dims for t in candidates(family, d, limits)]
+    workers = min(16, os.cpu_count() or 1) if workers is None else workers
+    precompile([(family, d, t, _numpy_dtype(dtype).name, seqlen, causal) for d, t in jobs], workers)
     bar = _progress(len(jobs), f"sweep {family}") if progress else None
     rows, arrays = [], {}
     for d, tiles in jobs:
@@ -210,6 +243,8 @@ def main(argv=None):
                    help="default: float16 for the tensor-core families, float32 for the others")
     p.add_argument("--repeat", type=int, default=5, help="groups of 10 launches timed per configuration")
     p.add_argument("--out", default=".", help="directory for sweep-FAMILY.json and sweep-FAMILY.png")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes compiling the configurations first (default: the CPU count, at most 16)")
     args = p.parse_args(argv)
     from .._backend import SIMULATOR
 
@@ -217,7 +252,8 @@ def main(argv=None):
         print("the sweep times kernels on a GPU; this machine runs the simulator "
               "(see which configurations would be swept: flashnumba.tools.sweep.candidates)")
         return 2
-    result = sweep(args.family, args.head_dims, args.seqlen, args.causal, args.dtype, args.repeat)
+    result = sweep(args.family, args.head_dims, args.seqlen, args.causal, args.dtype, args.repeat,
+                   workers=args.workers)
     print(f"{'d':>4} {'B_r':>4} {'B_c':>4} {'thr':>4} {'ms':>8} {'TFLOP/s':>8} {'regs':>5} {'spill':>6} "
           f"{'smem':>7} {'blk/SM':>6}")
     for r in result["rows"]:
