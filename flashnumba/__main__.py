@@ -49,6 +49,7 @@ def _check(args):
     import os
 
     from .check import PROPERTIES, adapter, check_attention
+    from .tools.environment import environment
 
     failed = False
     for target in args.targets:
@@ -63,7 +64,7 @@ def _check(args):
                                      properties=args.properties or PROPERTIES)
             print(report if dts is None else f"[{', '.join(dts)}] {report}", flush=True)
             failed |= not report.passed
-            data = dict(report.to_dict(), dtypes=dts or list(impl.dtypes))
+            data = dict(report.to_dict(), dtypes=dts or list(impl.dtypes), environment=environment())
             if args.json and len(args.targets) == 1 and len(runs) == 1:
                 with open(args.json, "w") as f:
                     json.dump(data, f, indent=1)

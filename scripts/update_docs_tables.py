@@ -1,5 +1,5 @@
 """Regenerate the tables of docs/benchmarks.md and README.md that come from docs/results/latest/ (latency.json,
-caps.json, train_tiny_gpt.json, bench-float16.json and bench-float32.json): each replaces what stands between its ``<!-- NAME:begin -->`` and
+caps.json, train_tiny_gpt.json, bench.json): each replaces what stands between its ``<!-- NAME:begin -->`` and
 ``<!-- NAME:end -->`` markers.
 
     python scripts/update_docs_tables.py
@@ -116,39 +116,49 @@ def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096):
     return out
 
 
-def headlines(_data=None, prefix="docs/results/latest/"):
+def headlines(data, prefix="docs/results/latest/"):
     out = []
     for dtype in ("float16", "float32"):
-        source = f"bench-{dtype}.json"
-        out += headline(json.loads((LATEST / source).read_text()), dtype, source, prefix) + [""]
+        out += headline(data, dtype, "bench.json", prefix) + [""]
     return out[:-1]
 
 
 def numerics(_data=None, prefix="results/latest/"):
-    """The checker's reports (``python -m flashnumba check ... --per-dtype --out``: check-*.json): one column per
-    implementation and dtype, one row per property: pass, FAIL (with error / tolerance where measured), n/a; the
-    causal convention found."""
-    reports = [json.loads(p.read_text()) for p in sorted(LATEST.glob("check-*.json"))]
+    """The checker's reports (``python -m flashnumba check ... --per-dtype --out``: check-*.json): one row per
+    implementation and dtype, one column per property: pass, FAIL (error / tolerance where measured), n/a; then
+    each distinct failure's note once, with the smallest failing example."""
+    paths = sorted(LATEST.glob("check-*.json"))
+    reports = [json.loads(p.read_text()) for p in paths]
     if not reports:
         return ["(no report committed yet: `python -m flashnumba check TARGET ... --per-dtype --out "
                 "docs/results/latest`)"]
-    cols = [f"{r['implementation']} {'/'.join(r['dtypes'])}" for r in reports]
     names = [res["name"] for res in reports[0]["results"]]
-    out = ["| property | " + " | ".join(cols) + " |", "| --- | " + " | ".join("---" for _ in cols) + " |"]
-    for name in names:
+    out = ["| implementation | dtype | " + " | ".join(names) + " |",
+           "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    notes = {}
+    for r in reports:
         cells = []
-        for r in reports:
+        for name in names:
             res = next((x for x in r["results"] if x["name"] == name), None)
             if res is None or res["passed"] is None:
                 cells.append("n/a")
             elif res["passed"]:
-                cells.append("pass" + (f" ({res['note'].split(' (')[0]})" if name == "causal-convention" else ""))
+                cells.append("pass")
             else:
-                ratio = f" ({res['ratio']:.3g}x)" if res.get("tolerance") else ""
-                cells.append(f"**FAIL**{ratio}: {res['note'][:60]}")
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    files = ", ".join(f"[{p.name}]({prefix}{p.name})" for p in sorted(LATEST.glob("check-*.json")))
-    return out + ["", f"Reports: {files}."]
+                key = (name, res["note"])
+                notes.setdefault(key, (len(notes) + 1, res.get("example") or {}, []))[2].append(
+                    f"{r['implementation']} {'/'.join(r['dtypes'])}")
+                ratio = f" {res['ratio']:.3g}x" if res.get("tolerance") else ""
+                cells.append(f"**FAIL**{ratio} [{notes[key][0]}]")
+        out.append(f"| {r['implementation']} | {'/'.join(r['dtypes'])} | " + " | ".join(cells) + " |")
+    out.append("")
+    for (name, note), (i, example, where) in notes.items():
+        ex = ", ".join(f"{k}={v}" for k, v in example.items())
+        out.append(f"[{i}] {name}: {note}" + (f"; smallest example: {ex}" if ex else "") +
+                   f" ({', '.join(where)}).")
+        out.append("")
+    files = ", ".join(f"[{p.name}]({prefix}{p.name})" for p in paths)
+    return out + [f"Reports: {files}."]
 
 
 TARGETS = {  # file: (marker name, table function, its arguments)
@@ -158,7 +168,7 @@ TARGETS = {  # file: (marker name, table function, its arguments)
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {})],
 }
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
-           "headline": "bench-float16.json", "numerics": None}
+           "headline": "bench.json", "numerics": None}
 
 
 def main():

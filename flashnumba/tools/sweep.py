@@ -196,12 +196,9 @@ def _progress(total, desc):
     return tqdm(total=total, desc=desc, unit="config")
 
 
-def heatmap(result, path):
+def heatmap(result, path=None):
     """A heatmap per head dim: block_m (rows) x block_n (columns), TFLOP/s (the best over threads), the default
-    framed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    framed; saved to ``path`` (and closed), or, without a path, the figure returned (a notebook shows it)."""
     import matplotlib.pyplot as plt
 
     dims = sorted({r["head_dim"] for r in result["rows"]})
@@ -229,8 +226,11 @@ def heatmap(result, path):
     fig.suptitle(f"{result['family']} ({result['pass_']}), {result['dtype']}, seqlen {result['seqlen']}"
                  f"{', causal' if result['causal'] else ''}, {result['device']}; red: the default")
     fig.tight_layout()
+    if path is None:
+        return fig
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return None
 
 
 def main(argv=None):
@@ -268,6 +268,9 @@ def main(argv=None):
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # a file, no display
         heatmap(result, base + ".png")
     except ImportError:
         print("(matplotlib is not installed: no heatmap)")
