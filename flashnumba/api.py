@@ -265,8 +265,9 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, heads_of_batch):
-    """flash-attn's extra arguments; with dropout and no dropout_seed in kwargs, a fresh seed and offset
+def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, heads_of_batch, validate):
+    """flash-attn's extra arguments; with dropout and no dropout_seed in kwargs, the call validated
+    (``validate()``: a bad call leaves torch's generator where it was), then a fresh seed and offset
     (:func:`draw_dropout_seed`), kept for :func:`last_dropout_seed`."""
     check_flag("return_attn_probs", return_attn_probs)
     check_flag("deterministic", deterministic)
@@ -274,10 +275,12 @@ def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, he
     if dropout_p and kwargs.get("dropout_seed") is None:
         if "dropout_offset" in kwargs:
             raise ValueError("dropout_offset was given without dropout_seed")
+        validate()
         kwargs["dropout_seed"], kwargs["dropout_offset"] = _local.seed = draw_dropout_seed(q, heads_of_batch)
 
 
 _local = threading.local()
+_generator_lock = threading.Lock()  # a generator's offset read and advanced as one step among this process's calls
 PHILOX_STEP = 32  # per (batch, head): how far flash-attn advances torch's generator offset at each dropout call
 _MASK32 = 2**32 - 1
 
@@ -314,8 +317,9 @@ def draw_dropout_seed(q: Array, heads_of_batch: int = 1) -> tuple[int, int]:
                                "then; pass dropout_seed (and dropout_offset) to flashnumba's core API, or capture "
                                "without dropout")
         gen = torch.cuda.default_generators[q.device.index]
-        seed, offset = gen.initial_seed() % 2**64, gen.get_offset()
-        gen.set_offset(offset + PHILOX_STEP * max(int(heads_of_batch), 1))
+        with _generator_lock:
+            seed, offset = gen.initial_seed() % 2**64, gen.get_offset()
+            gen.set_offset(offset + PHILOX_STEP * max(int(heads_of_batch), 1))
         return seed ^ ((offset >> 32) << 32), offset & _MASK32
     return random_seed(), 0
 
@@ -340,9 +344,10 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
     ``deterministic`` is accepted (flashnumba is always deterministic). Other keyword arguments (``kernel``, block
     sizes, ``dropout_seed``, ``dropout_offset``, ``stream``) go to :func:`flash_attn_forward`.
     """
-    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 4, None))
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 4, None),
+                      lambda: check_forward_args(q, k, v, **opts))
     out, lse = flash_attn_forward(q, k, v, **opts, **kwargs)
     if not return_attn_probs:
         return out
@@ -504,7 +509,10 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
     """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only
     (``return_attn_probs`` is not available for packed batches). With dropout and no ``dropout_seed``: as
     :func:`flash_attn_func`."""
-    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 3, cu_seqlens_q))
+    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 3, cu_seqlens_q),
+                      lambda: check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                                dropout_p))
     if return_attn_probs:
         raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
     return flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -527,7 +535,8 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
     fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
     if "stream" in kwargs:
         fwd_kw["stream"] = kwargs["stream"]
-    if dropout_p and dropout_seed is None:
+    if dropout_p and dropout_seed is None:  # validated first: a bad call leaves torch's generator as it was
+        check_forward_args(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
         dropout_seed, dropout_offset = draw_dropout_seed(q, _heads_of_batch(q, 4, None))
     if "backward_kernel" in kwargs:
         kwargs["kernel"] = kwargs.pop("backward_kernel")

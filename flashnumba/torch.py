@@ -87,9 +87,11 @@ def _empty(like: Tensor, shape, dtype=None) -> Tensor:
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float,
                   softmax_scale: float, causal: bool, window_left: int, window_right: int,
                   softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    opts = _options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    if dropout_p:  # validated before the generator advances: a bad call leaves it where it was
+        api.check_forward_args(q, k, v, **opts)
     seeds, rng = _draw(q, q.shape[0] * q.shape[2], dropout_p)
-    out, lse = api.flash_attn_forward(q, k, v, **_options(dropout_p, softmax_scale, causal, window_left, window_right,
-                                                          softcap, alibi_slopes), **seeds)
+    out, lse = api.flash_attn_forward(q, k, v, **opts, **seeds)
     return out, lse, rng
 
 
@@ -140,10 +142,12 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
                          max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], dropout_p: float,
                          softmax_scale: float, causal: bool, window_left: int, window_right: int,
                          softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    opts = _options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    if dropout_p:  # validated before the generator advances
+        api.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **opts)
     seeds, rng = _draw(q, (cu_seqlens_q.shape[0] - 1) * q.shape[1], dropout_p)
-    out, lse = api.flash_attn_varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes), **seeds)
+    out, lse = api.flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             **opts, **seeds)
     return out, lse, rng
 
 

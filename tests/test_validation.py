@@ -108,3 +108,24 @@ def test_bad_options(kw, err, msg):
     q, k, v = qkv(d=128)
     with pytest.raises(err, match=msg):
         flashnumba.flash_attn_forward(q, k, v, **kw)
+
+
+def test_a_bad_call_with_dropout_draws_no_seed(monkeypatch):
+    """With dropout and no seed, the call is validated before a seed is drawn: a bad call leaves torch's generator
+    (or the entropy source) untouched."""
+    from flashnumba import api
+
+    drawn = []
+    monkeypatch.setattr(api, "draw_dropout_seed", lambda *a: drawn.append(a) or (1, 0))
+    q, k, v = qkv()
+    bad_k = np.zeros((1, 5, 2, 7), np.float32)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        flashnumba.flash_attn_func(q, bad_k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        flashnumba.attention_with_grad(q, bad_k, v, q, dropout_p=0.1)
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        flashnumba.flash_attn_varlen_func(q[0], bad_k[0, :4], v[0, :4], cu, cu, 4, 4, dropout_p=0.1)
+    with pytest.raises(ValueError, match="window_size"):
+        flashnumba.flash_attn_func(q, k, v, dropout_p=0.1, window_size=(-2, 0))
+    assert drawn == []
