@@ -96,9 +96,13 @@ def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096):
     ours = next(i for i in DEFAULT_PATH[dtype] if any(r["impl"] == i for r in rows))
     peers = [p for p in PEERS[dtype] if any(r["impl"] == p for r in rows)]
     tf = {(r["impl"], r["head_dim"], r["causal"], r["pass_"]): r["tflops"] for r in rows}
+    single = {(r["impl"], r["head_dim"], r["causal"], r["pass_"]): r["tflops_single"] for r in rows
+              if "tflops_single" in r}
     e = d["environment"]
     timing = ("calls back to back" if d.get("group_ms") else "one call per pair of CUDA events (its host time on "
               "the clock)")
+    if single:
+        timing += "; after the slash, one call per pair of CUDA events"
     out = [f"{dtype}, seqlen {seqlen}, batch x heads = 4 x 32 (d=64) or 4 x 16 (d=128), TFLOP/s; flashnumba's "
            f"default kernels (`{ours}`). {e['device']}, {e['date'][:10]}, {timing}; source: "
            f"[`{prefix}{source}`]({prefix}{source}).", "",
@@ -109,10 +113,20 @@ def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096):
     for (impl, hd, causal, pass_), value in sorted(tf.items(), key=lambda kv: (kv[0][1], kv[0][2], order[kv[0][3]])):
         if impl != ours:
             continue
+        key = (impl, hd, causal, pass_)
         others = [tf.get((p, hd, causal, pass_)) for p in peers]
         ratio = f"{value / others[0]:.2f}" if others[0] else "-"
-        out.append(f"| {hd} | {'yes' if causal else 'no'} | {pass_} | {value:.0f} | "
-                   + " | ".join("-" if o is None else f"{o:.0f}" for o in others) + f" | {ratio} |")
+        cell = f"{value:.0f}"
+        if single:  # both timing modes: "back to back / one call per sample"
+            s_others = [single.get((p, hd, causal, pass_)) for p in peers]
+            cell += f" / {single[key]:.0f}" if key in single else ""
+            others = [f"{o:.0f} / {so:.0f}" if o is not None and so is not None else o
+                      for o, so in zip(others, s_others)]
+            if key in single and s_others[0]:
+                ratio += f" / {single[key] / s_others[0]:.2f}"
+        out.append(f"| {hd} | {'yes' if causal else 'no'} | {pass_} | {cell} | "
+                   + " | ".join("-" if o is None else (o if isinstance(o, str) else f"{o:.0f}") for o in others)
+                   + f" | {ratio} |")
     return out
 
 

@@ -114,3 +114,13 @@ def test_tf32_is_validated_against_a_float16_class_baseline():
     assert bench.validate(tf32_like, 64, True, np.float32, seqlen=40) is not None  # float32's tolerance
     tf32_like.baseline_dtype = np.float16
     assert bench.validate(tf32_like, 64, True, np.float32, seqlen=40) is None
+
+
+def test_both_timing_modes(tmp_path):
+    """--both-modes: each pass timed back to back (--group-ms) and one call per sample, both in the row."""
+    rc = bench.main(["--seqlens", "16", "--head-dims", "16", "--dtypes", "float32", "--causal", "off",
+                     "--tokens", "16", "--width", "16", "--repeat", "1", "--warmup", "0", "--group-ms", "1",
+                     "--both-modes", "--impls", "flashnumba_v3", "--passes", "fwd", "--out", str(tmp_path)])
+    assert rc == 0
+    (row,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["rows"] if "ms" in r]
+    assert row["ms"] > 0 and row["ms_single"] > 0 and row["tflops_single"] > 0

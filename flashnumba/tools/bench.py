@@ -406,7 +406,7 @@ def _progress(total):
 
 def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=16384, width=2048, warmup=2,
               repeat=10, skip_standard_above_gib=60.0, max_call_ms=5000.0, on_row=None, window_size=None, gqa=1,
-              varlen=False, group_ms=0.0, explicit=True):
+              varlen=False, group_ms=0.0, explicit=True, single_too=False):
     """Measure every (head_dim, causal, dtype, seqlen) x implementation x pass; returns the rows.
 
     ``on_row(row)`` is called as each row is measured (the CLI prints it and saves the JSON, so that a run cut
@@ -415,7 +415,9 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
     (query heads per key/value head) time only the implementations that take them (flashnumba's). ``varlen``
     packs each batch as sequences of random lengths up to seqlen (``varlen_lengths``) and times the varlen entry
     points, again flashnumba's only. A pair of an implementation and a dtype it does not take (its ``dtypes``) is
-    recorded as skipped when ``explicit`` (the implementations were asked for by name), else left out."""
+    recorded as skipped when ``explicit`` (the implementations were asked for by name), else left out.
+    ``single_too``: where ``group_ms`` > 0 (calls back to back), each pass is also timed one call per sample
+    (``ms_single``, ``tflops_single``: the host's work before the first kernel on the clock)."""
     rows, invalid, too_slow = [], {}, set()
 
     def emit(row):
@@ -486,8 +488,12 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
                     ms, times, peak, calls = _peak_and_time(fns[p], lib, warmup, repeat, group_ms)
                     f = varlen_flops(lens, nheads, d, causal, p, opts.get("window_size")) if varlen else \
                         flops(batch, nheads, n, d, causal, p, opts.get("window_size"))
-                    emit(dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak,
-                              calls_per_sample=calls))
+                    row = dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak,
+                               calls_per_sample=calls)
+                    if single_too and group_ms:
+                        single, _, _ = cuda_time_calls_ms(fns[p], warmup=0, repeat=repeat, group_ms=0.0)
+                        row.update(ms_single=single, tflops_single=f / single / 1e9)
+                    emit(row)
                     if ms > max_call_ms:
                         too_slow.add(key)
                 del fns
@@ -561,8 +567,9 @@ def format_row(r, standard_ms=None):
     if "error" in r:
         return f"{head} {'':>8} | {r['error']}"
     x = f"{standard_ms / r['ms']:.2f}" if standard_ms else "-"
+    single = f"  (one call per sample: {r['ms_single']:.3f} ms, {r['tflops_single']:.2f})" if "ms_single" in r else ""
     return (f"{head} {r['pass_']:>8} | {r['ms']:9.3f} {r['tflops']:8.2f} {x:>10} "
-            f"{r['peak_bytes'] / 2**20:9.1f}")
+            f"{r['peak_bytes'] / 2**20:9.1f}{single}")
 
 
 def _standard_ms(rows):
@@ -642,6 +649,8 @@ def main(argv=None):
     p.add_argument("--group-ms", type=float, default=20.0,
                    help="time calls back to back in samples of about this many ms (0: one call per sample, the "
                         "host's work before each call's first kernel then on the clock)")
+    p.add_argument("--both-modes", action="store_true",
+                   help="time each pass both ways: back to back (--group-ms) and one call per sample")
     p.add_argument("--max-call-ms", type=float, default=5000.0,
                    help="do not run an implementation at longer seqlens once one call took longer than this")
     p.add_argument("--out", default="bench-out")
@@ -715,7 +724,7 @@ def main(argv=None):
                          dtypes=[dtype_of(d) for d in a.dtypes], passes=a.passes, impls=impls, tokens=a.tokens,
                          width=a.width, warmup=a.warmup, repeat=a.repeat, max_call_ms=a.max_call_ms,
                          on_row=on_row, window_size=a.window, gqa=a.gqa, varlen=a.varlen, group_ms=a.group_ms,
-                         explicit=bool(a.impls))
+                         explicit=bool(a.impls), single_too=a.both_modes)
         result["group_ms"] = a.group_ms
         print()
         print(table(rows))
