@@ -190,7 +190,7 @@ def flash_attn_forward(
         tensor cores apply, else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with
         Numba's default signed indexing), "v1" (one thread per row, the readable one): the SIMT kernels of
         flashnumba.kernels.simt_forward; "tc": the tensor-core kernel (float16 or bfloat16, head_dim a multiple of
-        16 up to 256, every option; block_m in 16, 32,
+        8 up to 256 (kernel=None takes the multiples of 16), every option; block_m in 16, 32,
         64, 128, block_n a multiple of 16; compute capability >= 8.0), flashnumba.kernels.mma_forward; "tf32",
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
@@ -238,7 +238,7 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2" (register-tiled)
     or "v1" (one thread per row, the readable one), see flashnumba.kernels.simt_backward; "tc" (tensor cores:
-    float16 or bfloat16, head_dim a multiple of 16 up to 160, every option; block_m and
+    float16 or bfloat16, head_dim a multiple of 8 up to 160 (kernel=None: the multiples of 16), every option; block_m and
     block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and ``tc_dkdv``
     in flashnumba.tiling, and a block_m or block_n given applies to both), see flashnumba.kernels.mma_backward. None
     (default): "tc" where it applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.

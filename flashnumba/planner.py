@@ -12,7 +12,8 @@ How ``kernel=None`` chooses:
 
 * float16 / bfloat16: the tensor-core kernels (``tc``) where they apply: a GPU of compute capability >= 8.0
   (``mma.sync`` m16n8k16 and ``cp.async``), head_dim a multiple of 16 up to 256 forward
-  (:data:`flashnumba.tiling.MMA_HEAD_DIMS`) and up to 160 backward (``MMA_BACKWARD_HEAD_DIMS``), and no tile arguments given (those
+  and up to 160 backward (:data:`flashnumba.tiling.MMA_DEFAULT_HEAD_DIMS`; ``kernel="tc"`` also takes the multiples
+  of 8 in between, padded to 16 in shared memory: :data:`~flashnumba.tiling.MMA_HEAD_DIMS`), and no tile arguments given (those
   are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies).
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
@@ -194,7 +195,11 @@ def _mma_blocker(tq, tensors, limits, tiles_given, pass_="forward") -> str | Non
     D = tq.shape[-1]
     built = tiling.MMA_HEAD_DIMS if pass_ == "forward" else tiling.MMA_BACKWARD_HEAD_DIMS
     if D not in built:
-        return (f"the tensor-core {pass_} is built for head_dim a multiple of 16 up to {built[-1]}, not {D}")
+        return (f"the tensor-core {pass_} is built for head_dim a multiple of 8 up to {built[-1]}, not {D}")
+    if D not in tiling.MMA_DEFAULT_HEAD_DIMS:
+        return (f"head_dim {D} (a multiple of 8, not of 16) runs on the tensor cores with kernel='tc'; the default "
+                f"takes them at the multiples of 16 (tiling.MMA_DEFAULT_HEAD_DIMS), the head dims the GPU profile "
+                f"has run")
     if _arrays.cupy is None and any(t.kind in ("numba", "cai") and (
             not _arrays.starts_aligned(t.array) or (not _c_layout(t) and not _rows_in_place(t))) for t in tensors):
         return "strided or unaligned inputs would need a C-contiguous copy, which needs CuPy"
@@ -256,7 +261,7 @@ def _check_family(kernel, tq, opts, limits, pass_):
             raise TypeError(f"the tensor-core kernels take float16 or bfloat16; q has dtype {tq.dtype}")
         built = tiling.MMA_HEAD_DIMS if pass_ == "forward" else tiling.MMA_BACKWARD_HEAD_DIMS
         if tq.shape[-1] not in built:
-            raise ValueError(f"the tensor-core {pass_} supports head_dim a multiple of 16 up to {built[-1]}, got "
+            raise ValueError(f"the tensor-core {pass_} supports head_dim a multiple of 8 up to {built[-1]}, got "
                              f"{tq.shape[-1]}")
     if kernel in mma_tf32.PRECISIONS:
         if tq.dtype != np.float32:

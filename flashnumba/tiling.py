@@ -40,6 +40,9 @@ from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_fo
 MAX_REGISTERS_PER_THREAD = 255
 MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core forward is built for (kernel="tc")
 MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
+# kernel=None takes the tensor cores at the head dims that have run the GPU test profile (the multiples of 16); the
+# multiples of 8 in between (padded in shared memory) take them with kernel="tc" until they have run on a GPU
+MMA_DEFAULT_HEAD_DIMS = tuple(d for d in MMA_HEAD_DIMS if d % 16 == 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -275,14 +278,14 @@ def check(table: str, D: int, t: Tiles):
             raise ValueError(f"kernel v1 runs a thread per row: at most 1024 rows a tile, got {m}, {n}")
     elif table == "tc":
         if D not in mma_forward.HEAD_DIMS:
-            raise ValueError(f"the tensor-core forward supports head_dim a multiple of 16 up to 256, got {D}")
+            raise ValueError(f"the tensor-core forward supports head_dim a multiple of 8 up to 256, got {D}")
         if m not in (16, 32, 64, 128):
             raise ValueError(f"kernel 'tc' takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {m}")
         if n <= 0 or n % 16:
             raise ValueError(f"kernel 'tc' takes block_n a positive multiple of 16, got {n}")
     elif table in ("tc_dq", "tc_dkdv"):
         if D not in mma_backward.BACKWARD_HEAD_DIMS:
-            raise ValueError(f"the tensor-core backward supports head_dim a multiple of 16 up to 160, got {D}")
+            raise ValueError(f"the tensor-core backward supports head_dim a multiple of 8 up to 160, got {D}")
         for name, value in (("block_m", m), ("block_n", n)):
             if value not in mma_backward.TILES:
                 raise ValueError(f"the tensor-core backward takes {name} in {mma_backward.TILES}, got {value}")

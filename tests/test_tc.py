@@ -501,11 +501,12 @@ def test_tc_copies_an_input_that_does_not_start_on_16_bytes():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Every head dim a multiple of 16: forward up to 256, backward up to 160 (kernel=None takes them on a GPU)
+# Every head dim a multiple of 8: forward up to 256, backward up to 160; a multiple of 8 but not of 16 padded to
+# 16 in shared memory (kernel=None takes the multiples of 16 on a GPU, the others with kernel="tc")
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("D", [32, 96])
+@pytest.mark.parametrize("D", [32, 96, 40])
 def test_forward_tc_other_head_dims(D):
     rng = np.random.default_rng(D)
     q, k, v = random_qkv(rng, 1, 17, 33, 1, D, np.float16)
@@ -513,25 +514,45 @@ def test_forward_tc_other_head_dims(D):
     check_forward(out, lse, q, k, v, causal=True)
 
 
-def test_backward_tc_other_head_dims():
-    rng = np.random.default_rng(96)
-    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 17, 20, 1, 96, np.float16, True, block_m=16,
+@pytest.mark.parametrize("D", [96, 24])
+def test_backward_tc_other_head_dims(D):
+    rng = np.random.default_rng(D)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 17, 20, 1, D, np.float16, True, block_m=16,
                                                       block_n=16)
     check_backward(grads, dout, q, k, v, out, lse, causal=True)
 
 
+def test_padding_the_head_dim_with_zero_columns_changes_nothing():
+    """head_dim 40 runs as 48 in shared memory, the 8 columns past 40 zeros: the same bits as a head_dim 48 call
+    whose last 8 columns of q, k and v are zeros (at the same softmax scale), forward and backward."""
+    rng = np.random.default_rng(40)
+    q, k, v = random_qkv(rng, 1, 17, 21, 1, 40, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    zeros = [np.concatenate([x, np.zeros(x.shape[:-1] + (8,), x.dtype)], axis=-1) for x in (q, k, v, dout)]
+    kw = dict(causal=True, kernel="tc", block_m=16, block_n=16, softmax_scale=40 ** -0.5)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, **kw)
+    out48, lse48 = flashnumba.flash_attn_forward(*zeros[:3], **kw)
+    assert out.shape == q.shape and np.array_equal(out, out48[..., :40]) and np.array_equal(lse, lse48)
+    assert not out48[..., 40:].any()
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, **kw)
+    grads48 = flashnumba.flash_attn_backward(zeros[3], *zeros[:3], out48, lse48, **kw)
+    for g, g48 in zip(grads, grads48):
+        assert g.shape == q.shape[:-1] + (40,) or g.shape == k.shape
+        assert np.array_equal(g, g48[..., :40])
+
+
 def test_head_dims_beyond_the_tensor_cores_are_refused_or_fall_back():
-    q = np.zeros((1, 8, 1, 40), np.float16)  # not a multiple of 16
-    with pytest.raises(ValueError, match="multiple of 16 up to 256"):
+    q = np.zeros((1, 8, 1, 36), np.float16)  # not a multiple of 8
+    with pytest.raises(ValueError, match="multiple of 8 up to 256"):
         flashnumba.plan(q, q, q, kernel="tc")
     q = np.zeros((1, 8, 1, 192), np.float16)  # forward on tensor cores, backward not
     lse = np.zeros((1, 1, 8), np.float32)
     assert flashnumba.plan(q, q, q, kernel="tc").kernel == "tc"
-    with pytest.raises(ValueError, match="tensor-core backward supports head_dim a multiple of 16 up to 160"):
+    with pytest.raises(ValueError, match="tensor-core backward supports head_dim a multiple of 8 up to 160"):
         flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc")
 
 
-GPU_HEAD_DIMS = [d for d in tiling.MMA_HEAD_DIMS if d not in (64, 128)]
+GPU_HEAD_DIMS = [d for d in tiling.MMA_HEAD_DIMS if d not in (64, 128)]  # the multiples of 8 to 256
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")

@@ -1,8 +1,8 @@
 """Backward kernels on tensor cores: FlashAttention-2, Algorithm 2, with its five matrix products as ``mma.sync``.
 
 The SIMT backward (:mod:`flashnumba.kernels.simt_backward`) in the tile operations of
-:mod:`flashnumba.kernels.mma_forward`: float16 or bfloat16 inputs, float32 accumulation, head_dim a multiple of 16
-up to 160 (:data:`BACKWARD_HEAD_DIMS`), with every option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen,
+:mod:`flashnumba.kernels.mma_forward`: float16 or bfloat16 inputs, float32 accumulation, head_dim a multiple of 8
+up to 160 (:data:`BACKWARD_HEAD_DIMS`; padded to a multiple of 16 in shared memory, as the forward), with every option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen,
 dropout; :func:`make_entry` holds the per-entry part). As there, D_i = rowsum(dO_i * O_i) comes first
 (``simt_backward.make_backward_preprocess_warp``), then two kernels, neither with atomics, so the gradients are
 deterministic:
@@ -45,7 +45,7 @@ from . import bf16, ptx
 from .._backend import cuda
 from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
-                        tile_landed)
+                        padded, tile_landed)
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16
 
@@ -56,13 +56,13 @@ BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 160)
 
 
 def shared_bytes_dq(D, block_m, block_n):
-    """Q_i and dO_i (block_m rows), two K_j, V_j buffers (block_n rows), 16-bit elements, rows of D + PAD."""
-    return (2 * block_m + 4 * block_n) * (D + PAD) * 2
+    """Q_i and dO_i (block_m rows), two K_j, V_j buffers (block_n rows), 16-bit elements, rows of padded(D) + PAD."""
+    return (2 * block_m + 4 * block_n) * (padded(D) + PAD) * 2
 
 
 def shared_bytes_dkdv(D, block_m, block_n):
     """K_j and V_j (block_n rows), two Q_i, dO_i buffers (block_m rows); L_i and D_i (static, not counted)."""
-    return (2 * block_n + 4 * block_m) * (D + PAD) * 2
+    return (2 * block_n + 4 * block_m) * (padded(D) + PAD) * 2
 
 
 def _check(D, block_m, block_n, dtype):
@@ -136,14 +136,15 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     elem = uint16 if is_bf16 else float16
     B_R, B_C = block_m, block_n
     NT = 2 * B_R  # 32 threads per 16 rows
+    DG, D = D, padded(D)  # the arrays' head dim; the shared rows' and the products' (zeros past DG)
     LD = D + PAD
-    KD, NS, NO = D // 16, B_C // 8, D // 8
+    KD, NS, NO, NOG = D // 16, B_C // 8, D // 8, DG // 8
     OFF_DO = B_R * LD  # dO_i after Q_i
     OFF_K = 2 * B_R * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
     OFF_V = B_C * LD
     BUF = 2 * B_C * LD
-    load_qdo = make_load_pair(D, NT, B_R, OFF_DO, strided)  # Q_i and dO_i
-    load_kv = make_load_pair(D, NT, B_C, OFF_V, strided)  # K_j and V_j of one buffer
+    load_qdo = make_load_pair(D, NT, B_R, OFF_DO, strided, DG)  # Q_i and dO_i
+    load_kv = make_load_pair(D, NT, B_C, OFF_V, strided, DG)  # K_j and V_j of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_C, dtype)  # S = Q_i K_j^T, dP = dO_i V_j^T
     mma_ab = make_mma_ab(B_C, D, dtype)  # dQ_i += dS K_j
@@ -224,7 +225,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
         for x in range(2):
             i = i0 + r0 + g + 8 * x
             if i < seqlen_q:
-                for n in range(NO):
+                for n in range(NOG):
                     dq[bb, q0 + i, h, 8 * n + 2 * t] = store(acc[n, 2 * x] * scale)
                     dq[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(acc[n, 2 * x + 1] * scale)
 
@@ -249,14 +250,15 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     elem = uint16 if is_bf16 else float16
     B_R, B_C = block_m, block_n
     NT = 2 * B_C
+    DG, D = D, padded(D)
     LD = D + PAD
-    KD, NS, NO = D // 16, B_R // 8, D // 8
+    KD, NS, NO, NOG = D // 16, B_R // 8, D // 8, DG // 8
     OFF_V = B_C * LD  # V_j after K_j
     OFF_Q = 2 * B_C * LD  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_R * LD
     BUF = 2 * B_R * LD
-    load_kv = make_load_pair(D, NT, B_C, OFF_V, strided)  # K_j and V_j
-    load_qdo = make_load_pair(D, NT, B_R, OFF_DO, strided)  # Q_i and dO_i of one buffer
+    load_kv = make_load_pair(D, NT, B_C, OFF_V, strided, DG)  # K_j and V_j
+    load_qdo = make_load_pair(D, NT, B_R, OFF_DO, strided, DG)  # Q_i and dO_i of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_R, dtype)  # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
     mma_ab = make_mma_ab(B_R, D, dtype)  # dV_j += P^T dO_i, dK_j += dS^T Q_i
@@ -366,7 +368,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         for x in range(2):
             j = j0 + r0 + g + 8 * x
             if j < seqlen_k:
-                for n in range(NO):
+                for n in range(NOG):
                     dk[bb, k0 + j, hk, 8 * n + 2 * t] = store(dk_acc[n, 2 * x] * scale)
                     dk[bb, k0 + j, hk, 8 * n + 2 * t + 1] = store(dk_acc[n, 2 * x + 1] * scale)
                     dv[bb, k0 + j, hk, 8 * n + 2 * t] = store(dv_acc[n, 2 * x] * zscale)

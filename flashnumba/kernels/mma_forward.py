@@ -4,8 +4,8 @@ The SIMT kernels of :mod:`flashnumba.kernels.simt_forward` compute every product
 the two matrix products of each key tile to the tensor cores, through the intrinsics of
 :mod:`flashnumba.kernels.ptx` (``mma_m16n8k16_*``, ``ldmatrix_x4``, ``ldmatrix_x4_trans``, ``pack_*x2``,
 ``cp_async_16``, ``shfl_xor_f32``): float16 or bfloat16 inputs, float32 accumulation. The online softmax recurrence,
-the masking and lse are v1's, done on the accumulator fragments in registers. head_dim a multiple of 16 up to 256,
-with every option of the SIMT kernels (GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked
+the masking and lse are v1's, done on the accumulator fragments in registers. head_dim a multiple of 8 up to 256 (a
+multiple of 16 in shared memory: :func:`flashnumba.kernels.mma_tiles.padded`), with every option of the SIMT kernels (GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked
 for, as there.
 
 Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 W;
@@ -60,19 +60,20 @@ from .._backend import cuda
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod,
                      make_sequence_geometry)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_load_rows, make_mma_ab,
-                        make_mma_abt, make_mma_into, tile_landed)
+                        make_mma_abt, make_mma_into, padded, tile_landed)
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16  # numba-cuda's own float16 (numba.types.float16 does not type in kernels)
 
 
 def shared_bytes(D, B_c, warps):
-    """Q_i (B_r rows) and two K_j, V_j buffers (B_c rows each), 16-bit elements, rows of D + PAD."""
-    return (WARP_ROWS * warps + 4 * B_c) * (D + PAD) * 2
+    """Q_i (B_r rows) and two K_j, V_j buffers (B_c rows each), 16-bit elements, rows of padded(D) + PAD."""
+    return (WARP_ROWS * warps + 4 * B_c) * (padded(D) + PAD) * 2
 
 
 @functools.lru_cache(maxsize=None)
 def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False):
-    """The tensor-core forward kernel for head_dim D (a multiple of 16 up to 256), B_c keys per tile (a multiple of 16),
+    """The tensor-core forward kernel for head_dim D (a multiple of 8 up to 256; in shared memory and the products
+    a multiple of 16, :func:`flashnumba.kernels.mma_tiles.padded`), B_c keys per tile (a multiple of 16),
     ``warps`` warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by
     ``variant`` (a :class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen, dropout).
     ``gqa``: fewer key/value heads than query heads. It is compiled in, so that a kernel without GQA carries no
@@ -90,7 +91,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
     """
     if D not in HEAD_DIMS:
-        raise ValueError(f"the tensor-core kernel supports head_dim a multiple of 16 up to 256, got {D}")
+        raise ValueError(f"the tensor-core kernel supports head_dim a multiple of 8 up to 256, got {D}")
     if B_c % 16 or B_c <= 0:
         raise ValueError(f"B_c must be a positive multiple of 16, got {B_c}")
     if warps not in (1, 2, 4, 8):
@@ -107,16 +108,18 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     elem = uint16 if is_bf16 else float16  # shared memory holds the 16-bit patterns as they come
     B_R = WARP_ROWS * warps
     NT = 32 * warps  # threads per block
+    DG, D = D, padded(D)  # the arrays' head dim; the shared rows' and the products' (zeros past DG)
     LD = D + PAD  # shared-memory row stride, elements
     KD = D // 16  # k-steps of S = Q K^T (16 head dims each)
     NS = B_c // 8  # (16 x 8) tiles of S per warp
     NO = D // 8  # (16 x 8) tiles of O per warp
+    NOG = DG // 8  # those stored (within the head dim)
     OFF_K = B_R * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
     OFF_V = B_c * LD
     BUF = 2 * B_c * LD
 
-    load_rows = make_load_rows(D, NT, strided=strided)
-    load_kv = make_load_pair(D, NT, B_c, OFF_V, strided)  # K_j and V_j of one buffer
+    load_rows = make_load_rows(D, NT, strided=strided, DG=DG)
+    load_kv = make_load_pair(D, NT, B_c, OFF_V, strided, DG)  # K_j and V_j of one buffer
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_c, dtype)  # S_ij = Q_i K_j^T
     mma_ab = make_mma_ab(B_c, D, dtype)  # O_i += P_ij V_j
@@ -261,7 +264,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
             i = i0 + r0 + g + 8 * x
             if i < seqlen_q:
                 inv_l = (rp_keep if DROPOUT else float32(1.0)) / l[x] if l[x] != 0 else float32(0.0)
-                for n in range(NO):
+                for n in range(NOG):
                     out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[n, 2 * x] * inv_l)
                     out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[n, 2 * x + 1] * inv_l)
                 if t == 0:

@@ -11,6 +11,10 @@ Every tensor-core kernel (:mod:`.mma_forward`, :mod:`.mma_backward`, :mod:`.mma_
 * :func:`make_mma_abt`: acc = A X^T (S = Q K^T, dP = dO V^T), :func:`make_mma_ab`: acc += P X (O += P V,
   dQ += dS K, ...), with :func:`make_mma_into` the one m16n8k16 product behind both.
 
+A head dim that is a multiple of 8 but not of 16 (24, 40, ...) is padded in shared memory to the next multiple of
+16 (:func:`padded`), the k-step of ``mma.sync.m16n8k16``: the copies fill the columns past the head dim with
+zeros, which add nothing to Q K^T, and only the head dim's columns are stored.
+
 Matrices in shared memory are row-major with rows of D + :data:`PAD` elements; ``off`` is the element offset of
 a matrix's first row in the one shared array. A row of D = 64 or 128 16-bit elements is 128 or 256 bytes: with
 that stride the eight 16-byte rows an ``ldmatrix`` reads would all start in the same four of the 32 banks (an
@@ -26,8 +30,14 @@ from . import ptx
 from .._backend import cuda
 
 WARP_ROWS = 16  # the M of mma.m16n8k16 (and m16n8k8): query rows per warp
-HEAD_DIMS = tuple(range(16, 257, 16))  # head dims the tensor-core forward is built for: k-steps of 16 (m16n8k16)
+HEAD_DIMS = tuple(range(8, 257, 8))  # head dims the tensor-core forward is built for (16-byte rows of 16 bits)
 PAD = 8  # elements added to each shared-memory row (16 bytes): conflict-free ldmatrix
+
+
+def padded(D: int) -> int:
+    """The head dim in shared memory and in the products: D rounded up to a multiple of 16 (the k-step of
+    m16n8k16); the columns past D are zeros."""
+    return -(-D // 16) * 16
 
 
 def _kind(dtype):
@@ -71,17 +81,19 @@ def make_copy16(D, strided=False):
 
 
 @functools.lru_cache(maxsize=None)
-def make_load_rows(D, NT, LD=None, per_copy=8, strided=False):
+def make_load_rows(D, NT, LD=None, per_copy=8, strided=False, DG=None):
     """load_rows(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` rows of
-    src[b, row0 + r, h, :] (a (batch, seqlen, nheads, D) array, C-contiguous unless ``strided``, see
-    :func:`make_copy16`) to smem rows off + r (row stride ``LD`` elements, D + PAD unless given), 16 bytes =
-    ``per_copy`` elements (8 of 16 bits, 4 of float32) per cp.async, spread over the NT threads of the block; rows
-    at or past ``row_end`` (the end of the sequence) become zeros (plain stores: a row of garbage could hold a
-    NaN, and 0 * NaN is NaN)."""
+    src[b, row0 + r, h, :] (a (batch, seqlen, nheads, DG) array, C-contiguous unless ``strided``, see
+    :func:`make_copy16`) to smem rows off + r of D elements (row stride ``LD`` elements, D + PAD unless given),
+    16 bytes = ``per_copy`` elements (8 of 16 bits, 4 of float32) per cp.async, spread over the NT threads of the
+    block; rows at or past ``row_end`` (the end of the sequence), and the columns from DG (the array's head dim,
+    D unless given) to D, become zeros (plain stores: a row of garbage could hold a NaN, and 0 * NaN is NaN)."""
     if LD is None:
         LD = D + PAD
+    if DG is None:
+        DG = D
     CH = D // per_copy  # 16-byte chunks per row
-    copy16 = make_copy16(D, strided)
+    copy16 = make_copy16(DG, strided)
 
     @cuda.jit(device=True, inline=True)
     def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
@@ -90,7 +102,7 @@ def make_load_rows(D, NT, LD=None, per_copy=8, strided=False):
             if e < rows * CH:
                 r = e // CH
                 c = (e % CH) * per_copy
-                if row0 + r < row_end:
+                if row0 + r < row_end and c < DG:
                     copy16(smem, off + r * LD + c, src, b, row0, r, h, c)
                 else:
                     for x in range(per_copy):
@@ -100,11 +112,11 @@ def make_load_rows(D, NT, LD=None, per_copy=8, strided=False):
 
 
 @functools.lru_cache(maxsize=None)
-def make_load_pair(D, NT, rows, second, strided=False):
+def make_load_pair(D, NT, rows, second, strided=False, DG=None):
     """load_pair(smem, off, x, y, b, row0, row_end, h, tid): :func:`make_load_rows` of ``rows`` rows of x to
     smem from element ``off`` and of the same rows of y from ``off + second``: the two matrices of one tile of a
     double buffer (K_j and V_j, or Q_i and dO_i), copied as one."""
-    load_rows = make_load_rows(D, NT, strided=strided)
+    load_rows = make_load_rows(D, NT, strided=strided, DG=DG)
 
     @cuda.jit(device=True, inline=True)
     def load_pair(smem, off, x, y, b, row0, row_end, h, tid):
