@@ -124,6 +124,32 @@ def check_int(name, value, lo, hi) -> int:
     return int(value)
 
 
+PRECISIONS = ("ieee", "tf32", "3xtf32")
+_SIMT = {"forward": ("v1", "v2", "v3"), "backward": ("v1", "v2")}
+
+
+def kernel_for_precision(precision, kernel, q, pass_):
+    """The kernel= that ``precision`` asks for on float32 inputs: "ieee" the SIMT kernels (exact float32
+    arithmetic; None leaves the choice of v1/v2/v3 to the plan), "tf32" and "3xtf32" the tensor-core kernels of
+    that name (forward only). A kernel= that contradicts it, or a precision for 16-bit inputs, is an error."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} (or None), got {precision!r}")
+    dtype = _arrays.shape_strides_dtype(q)[2]
+    if np.dtype(dtype) != np.float32:
+        raise ValueError(f"precision= chooses how float32 inputs are multiplied; q has dtype {dtype} (float16 and "
+                         f"bfloat16 run as they are, with float32 accumulation)")
+    if precision == "ieee":
+        if kernel not in (None,) + _SIMT[pass_]:
+            raise ValueError(f"precision='ieee' runs the SIMT kernels {_SIMT[pass_]}; kernel={kernel!r} contradicts it")
+        return kernel
+    if pass_ == "backward":
+        raise ValueError(f"the backward has no {precision} kernel: its float32 gradients run on the SIMT kernels "
+                         f"(precision='ieee' or None)")
+    if kernel not in (None, precision):
+        raise ValueError(f"precision={precision!r} runs kernel {precision!r}; kernel={kernel!r} contradicts it")
+    return precision
+
+
 def check_blocks(block_m, block_n, num_threads):
     """The caller's tile arguments: None or an int in [1, 1024]."""
     return tuple(None if v is None else check_int(n, v, 1, 1024)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import _arrays, _launch, config, planner as _plan
-from ._validate import (Options, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
+from ._validate import (Options, kernel_for_precision, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
                         check_forward_results, check_options, check_qkv, check_same_place, check_seed, check_stream,
                         inspect)
 
@@ -137,11 +137,14 @@ def _warn(p):
 def plan(q: Array, k: Array, v: Array, *, softmax_scale: float | None = None, causal: bool = False,
          window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
          dropout_p: float = 0.0, block_m: int | None = None, block_n: int | None = None,
-         num_threads: int | None = None, kernel: str | None = None, device: str | None = None) -> _plan.Plan:
+         num_threads: int | None = None, kernel: str | None = None, device: str | None = None,
+         precision: str | None = None) -> _plan.Plan:
     """The plan :func:`flash_attn_forward` would run for these arguments, without running it: the kernel family
     and why, each kernel's tiles, threads, shared memory and grid. ``device``: None for the current GPU, or an
     architecture ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90") to plan for another. ``print(plan(...))`` shows
     it; ``plan(...).resources()`` compiles the kernels (no GPU needed) and reports registers and spills."""
+    if precision is not None:
+        kernel = kernel_for_precision(precision, kernel, q, "forward")
     return _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, block_m,
                          block_n, num_threads, kernel, device)[0]
 
@@ -150,8 +153,11 @@ def plan_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Ar
                   softmax_scale: float | None = None, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
                   softcap: float = 0.0, alibi_slopes: Array | None = None, dropout_p: float = 0.0,
                   block_m: int | None = None, block_n: int | None = None, num_threads: int | None = None,
-                  kernel: str | None = None, device: str | None = None) -> _plan.Plan:
+                  kernel: str | None = None, device: str | None = None,
+                  precision: str | None = None) -> _plan.Plan:
     """The plan :func:`flash_attn_backward` would run (see :func:`plan`)."""
+    if precision is not None:
+        kernel = kernel_for_precision(precision, kernel, q, "backward")
     return _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
                           dropout_p, block_m, block_n, num_threads, kernel, device)[0]
 
@@ -165,7 +171,8 @@ def flash_attn_forward(
     q: Array, k: Array, v: Array, *, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Array | None = None,
     dropout_p: float = 0.0, dropout_seed: int | None = None, dropout_offset: int = 0, block_m: int | None = None,
-    block_n: int | None = None, num_threads: int | None = None, kernel: str | None = None, stream: Any = None
+    block_n: int | None = None, num_threads: int | None = None, kernel: str | None = None, stream: Any = None,
+    precision: str | None = None
 ) -> tuple[Array, Array]:
     """Exact attention by a tiled, fused kernel that never materialises the seqlen_q x seqlen_k matrix.
 
@@ -199,6 +206,12 @@ def flash_attn_forward(
     stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'
         current stream (torch's for torch tensors, CuPy's for CuPy arrays). The outputs (and any temporary or
         copy) are allocated on that stream: use them there, or order the other stream after it.
+    precision : float32 inputs only: "ieee" (the default, what None means): exact float32 arithmetic on the SIMT
+        kernels; "3xtf32" and "tf32": the tensor-core kernels of those names (the same as ``kernel=``), faster
+        (docs/benchmarks.md) but not of float32's accuracy: TF32 rounds the operands to 10 mantissa bits
+        (float16's error), and 3xTF32, which splits each operand in two and drops the small x small product, has
+        not been shown within 2x of a plain float32 computation's error over the test shapes, the bar for a
+        default.
 
     Returns
     -------
@@ -206,6 +219,8 @@ def flash_attn_forward(
     lse : (batch, nheads, seqlen_q) float32, natural-log logsumexp of each row of the scaled scores;
         -inf (and out = 0) for a row that sees no key.
     """
+    if precision is not None:
+        kernel = kernel_for_precision(precision, kernel, q, "forward")
     key = _key("fwd", (q, k, v, alibi_slopes), (softmax_scale, causal, window_size, softcap, dropout_p, block_m,
                                                 block_n, num_threads, kernel))
 
@@ -227,7 +242,7 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
                         alibi_slopes: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
                         dropout_offset: int = 0, block_m: int | None = None, block_n: int | None = None,
                         num_threads: int | None = None, kernel: str | None = None,
-                        stream: Any = None) -> tuple[Array, Array, Array]:
+                        stream: Any = None, precision: str | None = None) -> tuple[Array, Array, Array]:
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
 
     ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale,
@@ -242,9 +257,13 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and ``tc_dkdv``
     in flashnumba.tiling, and a block_m or block_n given applies to both), see flashnumba.kernels.mma_backward. None
     (default): "tc" where it applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.
+    precision: float32 only, "ieee" (None: the same); the backward has no TF32 kernels yet, and "tf32" or "3xtf32"
+    raise.
 
     Returns dq like q, dk and dv like k, in the input dtype (float32 accumulation).
     """
+    if precision is not None:
+        kernel = kernel_for_precision(precision, kernel, q, "backward")
     key = _key("bwd", (dout, q, k, v, out, lse, alibi_slopes),
                (softmax_scale, causal, window_size, softcap, dropout_p, block_m, block_n, num_threads, kernel))
 
@@ -533,8 +552,9 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
     both passes.
     """
     fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
-    if "stream" in kwargs:
-        fwd_kw["stream"] = kwargs["stream"]
+    for n in ("stream", "precision"):
+        if n in kwargs:
+            fwd_kw[n] = kwargs[n]
     if dropout_p and dropout_seed is None:  # validated first: a bad call leaves torch's generator as it was
         check_forward_args(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p)
         dropout_seed, dropout_offset = draw_dropout_seed(q, _heads_of_batch(q, 4, None))

@@ -129,3 +129,27 @@ def test_a_bad_call_with_dropout_draws_no_seed(monkeypatch):
     with pytest.raises(ValueError, match="window_size"):
         flashnumba.flash_attn_func(q, k, v, dropout_p=0.1, window_size=(-2, 0))
     assert drawn == []
+
+
+def test_precision_chooses_the_float32_kernels_and_refuses_contradictions():
+    q, k, v = qkv(d=64)
+    assert flashnumba.plan(q, k, v, precision="3xtf32").kernel == "3xtf32"
+    assert flashnumba.plan(q, k, v, precision="tf32", kernel="tf32").kernel == "tf32"
+    assert flashnumba.plan(q, k, v, precision="ieee").kernel == "v3"
+    assert flashnumba.plan(q, k, v, precision="ieee", kernel="v1").kernel == "v1"
+    out, lse = flashnumba.flash_attn_forward(q, k, v, precision="ieee")
+    ref, ref_lse = flashnumba.flash_attn_forward(q, k, v)
+    assert np.array_equal(out, ref) and np.array_equal(lse, ref_lse)  # "ieee" is the default
+    with pytest.raises(ValueError, match="precision must be one of"):
+        flashnumba.plan(q, k, v, precision="fp32")
+    with pytest.raises(ValueError, match="contradicts"):
+        flashnumba.plan(q, k, v, precision="ieee", kernel="tf32")
+    with pytest.raises(ValueError, match="contradicts"):
+        flashnumba.plan(q, k, v, precision="3xtf32", kernel="tf32")
+    h = [x.astype(np.float16) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="float32 inputs"):
+        flashnumba.plan(*h, precision="ieee")
+    lse = np.zeros((1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match="the backward has no 3xtf32 kernel"):
+        flashnumba.flash_attn_backward(q, q, k, v, q, lse, precision="3xtf32")
+    assert flashnumba.plan_backward(q, q, k, v, q, lse, precision="ieee").kernel == "v2"
