@@ -44,36 +44,55 @@ def _demo(args):
     return run(size=args.size)
 
 
+def _check_one(target, dts, kwargs):
+    """One report (run in this process or in a worker): (printed text, JSON data, passed)."""
+    from .check import adapter, check_attention
+    from .tools.environment import environment
+
+    impl = adapter(target)
+    report = check_attention(impl, dtypes=dts, **kwargs)
+    text = str(report) if dts is None else f"[{', '.join(dts)}] {report}"
+    return text, dict(report.to_dict(), dtypes=dts or list(impl.dtypes), environment=environment()), report.passed
+
+
 def _check(args):
     import json
     import os
 
-    from .check import PROPERTIES, adapter, check_attention
-    from .tools.environment import environment
+    from .check import PROPERTIES, adapter
 
-    failed = False
+    kwargs = dict(head_dims=args.head_dims, examples=args.examples, max_seqlen=args.max_seqlen, seed=args.seed,
+                  properties=args.properties or PROPERTIES)
+    jobs = []  # (target, dtypes) of each report
     for target in args.targets:
         impl = adapter(target)
         runs = [[d] for d in (args.dtypes or impl.dtypes)] if args.per_dtype else [args.dtypes]
         for dtypes in runs:
             if dtypes is not None and not set(dtypes) & set(impl.dtypes):
                 continue
-            dts = None if dtypes is None else [d for d in dtypes if d in impl.dtypes]
-            report = check_attention(impl, dtypes=dts, head_dims=args.head_dims, examples=args.examples,
-                                     max_seqlen=args.max_seqlen, seed=args.seed,
-                                     properties=args.properties or PROPERTIES)
-            print(report if dts is None else f"[{', '.join(dts)}] {report}", flush=True)
-            failed |= not report.passed
-            data = dict(report.to_dict(), dtypes=dts or list(impl.dtypes), environment=environment())
-            if args.json and len(args.targets) == 1 and len(runs) == 1:
-                with open(args.json, "w") as f:
-                    json.dump(data, f, indent=1)
-                print(f"wrote {args.json}")
-            if args.out:
-                os.makedirs(args.out, exist_ok=True)
-                name = target.replace(":", "-") + ("" if dts is None else "-" + "-".join(dts))
-                with open(os.path.join(args.out, f"check-{name}.json"), "w") as f:
-                    json.dump(data, f, indent=1)
+            jobs.append((target, None if dtypes is None else [d for d in dtypes if d in impl.dtypes]))
+    if args.jobs > 1 and len(jobs) > 1:  # reports in worker processes (each compiles its own kernels)
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(args.jobs, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_check_one, t, d, kwargs) for t, d in jobs]
+            results = [f.result() for f in futures]  # in the order asked for
+    else:
+        results = (_check_one(t, d, kwargs) for t, d in jobs)
+    failed = False
+    for (target, dts), (text, data, passed) in zip(jobs, results):
+        print(text, flush=True)
+        failed |= not passed
+        if args.json and len(jobs) == 1:
+            with open(args.json, "w") as f:
+                json.dump(data, f, indent=1)
+            print(f"wrote {args.json}")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            name = target.replace(":", "-") + ("" if dts is None else "-" + "-".join(dts))
+            with open(os.path.join(args.out, f"check-{name}.json"), "w") as f:
+                json.dump(data, f, indent=1)
     return 1 if failed else 0
 
 
@@ -115,6 +134,8 @@ def main(argv=None):
     check.add_argument("--seed", type=int, default=0, help="a reproducible search (the same examples each run)")
     check.add_argument("--properties", nargs="+", default=None, help="a subset of the battery")
     check.add_argument("--per-dtype", action="store_true", help="one report per dtype")
+    check.add_argument("--jobs", type=int, default=1,
+                       help="reports run in this many processes at once (their kernels compile in parallel)")
     check.add_argument("--json", default=None, help="write the report as JSON here (one target)")
     check.add_argument("--out", default=None, help="write check-TARGET[-DTYPE].json for every report here")
     cache = sub.add_parser("cache", help="the compiled-kernel cache on disk: info or clear")

@@ -188,3 +188,15 @@ def test_the_command_line(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["check", "my_attention:attention", "--examples", "5"]) == 1
     assert "top-left" in capsys.readouterr().out
+
+
+def test_reports_in_worker_processes(tmp_path, capsys):
+    """--jobs: the reports of each dtype run in worker processes, printed and written in the order asked for."""
+    from flashnumba.__main__ import main
+
+    assert main(["check", "numpy-reference", "--per-dtype", "--examples", "5", "--jobs", "2",
+                 "--properties", "forward", "determinism", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("[float32] numpy-reference: passed") < out.index("[float16] numpy-reference: passed")
+    data = json.loads((tmp_path / "check-numpy-reference-float16.json").read_text())
+    assert data["dtypes"] == ["float16"] and data["passed"] and "environment" in data
