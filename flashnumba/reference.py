@@ -7,6 +7,9 @@ out like q, lse ``(batch, nheads, seqlen_q)`` (natural log).
   ``seqlen_q x seqlen_k`` matrices S and P, in float64 by default. This is the truth.
 * :func:`attention_forward_blocked`: the same result computed tile by tile with the online softmax, in the
   kernels' own notation (FlashAttention-2, Algorithm 1). Read it before the kernels.
+* :func:`flex_attention_forward` / :func:`flex_attention_backward`: attention with a user's ``score_mod`` and
+  ``mask_mod`` (FlexAttention's interface: plain Python functions of one entry), and :func:`flex_block_mask`,
+  which classifies the (query tile, key tile) pairs of a mask as empty, full or partial.
 
 Causal masking is bottom-right aligned (flash-attn >= 2.1): query i sees key j iff j <= i + seqlen_k - seqlen_q.
 A query row that sees no key has out = 0 and lse = -inf.
@@ -335,3 +338,111 @@ def dropout_z(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p):
 
     keep = keep_mask(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p)
     return keep / (1.0 - np.float32(dropout_p)).astype(np.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# your own variant: score_mod and mask_mod, FlexAttention's interface, as plain Python functions
+# ---------------------------------------------------------------------------------------------------------------
+#
+#   score_mod(score, b, h, q_idx, kv_idx, *args) -> the modified score   (score = scale q . k, natural units)
+#   mask_mod(b, h, q_idx, kv_idx, *args) -> True where query q_idx may see key kv_idx
+#   score_mod_grad(score, b, h, q_idx, kv_idx, *args) -> d score_mod / d score   (for the backward)
+#
+# b, h: the batch entry and the query head; q_idx, kv_idx: positions in the sequences (no alignment shift: a
+# bottom-right causal mask is q_idx + seqlen_k - seqlen_q >= kv_idx, with the lengths passed as args or
+# closed over). ``args``: arrays (or numbers) the functions read, such as a bias table or document ids. The
+# functions are called one entry at a time, with Python numbers, as a kernel calls them per thread.
+
+
+def _entrywise(fn, otype, *grids):
+    return np.vectorize(fn, otypes=[otype])(*grids)
+
+
+def _flex_grids(batch, nheads, seqlen_q, seqlen_k):
+    return np.broadcast_arrays(np.arange(batch)[:, None, None, None], np.arange(nheads)[None, :, None, None],
+                               np.arange(seqlen_q)[None, None, :, None], np.arange(seqlen_k)[None, None, None, :])
+
+
+def flex_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k, score_mod_args=()):
+    """(batch, nheads, seqlen_q, seqlen_k) bool: ``mask_mod`` at every entry (all True without one)."""
+    grids = _flex_grids(batch, nheads, seqlen_q, seqlen_k)
+    if mask_mod is None:
+        return np.ones(grids[0].shape, bool)
+    return _entrywise(lambda b, h, i, j: bool(mask_mod(int(b), int(h), int(i), int(j), *score_mod_args)), bool,
+                      *grids)
+
+
+def _flex_dense(q, k, v, score_mod, mask_mod, scale, score_mod_args, dtype, grad_mod=None):
+    """Q, K, V heads first (K, V repeated for GQA), P, lse, the derivative of score_mod at every entry (or None)
+    and the scale."""
+    scale = default_scale(np.shape(q)[-1]) if scale is None else float(scale)
+    q, k, v = (_heads_first(x, dtype) for x in (q, k, v))
+    batch, nheads, seqlen_q, _ = q.shape
+    k, v = _expand_kv(k, nheads), _expand_kv(v, nheads)
+    s = dtype(scale) * (q @ k.swapaxes(-1, -2))
+    grids = _flex_grids(batch, nheads, seqlen_q, k.shape[2])
+    dmod = None
+    if score_mod is not None:
+        raw = s
+        s = _entrywise(lambda x, b, h, i, j: score_mod(dtype(x), int(b), int(h), int(i), int(j), *score_mod_args),
+                       dtype, raw, *grids)
+        if grad_mod is not None:
+            dmod = _entrywise(lambda x, b, h, i, j: grad_mod(dtype(x), int(b), int(h), int(i), int(j),
+                                                             *score_mod_args), dtype, raw, *grids)
+    visible = flex_visible(mask_mod, batch, nheads, seqlen_q, k.shape[2], score_mod_args)
+    p, lse = _softmax(np.where(visible, s, -np.inf))
+    return q, k, v, p, lse, dmod, scale
+
+
+@_bfloat16_in_float32(keep_float32=(1,))
+def flex_attention_forward(q, k, v, *, score_mod=None, mask_mod=None, scale=None, score_mod_args=(),
+                           dtype=np.float64):
+    """Attention with a user's score_mod and mask_mod (see above), in flash-attn's layout: (out, lse).
+
+    S = score_mod(scale Q K^T) entry by entry, -inf where mask_mod is False; P = softmax(S), O = P V,
+    L = logsumexp(S); a row that sees no key has out 0 and lse -inf. GQA as :func:`attention_forward`."""
+    _, _, v, p, lse, _, _ = _flex_dense(q, k, v, score_mod, mask_mod, scale, score_mod_args, np.dtype(dtype).type)
+    return (p @ v).transpose(0, 2, 1, 3), lse
+
+
+@_bfloat16_in_float32
+def flex_attention_backward(dout, q, k, v, *, score_mod=None, score_mod_grad=None, mask_mod=None, scale=None,
+                            score_mod_args=(), dtype=np.float64):
+    """Gradient of :func:`flex_attention_forward`: (dq, dk, dv). As :func:`attention_backward`, with the
+    derivative of the score_mod, ``score_mod_grad`` (required with a score_mod: without it no gradient can be
+    right), in place of the softcap's: dS_raw = P (dP - D) score_mod_grad(S_raw)."""
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("the backward through a score_mod needs its derivative with respect to the score: "
+                         "pass score_mod_grad (for an added bias, a function returning 1.0)")
+    nheads_k = np.shape(k)[2]
+    t = np.dtype(dtype).type
+    q, k, v, p, _, dmod, scale = _flex_dense(q, k, v, score_mod, mask_mod, scale, score_mod_args, t,
+                                             score_mod_grad)
+    do = _heads_first(dout, t)
+    o = p @ v
+    dv = p.transpose(0, 1, 3, 2) @ do
+    dp = do @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - (do * o).sum(axis=-1, keepdims=True))
+    if dmod is not None:
+        ds = ds * dmod
+    dq = scale * (ds @ k)
+    dk = scale * (ds.transpose(0, 1, 3, 2) @ q)
+    dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
+    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # a (query tile, key tile) of a block mask
+
+
+def flex_block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, block_m, block_n, score_mod_args=()):
+    """(batch, nheads, ceil(seqlen_q / block_m), ceil(seqlen_k / block_n)) int8: each (query tile, key tile)
+    EMPTY (mask_mod False at every entry within the sequences: the kernels skip it), FULL (True at every one:
+    no per-entry mask) or PARTIAL."""
+    visible = flex_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k, score_mod_args)
+    nq, nk = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    out = np.empty((batch, nheads, nq, nk), np.int8)
+    for a in range(nq):
+        for c in range(nk):
+            tile = visible[:, :, a * block_m:(a + 1) * block_m, c * block_n:(c + 1) * block_n]
+            out[:, :, a, c] = np.where(tile.all(axis=(2, 3)), FULL, np.where(tile.any(axis=(2, 3)), PARTIAL, EMPTY))
+    return out
