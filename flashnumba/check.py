@@ -6,7 +6,8 @@ found::
 
     from flashnumba.check import check_attention, Implementation
     report = check_attention(Implementation("mine", my_attention, supports={"causal"}))
-    print(report)                       # one line per property: passed / failed, error, tolerance, example
+    print(report)   # "mine: passed (N properties hold, M fail, K not applicable)", then per property:
+                    # pass / FAIL / n/a, error / tolerance, and a failure's smallest example
 
 The implementation. ``forward(q, k, v, **options) -> out`` or ``(out, lse)``, on arrays of its own library in the
 layout (batch, seqlen, nheads, head_dim), lse (batch, nheads, seqlen_q) in natural log; ``backward(dout, q, k, v,
@@ -26,7 +27,7 @@ The battery (:data:`PROPERTIES`):
   in the input's dtype, plus a floor of a few ulps at the output's magnitude; the ratio error / tolerance is
   reported;
 * ``causal-convention``: which causal alignment the implementation follows (bottom-right as flash-attn >= 2.1,
-  or top-left as torch's SDPA), detected on seqlen_q != seqlen_k and named; bottom-right passes;
+  or top-left as torch SDPA's ``is_causal``), detected on seqlen_q != seqlen_k and named; bottom-right passes;
 * ``empty-rows``: a row that sees no key gives 0 (flash-attn's convention), not NaN;
 * ``large-logits``: scores of several hundred do not overflow;
 * ``nan-containment``: a NaN in one query row stays in that row;

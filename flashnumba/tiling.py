@@ -4,7 +4,9 @@ Every tile configuration is written the same way, :class:`Tiles` ``(block_m, blo
 rows, B_c key rows and the threads of one block. A family's table is an ordered list of candidates for a range
 of head dims; :func:`resolve` takes the first whose shared memory fits the device (and whose threads the family
 accepts), so that a GPU with less shared memory than the one a table's first choice was measured on gets the next
-choice rather than an error. What each choice measured is in docs/benchmarks.md.
+choice rather than an error. Each choice says why it was made: a sweep on the H200 (the measurements in
+docs/benchmarks.md), or, for the tensor-core rows beyond head dim 128 not yet swept, an offline compile without
+register spills.
 
 The families (the ``kernel=`` names of the API; the tensor-core backward has two kernels with tables of their
 own):
@@ -41,7 +43,8 @@ MAX_REGISTERS_PER_THREAD = 255
 MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core forward is built for (kernel="tc")
 MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
 # kernel=None takes the tensor cores at the head dims that have run the GPU test profile (the multiples of 16); the
-# multiples of 8 in between (padded in shared memory) take them with kernel="tc" until they have run on a GPU
+# other multiples of 8 (8, 24, 40, ...: padded in shared memory) take them with kernel="tc" until they have run on
+# a GPU
 MMA_DEFAULT_HEAD_DIMS = tuple(d for d in MMA_HEAD_DIMS if d % 16 == 0)
 
 
