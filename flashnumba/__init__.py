@@ -23,6 +23,8 @@ from .api import (
     flash_attn_varlen_backward,
     flash_attn_varlen_forward,
     flash_attn_varlen_func,
+    flex_attention,
+    flex_attention_backward,
 )
 
 __version__ = "0.1.0"
@@ -40,6 +42,8 @@ __all__ = [
     "flash_attn_varlen_forward",
     "flash_attn_varlen_backward",
     "flash_attn_varlen_func",
+    "flex_attention",
+    "flex_attention_backward",
     "plan",
     "plan_backward",
     "clear_plan_cache",

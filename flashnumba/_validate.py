@@ -124,6 +124,70 @@ def check_int(name, value, lo, hi) -> int:
     return int(value)
 
 
+def _takes(fn, n) -> bool:
+    """Whether ``fn`` can be called with ``n`` positional arguments."""
+    import inspect as _inspect
+
+    try:
+        _inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): let the compiler say
+        return True
+    return True
+
+
+def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa, backward=False):
+    """(Mods or None, the argument arrays as Tensors): a user's functions checked before anything is compiled or
+    launched: callables taking (score, b, h, q_idx, kv_idx, *args) / (b, h, q_idx, kv_idx, *args), at most
+    MOD_ARGS arrays on q's device, GQA only with ``enable_gqa`` (as FlexAttention), and in the backward the
+    score_mod's derivative."""
+    from .kernels.common import MOD_ARGS, Mods
+
+    if not isinstance(score_mod_args, (tuple, list)):
+        raise TypeError(f"score_mod_args must be a tuple of arrays, got {type(score_mod_args).__name__}")
+    if len(score_mod_args) > MOD_ARGS:
+        raise ValueError(f"score_mod_args takes at most {MOD_ARGS} arrays, got {len(score_mod_args)}")
+    args = []
+    for n, a in enumerate(score_mod_args):
+        try:
+            rank = len(_arrays.shape_strides_dtype(a)[0])
+        except AttributeError:
+            raise TypeError(f"score_mod_args[{n}] must be an array (close over a number in the function instead), "
+                            f"got {type(a).__name__}") from None
+        t = inspect(f"score_mod_args[{n}]", a, rank)
+        if _arrays.on_device(t.kind) != _arrays.on_device(tq.kind):
+            check_same_place((tq, t))
+        args.append(t)
+    n = len(args)
+    with_args = []
+    for name, fn, lead in (("score_mod", score_mod, 5), ("score_mod_grad", score_mod_grad, 5),
+                           ("mask_mod", mask_mod, 4)):
+        with_args.append(False)
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+        what = "(score, b, h, q_idx, kv_idx" if lead == 5 else "(b, h, q_idx, kv_idx"
+        if n and _takes(fn, lead + n):
+            with_args[-1] = True
+        elif not _takes(fn, lead):
+            raise TypeError(f"{name} {getattr(fn, '__name__', fn)!r} must take {what}), or those and the "
+                            f"{n} arrays of score_mod_args" if n else f"{name} {getattr(fn, '__name__', fn)!r} must "
+                            f"take {what}): {lead} arguments")
+    if backward and score_mod is not None and score_mod_grad is None:
+        raise ValueError("the backward through a score_mod needs its derivative with respect to the score: pass "
+                         "score_mod_grad (for an added bias, a function returning 1.0)")
+    if tk.shape[-2] != tq.shape[-2] and not enable_gqa:
+        raise ValueError(f"k and v have {tk.shape[-2]} heads and q {tq.shape[-2]}: pass enable_gqa=True for grouped "
+                         f"query attention (as FlexAttention)")
+    if score_mod is None and mask_mod is None:
+        return None, tuple(args)
+    if not backward:
+        score_mod_grad, with_args[1] = None, False
+    return Mods(score_mod, score_mod_grad, mask_mod, n, tuple(with_args)), tuple(args)
+
+
 PRECISIONS = ("ieee", "tf32", "3xtf32")
 _SIMT = {"forward": ("v1", "v2", "v3"), "backward": ("v1", "v2")}
 
@@ -211,6 +275,8 @@ class Options:
     dropout_p: float
     varlen: bool
     gqa: bool
+    mods: object = None  # a user's score_mod / mask_mod (flashnumba.kernels.common.Mods), or None
+    mod_args: tuple = ()  # the Tensors of the arrays they read
 
     @property
     def variant(self) -> Variant:
@@ -228,7 +294,8 @@ class Options:
         """Only what kernel v1 (and the TF32 kernels) support: no window other than causal, no softcap, ALiBi,
         GQA, varlen or dropout."""
         has_left, _, softcap, alibi, varlen, dropout = self.variant
-        return not (has_left or softcap or alibi or varlen or dropout or self.gqa or self.right > 0)
+        return not (has_left or softcap or alibi or varlen or dropout or self.gqa or self.right > 0
+                    or self.mods is not None)
 
     def describe(self) -> str:
         parts = []
@@ -246,6 +313,9 @@ class Options:
             parts.append("varlen")
         if self.dropout_p:
             parts.append(f"dropout {self.dropout_p:g}")
+        if self.mods is not None:
+            parts += [f"{n} {getattr(f, '__name__', '?')}" for n, f in (("score_mod", self.mods.score_mod),
+                                                                       ("mask_mod", self.mods.mask_mod)) if f]
         return ", ".join(parts) or "no mask"
 
 

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from . import _arrays, _launch, config, planner as _plan
-from ._validate import (Options, kernel_for_precision, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
-                        check_forward_results, check_options, check_qkv, check_same_place, check_seed, check_stream,
-                        inspect)
+from ._validate import (Options, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
+                        check_forward_results, check_mods, check_options, check_qkv, check_same_place, check_seed,
+                        check_stream, inspect, kernel_for_precision)
 
 Array = Any  # a NumPy or CuPy array, a torch CUDA tensor, or any __cuda_array_interface__ object
 MAX_PROBS_ELEMENTS = 2**26  # return_attn_probs materialises (batch, nheads, seqlen_q, seqlen_k): small sizes only
@@ -113,7 +113,7 @@ def _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
 
 
 def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                   block_m, block_n, num_threads, kernel, device=None):
+                   block_m, block_n, num_threads, kernel, device=None, mods=None):
     tq, tk, tv = (inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
     tdo, to, tl = inspect("dout", dout, 4), inspect("out", out, 4), inspect("lse", lse, 3)
     check_same_place((tq, tk, tv, tdo, to, tl))
@@ -123,6 +123,8 @@ def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, 
     check_forward_results(tq, tdo, to, tl, "(batch, nheads, seqlen_q)", (batch, nheads, seqlen_q),
                           "flash_attn_forward")
     opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale)
+    if mods is not None:  # (Mods, argument Tensors) of flex_attention_backward
+        opts = _replace(opts, mods=mods[0], mod_args=mods[1])
     block_m, block_n, num_threads = check_blocks(block_m, block_n, num_threads)
     p = _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=block_m, block_n=block_n,
                             num_threads=num_threads, device=device)
@@ -568,7 +570,98 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
     return out, dq, dk, dv
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# your own variant: score_mod and mask_mod (FlexAttention's interface)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, *, scale: float | None = None,
+                   enable_gqa: bool = False, return_lse: bool = False, score_mod_args: tuple = (),
+                   kernel: str | None = None, stream: Any = None):
+    """Attention with your own score modification and mask, FlexAttention's interface in flashnumba's layout.
+
+    ``score_mod(score, b, h, q_idx, kv_idx, *score_mod_args)`` returns the modified score (score = scale q . k,
+    natural units) and ``mask_mod(b, h, q_idx, kv_idx, *score_mod_args)`` whether query q_idx may see key kv_idx:
+    plain Python functions of one entry, compiled by Numba as device functions into the kernels (in the
+    simulator they run as Python, so a debugger steps through them). b: the batch entry, h: the query head,
+    q_idx and kv_idx: positions in the sequences (no alignment shift: a bottom-right causal mask is
+    ``q_idx + seqlen_k - seqlen_q >= kv_idx``). ``score_mod_args``: up to 4 arrays on q's device that the functions
+    read, indexed as they like (a bias table, document ids); a number is better closed over (each value compiles
+    its own kernel). A function is compiled once per function object (define it once, not in a loop).
+
+    q (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k, head_dim) in float32, float16 or
+    bfloat16; nheads_k < nheads needs ``enable_gqa=True``. Returns out like q, or (out, lse) with
+    ``return_lse``; a row that sees no key has out 0 and lse -inf. The functions run on the register-tiled SIMT
+    kernels (``kernel`` None or "v3", or "v2"); the tensor-core kernels do not take them yet. Checked against
+    :func:`flashnumba.reference.flex_attention_forward`.
+    """
+    mods, args = _flex_checked(q, k, score_mod, None, mask_mod, score_mod_args, enable_gqa)
+    key = _key("flex", (q, k, v) + tuple(t.array for t in args), (scale, mods, kernel))
+
+    def build():
+        (tq, tk, tv), opts = check_forward_args(q, k, v, softmax_scale=scale)
+        opts = _replace(opts, mods=mods, mod_args=args)
+        return _launch.Call(_flex_compiled(_plan.forward_plan(tq, tk, tv, opts, kernel=kernel), mods))
+
+    call = _cached(key, build)
+    out, lse = call.run((q, k, v, None, None, None) + tuple(t.array for t in args), 0, 0, _stream(stream, q))
+    return (out, lse) if return_lse else out
+
+
+def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, score_mod=None,
+                            mask_mod=None, *, score_mod_grad=None, scale: float | None = None,
+                            enable_gqa: bool = False, score_mod_args: tuple = (), kernel: str | None = None,
+                            stream: Any = None) -> tuple[Array, Array, Array]:
+    """Gradients (dq, dk, dv) of :func:`flex_attention` (out and lse as it returned them, ``return_lse=True``).
+
+    With a score_mod, ``score_mod_grad(score, b, h, q_idx, kv_idx, *score_mod_args)``, its derivative with respect
+    to the score, is required (for an added bias, a function returning 1.0): without it no gradient can be
+    right, and the call raises. Gradients with respect to the arrays of ``score_mod_args`` are not computed.
+    Runs on the register-tiled SIMT backward (``kernel`` None or "v2")."""
+    mods, args = _flex_checked(q, k, score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa, True)
+    arrays = (dout, q, k, v, out, lse) + tuple(t.array for t in args)
+    key = _key("flex_bwd", arrays, (scale, mods, kernel))
+
+    def build():
+        p, _ = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, None, None, None,
+                              kernel, mods=(mods, args))
+        return _launch.Call(_flex_compiled(p, mods))
+
+    call = _cached(key, build)
+    dq, dk, dv = call.run((dout, q, k, v, out, lse, None, None, None) + tuple(t.array for t in args), 0, 0,
+                          _stream(stream, q))
+    return dq, dk, dv
+
+
+def _flex_checked(q, k, score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa, backward=False):
+    tq, tk = inspect("q", q, 4), inspect("k", k, 4)
+    return check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa, backward)
+
+
+def _replace(opts, **changes):
+    import dataclasses
+
+    return dataclasses.replace(opts, **changes)
+
+
+def _flex_compiled(p, mods):
+    """The plan, its kernels compiled now on a GPU, so that a function Numba cannot compile is reported, naming it,
+    before anything runs."""
+    from ._backend import SIMULATOR
+
+    if mods is None or SIMULATOR:
+        return p
+    try:
+        p.resources()
+    except Exception as err:  # noqa: BLE001  (Numba's typing and lowering errors)
+        names = ", ".join(getattr(f, "__name__", "?") for f in (mods.score_mod, mods.score_mod_grad, mods.mask_mod)
+                          if f is not None)
+        raise TypeError(f"flex_attention: {names} could not be compiled into the kernels: "
+                        f"{str(err).splitlines()[0][:300]}") from err
+    return p
+
+
 __all__ = ["Options", "flash_attn_forward", "flash_attn_backward", "flash_attn_func", "attention_probs",
            "attention_with_grad", "flash_attn_varlen_forward", "flash_attn_varlen_backward", "flash_attn_varlen_func",
            "plan", "plan_backward", "random_seed", "draw_dropout_seed", "last_dropout_seed", "clear_plan_cache",
-           "check_forward_args", "check_varlen_args"]
+           "check_forward_args", "check_varlen_args", "flex_attention", "flex_attention_backward"]

@@ -36,6 +36,7 @@ from . import _arrays, _validate, config, tiling
 from ._backend import SIMULATOR, cuda
 from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel, is_c_layout
 from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward
+from .kernels.common import MOD_ARGS
 from .kernels.simt_forward import LOG2E
 
 PREPROCESS_ROWS = 8  # query rows per block of the backward's D_i kernel on a GPU (a warp each)
@@ -239,6 +240,11 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
     """(family, why, fallback) of a forward or backward call."""
     families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
     simt = "v3" if pass_ == "forward" else "v2"
+    if opts.mods is not None:  # a user's score_mod / mask_mod: compiled into the register-tiled SIMT kernels
+        if kernel not in (None, "v2", "v3") or (pass_ == "backward" and kernel == "v3"):
+            raise ValueError(f"a score_mod or mask_mod runs on the register-tiled SIMT kernels (kernel 'v2' or "
+                             f"{simt!r}), not {kernel!r}")
+        return kernel or simt, "a user's score_mod / mask_mod: the register-tiled SIMT kernels", None
     if kernel is not None:
         if kernel not in families:
             raise ValueError(f"kernel must be one of {families} for the {pass_} (or None), got {kernel!r}")
@@ -294,7 +300,8 @@ def _kernel_meta(t: _validate.Tensor, lead: bool, contiguous: bool) -> ArrayMeta
 
 
 def _inputs(tensors, family, lead, opts, batch, cu):
-    """InputSpecs and kernel ArrayMetas of the call's arrays (q, k, v, ... then alibi, cu_q, cu_k)."""
+    """InputSpecs and kernel ArrayMetas of the call's arrays (q, k, v, ... then alibi, cu_q, cu_k, then the
+    arrays a user's score_mod / mask_mod read, a0 .. a3)."""
     specs, metas = [], {}
     mma = family in ("tc",) + mma_tf32.PRECISIONS
     for t in tensors:
@@ -320,6 +327,15 @@ def _inputs(tensors, family, lead, opts, batch, cu):
             stride = 4 if tc.kind == "numpy" else tc.strides[0]
             specs.append(InputSpec(name, tc.kind, to_device=tc.kind == "numpy"))
             metas[name] = array_meta(tc.shape, (stride,), np.int32, "A")
+    for n in range(MOD_ARGS):
+        name = f"a{n}"
+        if n < len(opts.mod_args):
+            t = opts.mod_args[n]
+            specs.append(InputSpec(name, t.kind, to_device=t.kind == "numpy"))
+            metas[name] = _kernel_meta(t, False, False)
+        else:
+            specs.append(InputSpec(name, "none", dummy_shape=(1,), dummy_dtype="float32"))
+            metas[name] = array_meta((1,), (4,), np.float32, "A")
     return specs, metas
 
 
@@ -334,12 +350,14 @@ def _option_scalars(opts):
     return {"softcap": np.float32(opts.softcap), "left": np.int64(opts.left), "right": np.int64(opts.right),
             "p_drop": np.float32(opts.dropout_p), "rp_keep": np.float32(1.0 / (1.0 - opts.dropout_p)),
             "scale": np.float32(opts.scale), "scale_log2": np.float32(opts.scale * LOG2E),
-            # with softcap or ALiBi the register-tiled and tensor-core kernels form scale * q.k in natural units
-            "scale_q": np.float32(opts.scale) if (opts.softcap > 0 or opts.alibi is not None)
-            else np.float32(opts.scale * LOG2E)}
+            # with softcap, ALiBi or a user's score_mod the register-tiled and tensor-core kernels form
+            # scale * q.k in natural units
+            "scale_q": np.float32(opts.scale) if (opts.softcap > 0 or opts.alibi is not None or (
+                opts.mods is not None and opts.mods.score_mod is not None)) else np.float32(opts.scale * LOG2E)}
 
 
 OPTION_PARAMS = ("softcap", "left", "right", "alibi", "cu_q", "cu_k", "p_drop", "rp_keep", "seed", "offset")
+MOD_PARAMS = tuple(f"a{n}" for n in range(MOD_ARGS))  # the register-tiled SIMT kernels' last parameters
 
 
 def _cdiv(a, b):
@@ -380,8 +398,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         make = simt_forward.make_forward_v2 if family == "v2" else simt_forward.make_forward_v3
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, make, (D, t.block_m, t.block_n, t.num_threads,
-                              opts.variant, bf16), io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem,
-                              t, reason)
+                              opts.variant, bf16, opts.mods), io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS, grid,
+                              (t.num_threads,), smem, t, reason)
     elif family == "tc":
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
@@ -421,8 +439,9 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     # dout, q, k, v go to the dQ / dK/dV kernels (copied where a tensor-core kernel needs C-contiguous rows);
     # out and lse only to the preprocess and as read
     inputs, arrays = _inputs((tdo, tq, tk, tv), family, lead, opts, bsz, cu)
-    for t in (to, tl):
-        inputs.insert(len(inputs) - 3, InputSpec(t.name, t.kind, to_device=t.kind == "numpy", lead=lead))
+    for t in (to, tl):  # after dout, q, k, v; before alibi, cu_q, cu_k and the score_mod arrays
+        inputs.insert(next(n for n, s in enumerate(inputs) if s.name == "alibi"),
+                      InputSpec(t.name, t.kind, to_device=t.kind == "numpy", lead=lead))
         arrays[t.name] = _kernel_meta(t, lead, False)
     outs = []
     for name, like_t in (("dq", tq), ("dk", tk), ("dv", tv)):
@@ -465,12 +484,12 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                           (_cdiv(max_k, t.block_n), bsz * nk), (t.block_n,), 0, t, reason)
     else:
         t, reason = tiling.resolve("bwd_v2", D, limits, block_m, block_n, num_threads)
-        args = (D, t.block_m, t.block_n, t.num_threads, opts.variant, bf16)
+        args = (D, t.block_m, t.block_n, t.num_threads, opts.variant, bf16, opts.mods)
         dq = KernelLaunch("dQ v2", "bwd_v2", simt_backward.make_backward_dq_v2, args,
-                          io_dq + ("scale",) + OPTION_PARAMS, (_cdiv(max_q, t.block_m), bsz * nheads),
+                          io_dq + ("scale",) + OPTION_PARAMS + MOD_PARAMS, (_cdiv(max_q, t.block_m), bsz * nheads),
                           (t.num_threads,), tiling.shared_bytes("bwd_v2_dq", D, t)[0], t, reason)
         kv = KernelLaunch("dK/dV v2", "bwd_v2", simt_backward.make_backward_dkdv_v2, args,
-                          io_kv + ("scale",) + OPTION_PARAMS, (_cdiv(max_k, t.block_n), bsz * nk),
+                          io_kv + ("scale",) + OPTION_PARAMS + MOD_PARAMS, (_cdiv(max_k, t.block_n), bsz * nk),
                           (t.num_threads,), tiling.shared_bytes("bwd_v2_dkdv", D, t)[0], t, reason)
     if bsz * nheads and (total_q or total_k):
         if total_q:

@@ -350,8 +350,22 @@ def dropout_z(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p):
 #
 # b, h: the batch entry and the query head; q_idx, kv_idx: positions in the sequences (no alignment shift: a
 # bottom-right causal mask is q_idx + seqlen_k - seqlen_q >= kv_idx, with the lengths passed as args or
-# closed over). ``args``: arrays (or numbers) the functions read, such as a bias table or document ids. The
-# functions are called one entry at a time, with Python numbers, as a kernel calls them per thread.
+# closed over). ``args``: arrays (or numbers) the functions read, such as a bias table or document ids; a
+# function that does not take them is called without them. The functions are called one entry at a time, with
+# Python numbers, as a kernel calls them per thread.
+
+
+def _with_args(fn, lead, args):
+    """fn with ``args`` bound where it takes them (lead + len(args) parameters), else fn."""
+    import inspect
+
+    if not args:
+        return fn
+    try:
+        inspect.signature(fn).bind(*range(lead + len(args)))
+    except TypeError:
+        return fn
+    return lambda *x: fn(*x, *args)
 
 
 def _entrywise(fn, otype, *grids):
@@ -368,8 +382,8 @@ def flex_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k, score_mod_args=())
     grids = _flex_grids(batch, nheads, seqlen_q, seqlen_k)
     if mask_mod is None:
         return np.ones(grids[0].shape, bool)
-    return _entrywise(lambda b, h, i, j: bool(mask_mod(int(b), int(h), int(i), int(j), *score_mod_args)), bool,
-                      *grids)
+    mask = _with_args(mask_mod, 4, score_mod_args)
+    return _entrywise(lambda b, h, i, j: bool(mask(int(b), int(h), int(i), int(j))), bool, *grids)
 
 
 def _flex_dense(q, k, v, score_mod, mask_mod, scale, score_mod_args, dtype, grad_mod=None):
@@ -384,11 +398,12 @@ def _flex_dense(q, k, v, score_mod, mask_mod, scale, score_mod_args, dtype, grad
     dmod = None
     if score_mod is not None:
         raw = s
-        s = _entrywise(lambda x, b, h, i, j: score_mod(dtype(x), int(b), int(h), int(i), int(j), *score_mod_args),
-                       dtype, raw, *grids)
+        mod = _with_args(score_mod, 5, score_mod_args)
+        s = _entrywise(lambda x, b, h, i, j: mod(dtype(x), int(b), int(h), int(i), int(j)), dtype, raw, *grids)
         if grad_mod is not None:
-            dmod = _entrywise(lambda x, b, h, i, j: grad_mod(dtype(x), int(b), int(h), int(i), int(j),
-                                                             *score_mod_args), dtype, raw, *grids)
+            grad = _with_args(grad_mod, 5, score_mod_args)
+            dmod = _entrywise(lambda x, b, h, i, j: grad(dtype(x), int(b), int(h), int(i), int(j)), dtype, raw,
+                              *grids)
     visible = flex_visible(mask_mod, batch, nheads, seqlen_q, k.shape[2], score_mod_args)
     p, lse = _softmax(np.where(visible, s, -np.inf))
     return q, k, v, p, lse, dmod, scale

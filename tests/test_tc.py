@@ -97,7 +97,7 @@ def test_forward_tc_rejects_what_it_does_not_support():
         forward_tc(q, k, v, block_n=24)
     with pytest.raises(ValueError, match="block_m"):
         forward_tc(q, k, v, warps=3)
-    q, k, v = random_qkv(rng, 1, 4, 4, 1, 40, np.float16)
+    q, k, v = random_qkv(rng, 1, 4, 4, 1, 36, np.float16)
     with pytest.raises(ValueError, match="head_dim"):
         forward_tc(q, k, v)
 

@@ -13,7 +13,9 @@ cores) and in ``flashnumba.reference``:
 * a batch entry's rows, for equal lengths or packed (varlen) sequences: :func:`make_sequence_geometry`;
 * the score before the softmax: softcap, then the ALiBi bias: :func:`make_score_mod`;
 * the dropout mask: a Philox uniform drawn from (seed, offset, batch * nheads + head, i, j):
-  :data:`dropout_uniform`, so that the backward regenerates exactly the forward's mask.
+  :data:`dropout_uniform`, so that the backward regenerates exactly the forward's mask;
+* a user's own score and mask functions (FlexAttention's ``score_mod`` and ``mask_mod``): :class:`Mods`, compiled
+  into the register-tiled SIMT kernels by :func:`make_user_mods`.
 
 Scores are kept in base 2 inside the kernels (exp2, with log2(e) folded into the scale): :data:`LOG2E` and
 :data:`LN2` move between the bases; a row with no visible key keeps m_i = :data:`NEG_INF`.
@@ -126,3 +128,72 @@ def make_key_tiles(B_r, B_c, has_left, has_right):
         return last_row, n_start, max(0, (n_end - n_start + B_c - 1) // B_c)
 
     return key_tiles
+
+
+MOD_ARGS = 4  # arrays a user's score_mod / mask_mod may read (kernel parameters a0 .. a3; dummies where unused)
+
+
+class Mods:
+    """A user's ``score_mod(score, b, h, q_idx, kv_idx, *args)``, its derivative ``score_mod_grad`` (same
+    arguments; for the backward) and ``mask_mod(b, h, q_idx, kv_idx, *args)``, plain Python functions that the
+    kernels compile as device functions; ``nargs``, the number of arrays (at most :data:`MOD_ARGS`), and
+    ``with_args``, for each of the three functions whether it takes them (a function may leave them out). Equal when the functions are the same objects: a kernel is compiled once per set of
+    functions (a function's identity, not its text, names it, so these kernels are not stored in the disk cache)."""
+
+    __slots__ = ("score_mod", "score_mod_grad", "mask_mod", "nargs", "with_args")
+
+    def __init__(self, score_mod=None, score_mod_grad=None, mask_mod=None, nargs=0, with_args=(True, True, True)):
+        self.score_mod, self.score_mod_grad, self.mask_mod, self.nargs = score_mod, score_mod_grad, mask_mod, nargs
+        self.with_args = tuple(bool(w) for w in with_args)
+
+    def _key(self):
+        return (id(self.score_mod), id(self.score_mod_grad), id(self.mask_mod), self.nargs, self.with_args)
+
+    def __eq__(self, other):
+        return isinstance(other, Mods) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        names = ", ".join(f"{n}={getattr(f, '__qualname__', '?')}@{id(f):x}" for n, f in
+                          (("score_mod", self.score_mod), ("score_mod_grad", self.score_mod_grad),
+                           ("mask_mod", self.mask_mod)) if f is not None)
+        return f"Mods({names}, nargs={self.nargs})"
+
+
+def _fixed_arity(name, params, body, namespace):
+    """A device function ``name(params)`` returning ``body``, written out (its arity is the user's)."""
+    exec(f"def {name}({', '.join(params)}):\n    return {body}\n", namespace)  # noqa: S102
+    return cuda.jit(device=True, inline=True)(namespace[name])
+
+
+@functools.lru_cache(maxsize=None)
+def make_user_mods(mods):
+    """(user_score, user_mask): the user's functions of :class:`Mods` behind a fixed signature::
+
+        x, dmod = user_score(x, b, h, i, j, a0, a1, a2, a3)    # x: the score in natural units
+        visible = user_mask(b, h, i, j, a0, a1, a2, a3)
+
+    each passing the first ``mods.nargs`` arrays on; a missing score_mod is the identity (dmod 1), a missing
+    derivative 1, a missing mask_mod True. The kernels call them only for entries within the sequences, so a
+    function may index its arrays by q_idx and kv_idx."""
+    if mods is None:
+        return None, None
+    given = [f"a{n}" for n in range(mods.nargs)]
+    s_args, g_args, m_args = (given if w else [] for w in mods.with_args)
+    every = ["a0", "a1", "a2", "a3"]
+    ns = {"float32": float32}
+    ns["score"] = (cuda.jit(device=True)(mods.score_mod) if mods.score_mod is not None
+                   else _fixed_arity("score", ["x", "b", "h", "i", "j"] + s_args, "x", ns))
+    ns["grad"] = (cuda.jit(device=True)(mods.score_mod_grad) if mods.score_mod_grad is not None
+                  else _fixed_arity("grad", ["x", "b", "h", "i", "j"] + g_args, "float32(1.0)", ns))
+    ns["mask"] = (cuda.jit(device=True)(mods.mask_mod) if mods.mask_mod is not None
+                  else _fixed_arity("mask", ["b", "h", "i", "j"] + m_args, "True", ns))
+    score = ", ".join(["x", "b", "h", "i", "j"] + s_args)
+    grad = ", ".join(["x", "b", "h", "i", "j"] + g_args)
+    user_score = _fixed_arity("user_score", ["x", "b", "h", "i", "j"] + every,
+                              f"float32(score({score})), float32(grad({grad}))", ns)
+    user_mask = _fixed_arity("user_mask", ["b", "h", "i", "j"] + every,
+                             f"bool(mask({', '.join(['b', 'h', 'i', 'j'] + m_args)}))", ns)
+    return user_score, user_mask

@@ -44,7 +44,8 @@ from numba import float32, uint64
 
 from . import bf16 as _bf16
 from .._backend import cuda
-from .common import LOG2E, NEG_INF, dropout_uniform, make_key_range, make_score_mod, make_sequence_geometry
+from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_range, make_score_mod, make_sequence_geometry,
+                     make_user_mods)
 
 
 def shared_bytes_dkdv_v1(D, B_r, B_c):
@@ -324,7 +325,7 @@ def check_blocks_v2(D, B_r, B_c, num_threads):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
+def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False, mods=None):
     """dK_j, dV_j for one key tile per block, register-tiled.
 
     Launch: grid (ceil(seqlen_k / B_c), batch * nheads_k), block (num_threads,), dynamic shared memory
@@ -334,11 +335,15 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     Per query tile i:  S^T = K_j Q_i^T and dP^T = V_j dO_i^T (registers, TM x TN);  P^T, dS^T to shared;
     dV_j += P^T dO_i and dK_j += dS^T Q_i (registers, TM x DC). With GQA the block loops over the query heads
     that share its key/value head, in order, so dK and dV are summed deterministically. ``variant`` and
-    ``bf16`` as in :func:`flashnumba.kernels.simt_forward.make_forward_v2`.
+    ``bf16`` and ``mods`` as in :func:`flashnumba.kernels.simt_forward.make_forward_v2` (the user's score_mod
+    enters dS through its derivative, ``score_mod_grad``).
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     score_mod = make_score_mod(SOFTCAP, ALIBI)
+    USER_SCORE = mods is not None and mods.score_mod is not None
+    USER_MASK = mods is not None and mods.mask_mod is not None
+    user_score, user_mask = make_user_mods(mods)
     sequence = make_sequence_geometry(VARLEN)
     I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
     TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
@@ -349,7 +354,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
 
     @cuda.jit
     def backward_dkdv_v2(dout, q, k, v, lse, delta, dk, dv, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop,
-                         rp_keep, seed, offset):
+                         rp_keep, seed, offset, a0, a1, a2, a3):
         nheads = q.shape[2]
         nheads_k = k.shape[2]
         group = nheads // nheads_k  # query heads per key/value head
@@ -456,7 +461,11 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
                         # the score as the forward formed it; dcap = d(modified score) / d(scale q.k)
                         x, dcap = score_mod(S[rr, n] * scale, softcap, slope, i, j, diag)
                         if (j < seqlen_k and L != NEG_INF and (not HAS_LEFT or j >= i + diag - left)
-                                and (not HAS_RIGHT or j <= i + diag + right)):
+                                and (not HAS_RIGHT or j <= i + diag + right)
+                                and (not USER_MASK or user_mask(b, h, i, j, a0, a1, a2, a3))):
+                            if USER_SCORE:  # (L != -inf: row i lies within the sequence)
+                                x, dmod = user_score(x, b, h, i, j, a0, a1, a2, a3)
+                                dcap *= dmod
                             p = float32(math.exp2((x - L) * LOG2E))
                         z = float32(1.0)  # Z_ij: the forward's dropout mask times 1 / (1 - p_drop), regenerated
                         if DROPOUT:
@@ -497,7 +506,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
+def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False, mods=None):
     """dQ_i for one query tile per block, register-tiled; no atomics.
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
@@ -505,11 +514,14 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
     tx + 8n; in dQ, feature columns tx + 8n.
 
     Per key tile j:  S = Q_i K_j^T, dP = dO_i V_j^T (registers);  dS^T to shared;  dQ_i += dS K_j.
-    ``variant`` and ``bf16`` as in :func:`flashnumba.kernels.simt_forward.make_forward_v2`.
+    ``variant``, ``bf16`` and ``mods`` as in :func:`flashnumba.kernels.simt_forward.make_forward_v2`.
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     score_mod = make_score_mod(SOFTCAP, ALIBI)
+    USER_SCORE = mods is not None and mods.score_mod is not None
+    USER_MASK = mods is not None and mods.mask_mod is not None
+    user_score, user_mask = make_user_mods(mods)
     key_range = make_key_range(B_r, B_c, HAS_LEFT, HAS_RIGHT)
     sequence = make_sequence_geometry(VARLEN)
     I = uint64  # noqa: E741
@@ -520,7 +532,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
 
     @cuda.jit
     def backward_dq_v2(dout, q, k, v, lse, delta, dq, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep,
-                       seed, offset):
+                       seed, offset, a0, a1, a2, a3):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -609,9 +621,13 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False):
                     j = j0 + jj
                     ds = float32(0.0)
                     if (j < seqlen_k and L[rr] != NEG_INF and (not HAS_LEFT or j >= i + diag - left)
-                            and (not HAS_RIGHT or j <= i + diag + right)):
+                            and (not HAS_RIGHT or j <= i + diag + right)
+                            and (not USER_MASK or user_mask(b, h, i, j, a0, a1, a2, a3))):
                         # the score as the forward formed it; dcap = d(modified score) / d(scale q.k)
                         x, dcap = score_mod(S[rr, n] * scale, softcap, slope, i, j, diag)
+                        if USER_SCORE:
+                            x, dmod = user_score(x, b, h, i, j, a0, a1, a2, a3)
+                            dcap *= dmod
                         p = float32(math.exp2((x - L[rr]) * LOG2E))
                         z = float32(1.0)  # Z_ij, as in the dK/dV kernel
                         if DROPOUT:

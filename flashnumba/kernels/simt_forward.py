@@ -47,7 +47,7 @@ import math
 from . import bf16 as _bf16
 from .._backend import cuda
 from .common import (LN2, LOG2E, NEG_INF, Variant, dropout_uniform, make_key_range, make_score_mod,
-                     make_sequence_geometry)
+                     make_sequence_geometry, make_user_mods)
 from numba import float32, int64, uint64
 
 
@@ -197,7 +197,7 @@ def shared_bytes_v2(D, B_r, B_c):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_v2(D, B_r, B_c, num_threads, variant, bf16=False):
+def make_forward_v2(D, B_r, B_c, num_threads, variant, bf16=False, mods=None):
     """Forward kernel v2: register-tiled S_ij and O_i.
 
     ``variant`` = :class:`Variant` (has_left, has_right, softcap, alibi, varlen, dropout): which masks, score
@@ -212,13 +212,15 @@ def make_forward_v2(D, B_r, B_c, num_threads, variant, bf16=False):
 
     Per key tile: load K_j^T, V_j; S = Q_i K_j^T from shared (TM + TN loads per TM * TN FMAs); row max and
     row sum reduced over the 8 threads of a row through ``red``; P_ij^T to shared; O += P_ij V_j.
-    ``bf16``: q, k, v, out are bfloat16 (uint16 bit patterns).
+    ``bf16``: q, k, v, out are bfloat16 (uint16 bit patterns). ``mods``: a user's score_mod and mask_mod
+    (:class:`flashnumba.kernels.common.Mods`), applied after the built-in score modifications and masks; the
+    arrays they read are the last arguments, a0 .. a3 (dummies where unused, as without ``mods``).
     """
-    return _make_register_tiled(D, B_r, B_c, num_threads, variant, int64, bf16)
+    return _make_register_tiled(D, B_r, B_c, num_threads, variant, int64, bf16, mods)
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_v3(D, B_r, B_c, num_threads, variant, bf16=False):
+def make_forward_v3(D, B_r, B_c, num_threads, variant, bf16=False, mods=None):
     """Forward kernel v3: v2 with unsigned index arithmetic (shared and global memory).
 
     The trick, specific to Numba: an array index of a *signed* integer type gets a negative-index wraparound
@@ -229,15 +231,19 @@ def make_forward_v3(D, B_r, B_c, num_threads, variant, bf16=False):
     The same holds for the 4-D global arrays (four wraparounds per element loaded); v3 indexes them unsigned
     too. The arithmetic is otherwise identical to v2.
     """
-    return _make_register_tiled(D, B_r, B_c, num_threads, variant, uint64, bf16)
+    return _make_register_tiled(D, B_r, B_c, num_threads, variant, uint64, bf16, mods)
 
 
-def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
+def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16, mods=None):
     """The register-tiled forward kernel, with every array index computed in integer type ``I``."""
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     sequence = make_sequence_geometry(VARLEN)
-    SCORE_MOD = SOFTCAP or ALIBI  # S is then formed in natural units, modified, and only then moved to base 2
+    USER_SCORE = mods is not None and mods.score_mod is not None
+    USER_MASK = mods is not None and mods.mask_mod is not None
+    user_score, user_mask = make_user_mods(mods)
+    # S is then formed in natural units, modified, and only then moved to base 2
+    SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE
     score_mod = make_score_mod(SOFTCAP, ALIBI)
     key_range = make_key_range(B_r, B_c, HAS_LEFT, HAS_RIGHT)
     TY, TM, TN, DC = tiling_v2(D, B_r, B_c, num_threads)
@@ -247,7 +253,7 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
 
     @cuda.jit(fastmath=False)
     def forward_register_tiled(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep,
-                               seed, offset):
+                               seed, offset, a0, a1, a2, a3):
         nheads = q.shape[2]
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
@@ -332,10 +338,15 @@ def _make_register_tiled(D, B_r, B_c, num_threads, variant, I, bf16):
                 for n in range(TN):
                     j = j0 + tx + TX * n
                     x = S[rr, n]
-                    if SCORE_MOD:  # x = scale q.k: cap it, add the ALiBi bias, then move to base 2
+                    inside = i < seqlen_q and j < seqlen_k  # (a user's functions may index by i and j)
+                    if SCORE_MOD:  # x = scale q.k: cap it, add the ALiBi bias, the user's score_mod; base 2
                         x, _ = score_mod(x, softcap, slope, i, j, diag)
+                        if USER_SCORE and inside:
+                            x, _ = user_score(x, b, h, i, j, a0, a1, a2, a3)
                         x *= LOG2E
                     if j >= seqlen_k or (HAS_LEFT and j < i + diag - left) or (HAS_RIGHT and j > i + diag + right):
+                        x = NEG_INF
+                    elif USER_MASK and inside and not user_mask(b, h, i, j, a0, a1, a2, a3):
                         x = NEG_INF
                     S[rr, n] = x
                     mx = max(mx, x)

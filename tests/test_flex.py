@@ -1,0 +1,197 @@
+"""flex_attention: a user's score_mod and mask_mod compiled into the register-tiled SIMT kernels, forward and
+backward, against the float64 reference of the same functions (flashnumba.reference.flex_*), with outputs
+NaN-poisoned (conftest) and the tolerance derived from the same computation in the input's dtype."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import flashnumba
+from conftest import assert_close_to_truth, random_qkv, to_numpy
+from flashnumba import reference as ref
+
+# ---------------------------------------------------------------------------------------------------------------
+# the examples: each a (score_mod, score_mod_grad, mask_mod, args maker)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def causal_mask(b, h, i, j, diag):  # bottom-right: diag = seqlen_k - seqlen_q, passed as a 1-element array
+    return j <= i + diag[0]
+
+
+def window_mask(b, h, i, j, diag):
+    return j <= i + diag[0] and j >= i + diag[0] - 3
+
+
+def prefix_lm(b, h, i, j, prefix):  # the first prefix[0] keys visible to every query, causal after them
+    return j < prefix[0] or j <= i
+
+
+def same_document(b, h, i, j, doc_q, doc_k):
+    return doc_q[i] == doc_k[j]
+
+
+def softcap(x, b, h, i, j):
+    return 5.0 * math.tanh(x / 5.0)
+
+
+def softcap_grad(x, b, h, i, j):
+    t = math.tanh(x / 5.0)
+    return 1.0 - t * t
+
+
+def alibi(x, b, h, i, j):
+    return x - (0.5 / (h + 1)) * abs(i - j)
+
+
+def rel_bias(x, b, h, i, j, table):
+    return x + table[h, i - j + table.shape[1] // 2]
+
+
+def one(x, b, h, i, j):
+    return 1.0
+
+
+def _diag(sq, sk, rng):
+    return (np.array([sk - sq], np.int32),)
+
+
+def _prefix(sq, sk, rng):
+    return (np.array([min(3, sk)], np.int32),)
+
+
+def _docs(sq, sk, rng):
+    return (np.sort(rng.integers(0, 3, sq)).astype(np.int32), np.sort(rng.integers(0, 3, sk)).astype(np.int32))
+
+
+def _table(sq, sk, rng, nheads=2):
+    n = max(sq, sk)
+    return (rng.standard_normal((nheads, 2 * n + 1)).astype(np.float32),)
+
+
+def softcap_alibi(x, b, h, i, j):
+    return alibi(softcap(x, b, h, i, j), b, h, i, j)
+
+
+def softcap_alibi_grad(x, b, h, i, j):
+    return softcap_grad(x, b, h, i, j)
+
+
+def bias_docs(x, b, h, i, j, table, doc_q, doc_k):
+    return rel_bias(x, b, h, i, j, table)
+
+
+def bias_docs_grad(x, b, h, i, j, table, doc_q, doc_k):
+    return 1.0
+
+
+def docs_mask(b, h, i, j, table, doc_q, doc_k):
+    return doc_q[i] == doc_k[j]
+
+
+def _table_docs(sq, sk, rng):
+    return _table(sq, sk, rng) + _docs(sq, sk, rng)
+
+
+EXAMPLES = {  # name: (score_mod, score_mod_grad, mask_mod, the arrays they read)
+    "causal": (None, None, causal_mask, _diag),
+    "window": (None, None, window_mask, _diag),
+    "prefix-lm": (None, None, prefix_lm, _prefix),
+    "documents": (None, None, same_document, _docs),
+    "softcap": (softcap, softcap_grad, None, None),
+    "alibi+causal": (alibi, one, causal_mask, _diag),
+    "relative bias+documents": (bias_docs, bias_docs_grad, docs_mask, _table_docs),
+    "softcap+alibi+window": (softcap_alibi, softcap_alibi_grad, window_mask, _diag),
+}
+
+
+def _run(name, sq, sk, nheads_k, groups, d, seed, dtype=np.float32):
+    score_mod, grad, mask_mod, make_args = EXAMPLES[name]
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, dtype)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    args = make_args(sq, sk, rng) if make_args else ()
+    kw = dict(score_mod_args=args, enable_gqa=groups > 1)
+    out, lse = flashnumba.flex_attention(q, k, v, score_mod, mask_mod, return_lse=True, **kw)
+    grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, score_mod, mask_mod, score_mod_grad=grad,
+                                               **kw)
+    rkw = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args)
+    truth_o, truth_l = ref.flex_attention_forward(q, k, v, **rkw)
+    base_o, base_l = ref.flex_attention_forward(q, k, v, dtype=np.float32, **rkw)
+    n = max(d, sk)
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert out.shape == q.shape and lse.shape == (1, q.shape[2], sq)
+    assert_close_to_truth("out", out, truth_o, base_o, reduction=n)
+    assert_close_to_truth("lse", lse, truth_l, base_l, reduction=n)
+    truth = ref.flex_attention_backward(dout, q, k, v, score_mod_grad=grad, **rkw)
+    base = ref.flex_attention_backward(dout, q, k, v, score_mod_grad=grad, dtype=np.float32, **rkw)
+    for gname, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
+        assert_close_to_truth(gname, to_numpy(g), t, b, reduction=max(d, sq, sk))
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_each_example(name):
+    _run(name, 13, 21, 1, 2, 16, seed=len(name))
+
+
+@settings(max_examples=6 if flashnumba.SIMULATOR else 200, deadline=None)
+@given(name=st.sampled_from(list(EXAMPLES)), sq=st.sampled_from([1, 7, 17, 33]), sk=st.sampled_from([1, 9, 17, 40]),
+       nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), d=st.sampled_from([8, 16, 40]),
+       seed=st.integers(0, 99))
+def test_drawn_shapes(name, sq, sk, nheads_k, groups, d, seed):
+    _run(name, sq, sk, nheads_k, groups, d, seed)
+
+
+def test_a_mod_that_reproduces_a_built_in_option_gives_its_result():
+    """A causal mask_mod and a softcap score_mod: the built-in options' kernels' result, within rounding."""
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 1, 17, 29, 2, 16, np.float32)
+    out = flashnumba.flex_attention(q, k, v, softcap, causal_mask, score_mod_args=(np.array([12], np.int32),))
+    built, _ = flashnumba.flash_attn_forward(q, k, v, causal=True, softcap=5.0)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(built), atol=2e-6)
+
+
+def test_rows_that_see_no_key():
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 1, 6, 5, 1, 8, np.float32)
+    dout = np.ones_like(q)
+
+    def hide_row_2(b, h, i, j):
+        return i != 2
+
+    out, lse = flashnumba.flex_attention(q, k, v, mask_mod=hide_row_2, return_lse=True)
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert not out[0, 2].any() and lse[0, 0, 2] == -np.inf and np.isfinite(lse[0, 0, [0, 1, 3]]).all()
+    dq, _, _ = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, mask_mod=hide_row_2)
+    assert not to_numpy(dq)[0, 2].any()
+
+
+def bad(x, b):
+    return x
+
+
+def test_bad_functions_and_arguments_are_clear_errors():
+    q, k, v = random_qkv(np.random.default_rng(5), 1, 4, 4, 2, 8, np.float32)
+    with pytest.raises(TypeError, match="score_mod 'bad' must take \\(score, b, h, q_idx, kv_idx\\)"):
+        flashnumba.flex_attention(q, k, v, bad)
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        flashnumba.flex_attention(q, k, v, mask_mod=3)
+    with pytest.raises(ValueError, match="at most 4 arrays"):
+        flashnumba.flex_attention(q, k, v, softcap, score_mod_args=(np.zeros(1),) * 5)
+    with pytest.raises(TypeError, match="score_mod_args\\[0\\] must be an array"):
+        flashnumba.flex_attention(q, k, v, softcap, score_mod_args=(3.0,))
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        flashnumba.flex_attention(q, k[:, :, :1], v[:, :, :1], softcap)
+    with pytest.raises(ValueError, match="register-tiled SIMT kernels"):
+        flashnumba.flex_attention(q, k, v, softcap, kernel="tc")
+    out, lse = flashnumba.flex_attention(q, k, v, softcap, return_lse=True)
+    with pytest.raises(ValueError, match="score_mod_grad"):
+        flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap)
+    before = [x.copy() for x in (q, k, v)]
+    flashnumba.flex_attention(q, k, v, softcap, causal_mask, score_mod_args=(np.array([0], np.int32),))
+    assert all(np.array_equal(a, b) for a, b in zip(before, (q, k, v)))  # inputs untouched
