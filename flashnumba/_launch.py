@@ -29,6 +29,7 @@ import numpy as np
 
 from . import _arrays, _cache, config
 from ._backend import SIMULATOR, cuda
+from .kernels.common import Mods
 
 STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory; more needs an opt-in per kernel
 PER_CALL_SCALARS = ("seed", "offset")  # uint64 arguments written at every call, not part of a plan
@@ -233,7 +234,7 @@ def compile_kernel(spec: KernelLaunch, sig: tuple, cc) -> Compiled:
         if hit is not None:
             return hit
         # a user's functions are named by their identity in this process: their kernels stay out of the disk cache
-        disk = not any(type(a).__name__ == "Mods" for a in spec.factory_args)
+        disk = not any(isinstance(a, Mods) for a in spec.factory_args)
         entry = _cache.load(key) if disk else None
         if entry is not None:
             header, cubin = entry

@@ -124,6 +124,30 @@ def check_int(name, value, lo, hi) -> int:
     return int(value)
 
 
+def check_array_arg(name, x, tq, hint="") -> Tensor:
+    """The Tensor of an array argument beside q (ALiBi slopes, a score_mod's arrays): of any rank, in q's place
+    (device or host)."""
+    try:
+        rank = len(_arrays.shape_strides_dtype(x)[0])
+    except AttributeError:
+        raise TypeError(f"{name} must be an array{hint}, got {type(x).__name__}") from None
+    t = inspect(name, x, rank)
+    if _arrays.on_device(t.kind) != _arrays.on_device(tq.kind):
+        check_same_place((tq, t))
+    return t
+
+
+def mod_args_tuple(score_mod_args) -> tuple:
+    """``score_mod_args`` as a tuple (of at most MOD_ARGS entries; each checked by :func:`check_mods`)."""
+    from .kernels.common import MOD_ARGS
+
+    if not isinstance(score_mod_args, (tuple, list)):
+        raise TypeError(f"score_mod_args must be a tuple of arrays, got {type(score_mod_args).__name__}")
+    if len(score_mod_args) > MOD_ARGS:
+        raise ValueError(f"score_mod_args takes at most {MOD_ARGS} arrays, got {len(score_mod_args)}")
+    return tuple(score_mod_args)
+
+
 def _takes(fn, n) -> bool:
     """Whether ``fn`` can be called with ``n`` positional arguments."""
     import inspect as _inspect
@@ -142,23 +166,10 @@ def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enab
     launched: callables taking (score, b, h, q_idx, kv_idx, *args) / (b, h, q_idx, kv_idx, *args), at most
     MOD_ARGS arrays on q's device, GQA only with ``enable_gqa`` (as FlexAttention), and in the backward the
     score_mod's derivative."""
-    from .kernels.common import MOD_ARGS, Mods
+    from .kernels.common import Mods
 
-    if not isinstance(score_mod_args, (tuple, list)):
-        raise TypeError(f"score_mod_args must be a tuple of arrays, got {type(score_mod_args).__name__}")
-    if len(score_mod_args) > MOD_ARGS:
-        raise ValueError(f"score_mod_args takes at most {MOD_ARGS} arrays, got {len(score_mod_args)}")
-    args = []
-    for n, a in enumerate(score_mod_args):
-        try:
-            rank = len(_arrays.shape_strides_dtype(a)[0])
-        except AttributeError:
-            raise TypeError(f"score_mod_args[{n}] must be an array (close over a number in the function instead), "
-                            f"got {type(a).__name__}") from None
-        t = inspect(f"score_mod_args[{n}]", a, rank)
-        if _arrays.on_device(t.kind) != _arrays.on_device(tq.kind):
-            check_same_place((tq, t))
-        args.append(t)
+    args = [check_array_arg(f"score_mod_args[{n}]", a, tq, " (close over a number in the function instead)")
+            for n, a in enumerate(mod_args_tuple(score_mod_args))]
     n = len(args)
     with_args = []
     for name, fn, lead in (("score_mod", score_mod, 5), ("score_mod_grad", score_mod_grad, 5),
@@ -345,13 +356,7 @@ def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p,
     batch = tq.shape[0] if batch is None else batch
     alibi = None
     if alibi_slopes is not None:
-        try:
-            rank = len(_arrays.shape_strides_dtype(alibi_slopes)[0])
-        except AttributeError:
-            raise TypeError(f"alibi_slopes must be an array, got {type(alibi_slopes).__name__}") from None
-        alibi = inspect("alibi_slopes", alibi_slopes, rank)
-        if _arrays.on_device(alibi.kind) != _arrays.on_device(tq.kind):
-            check_same_place((tq, alibi))
+        alibi = check_array_arg("alibi_slopes", alibi_slopes, tq)
         if alibi.shape not in ((nheads,), (batch, nheads)):
             raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
                              f"({batch}, {nheads}), got {alibi.shape}")

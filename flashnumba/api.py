@@ -20,6 +20,7 @@ first seen: ``FLASHNUMBA_MAX_SHARED_BYTES`` and the current device are read then
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from typing import Any
@@ -29,7 +30,7 @@ import numpy as np
 from . import _arrays, _launch, config, planner as _plan
 from ._validate import (Options, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
                         check_forward_results, check_mods, check_options, check_qkv, check_same_place, check_seed,
-                        check_stream, inspect, kernel_for_precision)
+                        check_stream, inspect, kernel_for_precision, mod_args_tuple)
 
 Array = Any  # a NumPy or CuPy array, a torch CUDA tensor, or any __cuda_array_interface__ object
 MAX_PROBS_ELEMENTS = 2**26  # return_attn_probs materialises (batch, nheads, seqlen_q, seqlen_k): small sizes only
@@ -113,7 +114,7 @@ def _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
 
 
 def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                   block_m, block_n, num_threads, kernel, device=None, mods=None):
+                   block_m, block_n, num_threads, kernel, device=None, flex=None):
     tq, tk, tv = (inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
     tdo, to, tl = inspect("dout", dout, 4), inspect("out", out, 4), inspect("lse", lse, 3)
     check_same_place((tq, tk, tv, tdo, to, tl))
@@ -123,8 +124,9 @@ def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, 
     check_forward_results(tq, tdo, to, tl, "(batch, nheads, seqlen_q)", (batch, nheads, seqlen_q),
                           "flash_attn_forward")
     opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale)
-    if mods is not None:  # (Mods, argument Tensors) of flex_attention_backward
-        opts = _replace(opts, mods=mods[0], mod_args=mods[1])
+    if flex is not None:  # flex_attention_backward's (score_mod, score_mod_grad, mask_mod, args, enable_gqa)
+        mods, targs = check_mods(tq, tk, *flex[:4], flex[4], backward=True)
+        opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
     block_m, block_n, num_threads = check_blocks(block_m, block_n, num_threads)
     p = _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=block_m, block_n=block_n,
                             num_threads=num_threads, device=device)
@@ -255,9 +257,10 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2" (register-tiled)
     or "v1" (one thread per row, the readable one), see flashnumba.kernels.simt_backward; "tc" (tensor cores:
-    float16 or bfloat16, head_dim a multiple of 8 up to 160 (kernel=None: the multiples of 16), every option; block_m and
-    block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and ``tc_dkdv``
-    in flashnumba.tiling, and a block_m or block_n given applies to both), see flashnumba.kernels.mma_backward. None
+    float16 or bfloat16, head_dim a multiple of 8 up to 160 (kernel=None: the multiples of 16), every option;
+    block_m and block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and
+    ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
+    flashnumba.kernels.mma_backward. None
     (default): "tc" where it applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.
     precision: float32 only, "ieee" (None: the same); the backward has no TF32 kernels yet, and "tf32" or "3xtf32"
     raise.
@@ -595,16 +598,17 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     kernels (``kernel`` None or "v3", or "v2"); the tensor-core kernels do not take them yet. Checked against
     :func:`flashnumba.reference.flex_attention_forward`.
     """
-    mods, args = _flex_checked(q, k, score_mod, None, mask_mod, score_mod_args, enable_gqa)
-    key = _key("flex", (q, k, v) + tuple(t.array for t in args), (scale, mods, kernel))
+    args = mod_args_tuple(score_mod_args)
+    key = _key("flex", (q, k, v) + args, (scale, score_mod, mask_mod, enable_gqa, kernel))
 
-    def build():
+    def build():  # the functions and arrays are checked once per key, with the rest of the call
         (tq, tk, tv), opts = check_forward_args(q, k, v, softmax_scale=scale)
-        opts = _replace(opts, mods=mods, mod_args=args)
+        mods, targs = check_mods(tq, tk, score_mod, None, mask_mod, score_mod_args, enable_gqa)
+        opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
         return _launch.Call(_flex_compiled(_plan.forward_plan(tq, tk, tv, opts, kernel=kernel), mods))
 
     call = _cached(key, build)
-    out, lse = call.run((q, k, v, None, None, None) + tuple(t.array for t in args), 0, 0, _stream(stream, q))
+    out, lse = call.run((q, k, v, None, None, None) + args, 0, 0, _stream(stream, q))
     return (out, lse) if return_lse else out
 
 
@@ -618,30 +622,17 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
     to the score, is required (for an added bias, a function returning 1.0): without it no gradient can be
     right, and the call raises. Gradients with respect to the arrays of ``score_mod_args`` are not computed.
     Runs on the register-tiled SIMT backward (``kernel`` None or "v2")."""
-    mods, args = _flex_checked(q, k, score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa, True)
-    arrays = (dout, q, k, v, out, lse) + tuple(t.array for t in args)
-    key = _key("flex_bwd", arrays, (scale, mods, kernel))
+    args = mod_args_tuple(score_mod_args)
+    key = _key("flex_bwd", (dout, q, k, v, out, lse) + args,
+               (scale, score_mod, score_mod_grad, mask_mod, enable_gqa, kernel))
 
     def build():
-        p, _ = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, None, None, None,
-                              kernel, mods=(mods, args))
-        return _launch.Call(_flex_compiled(p, mods))
+        p, opts = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, None, None, None,
+                                 kernel, flex=(score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa))
+        return _launch.Call(_flex_compiled(p, opts.mods))
 
     call = _cached(key, build)
-    dq, dk, dv = call.run((dout, q, k, v, out, lse, None, None, None) + tuple(t.array for t in args), 0, 0,
-                          _stream(stream, q))
-    return dq, dk, dv
-
-
-def _flex_checked(q, k, score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa, backward=False):
-    tq, tk = inspect("q", q, 4), inspect("k", k, 4)
-    return check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa, backward)
-
-
-def _replace(opts, **changes):
-    import dataclasses
-
-    return dataclasses.replace(opts, **changes)
+    return tuple(call.run((dout, q, k, v, out, lse, None, None, None) + args, 0, 0, _stream(stream, q)))
 
 
 def _flex_compiled(p, mods):

@@ -11,10 +11,10 @@ ask for without running anything::
 How ``kernel=None`` chooses:
 
 * float16 / bfloat16: the tensor-core kernels (``tc``) where they apply: a GPU of compute capability >= 8.0
-  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim a multiple of 16 up to 256 forward
-  and up to 160 backward (:data:`flashnumba.tiling.MMA_DEFAULT_HEAD_DIMS`; ``kernel="tc"`` also takes the other
-  multiples of 8, 8, 24, 40, ..., padded to 16 in shared memory: :data:`~flashnumba.tiling.MMA_HEAD_DIMS`), and no tile arguments given (those
-  are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
+  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim a multiple of 16 up to 256 forward and up to 160 backward
+  (:data:`flashnumba.tiling.MMA_DEFAULT_HEAD_DIMS`; ``kernel="tc"`` also takes the other multiples of 8, 8, 24,
+  40, ..., padded to 16 in shared memory: :data:`~flashnumba.tiling.MMA_HEAD_DIMS`), and no tile arguments given
+  (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies).
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
   ``fallback`` and a one-time :class:`SlowPathWarning` says so (``flashnumba.config.warn_slow_path = False``

@@ -13,8 +13,9 @@ Three layers, as in flash-attn:
   ``.varlen_backward``, ``.probs``), each with a fake implementation that gives the shapes of its results
   without running anything (and runs flashnumba's argument checks on the shapes), so that ``torch.compile(model,
   fullgraph=True)`` traces a model through them with no graph break. They call the core API
-  (:func:`flashnumba.flash_attn_forward`, ...) on the tensors as they are: no copy (the core copies only an input the
-  tensor-core kernels cannot read in place: strides that are not multiples of 16 bytes, a start not on 16 bytes), kernels on torch's current stream.
+  (:func:`flashnumba.flash_attn_forward`, ...) on the tensors as they are: no copy (the core copies only
+  an input the tensor-core kernels cannot read in place: strides that are not multiples of 16 bytes, a start not
+  on 16 bytes), kernels on torch's current stream.
 * **autograd Functions** that save q, k, v, out, lse and the dropout state (a CPU int64 tensor ``[seed,
   offset]``) and return the gradients of q, k and v (with GQA/MQA, dk and dv summed over the query heads that
   share a key/value head; packed inputs get packed gradients).

@@ -1,6 +1,6 @@
-"""Regenerate the tables of docs/benchmarks.md, docs/testing.md and README.md that come from docs/results/latest/ (latency.json,
-caps.json, train_tiny_gpt.json, bench.json): each replaces what stands between its ``<!-- NAME:begin -->`` and
-``<!-- NAME:end -->`` markers.
+"""Regenerate the tables of docs/benchmarks.md, docs/testing.md and README.md that come from docs/results/latest/
+(latency.json, caps.json, train_tiny_gpt.json, bench.json, check-*.json): each replaces what stands between its
+``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers.
 
     python scripts/update_docs_tables.py
 """

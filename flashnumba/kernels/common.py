@@ -137,8 +137,9 @@ class Mods:
     """A user's ``score_mod(score, b, h, q_idx, kv_idx, *args)``, its derivative ``score_mod_grad`` (same
     arguments; for the backward) and ``mask_mod(b, h, q_idx, kv_idx, *args)``, plain Python functions that the
     kernels compile as device functions; ``nargs``, the number of arrays (at most :data:`MOD_ARGS`), and
-    ``with_args``, for each of the three functions whether it takes them (a function may leave them out). Equal when the functions are the same objects: a kernel is compiled once per set of
-    functions (a function's identity, not its text, names it, so these kernels are not stored in the disk cache)."""
+    ``with_args``, for each of the three functions whether it takes them (a function may leave them out).
+    Equal when the functions are the same objects: a kernel is compiled once per set of functions (a function's
+    identity, not its text, names it, so these kernels are not stored in the disk cache)."""
 
     __slots__ = ("score_mod", "score_mod_grad", "mask_mod", "nargs", "with_args")
 

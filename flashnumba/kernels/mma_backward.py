@@ -2,10 +2,10 @@
 
 The SIMT backward (:mod:`flashnumba.kernels.simt_backward`) in the tile operations of
 :mod:`flashnumba.kernels.mma_forward`: float16 or bfloat16 inputs, float32 accumulation, head_dim a multiple of 8
-up to 160 (:data:`BACKWARD_HEAD_DIMS`; padded to a multiple of 16 in shared memory, as the forward), with every option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen,
-dropout; :func:`make_entry` holds the per-entry part). As there, D_i = rowsum(dO_i * O_i) comes first
-(``simt_backward.make_backward_preprocess_warp``), then two kernels, neither with atomics, so the gradients are
-deterministic:
+up to 160 (:data:`BACKWARD_HEAD_DIMS`; padded to a multiple of 16 in shared memory, as the forward), with every
+option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen, dropout; :func:`make_entry` holds the
+per-entry part). As there, D_i = rowsum(dO_i * O_i) comes first (``simt_backward.make_backward_preprocess_warp``),
+then two kernels, neither with atomics, so the gradients are deterministic:
 
 dQ, one block per query tile Q_i (warp w owns its rows 16w .. 16w + 15), looping over the key tiles K_j, V_j::
 
