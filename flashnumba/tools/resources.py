@@ -17,6 +17,8 @@ from ..kernels import simt_backward, simt_forward
 _ARRAY = "{}[:, :, :, :]"
 _OPTS = "float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64"
 # softcap, window left and right, ALiBi slopes, cu_seqlens q and k, dropout p, 1 / (1 - p), seed, offset
+_MODS = "float32[:], float32[:], float32[:], float32[:]"
+# the register-tiled SIMT kernels' last: the arrays a user's score_mod / mask_mod read (dummies without them)
 
 
 def _array(dtype: str) -> str:
@@ -28,7 +30,7 @@ def kernel_signature(kernel: str = "v3", dtype: str = "float32") -> str:
     """Signature of the SIMT forward kernels: (q, k, v, out, lse, scale[, softcap, left, right, alibi, ...])."""
     a = _array(dtype)
     base = f"{a}, {a}, {a}, {a}, float32[:, :, :], float32"
-    return f"void({base})" if kernel == "v1" else f"void({base}, {_OPTS})"
+    return f"void({base})" if kernel == "v1" else f"void({base}, {_OPTS}, {_MODS})"
 
 
 def kernel_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_threads: int = 128,
@@ -57,7 +59,7 @@ def backward_ptx(kernel: str, head_dim: int, block_m: int, block_n: int, num_thr
         variant = variant or simt_forward.Variant(has_right=causal)
         dq = simt_backward.make_backward_dq_v2(head_dim, block_m, block_n, num_threads, variant, bf16=bf16)
         dkdv = simt_backward.make_backward_dkdv_v2(head_dim, block_m, block_n, num_threads, variant, bf16=bf16)
-    opts = "" if kernel == "v1" else f", {_OPTS}"
+    opts = "" if kernel == "v1" else f", {_OPTS}, {_MODS}"
     sig_dq = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, float32{opts})"
     sig_dkdv = f"void({a}, {a}, {a}, {a}, {l3}, {l3}, {a}, {a}, float32{opts})"
     return {"dq": _launch.compile_ptx(dq.py_func, sig_dq, cc), "dkdv": _launch.compile_ptx(dkdv.py_func, sig_dkdv, cc)}
