@@ -6,7 +6,8 @@
 
 Workload as in the benchmark (batch = 16384 / seqlen, heads = 2048 / head_dim, float32, non-causal); each kernel
 is compiled and run once before the profiled calls. With ``tc``: the tensor-core forward and backward on float16
-instead; with ``3xtf32``: the float32 forward on tensor cores (it has no backward).
+instead; with ``3xtf32``: the float32 forward on tensor cores (it has no backward); with ``fa2``: torch's
+FlashAttention-2 (SDPA's flash backend) forward and backward on the same float16 inputs, for comparison.
 """
 
 import sys
@@ -29,6 +30,23 @@ if mode == "3xtf32":
     cupy.cuda.Device().synchronize()
     cupy.cuda.profiler.stop()
     print(f"profiled the 3xTF32 forward, float32, seqlen {n}, head_dim {d}")
+    sys.exit()
+if mode == "fa2":
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv, tdo = (torch.as_tensor(x.astype(np.float16), device="cuda").transpose(1, 2) for x in (q, k, v, dout))
+    tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for profiled in (False, True):
+            if profiled:
+                torch.cuda.synchronize()
+                cupy.cuda.profiler.start()
+            o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+            o.backward(tdo)
+            torch.cuda.synchronize()
+    cupy.cuda.profiler.stop()
+    print(f"profiled torch's flash backend (FlashAttention-2) forward and backward, float16, seqlen {n}, head_dim {d}")
     sys.exit()
 if mode == "tc":
     q, k, v, dout = (x.astype(np.float16) for x in (q, k, v, dout))
