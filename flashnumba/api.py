@@ -590,7 +590,8 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     q_idx and kv_idx: positions in the sequences (no alignment shift: a bottom-right causal mask is
     ``q_idx + seqlen_k - seqlen_q >= kv_idx``). ``score_mod_args``: up to 4 arrays on q's device that the functions
     read, indexed as they like (a bias table, document ids); a number is better closed over (each value compiles
-    its own kernel). A function is compiled once per function object (define it once, not in a loop).
+    its own kernel). A function may call other plain Python functions (a score_mod built from two others): they
+    are compiled with it. A function is compiled once per function object (define it once, not in a loop).
 
     q (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k, head_dim) in float32, float16 or
     bfloat16; nheads_k < nheads needs ``enable_gqa=True``. Returns out like q, or (out, lse) with

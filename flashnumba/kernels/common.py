@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 from . import philox
 from .._backend import cuda
@@ -170,6 +171,43 @@ def _fixed_arity(name, params, body, namespace):
 
 
 @functools.lru_cache(maxsize=None)
+def as_device_function(fn):
+    """``fn`` as a Numba device function, with the plain Python functions it calls (through its globals or its
+    closure, to any depth) made device functions too, so that a user's score_mod may call another, as
+    ``alibi(softcap(x, ...), ...)``. A function that is already a Numba dispatcher is returned as it is; the
+    user's own function and its globals are left untouched (the device version reads a copy)."""
+    return _as_device(fn, {})
+
+
+def _as_device(fn, seen):
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    if fn in seen:
+        return seen[fn]
+    seen[fn] = None  # a function that calls itself is left for Numba to refuse
+    code = fn.__code__
+    env = dict(fn.__globals__)
+    for name in code.co_names:
+        value = env.get(name)
+        if isinstance(value, types.FunctionType) and value is not fn:
+            env[name] = _as_device(value, seen)
+    closure = fn.__closure__
+    if closure:
+        closure = tuple(types.CellType(_as_device(c.cell_contents, seen)) if _is_function_cell(c) else c
+                        for c in closure)
+    copy = types.FunctionType(code, env, fn.__name__, fn.__defaults__, closure)
+    copy.__qualname__ = fn.__qualname__
+    seen[fn] = cuda.jit(device=True)(copy)
+    return seen[fn]
+
+
+def _is_function_cell(cell):
+    try:
+        return isinstance(cell.cell_contents, types.FunctionType)
+    except ValueError:  # an empty cell
+        return False
+
+
 def make_user_mods(mods):
     """(user_score, user_mask): the user's functions of :class:`Mods` behind a fixed signature::
 
@@ -185,11 +223,11 @@ def make_user_mods(mods):
     s_args, g_args, m_args = (given if w else [] for w in mods.with_args)
     every = ["a0", "a1", "a2", "a3"]
     ns = {"float32": float32}
-    ns["score"] = (cuda.jit(device=True)(mods.score_mod) if mods.score_mod is not None
+    ns["score"] = (as_device_function(mods.score_mod) if mods.score_mod is not None
                    else _fixed_arity("score", ["x", "b", "h", "i", "j"] + s_args, "x", ns))
-    ns["grad"] = (cuda.jit(device=True)(mods.score_mod_grad) if mods.score_mod_grad is not None
+    ns["grad"] = (as_device_function(mods.score_mod_grad) if mods.score_mod_grad is not None
                   else _fixed_arity("grad", ["x", "b", "h", "i", "j"] + g_args, "float32(1.0)", ns))
-    ns["mask"] = (cuda.jit(device=True)(mods.mask_mod) if mods.mask_mod is not None
+    ns["mask"] = (as_device_function(mods.mask_mod) if mods.mask_mod is not None
                   else _fixed_arity("mask", ["b", "h", "i", "j"] + m_args, "True", ns))
     score = ", ".join(["x", "b", "h", "i", "j"] + s_args)
     grad = ", ".join(["x", "b", "h", "i", "j"] + g_args)
