@@ -403,8 +403,9 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     elif family == "tc":
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
-                              (D, opts.variant, t.block_n, t.block_m // 16, _dtype_name(dt), nk != nheads,
-                               _strided(arrays, ("q", "k", "v"))),
+                              (D, opts.variant, t.block_n, t.num_threads // 32, _dtype_name(dt), nk != nheads,
+                               _strided(arrays, ("q", "k", "v")), opts.scale > 0,
+                               t.block_m // (t.num_threads // 2)),
                               io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t, reason)
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)

@@ -18,7 +18,7 @@ family         kernel module                                        threads
 ``v2``, ``v3`` :mod:`flashnumba.kernels.simt_forward`               given; a multiple of 32
 ``bwd_v1``     :mod:`flashnumba.kernels.simt_backward`              B_r (dQ), B_c (dK/dV); static shared memory
 ``bwd_v2``     :mod:`flashnumba.kernels.simt_backward`              given; a multiple of 32
-``tc``         :mod:`flashnumba.kernels.mma_forward`                32 per 16 query rows (a warp per 16 rows)
+``tc``         :mod:`flashnumba.kernels.mma_forward`                32 per 16 or 32 query rows (given; else 16)
 ``tc_dq``      :mod:`flashnumba.kernels.mma_backward`               32 per 16 query rows
 ``tc_dkdv``    :mod:`flashnumba.kernels.mma_backward`               32 per 16 key rows
 ``tf32``,      :mod:`flashnumba.kernels.mma_tf32`                   32 per 16 query rows
@@ -244,7 +244,7 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
     if table in ("bwd_v2", "bwd_v2_dkdv"):
         return simt_backward.shared_bytes_dkdv_v2(D, m, n), False
     if table == "tc":
-        return mma_forward.shared_bytes(D, n, m // mma_forward.WARP_ROWS), False
+        return mma_forward.shared_bytes(D, n, m), False
     if table == "tc_dq":
         return mma_backward.shared_bytes_dq(D, m, n), False
     if table == "tc_dkdv":
@@ -282,8 +282,10 @@ def check(table: str, D: int, t: Tiles):
     elif table == "tc":
         if D not in mma_forward.HEAD_DIMS:
             raise ValueError(f"the tensor-core forward supports head_dim a multiple of 8 up to 256, got {D}")
-        if m not in (16, 32, 64, 128):
-            raise ValueError(f"kernel 'tc' takes block_m in (16, 32, 64, 128) (16 query rows per warp), got {m}")
+        warps, rows = nt // 32, m // max(nt // 32, 1)
+        if nt % 32 or warps not in (1, 2, 4, 8) or rows not in mma_forward.ROWS_PER_WARP or rows * warps != m:
+            raise ValueError(f"kernel 'tc' takes 1, 2, 4 or 8 warps (num_threads 32 each) of 16 or 32 query rows "
+                             f"each: block_m 16 to 256, got block_m {m} with {nt} threads")
         if n <= 0 or n % 16:
             raise ValueError(f"kernel 'tc' takes block_n a positive multiple of 16, got {n}")
     elif table in ("tc_dq", "tc_dkdv"):
@@ -315,7 +317,7 @@ def threads_of(table: str, t: Tiles) -> Tiles:
     rows) filled in."""
     if table == "v1":
         return t._replace(num_threads=t.block_m)
-    if table in ("tc", "tc_dq", "tf32", "3xtf32"):
+    if table in ("tc_dq", "tf32", "3xtf32"):
         return t._replace(num_threads=_tc_threads(t.block_m))
     if table == "tc_dkdv":
         return t._replace(num_threads=_tc_threads(t.block_n))
@@ -363,9 +365,11 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
         base = TABLES[table][0].tiles
     t = Tiles(base.block_m if block_m is None else block_m, base.block_n if block_n is None else block_n,
               base.num_threads if num_threads is None else num_threads)
-    if table in ("tc", "tc_dq", "tc_dkdv", "tf32", "3xtf32") and num_threads is not None:
+    if table in ("tc_dq", "tc_dkdv", "tf32", "3xtf32") and num_threads is not None:
         raise ValueError(f"kernel {table.split('_')[0]!r} takes no num_threads: its threads follow from its tiles "
                          f"(32 per 16 rows)")
+    if table == "tc" and num_threads is None:  # a warp per 16 rows unless the caller says otherwise
+        t = t._replace(num_threads=_tc_threads(t.block_m))
     t = threads_of(table, t)
     check(table, D, t)
     for part in _parts(table):

@@ -20,21 +20,24 @@ from conftest import check_backward, check_forward, random_qkv
 from flashnumba import reference, tiling
 
 
-def forward_tc(q, k, v, warps=None, **kw):
-    """The tensor-core forward with its tiles given as B_c (``block_n``) and a number of warps (B_r = 16 warps).
-    Under a shared-memory cap (FLASHNUMBA_MAX_SHARED_BYTES) tiles that do not fit are skipped, not failed."""
+def forward_tc(q, k, v, warps=None, rows=16, **kw):
+    """The tensor-core forward with its tiles given as B_c (``block_n``), a number of warps and the query rows
+    each owns (16 or 32: B_r = rows warps). Under a shared-memory cap (FLASHNUMBA_MAX_SHARED_BYTES) tiles that do
+    not fit are skipped, not failed."""
+    if warps is not None:
+        kw.update(block_m=rows * warps, num_threads=32 * warps)
     try:
-        return flashnumba.flash_attn_forward(q, k, v, kernel="tc", block_m=None if warps is None else 16 * warps,
-                                             **kw)
+        return flashnumba.flash_attn_forward(q, k, v, kernel="tc", **kw)
     except ValueError as err:
         if tiling.shared_cap() is not None and "bytes of shared memory" in str(err):
             pytest.skip(f"these tiles do not fit the capped shared memory: {err}")
         raise
 
 
-# (block_n, warps): the smallest blocks (16 keys, 1 warp) in the simulator, where every mma is 32 Python threads
-# meeting at a barrier; on a GPU, the defaults as well
-BLOCKS = [(16, 1)] + ([] if flashnumba.SIMULATOR else [(None, None), (32, 8)])
+# (block_n, warps, rows per warp): the smallest blocks (16 keys, 1 warp of 16 or of 32 rows) in the simulator,
+# where every mma is 32 Python threads meeting at a barrier; on a GPU, the defaults and larger blocks as well
+BLOCKS = [(16, 1, 16), (16, 1, 32)] + ([] if flashnumba.SIMULATOR else [(None, None, 16), (32, 8, 16), (64, 4, 32),
+                                                                         (32, 4, 32)])
 
 
 @pytest.mark.parametrize("blocks", BLOCKS)
@@ -42,7 +45,7 @@ BLOCKS = [(16, 1)] + ([] if flashnumba.SIMULATOR else [(None, None), (32, 8)])
 def test_forward_tc_matches_reference(seqlen_q, seqlen_k, nheads, blocks):
     rng = np.random.default_rng(seqlen_q * 100 + seqlen_k)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, nheads, 64, np.float16)
-    out, lse = forward_tc(q, k, v, block_n=blocks[0], warps=blocks[1])
+    out, lse = forward_tc(q, k, v, block_n=blocks[0], warps=blocks[1], rows=blocks[2])
     check_forward(out, lse, q, k, v)
 
 
@@ -52,7 +55,7 @@ def test_forward_tc_causal(seqlen_q, seqlen_k, blocks):
     """Bottom-right aligned; with seqlen_q > seqlen_k the first rows see no key (out 0, lse -inf)."""
     rng = np.random.default_rng(7 + seqlen_q)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 1, 64, np.float16)
-    out, lse = forward_tc(q, k, v, causal=True, block_n=blocks[0], warps=blocks[1])
+    out, lse = forward_tc(q, k, v, causal=True, block_n=blocks[0], warps=blocks[1], rows=blocks[2])
     check_forward(out, lse, q, k, v, causal=True)
 
 
@@ -80,11 +83,14 @@ def test_forward_tc_bfloat16():
 
 
 @pytest.mark.parametrize("blocks", BLOCKS)
-def test_forward_tc_head_dim_128_and_scale(blocks):
+@pytest.mark.parametrize("scale", [0.3, -0.2])
+def test_forward_tc_head_dim_128_and_scale(blocks, scale):
+    """head_dim 128 (with two blocks of 16 rows a warp, Q_i's fragments read from shared memory per k-step); a
+    negative scale (the row maximum of the raw scores is then not that of the scaled ones: no folded scale)."""
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, 1, 17, 40, 1, 128, np.float16)
-    out, lse = forward_tc(q, k, v, softmax_scale=0.3, block_n=blocks[0], warps=blocks[1])
-    check_forward(out, lse, q, k, v, softmax_scale=0.3)
+    out, lse = forward_tc(q, k, v, softmax_scale=scale, block_n=blocks[0], warps=blocks[1], rows=blocks[2])
+    check_forward(out, lse, q, k, v, softmax_scale=scale)
 
 
 def test_forward_tc_rejects_what_it_does_not_support():
@@ -133,7 +139,7 @@ def test_forward_tc_gpu_sizes(seqlen_q, seqlen_k, causal, D, dtype):
     check_forward(out, lse, q, k, v, causal=causal)
 
 
-@pytest.mark.parametrize("opts", [dict(num_threads=64), dict(block_m=48)])
+@pytest.mark.parametrize("opts", [dict(num_threads=96), dict(block_m=48), dict(block_m=128, num_threads=64)])
 def test_flash_attn_forward_kernel_tc_rejects_other_options(opts):
     q, k, v = random_qkv(np.random.default_rng(0), 1, 4, 4, 1, 64, np.float16)
     with pytest.raises(ValueError, match="kernel 'tc'"):
@@ -164,9 +170,9 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
             T = tiling.default("tc", D, DEV).tiles
             sig = f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS})"
             gqa = name == "every option"
-            text = _launch.compile_ptx(forward_tc.make_forward_tc(D, variant, T.block_n, T.block_m // 16, dtype=dtype,
-                                                                gqa=gqa).py_func, sig,
-                                          (9, 0))
+            make = forward_tc.make_forward_tc(D, variant, T.block_n, T.num_threads // 32, dtype=dtype, gqa=gqa,
+                                              wm=T.block_m // (T.num_threads // 2))
+            text = _launch.compile_ptx(make.py_func, sig, (9, 0))
             out[key] = dict(ptx=text, **resources.ptx_resources(text))
             for kname, make, n, (bm, bn) in zip(("dq", "dkdv"), (backward_tc.make_backward_dq_tc,
                                                                   backward_tc.make_backward_dkdv_tc),

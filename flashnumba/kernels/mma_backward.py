@@ -38,7 +38,6 @@ window masking, the blocks visit only the tiles that meet their band; tiles whol
 from __future__ import annotations
 
 import functools
-import math
 
 
 from . import bf16, ptx
@@ -98,9 +97,9 @@ def make_entry(variant):
         dcap = float32(1.0)  # d(modified score) / d(scale q.k)
         if SCORE_MOD:
             x, dcap = score_mod(sv * scale, softcap, slope, i, j, diag)
-            p = float32(math.exp2(x * LOG2E - l2))
-        else:
-            p = float32(math.exp2(sv * scale_log2 - l2))
+            p = ptx.exp2_ftz(x * LOG2E - l2)
+        else:  # one FMA and the exponential
+            p = ptx.exp2_ftz(cuda.fma(sv, scale_log2, -l2))
         if masked:
             if (i >= seqlen_q or j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                     or (HAS_RIGHT and j > i + diag + right)):

@@ -59,26 +59,36 @@ from . import bf16, ptx
 from .._backend import cuda
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod,
                      make_sequence_geometry)
-from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_load_rows, make_mma_ab,
-                        make_mma_abt, make_mma_into, padded, tile_landed)
+from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
+                        make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16  # numba-cuda's own float16 (numba.types.float16 does not type in kernels)
 
 
-def shared_bytes(D, B_c, warps):
+def shared_bytes(D, B_c, B_r):
     """Q_i (B_r rows) and two K_j, V_j buffers (B_c rows each), 16-bit elements, rows of padded(D) + PAD."""
-    return (WARP_ROWS * warps + 4 * B_c) * (padded(D) + PAD) * 2
+    return (B_r + 4 * B_c) * (padded(D) + PAD) * 2
+
+
+ROWS_PER_WARP = (16, 32)  # query rows a warp owns: one or two blocks of 16 (WM = 1, 2)
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False):
+def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False, positive_scale=True, wm=1):
     """The tensor-core forward kernel for head_dim D (a multiple of 8 up to 256; in shared memory and the products
     a multiple of 16, :func:`flashnumba.kernels.mma_tiles.padded`), B_c keys per tile (a multiple of 16),
-    ``warps`` warps of 16 query rows each, ``dtype`` "float16" or "bfloat16", and the options compiled in by
-    ``variant`` (a :class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen, dropout).
-    ``gqa``: fewer key/value heads than query heads. It is compiled in, so that a kernel without GQA carries no
-    integer division mapping a query head to its key/value head: that division, although computed once per thread,
-    slowed the causal kernel measurably (docs/benchmarks.md, "A division that cost 30%").
+    ``warps`` warps of ``wm`` blocks of 16 query rows each (B_r = 16 wm warps), ``dtype`` "float16" or
+    "bfloat16", and the options compiled in by ``variant`` (a :class:`flashnumba.kernels.common.Variant`: window
+    bounds, softcap, ALiBi, varlen, dropout). ``gqa``: fewer key/value heads than query heads. It is compiled in,
+    so that a kernel without GQA carries no integer division mapping a query head to its key/value head: that
+    division, although computed once per thread, slowed the causal kernel measurably (docs/benchmarks.md, "A
+    division that cost 30%").
+
+    ``wm`` = 2 (FlashAttention-2's arrangement: 4 warps on 128 rows) lets each fragment of K_j and V_j that a warp
+    loads from shared memory feed two ``mma`` instead of one, halving the shared-memory reads per product, at the
+    price of twice the accumulator registers a warp holds (S and O of 32 rows). Q_i's A fragments stay in
+    registers for the whole key loop where they fit (wm = 1, or D <= 64); otherwise they are read again from
+    shared memory at each k-step.
 
     Arguments, as the SIMT kernels' (:func:`flashnumba.kernels.simt_forward.make_forward_v3`): (q, k, v, out, lse,
     scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset); q, k, v, out (batch, seqlen,
@@ -88,7 +98,10 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q (each bound only where compiled in).
     Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (32 * warps,), dynamic shared memory
     :func:`shared_bytes`. ``strided``: q, k, v may be strided views, read in place
-    (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
+    (:func:`flashnumba.kernels.mma_tiles.make_copy16`). ``positive_scale``: scale_q > 0, so that the row maximum
+    of the raw scores Q_i K_j^T gives that of the scaled ones, and the scale folds into the exponent's FMA,
+    exp2(s scale_q - m), as FlashAttention-2 does: one instruction a score fewer (the planner passes
+    softmax_scale > 0; a zero or negative scale, or a score modification, multiplies first).
     """
     if D not in HEAD_DIMS:
         raise ValueError(f"the tensor-core kernel supports head_dim a multiple of 8 up to 256, got {D}")
@@ -96,23 +109,30 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
         raise ValueError(f"B_c must be a positive multiple of 16, got {B_c}")
     if warps not in (1, 2, 4, 8):
         raise ValueError(f"warps must be 1, 2, 4 or 8, got {warps}")
+    if wm not in (1, 2):
+        raise ValueError(f"wm (blocks of 16 rows per warp) must be 1 or 2, got {wm}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     SCORE_MOD = SOFTCAP or ALIBI
+    FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (docstring)
     score_mod = make_score_mod(SOFTCAP, ALIBI)
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     is_bf16 = dtype == "bfloat16"
     store = bf16.load_store(is_bf16)[1]  # float32 -> the output element (bf16 bits, or float32 the store rounds)
     elem = uint16 if is_bf16 else float16  # shared memory holds the 16-bit patterns as they come
-    B_R = WARP_ROWS * warps
+    WM = wm
+    B_R = WARP_ROWS * WM * warps
     NT = 32 * warps  # threads per block
     DG, D = D, padded(D)  # the arrays' head dim; the shared rows' and the products' (zeros past DG)
     LD = D + PAD  # shared-memory row stride, elements
     KD = D // 16  # k-steps of S = Q K^T (16 head dims each)
-    NS = B_c // 8  # (16 x 8) tiles of S per warp
-    NO = D // 8  # (16 x 8) tiles of O per warp
+    Q_REGS = WM == 1 or D <= 64  # Q_i's fragments kept in registers (else read per k-step)
+    QK = KD if Q_REGS else 1
+    NR = 2 * WM  # rows a lane holds statistics for: g and g + 8 of each block
+    NS = B_c // 8  # (16 x 8) tiles of S per block of 16 rows
+    NO = D // 8  # (16 x 8) tiles of O per block of 16 rows
     NOG = DG // 8  # those stored (within the head dim)
     OFF_K = B_R * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
     OFF_V = B_c * LD
@@ -120,9 +140,9 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
 
     load_rows = make_load_rows(D, NT, strided=strided, DG=DG)
     load_kv = make_load_pair(D, NT, B_c, OFF_V, strided, DG)  # K_j and V_j of one buffer
-    load_a = make_load_a(D)
-    mma_abt = make_mma_abt(D, B_c, dtype)  # S_ij = Q_i K_j^T
-    mma_ab = make_mma_ab(B_c, D, dtype)  # O_i += P_ij V_j
+    load_a = make_load_a_rows(D, WM)
+    mma_abt = make_mma_abt_rows(D, B_c, dtype, WM, not Q_REGS)  # S_ij = Q_i K_j^T
+    mma_ab = make_mma_ab_rows(B_c, D, dtype, WM)  # O_i += P_ij V_j
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
 
     @cuda.jit
@@ -132,7 +152,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        g = lane >> 2  # groupID: rows g and g + 8 of the warp's 16
+        g = lane >> 2  # groupID: rows g and g + 8 of each block of 16
         t = lane & 3  # threadID_in_group: columns 2t, 2t + 1 of each 8-wide tile
         b = cuda.blockIdx.y // nheads
         h = cuda.blockIdx.y % nheads
@@ -142,7 +162,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
         # first query row of Q_i: the last tile first, so that with causal masking the blocks with the most key
         # tiles start first and the short ones fill the tail of the launch
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R
-        r0 = warp * WARP_ROWS  # first row of this warp inside Q_i
+        r0 = warp * (WARP_ROWS * WM)  # first row of this warp inside Q_i; its block w starts at r0 + 16 w
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q  # row i sees keys i + diag - left <= j <= i + diag + right
         slope = alibi[b, h] if ALIBI else float32(0.0)
@@ -150,19 +170,23 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
             return
 
         smem = cuda.shared.array(0, elem)  # Q_i | K, V buffer 0 | K, V buffer 1 (dynamic), shared
-        qa = cuda.local.array((KD, 4), uint32)  # A fragments of this warp's 16 rows of Q_i, one per k-step
-        s = cuda.local.array((NS, 4), float32)  # S_ij, then P_ij: C fragments of the warp's (16, B_c)
-        o = cuda.local.array((NO, 4), float32)  # O_i: C fragments of the warp's (16, D)
-        m = cuda.local.array(2, float32)  # m_i of rows g, g + 8 (base 2), the same in the 4 lanes of a quad
-        l = cuda.local.array(2, float32)  # this lane's partial l_i of rows g, g + 8 (its columns only)
-        alpha = cuda.local.array(2, float32)
-        m_use = cuda.local.array(2, float32)
-        for x in range(2):
-            m[x] = NEG_INF
-            l[x] = 0.0
-        for n in range(NO):
-            for x in range(4):
-                o[n, x] = 0.0
+        qa = cuda.local.array((WM, QK, 4), uint32)  # A fragments of the warp's rows of Q_i (per k-step if Q_REGS)
+        pa = cuda.local.array((WM, 4), uint32)  # P_ij's A fragments of one k-step of the second product
+        s = cuda.local.array((WM, NS, 4), float32)  # S_ij, then P_ij: C fragments of the warp's (16 WM, B_c)
+        o = cuda.local.array((WM, NO, 4), float32)  # O_i: C fragments of the warp's (16 WM, D)
+        # per row r = 2 w + x (rows g + 8 x of block w): m_i (base 2, the same in the 4 lanes of a quad), this
+        # lane's partial l_i (its columns only), alpha, and the maximum the exponent subtracts
+        m = cuda.local.array(NR, float32)
+        l = cuda.local.array(NR, float32)
+        alpha = cuda.local.array(NR, float32)
+        m_use = cuda.local.array(NR, float32)
+        for r in range(NR):
+            m[r] = NEG_INF
+            l[r] = 0.0
+        for w in range(WM):
+            for n in range(NO):
+                for x in range(4):
+                    o[w, n, x] = 0.0
 
         # Key tiles to visit: those that meet the band the block's rows see (causal / window)
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
@@ -181,93 +205,104 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                 load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, tid)
             tile_landed()  # tile j (and Q_i) landed and visible to every thread
 
-            if jt == 0:
-                load_a(qa, smem, r0 * LD, lane)  # Q_i's A fragments (this warp's 16 rows), kept in registers
-            mma_abt(s, qa, smem, buf, lane)  # S_ij = Q_i K_j^T
+            if Q_REGS and jt == 0:
+                load_a(qa, smem, r0 * LD, lane)  # Q_i's A fragments (this warp's rows), kept in registers
+            mma_abt(s, qa, smem, r0 * LD, buf, lane)  # S_ij = Q_i K_j^T
 
             # scores in base 2 (softcap and ALiBi in natural units first); the mask only where the tile reaches
-            # past the sequence or out of some row's band; this lane's partial max of rows g (x = 0, 1) and
-            # g + 8 (x = 2, 3)
+            # past the sequence or out of some row's band
             masked = (j0 + B_c > seqlen_k or (HAS_RIGHT and j0 + B_c - 1 > i0 + diag + right)
                       or (HAS_LEFT and j0 < last_row + diag - left))
-            mx0 = NEG_INF
-            mx1 = NEG_INF
-            for n in range(NS):
-                for x in range(4):
-                    i = i0 + r0 + g + 8 * (x >> 1)
-                    j = j0 + 8 * n + 2 * t + (x & 1)
-                    val = s[n, x] * scale_q
-                    if SCORE_MOD:  # cap, ALiBi bias, then base 2
-                        val, _ = score_mod(val, softcap, slope, i, j, diag)
-                        val *= LOG2E
-                    if masked:
-                        if j >= seqlen_k or (HAS_LEFT and j < i + diag - left) or (HAS_RIGHT and j > i + diag + right):
-                            val = NEG_INF
-                    s[n, x] = val
-                    if x < 2:
-                        mx0 = max(mx0, val)
-                    else:
-                        mx1 = max(mx1, val)
-            # the row's max over its quad (lanes 4g .. 4g + 3): butterfly over lane bits 0 and 1
-            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
-            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
-            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
-            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
+            for w in range(WM):
+                # this lane's partial max of rows g (x = 0, 1) and g + 8 (x = 2, 3) of block w
+                mx0 = NEG_INF
+                mx1 = NEG_INF
+                for n in range(NS):
+                    for x in range(4):
+                        i = i0 + r0 + 16 * w + g + 8 * (x >> 1)
+                        j = j0 + 8 * n + 2 * t + (x & 1)
+                        val = s[w, n, x] if FOLD else s[w, n, x] * scale_q  # FOLD: raw, scaled in the exponent
+                        if SCORE_MOD:  # cap, ALiBi bias, then base 2
+                            val, _ = score_mod(val, softcap, slope, i, j, diag)
+                            val *= LOG2E
+                        if masked:
+                            if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
+                                    or (HAS_RIGHT and j > i + diag + right)):
+                                val = NEG_INF
+                        s[w, n, x] = val
+                        if x < 2:
+                            mx0 = max(mx0, val)
+                        else:
+                            mx1 = max(mx1, val)
+                # the row's max over its quad (lanes 4g .. 4g + 3): butterfly over lane bits 0 and 1
+                mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
+                mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
+                mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
+                mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
 
-            # m_new = max(m_i, rowmax(S_ij)); alpha = exp2(m_i - m_new)
-            for x in range(2):
-                mx = max(m[x], mx0 if x == 0 else mx1)
-                m_use[x] = mx if mx != NEG_INF else float32(0.0)  # no key seen yet: avoid -inf - -inf
-                alpha[x] = float32(math.exp2(m[x] - m_use[x]))
-                m[x] = mx
+                # m_new = max(m_i, rowmax(S_ij)); alpha = exp2(m_i - m_new)
+                for x in range(2):
+                    r = 2 * w + x
+                    mx = mx0 if x == 0 else mx1
+                    if FOLD:
+                        mx *= scale_q  # (-inf stays -inf: scale_q > 0)
+                    mx = max(m[r], mx)
+                    m_use[r] = mx if mx != NEG_INF else float32(0.0)  # no key seen yet: avoid -inf - -inf
+                    alpha[r] = ptx.exp2_ftz(m[r] - m_use[r])
+                    m[r] = mx
 
-            # P_ij = exp2(S_ij - m_new) (0 where masked); l_i = alpha l_i + rowsum(P_ij) over this lane's
-            # columns, before dropout (L_i is the true logsumexp); then P_ij keep_ij for the product with V_j (the
-            # 1 / (1 - p_drop) of Z_ij = keep_ij / (1 - p_drop) waits for the epilogue: P_ij stays <= 1, so its
-            # 16-bit rounding cannot overflow however close p_drop is to 1)
-            ps0 = float32(0.0)
-            ps1 = float32(0.0)
-            for n in range(NS):
-                for x in range(4):
-                    p = float32(math.exp2(s[n, x] - m_use[x >> 1]))
-                    if x < 2:
-                        ps0 += p
-                    else:
-                        ps1 += p
-                    if DROPOUT:  # keep_ij drawn from (seed, offset, b, h, i, j)
-                        u = dropout_uniform(seed, offset, b * nheads + h, i0 + r0 + g + 8 * (x >> 1),
-                                            j0 + 8 * n + 2 * t + (x & 1))
-                        if u < p_drop:
-                            p = float32(0.0)
-                    s[n, x] = p
-            l[0] = alpha[0] * l[0] + ps0
-            l[1] = alpha[1] * l[1] + ps1
+                # P_ij = exp2(S_ij - m_new) (0 where masked); l_i = alpha l_i + rowsum(P_ij) over this lane's
+                # columns, before dropout (L_i is the true logsumexp); then P_ij keep_ij for the product with V_j
+                # (the 1 / (1 - p_drop) of Z_ij = keep_ij / (1 - p_drop) waits for the epilogue: P_ij stays <= 1,
+                # so its 16-bit rounding cannot overflow however close p_drop is to 1)
+                ps0 = float32(0.0)
+                ps1 = float32(0.0)
+                for n in range(NS):
+                    for x in range(4):
+                        if FOLD:  # one FMA and the exponential
+                            p = ptx.exp2_ftz(cuda.fma(s[w, n, x], scale_q, -m_use[2 * w + (x >> 1)]))
+                        else:
+                            p = ptx.exp2_ftz(s[w, n, x] - m_use[2 * w + (x >> 1)])
+                        if x < 2:
+                            ps0 += p
+                        else:
+                            ps1 += p
+                        if DROPOUT:  # keep_ij drawn from (seed, offset, b, h, i, j)
+                            u = dropout_uniform(seed, offset, b * nheads + h, i0 + r0 + 16 * w + g + 8 * (x >> 1),
+                                                j0 + 8 * n + 2 * t + (x & 1))
+                            if u < p_drop:
+                                p = float32(0.0)
+                        s[w, n, x] = p
+                l[2 * w] = alpha[2 * w] * l[2 * w] + ps0
+                l[2 * w + 1] = alpha[2 * w + 1] * l[2 * w + 1] + ps1
 
-            # O_i = alpha O_i + P_ij V_j (P_ij: the S fragments, rounded to 16 bits)
-            for n in range(NO):
-                o[n, 0] *= alpha[0]
-                o[n, 1] *= alpha[0]
-                o[n, 2] *= alpha[1]
-                o[n, 3] *= alpha[1]
-            mma_ab(o, s, smem, buf + OFF_V, lane)  # O_i += P_ij V_j
+                # O_i = alpha O_i (then + P_ij V_j below)
+                for n in range(NO):
+                    o[w, n, 0] *= alpha[2 * w]
+                    o[w, n, 1] *= alpha[2 * w]
+                    o[w, n, 2] *= alpha[2 * w + 1]
+                    o[w, n, 3] *= alpha[2 * w + 1]
+            mma_ab(o, s, pa, smem, buf + OFF_V, lane)  # O_i += P_ij V_j (P_ij: the S fragments, rounded to 16 bits)
             cuda.syncthreads()  # every warp is done with this buffer before iteration j + 1 copies tile j + 2 in
         ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
         # l_i: the sum of the quad's four partial sums
-        for x in range(2):
-            l[x] += ptx.shfl_xor_f32(l[x], 1)
-            l[x] += ptx.shfl_xor_f32(l[x], 2)
+        for r in range(NR):
+            l[r] += ptx.shfl_xor_f32(l[r], 1)
+            l[r] += ptx.shfl_xor_f32(l[r], 2)
 
         # O_i = O_i / l_i (times 1 / (1 - p_drop) with dropout), L_i = ln(2) m_i + log(l_i); a row that saw no
         # key gets 0 and -inf
-        for x in range(2):
-            i = i0 + r0 + g + 8 * x
-            if i < seqlen_q:
-                inv_l = (rp_keep if DROPOUT else float32(1.0)) / l[x] if l[x] != 0 else float32(0.0)
-                for n in range(NOG):
-                    out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[n, 2 * x] * inv_l)
-                    out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[n, 2 * x + 1] * inv_l)
-                if t == 0:
-                    lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
+        for w in range(WM):
+            for x in range(2):
+                r = 2 * w + x
+                i = i0 + r0 + 16 * w + g + 8 * x
+                if i < seqlen_q:
+                    inv_l = (rp_keep if DROPOUT else float32(1.0)) / l[r] if l[r] != 0 else float32(0.0)
+                    for n in range(NOG):
+                        out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[w, n, 2 * x] * inv_l)
+                        out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[w, n, 2 * x + 1] * inv_l)
+                    if t == 0:
+                        lse[bb, h, q0 + i] = float32(m[r] * LN2 + math.log(l[r])) if l[r] != 0 else NEG_INF
 
     return forward_tc

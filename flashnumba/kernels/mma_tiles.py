@@ -94,21 +94,41 @@ def make_load_rows(D, NT, LD=None, per_copy=8, strided=False, DG=None):
         DG = D
     CH = D // per_copy  # 16-byte chunks per row
     copy16 = make_copy16(DG, strided)
+    if NT % CH == 0:  # each thread copies the same column of rows RS apart: one division a call, not one a copy
+        RS = NT // CH
 
-    @cuda.jit(device=True, inline=True)
-    def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
-        for it in range((rows * CH + NT - 1) // NT):
-            e = tid + it * NT
-            if e < rows * CH:
-                r = e // CH
-                c = (e % CH) * per_copy
-                if row0 + r < row_end and c < DG:
-                    copy16(smem, off + r * LD + c, src, b, row0, r, h, c)
-                else:
-                    for x in range(per_copy):
-                        smem[off + r * LD + c + x] = 0  # (a float16 constant captured from Python fails NVVM)
+        @cuda.jit(device=True, inline=True)
+        def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
+            r = tid // CH
+            c = (tid - r * CH) * per_copy
+            for it in range((rows + RS - 1) // RS):
+                if rows % RS == 0 or r < rows:
+                    _copy_or_zero(copy16, smem, off + r * LD + c, src, b, row0, r, h, c,
+                                  row0 + r < row_end and (DG == D or c < DG), per_copy)
+                r += RS
+    else:
+        @cuda.jit(device=True, inline=True)
+        def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
+            for it in range((rows * CH + NT - 1) // NT):
+                e = tid + it * NT
+                if e < rows * CH:
+                    r = e // CH
+                    c = (e % CH) * per_copy
+                    _copy_or_zero(copy16, smem, off + r * LD + c, src, b, row0, r, h, c,
+                                  row0 + r < row_end and c < DG, per_copy)
 
     return load_rows
+
+
+@cuda.jit(device=True, inline=True)
+def _copy_or_zero(copy16, smem, dst, src, b, row0, r, h, c, inside, per_copy):
+    """The cp.async of one 16-byte chunk (``inside`` the sequence and the head dim), or zeros in its place (plain
+    stores: a row of garbage could hold a NaN, and 0 * NaN is NaN)."""
+    if inside:
+        copy16(smem, dst, src, b, row0, r, h, c)
+    else:
+        for x in range(per_copy):
+            smem[dst + x] = 0  # (a float16 constant captured from Python fails NVVM)
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,3 +230,110 @@ def make_mma_ab(N, D, dtype):
                 mma_into(acc, 2 * n2 + 1, a0, a1, a2, a3, b2, b3)
 
     return mma_ab
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a warp of several 16-row blocks: the fragments of K_j and V_j loaded once for all of them
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_a_rows(D, WM):
+    """load_a_rows(frag, smem, off, lane): the A fragments frag[w, kk, 0..3] of the WM blocks of 16 rows that
+    start at element ``off`` (block w at row 16 w), as :func:`make_load_a` for each."""
+    LD = D + PAD
+
+    @cuda.jit(device=True, inline=True)
+    def load_a_rows(frag, smem, off, lane):
+        for w in range(WM):
+            for kk in range(D // 16):
+                a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, off + (16 * w + lane % 16) * LD + 16 * kk + 8 * (lane // 16))
+                frag[w, kk, 0] = a0
+                frag[w, kk, 1] = a1
+                frag[w, kk, 2] = a2
+                frag[w, kk, 3] = a3
+
+    return load_a_rows
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_into_rows(dtype):
+    """mma_into_rows(acc, w, n, a0, a1, a2, a3, b0, b1): acc[w, n, 0..3] += A B for one m16n8k16 tile."""
+    mma = ptx.mma_m16n8k16_bf16 if dtype == "bfloat16" else ptx.mma_m16n8k16_f16
+
+    @cuda.jit(device=True, inline=True)
+    def mma_into_rows(acc, w, n, a0, a1, a2, a3, b0, b1):
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[w, n, 0], acc[w, n, 1], acc[w, n, 2], acc[w, n, 3])
+        acc[w, n, 0] = d0
+        acc[w, n, 1] = d1
+        acc[w, n, 2] = d2
+        acc[w, n, 3] = d3
+
+    return mma_into_rows
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_abt_rows(D, N, dtype, WM, a_in_smem):
+    """mma_abt_rows(acc, frag, smem, a_off, off, lane): acc[w] = A_w X^T for the WM blocks A_w of 16 rows of a
+    warp, X (N x D) the N rows of smem from element ``off`` (:func:`make_mma_abt`'s layout). Each x4 ldmatrix of
+    X feeds WM ``mma``: with WM = 2 a warp reads K_j from shared memory half as often per product as with one block
+    (FlashAttention-2 gives each warp of its 128-row tiles two such blocks). The A fragments are ``frag[w, kk]``
+    (:func:`make_load_a_rows`, kept in registers), or, with ``a_in_smem``, read per k-step from the rows at
+    ``a_off`` into frag[w, 0] (registers for O at large head dims leave none to keep Q_i in)."""
+    LD = D + PAD
+    mma_into = _mma_into_rows(dtype)
+    KM = 0 if a_in_smem else 1  # frag's k-step index: kk, or always 0 (reloaded per k-step)
+
+    @cuda.jit(device=True, inline=True)
+    def mma_abt_rows(acc, frag, smem, a_off, off, lane):
+        for w in range(WM):
+            for n in range(N // 8):
+                for x in range(4):
+                    acc[w, n, x] = 0.0
+        for kk in range(D // 16):
+            if a_in_smem:
+                for w in range(WM):
+                    a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, a_off + (16 * w + lane % 16) * LD + 16 * kk
+                                                     + 8 * (lane // 16))
+                    frag[w, 0, 0] = a0
+                    frag[w, 0, 1] = a1
+                    frag[w, 0, 2] = a2
+                    frag[w, 0, 3] = a3
+            k = kk * KM
+            for n2 in range(N // 16):
+                row = 16 * n2 + (lane & 7) + 8 * (lane >> 4)
+                col = 16 * kk + 8 * ((lane >> 3) & 1)
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, off + row * LD + col)
+                for w in range(WM):
+                    mma_into(acc, w, 2 * n2, frag[w, k, 0], frag[w, k, 1], frag[w, k, 2], frag[w, k, 3], b0, b1)
+                    mma_into(acc, w, 2 * n2 + 1, frag[w, k, 0], frag[w, k, 1], frag[w, k, 2], frag[w, k, 3], b2, b3)
+
+    return mma_abt_rows
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_ab_rows(N, D, dtype, WM):
+    """mma_ab_rows(acc, p, pa, smem, off, lane): acc[w] += P_w X for the WM blocks of 16 rows of a warp, P_w
+    given as C fragments p[w, n, 0..3] (rounded to 16 bits into ``pa``, a (WM, 4) uint32 scratch), X (N x D) the N
+    rows of smem from element ``off`` (:func:`make_mma_ab`'s layout); each transposing ldmatrix of X feeds WM
+    ``mma``."""
+    LD = D + PAD
+    mma_into = _mma_into_rows(dtype)
+    pack = ptx.pack_bf16x2 if dtype == "bfloat16" else ptx.pack_f16x2
+
+    @cuda.jit(device=True, inline=True)
+    def mma_ab_rows(acc, p, pa, smem, off, lane):
+        for c in range(N // 16):
+            for w in range(WM):
+                pa[w, 0] = pack(p[w, 2 * c, 0], p[w, 2 * c, 1])
+                pa[w, 1] = pack(p[w, 2 * c, 2], p[w, 2 * c, 3])
+                pa[w, 2] = pack(p[w, 2 * c + 1, 0], p[w, 2 * c + 1, 1])
+                pa[w, 3] = pack(p[w, 2 * c + 1, 2], p[w, 2 * c + 1, 3])
+            for n2 in range(D // 16):
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, off + (16 * c + lane % 16) * LD + 16 * n2
+                                                       + 8 * (lane // 16))
+                for w in range(WM):
+                    mma_into(acc, w, 2 * n2, pa[w, 0], pa[w, 1], pa[w, 2], pa[w, 3], b0, b1)
+                    mma_into(acc, w, 2 * n2 + 1, pa[w, 0], pa[w, 1], pa[w, 2], pa[w, 3], b2, b3)
+
+    return mma_ab_rows

@@ -27,6 +27,7 @@ gets is chosen once, at import, from ``flashnumba._backend.SIMULATOR``.
 | ``mma_m16n8k8_tf32`` | ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32`` | 4 + 2 uint32 (tf32), 4 float32 -> 4 |
 | ``to_tf32(x)`` | ``cvt.rna.tf32.f32`` | float32 -> uint32: x rounded to tf32 (10 mantissa bits) |
 | ``split_tf32(x)`` | two ``cvt.rna.tf32.f32`` | float32 -> (big, small) tf32 with big + small = x to ~2^-22 |
+| ``exp2_ftz(x)`` | ``ex2.approx.ftz.f32`` | float32 -> 2^x, results below 2^-126 flushed to 0 |
 
 Registers. A "packed" uint32 holds two 16-bit values: the element with the smaller column (or row) index in
 bits 0-15, the other in bits 16-31, which is how two consecutive 16-bit elements lie in memory.
@@ -315,6 +316,16 @@ def _sim_shfl_xor_f32(x, lane_mask):
     return values[lane ^ int(lane_mask)]
 
 
+def _sim_exp2_ftz(x):
+    """2**x in float32 as ``ex2.approx.ftz.f32``: one instruction of the special-function unit (relative error
+    about 2^-22), -inf -> 0, and a result below 2^-126 (a subnormal) flushed to 0. ``math.exp2`` compiles to the
+    same instruction without ``.ftz``, wrapped in three more that keep subnormal results; a softmax weight below
+    2^-126 next to the row's maximum (weight 1) changes no sum, so the kernels' exponentials use this one."""
+    with np.errstate(over="ignore"):  # beyond 128 gives inf, as on the GPU
+        r = np.float32(np.exp2(np.float32(x)))
+    return np.float32(0.0) if r < np.float32(2.0 ** -126) else r
+
+
 def _tf32_bits(x):
     """tf32 bits (in a uint32) of float32 x, rounded to nearest, ties away from zero, as cvt.rna.tf32.f32: add
     half of the lowest kept bit to the magnitude and clear the 13 bits below it."""
@@ -561,6 +572,16 @@ def _gpu_intrinsics():
         return sig, codegen
 
     @intrinsic
+    def exp2_ftz(typingctx, x):
+        sig = types.float32(x)
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            return asm(builder, f32, [v], "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effect=False)
+
+        return sig, codegen
+
+    @intrinsic
     def shfl_xor_f32(typingctx, x, lane_mask):
         sig = types.float32(x, lane_mask)
 
@@ -574,7 +595,8 @@ def _gpu_intrinsics():
         return sig, codegen
 
     found = dict(
-        shfl_xor_f32=shfl_xor_f32, mma_m16n8k8_tf32=mma_m16n8k8_tf32, to_tf32=to_tf32, split_tf32=split_tf32,
+        shfl_xor_f32=shfl_xor_f32, exp2_ftz=exp2_ftz,
+        mma_m16n8k8_tf32=mma_m16n8k8_tf32, to_tf32=to_tf32, split_tf32=split_tf32,
         mma_m16n8k16_f16=make_mma("f16"), mma_m16n8k16_bf16=make_mma("bf16"),
         ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True),
         cp_async_16=cp_async_16, cp_async_16_at=cp_async_16_at,
@@ -597,7 +619,8 @@ def _simulator_stand_ins():
         cp_async_16=_sim_cp_async_16, cp_async_16_at=_sim_cp_async_16_at, cp_async_commit=_sim_cp_async_commit,
         cp_async_wait=_sim_cp_async_wait,
         cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
-        shfl_xor_f32=_sim_shfl_xor_f32, mma_m16n8k8_tf32=_sim_mma_tf32, to_tf32=_sim_to_tf32,
+        shfl_xor_f32=_sim_shfl_xor_f32, exp2_ftz=_sim_exp2_ftz,
+        mma_m16n8k8_tf32=_sim_mma_tf32, to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32,
     )
 
@@ -609,5 +632,5 @@ else:
 
 __all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
            "cp_async_16_at", "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2",
-           "shfl_xor_f32",
+           "shfl_xor_f32", "exp2_ftz",
            "mma_m16n8k8_tf32", "to_tf32", "split_tf32"]

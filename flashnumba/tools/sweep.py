@@ -35,6 +35,7 @@ FAMILIES = {  # family: (pass, kernel= of the API, the tables of the launches ti
 }
 TILE_SIZES = (16, 32, 64, 128)
 THREADS = (64, 128, 256)  # for the families that take num_threads (v2, v3, bwd_v2)
+TC_THREADS = (16, 32)  # the tensor-core forward: query rows per warp
 
 
 def candidates(family: str, D: int, limits) -> list:
@@ -44,7 +45,10 @@ def candidates(family: str, D: int, limits) -> list:
 
     takes_threads = family in ("v2", "v3", "bwd_v2")
     out = []
-    for m, n, nt in itertools.product(TILE_SIZES, TILE_SIZES, THREADS if takes_threads else (None,)):
+    for m, n, nt in itertools.product(TILE_SIZES, TILE_SIZES, THREADS if takes_threads else TC_THREADS
+                                      if family == "tc" else (None,)):
+        if family == "tc":  # a warp per 16 query rows, or per 32 (two blocks of 16 a warp)
+            nt = 32 * m // nt
         t = tiling.threads_of(family, tiling.Tiles(m, n, nt or max(m, n)))  # (bwd_v1: a thread per row)
         try:
             tiling.check(family, D, t)
