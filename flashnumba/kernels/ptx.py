@@ -409,11 +409,25 @@ def _gpu_intrinsics():
         ptr = builder.gep(data, [context.cast(builder, idx, idxty, types.intp)])
         return builder.ptrtoint(ptr, i64)
 
+    def shared_address(context, builder, aryty, ary, idxty, idx):
+        """32-bit shared-window address of ary.flat[idx], ary a shared array: the generic pointer Numba holds is
+        cast back to the shared address space, so that the compiler sees the same base in every tile operation
+        and folds each constant offset into the instruction (``LDSM [R+imm]``) instead of computing a 64-bit
+        generic address per call and converting it (``cvta.to.shared``)."""
+        data = context.make_array(aryty)(context, builder, ary).data
+        ptr = builder.gep(data, [context.cast(builder, idx, idxty, types.intp)])
+        shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+        return builder.ptrtoint(shared, i32)
+
     def check_address(aryty, idxty, what):
         if not isinstance(aryty, types.Array) or not isinstance(idxty, types.Integer):
             raise TypingError(f"{what}: expected (array, integer element index), got ({aryty}, {idxty})")
         if aryty.layout != "C":  # the address is data + index: only right for a C-contiguous array
             raise TypingError(f"{what}: the array must be C-contiguous (layout 'C'), got layout {aryty.layout!r}")
+
+    # cp.async of 16 bytes: $0 the 32-bit shared address, $1 the generic address of the source
+    CP_ASYNC = ("{ .reg .u64 src_addr; cvta.to.global.u64 src_addr, $1; "
+                "cp.async.cg.shared.global [$0], [src_addr], 16; }")
 
     def make_mma(kind):
         text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
@@ -439,16 +453,15 @@ def _gpu_intrinsics():
     def make_ldmatrix(trans):
         qualifier = ".trans" if trans else ""
         # ldmatrix wants a shared-window address: convert the generic one
-        text = ("{ .reg .u64 smem_addr; cvta.to.shared.u64 smem_addr, $4; "
-                f"ldmatrix.sync.aligned.m8n8.x4{qualifier}.shared.b16 {{$0, $1, $2, $3}}, [smem_addr]; }}")
+        text = f"ldmatrix.sync.aligned.m8n8.x4{qualifier}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
 
         def ldmatrix(typingctx, ary, index):
             check_address(ary, index, "ldmatrix")
             sig = types.UniTuple(types.uint32, 4)(ary, index)
 
             def codegen(context, builder, sig, args):
-                addr = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-                r = asm(builder, ir.LiteralStructType([i32] * 4), [addr], text, "=r,=r,=r,=r,l,~{memory}",
+                addr = shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                r = asm(builder, ir.LiteralStructType([i32] * 4), [addr], text, "=r,=r,=r,=r,r,~{memory}",
                         side_effect=True)
                 return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, i) for i in range(4)])
 
@@ -464,11 +477,9 @@ def _gpu_intrinsics():
         sig = types.none(dst, dst_index, src, src_index)
 
         def codegen(context, builder, sig, args):
-            d = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            d = shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             s = address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
-            asm(builder, ir.VoidType(), [d, s],
-                "{ .reg .u64 dst_addr, src_addr; cvta.to.shared.u64 dst_addr, $0; cvta.to.global.u64 src_addr, $1; "
-                "cp.async.cg.shared.global [dst_addr], [src_addr], 16; }", "l,l,~{memory}", side_effect=True)
+            asm(builder, ir.VoidType(), [d, s], CP_ASYNC, "r,l,~{memory}", side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -483,14 +494,12 @@ def _gpu_intrinsics():
         sig = types.none(dst, dst_index, src, i0, i1, i2, i3)
 
         def codegen(context, builder, sig, args):
-            d = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            d = shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             ary = context.make_array(sig.args[2])(context, builder, args[2])
             s = builder.ptrtoint(ary.data, i64)
             for idx, ty, stride in zip(args[3:], sig.args[3:], cgutils.unpack_tuple(builder, ary.strides, 4)):
                 s = builder.add(s, builder.mul(context.cast(builder, idx, ty, types.intp), stride))
-            asm(builder, ir.VoidType(), [d, s],
-                "{ .reg .u64 dst_addr, src_addr; cvta.to.shared.u64 dst_addr, $0; cvta.to.global.u64 src_addr, $1; "
-                "cp.async.cg.shared.global [dst_addr], [src_addr], 16; }", "l,l,~{memory}", side_effect=True)
+            asm(builder, ir.VoidType(), [d, s], CP_ASYNC, "r,l,~{memory}", side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen
