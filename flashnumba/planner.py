@@ -401,6 +401,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               opts.variant, bf16, opts.mods), io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS, grid,
                               (t.num_threads,), smem, t, reason)
     elif family == "tc":
+        if reason != "given by the caller":
+            t = tiling.plain_rows_per_warp(t, opts.variant)
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
                               (D, opts.variant, t.block_n, t.num_threads // 32, _dtype_name(dt), nk != nheads,

@@ -176,7 +176,9 @@ TABLES = {
         Candidate(256, Tiles(8, 8, 64), "fits 64 KB at d <= 256"),
     ],
     "tc": [
-        Candidate(64, Tiles(128, 32, _tc_threads(128)), "fastest of the H200 sweep at d = 64: 8 warps, B_c 32"),
+        Candidate(64, Tiles(128, 64, 128), "fastest of the H200 sweep at d = 64: 4 warps of 32 rows, B_c 64 (with "
+                                           "window, softcap, ALiBi or dropout: 8 warps of 16, see WM2_PLAIN_ONLY)"),
+        Candidate(64, Tiles(128, 32, _tc_threads(128)), "8 warps, B_c 32: fits 64 KB"),
         Candidate(128, Tiles(128, 64, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 64"),
         Candidate(128, Tiles(128, 32, _tc_threads(128)), "B_c 32: fits 99 KB at d = 128 (RTX 30/40, A10, L4)"),
         Candidate(128, Tiles(64, 32, _tc_threads(64)), "4 warps: fits 64 KB"),
@@ -197,8 +199,9 @@ TABLES = {
     ],
     "tc_dkdv": [
         Candidate(64, Tiles(32, 64, _tc_threads(64)), "fastest of the H200 sweep at d = 64"),
-        Candidate(128, Tiles(32, 64, _tc_threads(64)),
-                  "fastest of the H200 sweep at d = 128: dK_j, dV_j accumulators within 255 registers"),
+        Candidate(128, Tiles(64, 128, _tc_threads(128)),
+                  "fastest of the H200 sweep at d = 128: 8 warps on 128 key rows, 64-row Q_i tiles"),
+        Candidate(128, Tiles(32, 64, _tc_threads(64)), "4 warps, 32-row Q_i tiles: fits 99 KB at d = 128"),
         Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
         Candidate(160, Tiles(16, 64, _tc_threads(64)), "16-row Q_i tiles: dK_j, dV_j of d = 160 within 255 registers"),
         Candidate(160, Tiles(16, 32, _tc_threads(32)), "2 warps: fits 64 KB at d <= 160"),
@@ -226,6 +229,19 @@ BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkd
 # ---------------------------------------------------------------------------------------------------------------
 # what a configuration costs: shared memory, and the family's own rules
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def plain_rows_per_warp(t: Tiles, variant) -> Tiles:
+    """The tensor-core forward's tiles for a variant: warps of two blocks of 16 rows (wm = 2) hold twice the
+    accumulators, which leaves no registers for the window's, softcap's, ALiBi's or dropout's per-score work
+    (compiled for sm_90 the kernel then keeps S and O in local memory); with any of those options the same tile
+    runs as warps of 16 rows (twice the threads)."""
+    if t.block_m == 16 * (t.num_threads // 32):
+        return t
+    has_left, _, softcap, alibi, _, dropout = variant
+    if has_left or softcap or alibi or dropout:
+        return t._replace(num_threads=_tc_threads(t.block_m))
+    return t
 
 
 def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:

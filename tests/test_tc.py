@@ -167,7 +167,7 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
             if dtype == "bfloat16" and name != "every option":  # (bfloat16 changes only the mma and cvt)
                 continue
             key = f"{dtype} D={D} {name}"
-            T = tiling.default("tc", D, DEV).tiles
+            T = tiling.plain_rows_per_warp(tiling.default("tc", D, DEV).tiles, variant)
             sig = f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS})"
             gqa = name == "every option"
             make = forward_tc.make_forward_tc(D, variant, T.block_n, T.num_threads // 32, dtype=dtype, gqa=gqa,
@@ -263,8 +263,8 @@ def test_backward_tc_tiles_per_kernel():
     def tiles(D, **given):
         return tuple(tiling.resolve(f, D, dev, **given)[0][:2] for f in ("tc_dq", "tc_dkdv"))
 
-    assert tiles(128) == ((64, 32), (32, 64))
-    assert tiles(128, block_m=16) == ((16, 32), (16, 64))
+    assert tiles(128) == ((64, 32), (64, 128))
+    assert tiles(128, block_m=16) == ((16, 32), (16, 128))
     assert tiling.shared_bytes("tc_dq", 128, tiling.Tiles(16, 32, 32))[0] == 2 * (2 * 16 + 4 * 32) * (128 + 8)
     assert tiles(64, block_m=32, block_n=32) == ((32, 32), (32, 32))
     with pytest.raises(ValueError, match="block_n"):

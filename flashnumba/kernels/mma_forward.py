@@ -213,27 +213,35 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
             # past the sequence or out of some row's band
             masked = (j0 + B_c > seqlen_k or (HAS_RIGHT and j0 + B_c - 1 > i0 + diag + right)
                       or (HAS_LEFT and j0 < last_row + diag - left))
+            # (each step its own loop nest over the fragments: small bodies, which the compiler unrolls fully,
+            # so that s and o stay in registers)
+            if not FOLD:
+                for w in range(WM):
+                    for n in range(NS):
+                        for x in range(4):
+                            val = s[w, n, x] * scale_q
+                            if SCORE_MOD:  # cap, ALiBi bias, then base 2
+                                val, _ = score_mod(val, softcap, slope, i0 + r0 + 16 * w + g + 8 * (x >> 1),
+                                                   j0 + 8 * n + 2 * t + (x & 1), diag)
+                                val *= LOG2E
+                            s[w, n, x] = val
+            if masked:
+                for w in range(WM):
+                    for n in range(NS):
+                        for x in range(4):
+                            i = i0 + r0 + 16 * w + g + 8 * (x >> 1)
+                            j = j0 + 8 * n + 2 * t + (x & 1)
+                            if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
+                                    or (HAS_RIGHT and j > i + diag + right)):
+                                s[w, n, x] = NEG_INF
             for w in range(WM):
-                # this lane's partial max of rows g (x = 0, 1) and g + 8 (x = 2, 3) of block w
+                # this lane's partial max of rows g (x = 0, 1) and g + 8 (x = 2, 3) of block w (FOLD: of the raw
+                # scores, scaled in the exponent)
                 mx0 = NEG_INF
                 mx1 = NEG_INF
                 for n in range(NS):
-                    for x in range(4):
-                        i = i0 + r0 + 16 * w + g + 8 * (x >> 1)
-                        j = j0 + 8 * n + 2 * t + (x & 1)
-                        val = s[w, n, x] if FOLD else s[w, n, x] * scale_q  # FOLD: raw, scaled in the exponent
-                        if SCORE_MOD:  # cap, ALiBi bias, then base 2
-                            val, _ = score_mod(val, softcap, slope, i, j, diag)
-                            val *= LOG2E
-                        if masked:
-                            if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
-                                    or (HAS_RIGHT and j > i + diag + right)):
-                                val = NEG_INF
-                        s[w, n, x] = val
-                        if x < 2:
-                            mx0 = max(mx0, val)
-                        else:
-                            mx1 = max(mx1, val)
+                    mx0 = max(mx0, max(s[w, n, 0], s[w, n, 1]))
+                    mx1 = max(mx1, max(s[w, n, 2], s[w, n, 3]))
                 # the row's max over its quad (lanes 4g .. 4g + 3): butterfly over lane bits 0 and 1
                 mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
                 mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
