@@ -196,13 +196,14 @@ def flash_attn_forward(
         given the same seed and offset regenerates it. A seed is required when dropout_p > 0.
     block_m, block_n : B_r query rows and B_c key rows per tile (defaults: the kernel family's table in
         :mod:`flashnumba.tiling`, the first choice that fits this GPU).
-    num_threads : threads per block (kernels v2, v3; the others derive their threads from their tiles).
+    num_threads : threads per block (kernels v2, v3; "tc": 32 per 16 or per 32 query rows; the others derive
+        their threads from their tiles).
     kernel : None (default): chosen by the plan (:mod:`flashnumba.planner`): "tc" for float16 / bfloat16 where the
         tensor cores apply, else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with
         Numba's default signed indexing), "v1" (one thread per row, the readable one): the SIMT kernels of
         flashnumba.kernels.simt_forward; "tc": the tensor-core kernel (float16 or bfloat16, head_dim a multiple of
-        8 up to 256 (kernel=None takes the multiples of 16), every option; block_m in 16, 32,
-        64, 128, block_n a multiple of 16; compute capability >= 8.0), flashnumba.kernels.mma_forward; "tf32",
+        8 up to 256, every option; block_m 16 to 256 as 1, 2, 4 or 8 warps of 16 or 32 rows, block_n a multiple
+        of 16; compute capability >= 8.0), flashnumba.kernels.mma_forward; "tf32",
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
         float32's precision), flashnumba.kernels.mma_tf32.
@@ -580,7 +581,8 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
 
 def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, *, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, score_mod_args: tuple = (),
-                   kernel: str | None = None, stream: Any = None):
+                   kernel: str | None = None, block_m: int | None = None, block_n: int | None = None,
+                   num_threads: int | None = None, stream: Any = None):
     """Attention with your own score modification and mask, FlexAttention's interface in flashnumba's layout.
 
     ``score_mod(score, b, h, q_idx, kv_idx, *score_mod_args)`` returns the modified score (score = scale q . k,
@@ -595,18 +597,22 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
 
     q (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k, head_dim) in float32, float16 or
     bfloat16; nheads_k < nheads needs ``enable_gqa=True``. Returns out like q, or (out, lse) with
-    ``return_lse``; a row that sees no key has out 0 and lse -inf. The functions run on the register-tiled SIMT
-    kernels (``kernel`` None or "v3", or "v2"); the tensor-core kernels do not take them yet. Checked against
-    :func:`flashnumba.reference.flex_attention_forward`.
+    ``return_lse``; a row that sees no key has out 0 and lse -inf. The functions run on the tensor-core forward
+    for float16 / bfloat16 on a GPU (``kernel`` None or "tc") and on the register-tiled SIMT kernels otherwise
+    (None, "v3" or "v2"); ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
+    Checked against :func:`flashnumba.reference.flex_attention_forward`.
     """
     args = mod_args_tuple(score_mod_args)
-    key = _key("flex", (q, k, v) + args, (scale, score_mod, mask_mod, enable_gqa, kernel))
+    key = _key("flex", (q, k, v) + args, (scale, score_mod, mask_mod, enable_gqa, kernel, block_m, block_n,
+                                          num_threads))
 
     def build():  # the functions and arrays are checked once per key, with the rest of the call
         (tq, tk, tv), opts = check_forward_args(q, k, v, softmax_scale=scale)
         mods, targs = check_mods(tq, tk, score_mod, None, mask_mod, score_mod_args, enable_gqa)
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
-        return _launch.Call(_flex_compiled(_plan.forward_plan(tq, tk, tv, opts, kernel=kernel), mods))
+        bm, bn, nt = check_blocks(block_m, block_n, num_threads)
+        return _launch.Call(_flex_compiled(_plan.forward_plan(tq, tk, tv, opts, kernel=kernel, block_m=bm,
+                                                              block_n=bn, num_threads=nt), mods))
 
     call = _cached(key, build)
     out, lse = call.run((q, k, v, None, None, None) + args, 0, 0, _stream(stream, q))

@@ -11,9 +11,9 @@ ask for without running anything::
 How ``kernel=None`` chooses:
 
 * float16 / bfloat16: the tensor-core kernels (``tc``) where they apply: a GPU of compute capability >= 8.0
-  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim a multiple of 16 up to 256 forward and up to 160 backward
-  (:data:`flashnumba.tiling.MMA_DEFAULT_HEAD_DIMS`; ``kernel="tc"`` also takes the other multiples of 8, 8, 24,
-  40, ..., padded to 16 in shared memory: :data:`~flashnumba.tiling.MMA_HEAD_DIMS`), and no tile arguments given
+  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim a multiple of 8 up to 256 forward and up to 160 backward
+  (:data:`flashnumba.tiling.MMA_DEFAULT_HEAD_DIMS`; those not a multiple of 16, 8, 24, 40, ..., padded to 16 in
+  shared memory with zero columns), and no tile arguments given
   (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies).
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
@@ -197,10 +197,6 @@ def _mma_blocker(tq, tensors, limits, tiles_given, pass_="forward") -> str | Non
     built = tiling.MMA_HEAD_DIMS if pass_ == "forward" else tiling.MMA_BACKWARD_HEAD_DIMS
     if D not in built:
         return (f"the tensor-core {pass_} is built for head_dim a multiple of 8 up to {built[-1]}, not {D}")
-    if D not in tiling.MMA_DEFAULT_HEAD_DIMS:
-        return (f"head_dim {D} (a multiple of 8, not of 16) runs on the tensor cores with kernel='tc'; the default "
-                f"takes them at the multiples of 16 (tiling.MMA_DEFAULT_HEAD_DIMS), the head dims the GPU profile "
-                f"has run")
     if _arrays.cupy is None and any(t.kind in ("numba", "cai") and (
             not _arrays.starts_aligned(t.array) or (not _c_layout(t) and not _rows_in_place(t))) for t in tensors):
         return "strided or unaligned inputs would need a C-contiguous copy, which needs CuPy"
@@ -240,10 +236,19 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
     """(family, why, fallback) of a forward or backward call."""
     families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
     simt = "v3" if pass_ == "forward" else "v2"
-    if opts.mods is not None:  # a user's score_mod / mask_mod: compiled into the register-tiled SIMT kernels
-        if kernel not in (None, "v2", "v3") or (pass_ == "backward" and kernel == "v3"):
-            raise ValueError(f"a score_mod or mask_mod runs on the register-tiled SIMT kernels (kernel 'v2' or "
-                             f"{simt!r}), not {kernel!r}")
+    if opts.mods is not None:  # a user's score_mod / mask_mod: the tensor-core forward or the register-tiled SIMT
+        takes = (None, "v2", "v3", "tc") if pass_ == "forward" else (None, "v2")
+        if kernel not in takes:
+            raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels {takes[1:]} (or None), not "
+                             f"{kernel!r}")
+        if pass_ == "forward" and (kernel == "tc" or kernel is None and (
+                tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))):
+            blocker = _mma_blocker(tq, tensors, limits, tiles_given and kernel is None, pass_)
+            if kernel == "tc":
+                _check_family(kernel, tq, opts, limits, pass_)
+                return "tc", "a user's score_mod / mask_mod on the tensor cores: asked for by kernel=", None
+            if blocker is None:
+                return "tc", "a user's score_mod / mask_mod on the tensor cores", None
         return kernel or simt, "a user's score_mod / mask_mod: the register-tiled SIMT kernels", None
     if kernel is not None:
         if kernel not in families:
@@ -402,13 +407,13 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (t.num_threads,), smem, t, reason)
     elif family == "tc":
         if reason != "given by the caller":
-            t = tiling.plain_rows_per_warp(t, opts.variant)
+            t = tiling.plain_rows_per_warp(t, opts.variant, opts.mods is not None)
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
                               (D, opts.variant, t.block_n, t.num_threads // 32, _dtype_name(dt), nk != nheads,
                                _strided(arrays, ("q", "k", "v")), opts.scale > 0,
-                               t.block_m // (t.num_threads // 2)),
-                              io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t, reason)
+                               t.block_m // (t.num_threads // 2), opts.mods),
+                              io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS, grid, (t.num_threads,), smem, t, reason)
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

@@ -42,10 +42,9 @@ from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_fo
 MAX_REGISTERS_PER_THREAD = 255
 MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core forward is built for (kernel="tc")
 MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
-# kernel=None takes the tensor cores at the head dims that have run the GPU test profile (the multiples of 16); the
-# other multiples of 8 (8, 24, 40, ...: padded in shared memory) take them with kernel="tc" until they have run on
-# a GPU
-MMA_DEFAULT_HEAD_DIMS = tuple(d for d in MMA_HEAD_DIMS if d % 16 == 0)
+# kernel=None takes the tensor cores at every head dim they are built for, each run on the H200 by
+# tests/test_tc.py::test_tc_every_head_dim_gpu (the multiples of 8 that are not of 16 padded in shared memory)
+MMA_DEFAULT_HEAD_DIMS = MMA_HEAD_DIMS
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,15 +230,15 @@ BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkd
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def plain_rows_per_warp(t: Tiles, variant) -> Tiles:
+def plain_rows_per_warp(t: Tiles, variant, mods=False) -> Tiles:
     """The tensor-core forward's tiles for a variant: warps of two blocks of 16 rows (wm = 2) hold twice the
     accumulators, which leaves no registers for the window's, softcap's, ALiBi's or dropout's per-score work
-    (compiled for sm_90 the kernel then keeps S and O in local memory); with any of those options the same tile
-    runs as warps of 16 rows (twice the threads)."""
+    (compiled for sm_90 the kernel then keeps S and O in local memory); with any of those options, or a user's
+    score_mod / mask_mod (``mods``), the same tile runs as warps of 16 rows (twice the threads)."""
     if t.block_m == 16 * (t.num_threads // 32):
         return t
     has_left, _, softcap, alibi, _, dropout = variant
-    if has_left or softcap or alibi or dropout:
+    if has_left or softcap or alibi or dropout or mods:
         return t._replace(num_threads=_tc_threads(t.block_m))
     return t
 

@@ -103,7 +103,8 @@ def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096):
               "the clock)")
     if single:
         timing += "; after the slash, one call per pair of CUDA events"
-    out = [f"{dtype}, seqlen {seqlen}, batch x heads = 4 x 32 (d=64) or 4 x 16 (d=128), TFLOP/s; flashnumba's "
+    batch = 16384 // seqlen
+    out = [f"{dtype}, seqlen {seqlen}, batch x heads = {batch} x 32 (d=64) or {batch} x 16 (d=128), TFLOP/s; flashnumba's "
            f"default kernels (`{ours}`). {e['device']}, {e['date'][:10]}, {timing}; source: "
            f"[`{prefix}{source}`]({prefix}{source}).", "",
            "| head_dim | causal | pass | flashnumba | " + " | ".join(PEER_NAMES[p] for p in peers) +
@@ -131,10 +132,13 @@ def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096):
 
 
 def headlines(data, prefix="docs/results/latest/"):
+    """float16 from the latest tensor-core run beside FlashAttention-2 and cuDNN (bench-tc.json, seqlen 4096 and
+    16384), float32 from the full benchmark (bench.json)."""
     out = []
-    for dtype in ("float16", "float32"):
-        out += headline(data, dtype, "bench.json", prefix) + [""]
-    return out[:-1]
+    for seqlen in (4096, 16384):
+        out += headline(data["bench-tc.json"], "float16", "bench-tc.json", prefix, seqlen) + [""]
+    out += headline(data["bench.json"], "float32", "bench.json", prefix)
+    return out
 
 
 def numerics(_data=None, prefix="results/latest/"):
@@ -182,7 +186,7 @@ TARGETS = {  # file: (marker name, table function, its arguments)
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {})],
 }
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
-           "headline": "bench.json", "numerics": None}
+           "headline": ("bench.json", "bench-tc.json"), "numerics": None}
 
 
 def main():
@@ -190,7 +194,11 @@ def main():
         path = ROOT / rel
         text = path.read_text()
         for name, fn, kw in blocks:
-            data = json.loads((LATEST / SOURCES[name]).read_text()) if SOURCES[name] else None
+            source = SOURCES[name]
+            if isinstance(source, tuple):
+                data = {f: json.loads((LATEST / f).read_text()) for f in source}
+            else:
+                data = json.loads((LATEST / source).read_text()) if source else None
             block = "\n".join(fn(data, **kw))
             text, n = re.subn(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->",
                               lambda m: f"<!-- {name}:begin -->\n{block}\n<!-- {name}:end -->", text, flags=re.S)

@@ -147,6 +147,51 @@ def test_drawn_shapes(name, sq, sk, nheads_k, groups, d, seed):
     _run(name, sq, sk, nheads_k, groups, d, seed)
 
 
+def _run_tc(name, sq, sk, nheads_k, groups, d, seed, dtype, **tiles):
+    """The forward on the tensor cores (kernel="tc") against the float64 reference, the tolerance from the same
+    computation in the input's dtype."""
+    score_mod, _, mask_mod, make_args = EXAMPLES[name]
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, dtype)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    args = make_args(sq, sk, rng) if make_args else ()
+    out, lse = flashnumba.flex_attention(q, k, v, score_mod, mask_mod, return_lse=True, score_mod_args=args,
+                                         enable_gqa=groups > 1, kernel="tc", **tiles)
+    rkw = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args)
+    truth_o, truth_l = ref.flex_attention_forward(q, k, v, **rkw)
+    base_o, base_l = ref.flex_attention_forward(q, k, v, dtype=np.dtype(q.dtype), **rkw)
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close_to_truth("out", out, truth_o, base_o.astype(q.dtype), reduction=max(d, sk))
+    assert_close_to_truth("lse", lse, truth_l, base_l.astype(np.float32), reduction=max(d, sk))
+
+
+TC_EXAMPLES = ["causal", "documents", "relative bias+documents", "softcap+alibi+window"]
+
+
+@pytest.mark.parametrize("name", TC_EXAMPLES)
+def test_examples_on_the_tensor_cores(name):
+    """score_mod and mask_mod compiled into the tensor-core forward (float16; one warp of 16 query rows and 16-key
+    tiles in the simulator, the default tiles on a GPU), GQA, rows that see no key."""
+    _run_tc(name, 13, 21, 1, 2, 16, len(name), np.float16,
+            **(dict(block_m=16, block_n=16) if flashnumba.SIMULATOR else {}))
+
+
+def test_examples_on_the_tensor_cores_bfloat16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    _run_tc("relative bias+documents", 9, 17, 2, 1, 24, 5, ml_dtypes.bfloat16,
+            **(dict(block_m=16, block_n=16) if flashnumba.SIMULATOR else {}))
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@settings(max_examples=int(__import__("os").environ.get("FLASHNUMBA_GPU_EXAMPLES", 40)), deadline=None)
+@given(name=st.sampled_from(list(EXAMPLES)), sq=st.sampled_from([1, 63, 200, 513]),
+       sk=st.sampled_from([1, 80, 200, 700]), nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
+       d=st.sampled_from([40, 64, 128]), seed=st.integers(0, 99))
+def test_drawn_shapes_on_the_tensor_cores_gpu(name, sq, sk, nheads_k, groups, d, seed):
+    _run_tc(name, sq, sk, nheads_k, groups, d, seed, np.float16)
+
+
 def test_a_mod_that_reproduces_a_built_in_option_gives_its_result():
     """A causal mask_mod and a softcap score_mod: the built-in options' kernels' result, within rounding."""
     rng = np.random.default_rng(3)
@@ -215,13 +260,22 @@ for name, (score_mod, grad, mask_mod, make_args) in t.EXAMPLES.items():
     out, lse = q.copy(), np.zeros((1, 2, 24), np.float32)
     tdo, to, tl = _validate.inspect("dout", q, 4), _validate.inspect("out", out, 4), _validate.inspect("lse", lse, 3)
     planner.backward_plan(tdo, tq, tk, tv, to, tl, opts, device="sm_80").resources()
+    if name not in ("relative bias+documents", "softcap+alibi+window"):  # (the two that compose functions)
+        print("compiled", name)
+        continue
+    h = [x.astype(np.float16) for x in (q, k, v)]  # and the tensor-core forward
+    (hq, hk, hv), hopts = check_forward_args(*h)
+    hopts = dataclasses.replace(hopts, mods=mods, mod_args=targs)
+    r = planner.forward_plan(hq, hk, hv, hopts, kernel="tc", device="sm_80").resources()
+    assert r[0]["spill_stores"] == 0, (name, r)
     print("compiled", name)
 """
 
 
 def test_each_example_compiles_for_the_gpu():
-    """Every example's functions compile into the GPU kernels (sm_80, no GPU needed): the simulator runs them as
-    Python, where a score_mod calling another plain function works whether or not Numba could compile it."""
+    """Every example's functions compile into the SIMT kernels for the GPU (sm_80, no GPU needed), the two that
+    compose functions into the tensor-core forward too, without spills: the simulator runs them as Python, where a
+    score_mod calling another plain function works whether or not Numba could compile it."""
     import os
     import subprocess
     import sys

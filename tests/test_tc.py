@@ -168,7 +168,7 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
                 continue
             key = f"{dtype} D={D} {name}"
             T = tiling.plain_rows_per_warp(tiling.default("tc", D, DEV).tiles, variant)
-            sig = f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS})"
+            sig = f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS}, {resources._MODS})"
             gqa = name == "every option"
             make = forward_tc.make_forward_tc(D, variant, T.block_n, T.num_threads // 32, dtype=dtype, gqa=gqa,
                                               wm=T.block_m // (T.num_threads // 2))
@@ -508,7 +508,7 @@ def test_tc_copies_an_input_that_does_not_start_on_16_bytes():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Every head dim a multiple of 8: forward up to 256, backward up to 160; a multiple of 8 but not of 16 padded to
-# 16 in shared memory (kernel=None takes the multiples of 16 on a GPU, the others with kernel="tc")
+# 16 in shared memory (kernel=None takes every one of them on a GPU)
 # ---------------------------------------------------------------------------------------------------------------
 
 

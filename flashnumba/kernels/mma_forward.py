@@ -58,7 +58,7 @@ import math
 from . import bf16, ptx
 from .._backend import cuda
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod,
-                     make_sequence_geometry)
+                     make_sequence_geometry, make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
 from numba import float32, uint16, uint32
@@ -74,7 +74,8 @@ ROWS_PER_WARP = (16, 32)  # query rows a warp owns: one or two blocks of 16 (WM 
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False, positive_scale=True, wm=1):
+def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False, positive_scale=True, wm=1,
+                    mods=None):
     """The tensor-core forward kernel for head_dim D (a multiple of 8 up to 256; in shared memory and the products
     a multiple of 16, :func:`flashnumba.kernels.mma_tiles.padded`), B_c keys per tile (a multiple of 16),
     ``warps`` warps of ``wm`` blocks of 16 query rows each (B_r = 16 wm warps), ``dtype`` "float16" or
@@ -101,7 +102,9 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     (:func:`flashnumba.kernels.mma_tiles.make_copy16`). ``positive_scale``: scale_q > 0, so that the row maximum
     of the raw scores Q_i K_j^T gives that of the scaled ones, and the scale folds into the exponent's FMA,
     exp2(s scale_q - m), as FlashAttention-2 does: one instruction a score fewer (the planner passes
-    softmax_scale > 0; a zero or negative scale, or a score modification, multiplies first).
+    softmax_scale > 0; a zero or negative scale, or a score modification, multiplies first). ``mods``: a user's
+    score_mod and mask_mod (:class:`flashnumba.kernels.common.Mods`), called for the entries within the
+    sequences; the arrays they read are the last arguments, a0 .. a3 (dummies where unused).
     """
     if D not in HEAD_DIMS:
         raise ValueError(f"the tensor-core kernel supports head_dim a multiple of 8 up to 256, got {D}")
@@ -114,7 +117,10 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
-    SCORE_MOD = SOFTCAP or ALIBI
+    USER_SCORE = mods is not None and mods.score_mod is not None
+    USER_MASK = mods is not None and mods.mask_mod is not None
+    user_score, user_mask = make_user_mods(mods)
+    SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE  # the score formed in natural units, modified, then base 2
     FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (docstring)
     score_mod = make_score_mod(SOFTCAP, ALIBI)
     GQA = bool(gqa)
@@ -147,7 +153,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
 
     @cuda.jit
     def forward_tc(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
-                   offset):
+                   offset, a0, a1, a2, a3):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -220,12 +226,15 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                     for n in range(NS):
                         for x in range(4):
                             val = s[w, n, x] * scale_q
-                            if SCORE_MOD:  # cap, ALiBi bias, then base 2
-                                val, _ = score_mod(val, softcap, slope, i0 + r0 + 16 * w + g + 8 * (x >> 1),
-                                                   j0 + 8 * n + 2 * t + (x & 1), diag)
+                            if SCORE_MOD:  # cap, ALiBi bias, the user's score_mod, then base 2
+                                i = i0 + r0 + 16 * w + g + 8 * (x >> 1)
+                                j = j0 + 8 * n + 2 * t + (x & 1)
+                                val, _ = score_mod(val, softcap, slope, i, j, diag)
+                                if USER_SCORE and i < seqlen_q and j < seqlen_k:  # (it may index by i and j)
+                                    val, _ = user_score(val, b, h, i, j, a0, a1, a2, a3)
                                 val *= LOG2E
                             s[w, n, x] = val
-            if masked:
+            if masked or USER_MASK:  # (the user's mask_mod: in every tile)
                 for w in range(WM):
                     for n in range(NS):
                         for x in range(4):
@@ -233,6 +242,8 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                             j = j0 + 8 * n + 2 * t + (x & 1)
                             if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                                     or (HAS_RIGHT and j > i + diag + right)):
+                                s[w, n, x] = NEG_INF
+                            elif USER_MASK and i < seqlen_q and not user_mask(b, h, i, j, a0, a1, a2, a3):
                                 s[w, n, x] = NEG_INF
             for w in range(WM):
                 # this lane's partial max of rows g (x = 0, 1) and g + 8 (x = 2, 3) of block w (FOLD: of the raw
