@@ -239,8 +239,8 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
     if opts.mods is not None:  # a user's score_mod / mask_mod: the tensor-core forward or the register-tiled SIMT
         takes = (None, "v2", "v3", "tc") if pass_ == "forward" else (None, "v2")
         if kernel not in takes:
-            raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels {takes[1:]} (or None), not "
-                             f"{kernel!r}")
+            raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels "
+                             f"{', '.join(repr(x) for x in takes[1:])} (or None), not {kernel!r}")
         if pass_ == "forward" and (kernel == "tc" or kernel is None and (
                 tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))):
             blocker = _mma_blocker(tq, tensors, limits, tiles_given and kernel is None, pass_)

@@ -232,9 +232,13 @@ def test_bad_functions_and_arguments_are_clear_errors():
         flashnumba.flex_attention(q, k, v, softcap, score_mod_args=(3.0,))
     with pytest.raises(ValueError, match="enable_gqa=True"):
         flashnumba.flex_attention(q, k[:, :, :1], v[:, :, :1], softcap)
-    with pytest.raises(ValueError, match="register-tiled SIMT kernels"):
+    with pytest.raises(ValueError, match="runs on the forward kernels"):
+        flashnumba.flex_attention(q, k, v, softcap, kernel="v1")
+    with pytest.raises(TypeError, match="float16 or bfloat16"):  # (q is float32)
         flashnumba.flex_attention(q, k, v, softcap, kernel="tc")
     out, lse = flashnumba.flex_attention(q, k, v, softcap, return_lse=True)
+    with pytest.raises(ValueError, match="runs on the backward kernels"):
+        flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap, score_mod_grad=softcap_grad, kernel="tc")
     with pytest.raises(ValueError, match="score_mod_grad"):
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap)
     before = [x.copy() for x in (q, k, v)]

@@ -96,7 +96,10 @@ def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
     q, k, v = _qkv(np.float16, 96)
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
     assert p.kernel == "tc" and p.fallback is None
-    q, k, v = _qkv(np.float16, 40)
+    q, k, v = _qkv(np.float16, 40)  # a multiple of 8, not of 16: padded in shared memory
+    p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
+    assert p.kernel == "tc" and p.fallback is None
+    q, k, v = _qkv(np.float16, 36)
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
     assert p.kernel == "v3" and "head_dim" in p.fallback
     q, k, v = _qkv(np.float32, 64)

@@ -76,8 +76,8 @@ def make_forward_tf32(D, causal, precision, B_c, warps):
     KBUF = B_c * LDK
     OFF_V = OFF_K + 2 * KBUF  # V buffer 0; buffer 1 lies VBUF further on
     VBUF = B_c * LDV
-    load_q = make_load_rows(D, NT, LDK, 4)  # 4 floats per 16-byte copy
-    load_v = make_load_rows(D, NT, LDV, 4)
+    load_q = make_load_rows(D, NT, LDK, 4, per_column=False)  # 4 floats per 16-byte copy
+    load_v = make_load_rows(D, NT, LDV, 4, per_column=False)
     key_range = make_key_range(B_R, B_c, False, causal)  # causal: the band's right bound, right = 0
 
     @cuda.jit(device=True, inline=True)

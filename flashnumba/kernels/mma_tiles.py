@@ -81,20 +81,23 @@ def make_copy16(D, strided=False):
 
 
 @functools.lru_cache(maxsize=None)
-def make_load_rows(D, NT, LD=None, per_copy=8, strided=False, DG=None):
+def make_load_rows(D, NT, LD=None, per_copy=8, strided=False, DG=None, per_column=True):
     """load_rows(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` rows of
     src[b, row0 + r, h, :] (a (batch, seqlen, nheads, DG) array, C-contiguous unless ``strided``, see
     :func:`make_copy16`) to smem rows off + r of D elements (row stride ``LD`` elements, D + PAD unless given),
     16 bytes = ``per_copy`` elements (8 of 16 bits, 4 of float32) per cp.async, spread over the NT threads of the
     block; rows at or past ``row_end`` (the end of the sequence), and the columns from DG (the array's head dim,
-    D unless given) to D, become zeros (plain stores: a row of garbage could hold a NaN, and 0 * NaN is NaN)."""
+    D unless given) to D, become zeros (plain stores: a row of garbage could hold a NaN, and 0 * NaN is NaN).
+    ``per_column``: where NT is a multiple of the chunks per row, each thread copies one column of rows NT / CH
+    apart (one division a call instead of one a copy; the 3xTF32 forward, at the register limit, keeps the
+    division per copy, which holds no row index across the copies)."""
     if LD is None:
         LD = D + PAD
     if DG is None:
         DG = D
     CH = D // per_copy  # 16-byte chunks per row
     copy16 = make_copy16(DG, strided)
-    if NT % CH == 0:  # each thread copies the same column of rows RS apart: one division a call, not one a copy
+    if per_column and NT % CH == 0:  # each thread copies one column of rows RS apart: one division a call
         RS = NT // CH
 
         @cuda.jit(device=True, inline=True)
