@@ -26,6 +26,7 @@ from .api import (
     flex_attention,
     flex_attention_backward,
 )
+from .decode import flash_attn_with_kvcache
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flex_attention",
     "flex_attention_backward",
+    "flash_attn_with_kvcache",
     "plan",
     "plan_backward",
     "clear_plan_cache",

@@ -461,3 +461,85 @@ def flex_block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, block_m, block_
             tile = visible[:, :, a * block_m:(a + 1) * block_m, c * block_n:(c + 1) * block_n]
             out[:, :, a, c] = np.where(tile.all(axis=(2, 3)), FULL, np.where(tile.any(axis=(2, 3)), PARTIAL, EMPTY))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decoding against a KV cache (flash-attn's flash_attn_with_kvcache)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def apply_rotary(x, cos, sin, positions, interleaved=True):
+    """Rotary position embedding of x (seqlen, nheads, head_dim) at integer ``positions`` (seqlen,), in float64:
+    cos, sin (seqlen_ro, rotary_dim / 2); the first rotary_dim dims of each head are rotated, the rest kept.
+    ``interleaved`` (GPT-J): the pairs are dims (0, 1), (2, 3), ...; otherwise (GPT-NeoX) dims (i, i + rotary_dim
+    / 2). Each pair (x1, x2) becomes (x1 cos - x2 sin, x1 sin + x2 cos) with the angle of its position and index:
+    the complex product (x1 + i x2) e^{i theta}."""
+    x = np.asarray(x, np.float64).copy()
+    c = np.asarray(cos, np.float64)[positions][:, None, :]
+    s = np.asarray(sin, np.float64)[positions][:, None, :]
+    half = c.shape[-1]
+    if interleaved:
+        x1, x2 = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
+        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
+    else:
+        x1, x2 = x[..., :half].copy(), x[..., half:2 * half].copy()
+        x[..., :half], x[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
+    return x
+
+
+def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, block_table=None, softmax_scale=None, causal=False,
+                      window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                      dtype=np.float64):
+    """flash-attn's ``flash_attn_with_kvcache`` in NumPy, nothing modified: (out, lse, k_cache, v_cache), out
+    (batch, seqlen_q, nheads, head_dim) and lse (batch, nheads, seqlen_q) in ``dtype`` (the attention computed in
+    it, as :func:`attention_forward`), the caches as they are after the call (copies, in their dtype).
+
+    For batch entry b: its cache is k_cache[cache_batch_idx[b]] (b without it), or with ``block_table`` the pages
+    block_table[b, p // page_size] (k_cache then (num_pages, page_size, nheads_k, head_dim)), position p at row
+    p % page_size. L = cache_seqlens[b] (an int: the same for every entry) positions hold keys; the new k[b], v[b]
+    (seqlen_new rows) are written at positions L .. L + seqlen_new - 1, k rotated at those positions first; then
+    q[b] attends to the L + seqlen_new keys, causal bottom-right aligned (query t at position L + seqlen_new -
+    seqlen_q + t). q is rotated at positions L + t when causal or windowed, else at position L for every row (as
+    flash-attn: the queries are then taken to be one token)."""
+    q = np.asarray(q)
+    batch, seqlen_q, nheads, d = q.shape
+    kc, vc = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
+    lens = np.broadcast_to(np.asarray(0 if cache_seqlens is None else cache_seqlens, np.int64), (batch,))
+    sn = 0 if k is None else np.asarray(k).shape[1]
+    outs, lses = [], []
+    for b in range(batch):
+        L = int(lens[b])
+        if block_table is None:
+            cb = b if cache_batch_idx is None else int(np.asarray(cache_batch_idx)[b])
+
+            def rows(pos, cb=cb):
+                return (np.full_like(pos, cb), pos)
+        else:
+            page = kc.shape[1]
+
+            def rows(pos, b=b, page=page):
+                return (np.asarray(block_table)[b, pos // page], pos % page)
+        if sn:
+            pos = np.arange(L, L + sn)
+            knew = np.asarray(k)[b].astype(np.float64)
+            if rotary_cos is not None:
+                knew = apply_rotary(knew, rotary_cos, rotary_sin, pos, rotary_interleaved)
+            kc[rows(pos)] = knew.astype(kc.dtype)
+            vc[rows(pos)] = np.asarray(v)[b].astype(vc.dtype)
+        seqlen_k = L + sn
+        keys = kc[rows(np.arange(seqlen_k))]
+        values = vc[rows(np.arange(seqlen_k))]
+        qb = q[b]
+        if rotary_cos is not None:
+            local = causal or tuple(window_size) != (-1, -1)
+            qpos = L + np.arange(seqlen_q) if local else np.full(seqlen_q, L)
+            qb = apply_rotary(qb, rotary_cos, rotary_sin, qpos, rotary_interleaved).astype(q.dtype)
+        slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
+        if slopes is not None and slopes.ndim == 2:
+            slopes = slopes[b]
+        o, lse = attention_forward(qb[None], keys[None], values[None], softmax_scale=softmax_scale, causal=causal,
+                                   window_size=window_size, softcap=softcap, alibi_slopes=slopes, dtype=dtype)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return np.stack(outs), np.stack(lses), kc, vc
