@@ -27,6 +27,7 @@ from .api import (
     flex_attention_backward,
 )
 from .decode import flash_attn_with_kvcache
+from .blockmask import BlockMask, create_block_mask
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,8 @@ __all__ = [
     "flex_attention",
     "flex_attention_backward",
     "flash_attn_with_kvcache",
+    "create_block_mask",
+    "BlockMask",
     "plan",
     "plan_backward",
     "clear_plan_cache",

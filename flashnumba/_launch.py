@@ -34,7 +34,10 @@ from .kernels.common import Mods
 STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory; more needs an opt-in per kernel
 PER_CALL_SCALARS = ("seed", "offset")  # uint64 arguments written at every call, not part of a plan
 _NUMBA_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.uint16): "uint16",
-                np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.uint64): "uint64"}
+                np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.uint64): "uint64",
+                # (a block mask's states; the arrays a user's score_mod reads)
+                np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8", np.dtype(np.int16): "int16",
+                np.dtype(np.uint32): "uint32", np.dtype(np.float64): "float64", np.dtype(np.bool_): "boolean"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -288,6 +288,7 @@ class Options:
     gqa: bool
     mods: object = None  # a user's score_mod / mask_mod (flashnumba.kernels.common.Mods), or None
     mod_args: tuple = ()  # the Tensors of the arrays they read
+    block_mask: tuple | None = None  # (Q block, KV block, Tensors of kv_num_blocks, kv_indices, state), or None
 
     @property
     def variant(self) -> Variant:

@@ -31,6 +31,7 @@ from . import _arrays, _launch, config, planner as _plan
 from ._validate import (Options, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
                         check_forward_results, check_mods, check_options, check_qkv, check_same_place, check_seed,
                         check_stream, inspect, kernel_for_precision, mod_args_tuple)
+from ._validate import check_array_arg
 
 Array = Any  # a NumPy or CuPy array, a torch CUDA tensor, or any __cuda_array_interface__ object
 MAX_PROBS_ELEMENTS = 2**26  # return_attn_probs materialises (batch, nheads, seqlen_q, seqlen_k): small sizes only
@@ -582,7 +583,7 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
 def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, *, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, score_mod_args: tuple = (),
                    kernel: str | None = None, block_m: int | None = None, block_n: int | None = None,
-                   num_threads: int | None = None, stream: Any = None):
+                   num_threads: int | None = None, block_mask=None, stream: Any = None):
     """Attention with your own score modification and mask, FlexAttention's interface in flashnumba's layout.
 
     ``score_mod(score, b, h, q_idx, kv_idx, *score_mod_args)`` returns the modified score (score = scale q . k,
@@ -600,23 +601,58 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     ``return_lse``; a row that sees no key has out 0 and lse -inf. The functions run on the tensor-core forward
     for float16 / bfloat16 on a GPU (``kernel`` None or "tc") and on the register-tiled SIMT kernels otherwise
     (None, "v3" or "v2"); ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
-    Checked against :func:`flashnumba.reference.flex_attention_forward`.
+    ``block_mask``: a :class:`flashnumba.blockmask.BlockMask` of the mask_mod (``create_block_mask``, with the
+    same score_mod_args): the tensor-core forward then skips the key blocks it hides entirely and evaluates the
+    mask_mod only in the blocks it hides in part (elsewhere the mask_mod is evaluated everywhere, as without it);
+    mask_mod may then be left out. Checked against :func:`flashnumba.reference.flex_attention_forward`.
     """
+    if block_mask is not None:
+        from .blockmask import BlockMask
+
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a BlockMask (flashnumba.create_block_mask), got "
+                            f"{type(block_mask).__name__}")
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+        if mask_mod is not block_mask.mask_mod:
+            raise ValueError("block_mask was made for another mask_mod than the one given")
+        if not score_mod_args:
+            score_mod_args = block_mask.score_mod_args
     args = mod_args_tuple(score_mod_args)
-    key = _key("flex", (q, k, v) + args, (scale, score_mod, mask_mod, enable_gqa, kernel, block_m, block_n,
-                                          num_threads))
+    bm = () if block_mask is None else (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.state)
+    blocks = None if block_mask is None else (block_mask.Q_BLOCK_SIZE, block_mask.KV_BLOCK_SIZE)
+    key = _key("flex", (q, k, v) + args + bm, (scale, score_mod, mask_mod, enable_gqa, kernel, block_m, block_n,
+                                               num_threads, blocks))
 
     def build():  # the functions and arrays are checked once per key, with the rest of the call
         (tq, tk, tv), opts = check_forward_args(q, k, v, softmax_scale=scale)
         mods, targs = check_mods(tq, tk, score_mod, None, mask_mod, score_mod_args, enable_gqa)
-        opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
+        opts = dataclasses.replace(opts, mods=mods, mod_args=targs,
+                                   block_mask=None if block_mask is None else _check_block_mask(block_mask, tq, tk))
         bm, bn, nt = check_blocks(block_m, block_n, num_threads)
         return _launch.Call(_flex_compiled(_plan.forward_plan(tq, tk, tv, opts, kernel=kernel, block_m=bm,
                                                               block_n=bn, num_threads=nt), mods))
 
     call = _cached(key, build)
-    out, lse = call.run((q, k, v, None, None, None) + args, 0, 0, _stream(stream, q))
+    out, lse = call.run((q, k, v, None, None, None) + args + (None,) * (len(_plan.MOD_PARAMS) - len(args)) + bm,
+                        0, 0, _stream(stream, q))
     return (out, lse) if return_lse else out
+
+
+def _check_block_mask(block_mask, tq, tk):
+    """(Q block, KV block, Tensors of its arrays) of a BlockMask that suits q and k: its lengths theirs, its B and
+    H 1 or theirs, its arrays on q's device."""
+    batch, seqlen_q, nheads, _ = tq.shape
+    if tuple(block_mask.seq_lengths) != (seqlen_q, tk.shape[1]):
+        raise ValueError(f"block_mask was made for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}, the call has "
+                         f"({seqlen_q}, {tk.shape[1]})")
+    B, H = block_mask.state.shape[:2]
+    if B not in (1, batch) or H not in (1, nheads):
+        raise ValueError(f"block_mask has B = {B}, H = {H}: each must be 1 or the call's ({batch}, {nheads})")
+    arrays = [check_array_arg(f"block_mask.{n}", a, tq, "") for n, a in
+              (("kv_num_blocks", block_mask.kv_num_blocks), ("kv_indices", block_mask.kv_indices),
+               ("state", block_mask.state))]
+    return (block_mask.Q_BLOCK_SIZE, block_mask.KV_BLOCK_SIZE, *arrays)
 
 
 def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, score_mod=None,

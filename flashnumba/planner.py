@@ -341,6 +341,14 @@ def _inputs(tensors, family, lead, opts, batch, cu):
         else:
             specs.append(InputSpec(name, "none", dummy_shape=(1,), dummy_dtype="float32"))
             metas[name] = array_meta((1,), (4,), np.float32, "A")
+    for n, (name, dtype, ndim) in enumerate(zip(BLOCK_MASK_PARAMS, ("int32", "int32", "int8"), (3, 4, 4))):
+        if opts.block_mask is not None:
+            t = opts.block_mask[2 + n]
+            specs.append(InputSpec(name, t.kind, to_device=t.kind == "numpy"))
+            metas[name] = _kernel_meta(t, False, False)
+        else:
+            specs.append(InputSpec(name, "none", dummy_shape=(1,) * ndim, dummy_dtype=dtype))
+            metas[name] = array_meta((1,) * ndim, (np.dtype(dtype).itemsize,) * ndim, np.dtype(dtype), "A")
     return specs, metas
 
 
@@ -363,6 +371,7 @@ def _option_scalars(opts):
 
 OPTION_PARAMS = ("softcap", "left", "right", "alibi", "cu_q", "cu_k", "p_drop", "rp_keep", "seed", "offset")
 MOD_PARAMS = tuple(f"a{n}" for n in range(MOD_ARGS))  # the register-tiled SIMT kernels' last parameters
+BLOCK_MASK_PARAMS = ("bm_num", "bm_idx", "bm_state")  # and the tensor-core forward's, after them
 
 
 def _cdiv(a, b):
@@ -408,12 +417,18 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     elif family == "tc":
         if reason != "given by the caller":
             t = tiling.plain_rows_per_warp(t, opts.variant, opts.mods is not None)
+        if opts.block_mask is not None and (opts.block_mask[0] % t.block_m or opts.block_mask[1] % t.block_n):
+            raise ValueError(f"the block mask's blocks ({opts.block_mask[0]}, {opts.block_mask[1]}) must be "
+                             f"multiples of the kernel's tiles (block_m {t.block_m}, block_n {t.block_n}): make it "
+                             f"with BLOCK_SIZE a multiple of those, or give block_m and block_n")
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
                               (D, opts.variant, t.block_n, t.num_threads // 32, _dtype_name(dt), nk != nheads,
                                _strided(arrays, ("q", "k", "v")), opts.scale > 0,
-                               t.block_m // (t.num_threads // 2), opts.mods),
-                              io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS, grid, (t.num_threads,), smem, t, reason)
+                               t.block_m // (t.num_threads // 2), opts.mods,
+                               None if opts.block_mask is None else opts.block_mask[:2]),
+                              io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS + BLOCK_MASK_PARAMS, grid,
+                              (t.num_threads,), smem, t, reason)
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

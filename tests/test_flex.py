@@ -272,6 +272,14 @@ for name, (score_mod, grad, mask_mod, make_args) in t.EXAMPLES.items():
     hopts = dataclasses.replace(hopts, mods=mods, mod_args=targs)
     r = planner.forward_plan(hq, hk, hv, hopts, kernel="tc", device="sm_80").resources()
     assert r[0]["spill_stores"] == 0, (name, r)
+    if name == "relative bias+documents":  # and with a block mask (its arrays made here: no GPU to classify)
+        from flashnumba.api import _check_block_mask
+        from flashnumba.blockmask import BlockMask
+        z = np.zeros((1, 1, 1, 1), np.int32)
+        bm = BlockMask(mask_mod, args, (24, 24), 128, 64, z[0].copy(), z, z.astype(np.int8))
+        hopts = dataclasses.replace(hopts, block_mask=_check_block_mask(bm, hq, hk))
+        r = planner.forward_plan(hq, hk, hv, hopts, kernel="tc", device="sm_80").resources()
+        assert r[0]["spill_stores"] == 0, (name, "block mask", r)
     print("compiled", name)
 """
 
@@ -289,3 +297,79 @@ def test_each_example_compiles_for_the_gpu():
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("compiled") == len(EXAMPLES)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# block masks: the mask_mod classified in blocks; the tensor-core forward skips the empty ones
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _docs_of(n, sizes):
+    return np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)[:n]
+
+
+@pytest.mark.parametrize("name", ["causal", "documents", "prefix-lm", "window"])
+def test_block_mask_classifies_as_the_reference(name):
+    _, _, mask_mod, make_args = EXAMPLES[name]
+    rng = np.random.default_rng(len(name))
+    sq, sk = 37, 53
+    args = make_args(sq, sk, rng)
+    bm = flashnumba.create_block_mask(mask_mod, 1, 1, sq, sk, score_mod_args=args, BLOCK_SIZE=16)
+    want = ref.flex_block_mask(mask_mod, 1, 1, sq, sk, 16, 16, score_mod_args=args)
+    np.testing.assert_array_equal(to_numpy(bm.state), want)
+    num, idx = to_numpy(bm.kv_num_blocks), to_numpy(bm.kv_indices)
+    for a in range(want.shape[2]):
+        listed = idx[0, 0, a, :num[0, 0, a]]
+        np.testing.assert_array_equal(listed, np.flatnonzero(want[0, 0, a]))  # the non-empty ones, ascending
+
+
+@pytest.mark.parametrize("name, batch, per_head", [("documents", 2, False), ("causal", 1, True),
+                                                    ("relative bias+documents", 1, False)])
+def test_block_mask_on_the_tensor_cores(name, batch, per_head):
+    """The forward with a block mask (16-row blocks, the kernel's tiles in the simulator) gives the reference's
+    result; a mask made for B = 1 serves every batch entry, one made per head its own head."""
+    score_mod, _, mask_mod, make_args = EXAMPLES[name]
+    rng = np.random.default_rng(7)
+    sq, sk, nheads = 33, 45, 2
+    q, k, v = random_qkv(rng, batch, sq, sk, nheads, 16, np.float16)
+    args = make_args(sq, sk, rng)
+    bm = flashnumba.create_block_mask(mask_mod, 1, nheads if per_head else 1, sq, sk, score_mod_args=args,
+                                      BLOCK_SIZE=(16, 32))
+    out, lse = flashnumba.flex_attention(q, k, v, score_mod, block_mask=bm, score_mod_args=args, return_lse=True,
+                                         kernel="tc", block_m=16, block_n=16)
+    rkw = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args)
+    truth_o, truth_l = ref.flex_attention_forward(q, k, v, **rkw)
+    base_o, base_l = ref.flex_attention_forward(q, k, v, dtype=np.float16, **rkw)
+    assert_close_to_truth("out", to_numpy(out), truth_o, base_o.astype(np.float16), reduction=max(16, sk))
+    assert_close_to_truth("lse", to_numpy(lse), truth_l, base_l.astype(np.float32), reduction=max(16, sk))
+
+
+def test_block_mask_on_the_simt_kernels_gives_the_same_result():
+    """Where the kernels do not read the block mask (SIMT, float32) the mask_mod is evaluated everywhere."""
+    _, _, mask_mod, make_args = EXAMPLES["documents"]
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, 1, 20, 20, 1, 8, np.float32)
+    args = make_args(20, 20, rng)
+    bm = flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=16)
+    with_bm = flashnumba.flex_attention(q, k, v, block_mask=bm, score_mod_args=args)
+    without = flashnumba.flex_attention(q, k, v, mask_mod=mask_mod, score_mod_args=args)
+    np.testing.assert_array_equal(to_numpy(with_bm), to_numpy(without))
+
+
+def test_block_mask_errors():
+    _, _, mask_mod, make_args = EXAMPLES["documents"]
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, 1, 20, 20, 1, 16, np.float16)
+    args = make_args(20, 20, rng)
+    bm = flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="another mask_mod"):
+        flashnumba.flex_attention(q, k, v, mask_mod=causal_mask, block_mask=bm, score_mod_args=args)
+    with pytest.raises(ValueError, match="Q_LEN, KV_LEN"):
+        flashnumba.flex_attention(q[:, :10], k, v, block_mask=bm, score_mod_args=args)
+    with pytest.raises(ValueError, match="multiples of the kernel's tiles"):
+        flashnumba.flex_attention(q, k, v, block_mask=bm, score_mod_args=args, kernel="tc", block_m=32,
+                                  block_n=16)
+    with pytest.raises(TypeError, match="BlockMask"):
+        flashnumba.flex_attention(q, k, v, block_mask=np.zeros(3), score_mod_args=args)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=24)

@@ -75,7 +75,7 @@ ROWS_PER_WARP = (16, 32)  # query rows a warp owns: one or two blocks of 16 (WM 
 
 @functools.lru_cache(maxsize=None)
 def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False, positive_scale=True, wm=1,
-                    mods=None):
+                    mods=None, block_mask=None):
     """The tensor-core forward kernel for head_dim D (a multiple of 8 up to 256; in shared memory and the products
     a multiple of 16, :func:`flashnumba.kernels.mma_tiles.padded`), B_c keys per tile (a multiple of 16),
     ``warps`` warps of ``wm`` blocks of 16 query rows each (B_r = 16 wm warps), ``dtype`` "float16" or
@@ -104,7 +104,10 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     exp2(s scale_q - m), as FlashAttention-2 does: one instruction a score fewer (the planner passes
     softmax_scale > 0; a zero or negative scale, or a score modification, multiplies first). ``mods``: a user's
     score_mod and mask_mod (:class:`flashnumba.kernels.common.Mods`), called for the entries within the
-    sequences; the arrays they read are the last arguments, a0 .. a3 (dummies where unused).
+    sequences; the arrays they read are a0 .. a3 (dummies where unused). ``block_mask``: (QB, KB), the block
+    sizes of a :class:`flashnumba.blockmask.BlockMask` given as bm_num, bm_idx, bm_state (the last arguments,
+    dummies without one; QB a multiple of B_r, KB of B_c): the key loop visits only the key blocks bm_idx lists
+    for the query block, and evaluates the mask_mod only in those whose state is partial.
     """
     if D not in HEAD_DIMS:
         raise ValueError(f"the tensor-core kernel supports head_dim a multiple of 8 up to 256, got {D}")
@@ -121,6 +124,8 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     USER_MASK = mods is not None and mods.mask_mod is not None
     user_score, user_mask = make_user_mods(mods)
     SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE  # the score formed in natural units, modified, then base 2
+    BM = block_mask is not None
+    QB, KB = block_mask if BM else (16 * wm * warps, B_c)  # (the tiles themselves without a block mask)
     FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (docstring)
     score_mod = make_score_mod(SOFTCAP, ALIBI)
     GQA = bool(gqa)
@@ -150,10 +155,18 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     mma_abt = make_mma_abt_rows(D, B_c, dtype, WM, not Q_REGS)  # S_ij = Q_i K_j^T
     mma_ab = make_mma_ab_rows(B_c, D, dtype, WM)  # O_i += P_ij V_j
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
+    SUB = KB // B_c  # key tiles per block of a block mask
+
+    @cuda.jit(device=True, inline=True)
+    def tile_start(jt, n_start, bm_idx, bbm, hbm, qb):
+        """First key of the jt-th key tile the block visits."""
+        if BM:
+            return bm_idx[bbm, hbm, qb, jt // SUB] * KB + (jt % SUB) * B_c
+        return n_start + jt * B_c
 
     @cuda.jit
     def forward_tc(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
-                   offset, a0, a1, a2, a3):
+                   offset, a0, a1, a2, a3, bm_num, bm_idx, bm_state):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -194,21 +207,29 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                 for x in range(4):
                     o[w, n, x] = 0.0
 
-        # Key tiles to visit: those that meet the band the block's rows see (causal / window)
+        # Key tiles to visit: those that meet the band the block's rows see (causal / window), or the non-empty
+        # blocks of a block mask
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
+        qb = i0 // QB
+        bbm = b if bm_num.shape[0] > 1 else 0  # (a block mask made for B = 1 or H = 1 serves every entry)
+        hbm = h if bm_num.shape[1] > 1 else 0
+        if BM:
+            n_tiles = bm_num[bbm, hbm, qb] * SUB
 
         # Prologue: Q_i and the first key tile in flight, one commit group
         load_rows(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
         if n_tiles > 0:
-            load_kv(smem, OFF_K, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+            load_kv(smem, OFF_K, k, v, bb, k0 + tile_start(0, n_start, bm_idx, bbm, hbm, qb), k0 + seqlen_k, hk,
+                    tid)
         ptx.cp_async_commit()
 
         for jt in range(n_tiles):
-            j0 = n_start + jt * B_c
+            j0 = tile_start(jt, n_start, bm_idx, bbm, hbm, qb)
             buf = OFF_K + (jt & 1) * BUF
             # Tile j + 1 into the other buffer (freed by the barrier that ended iteration j - 1), its own group
             if jt + 1 < n_tiles:
-                load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, tid)
+                load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb,
+                        k0 + tile_start(jt + 1, n_start, bm_idx, bbm, hbm, qb), k0 + seqlen_k, hk, tid)
             tile_landed()  # tile j (and Q_i) landed and visible to every thread
 
             if Q_REGS and jt == 0:
@@ -234,7 +255,8 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                                     val, _ = user_score(val, b, h, i, j, a0, a1, a2, a3)
                                 val *= LOG2E
                             s[w, n, x] = val
-            if masked or USER_MASK:  # (the user's mask_mod: in every tile)
+            partial = USER_MASK and (not BM or bm_state[bbm, hbm, qb, j0 // KB] != 2)  # (2: a full block)
+            if masked or partial:  # (the user's mask_mod: in every tile but a block mask's full ones)
                 for w in range(WM):
                     for n in range(NS):
                         for x in range(4):
@@ -243,7 +265,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                             if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                                     or (HAS_RIGHT and j > i + diag + right)):
                                 s[w, n, x] = NEG_INF
-                            elif USER_MASK and i < seqlen_q and not user_mask(b, h, i, j, a0, a1, a2, a3):
+                            elif partial and i < seqlen_q and not user_mask(b, h, i, j, a0, a1, a2, a3):
                                 s[w, n, x] = NEG_INF
             for w in range(WM):
                 # this lane's partial max of rows g (x = 0, 1) and g + 8 (x = 2, 3) of block w (FOLD: of the raw

@@ -1,0 +1,86 @@
+"""Block masks: a mask_mod classified block by block, so that :func:`flashnumba.flex_attention` skips the
+blocks it hides entirely and runs those it shows entirely without evaluating it (FlexAttention's
+``create_block_mask``).
+
+A :class:`BlockMask` holds, per batch entry, head and query block of ``Q_BLOCK_SIZE`` rows, the key blocks of
+``KV_BLOCK_SIZE`` rows that are not empty (``kv_num_blocks``, ``kv_indices``, ascending) and each block's state
+(``state``: EMPTY 0, PARTIAL 1, FULL 2, as :func:`flashnumba.reference.flex_block_mask`). The tensor-core forward
+reads them: it visits only the listed key blocks, and evaluates the mask_mod only in the partial ones. Elsewhere
+(the SIMT kernels, the backward) the mask_mod is evaluated at every entry, as without a block mask: the same
+result, without the savings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _arrays
+from ._backend import SIMULATOR
+from ._validate import check_mods, inspect, mod_args_tuple
+from .kernels.block_mask import THREADS, make_classify
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """The blocks of a mask_mod (see the module docstring). Arrays on the device of the q it was made for (NumPy
+    in the simulator); B and H may be 1 (the same mask for every batch entry or head)."""
+
+    mask_mod: Any
+    score_mod_args: tuple
+    seq_lengths: tuple  # (Q_LEN, KV_LEN)
+    Q_BLOCK_SIZE: int
+    KV_BLOCK_SIZE: int
+    kv_num_blocks: Any  # (B, H, query blocks) int32
+    kv_indices: Any  # (B, H, query blocks, key blocks) int32: the non-empty key blocks first, ascending
+    state: Any  # (B, H, query blocks, key blocks) int8
+
+    def density(self) -> float:
+        """The fraction of (query block, key block) pairs that are not empty."""
+        num = _arrays.to_host(self.kv_num_blocks)
+        return float(num.sum()) / max(1, int(np.prod(self.state.shape)))
+
+    def __repr__(self):
+        return (f"BlockMask(mask_mod={getattr(self.mask_mod, '__name__', '?')}, shape={tuple(self.state.shape)}, "
+                f"blocks=({self.Q_BLOCK_SIZE}, {self.KV_BLOCK_SIZE}), density={self.density():.3f})")
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = (), BLOCK_SIZE=128,
+                      like=None) -> BlockMask:
+    """Classify ``mask_mod(b, h, q_idx, kv_idx, *score_mod_args)`` in blocks of ``BLOCK_SIZE`` (an int, or
+    (query rows, key rows)) for B batch entries and H heads (1: the same for all) of Q_LEN queries and KV_LEN keys,
+    evaluating it on the device (one kernel, every entry once). ``like``: an array on the device to use (q), else
+    the device of the arrays in score_mod_args, else CuPy's current one. Pass the result to
+    :func:`flashnumba.flex_attention` (``block_mask=``) with the same mask_mod and score_mod_args.
+    """
+    qb, kb = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, (int, np.integer)) else tuple(BLOCK_SIZE)
+    for name, n in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN), ("BLOCK_SIZE", qb), ("BLOCK_SIZE", kb)):
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if qb % 16 or kb % 16:
+        raise ValueError(f"BLOCK_SIZE must be multiples of 16 (the kernels' tiles divide it), got ({qb}, {kb})")
+    args = mod_args_tuple(score_mod_args)
+    if like is None:
+        like = next((a for a in args if _arrays.kind(a) != "numpy"), None)
+    if like is None:
+        like = np.zeros((1, 1, 1, 1), np.float32) if SIMULATOR or _arrays.cupy is None else \
+            _arrays.cupy.zeros((1, 1, 1, 1), np.float32)
+    tq = inspect("like", like if getattr(like, "ndim", 0) == 4 else like.reshape(1, 1, 1, -1), 4)
+    mods, targs = check_mods(tq, tq, None, None, mask_mod, args, True)
+    nq, nk = -(-Q_LEN // qb), -(-KV_LEN // kb)
+    xp = np if SIMULATOR or tq.kind == "numpy" or _arrays.cupy is None else _arrays.cupy
+    if SIMULATOR:
+        state = np.zeros((B, H, nq, nk), np.int8)
+    else:
+        state = xp.zeros((B, H, nq, nk), np.int8)
+    dummy = xp.zeros(1, np.float32)
+    kernel_args = [t.array for t in targs] + [dummy] * (4 - len(targs))
+    if SIMULATOR:
+        kernel_args = [_arrays.to_host(a) for a in kernel_args]
+    make_classify(mods, qb, kb)[(nq, nk, B * H), (THREADS,)](state, Q_LEN, KV_LEN, *kernel_args)
+    key = (state == 0).astype(np.int32) * nk + xp.arange(nk, dtype=np.int32)  # non-empty first, each ascending
+    order = xp.argsort(key, axis=-1).astype(np.int32)
+    num = (state != 0).sum(axis=-1).astype(np.int32)
+    return BlockMask(mask_mod, args, (Q_LEN, KV_LEN), qb, kb, num, xp.ascontiguousarray(order), state)

@@ -1,0 +1,48 @@
+"""A mask_mod's block classification, on the device: which (query block, key block) pairs are empty, partial or
+full, so that the kernels skip the empty ones and run the full ones without evaluating the mask.
+
+One block of threads per (query block, key block, batch x head): each thread evaluates the user's mask_mod at its
+share of the block's entries within the sequences, and ``syncthreads_or`` / ``syncthreads_and`` combine whether
+any and whether all are visible (:func:`flashnumba.reference.flex_block_mask` is the same in NumPy).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .._backend import cuda
+from .common import make_user_mods
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+THREADS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def make_classify(mods, QB, KB):
+    """classify(state, seqlen_q, seqlen_k, a0, a1, a2, a3): state (batch, nheads, ceil(seqlen_q / QB),
+    ceil(seqlen_k / KB)) int8 set to EMPTY, PARTIAL or FULL for ``mods``' mask_mod. Launch: grid (query blocks,
+    key blocks, batch * nheads), block (THREADS,)."""
+    _, user_mask = make_user_mods(mods)
+
+    @cuda.jit
+    def classify(state, seqlen_q, seqlen_k, a0, a1, a2, a3):
+        qb = cuda.blockIdx.x
+        kb = cuda.blockIdx.y
+        b = cuda.blockIdx.z // state.shape[1]
+        h = cuda.blockIdx.z % state.shape[1]
+        seen = 0  # any entry visible
+        every = 1  # every entry within the sequences visible
+        for e in range(cuda.threadIdx.x, QB * KB, THREADS):
+            i = qb * QB + e // KB
+            j = kb * KB + e % KB
+            if i < seqlen_q and j < seqlen_k:
+                if user_mask(b, h, i, j, a0, a1, a2, a3):
+                    seen = 1
+                else:
+                    every = 0
+        seen = cuda.syncthreads_or(seen)
+        every = cuda.syncthreads_and(every)
+        if cuda.threadIdx.x == 0:
+            state[b, h, qb, kb] = FULL if seen and every else PARTIAL if seen else EMPTY
+
+    return classify
