@@ -168,7 +168,8 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
                 continue
             key = f"{dtype} D={D} {name}"
             T = tiling.plain_rows_per_warp(tiling.default("tc", D, DEV).tiles, variant)
-            sig = f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS}, {resources._MODS})"
+            sig = (f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS}, {resources._MODS}, "
+                   f"{resources._BLOCK_MASK})")
             gqa = name == "every option"
             make = forward_tc.make_forward_tc(D, variant, T.block_n, T.num_threads // 32, dtype=dtype, gqa=gqa,
                                               wm=T.block_m // (T.num_threads // 2))
