@@ -8,16 +8,17 @@ the masking and lse are v1's, done on the accumulator fragments in registers. he
 multiple of 16 in shared memory: :func:`flashnumba.kernels.mma_tiles.padded`), with every option of the SIMT
 kernels (GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked for, as there.
 
-Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 W;
-block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest causal rows first).
-Warp w owns query rows 16w .. 16w + 15 of the tile Q_i; lane l of it, with g = l >> 2 and t = l & 3 (the PTX
-ISA's groupID and threadID_in_group), owns rows g and g + 8 of those 16, and of every (16 x 8) accumulator tile
-the columns 2t and 2t + 1 (the C layout drawn in ``ptx.MMA_DOC``).
+Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 WM W
+(WM = 1 or 2 blocks of 16 rows a warp); block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest
+causal rows first). Warp w owns query rows 16 WM w .. 16 WM (w + 1) - 1 of the tile Q_i, as WM blocks of 16; lane
+l of it, with g = l >> 2 and t = l & 3 (the PTX ISA's groupID and threadID_in_group), owns rows g and g + 8 of
+each block, and of every (16 x 8) accumulator tile the columns 2t and 2t + 1 (the C layout drawn in
+``ptx.MMA_DOC``).
 
 Per key tile K_j, V_j (B_c rows), FlashAttention-2 Algorithm 1, lines 8-11, in base 2::
 
     S_ij  = scale * log2(e) * Q_i K_j^T           masked entries (j >= seqlen_k, causal) are -inf
-    m_new = max(m_i, rowmax(S_ij))
+    m_new = max(m_i, rowmax(S_ij))                (of the raw Q_i K_j^T, times the scale, where scale > 0)
     P_ij  = exp2(S_ij - m_new)
     l_i   = exp2(m_i - m_new) * l_i + rowsum(P_ij)
     O_i   = exp2(m_i - m_new) * O_i + P_ij V_j      (P_ij rounded to the input's 16-bit type)

@@ -1,7 +1,8 @@
 """One warp's tile operations on tensor cores: the building blocks of FlashAttention-2's matrix products.
 
-Every tensor-core kernel (:mod:`.mma_forward`, :mod:`.mma_backward`, :mod:`.mma_tf32`) gives each warp 16 rows
-(:data:`WARP_ROWS`, the M of ``mma.sync.m16n8k16``) and works with these, built on the intrinsics of :mod:`.ptx`:
+Every tensor-core kernel (:mod:`.mma_forward`, :mod:`.mma_backward`, :mod:`.mma_tf32`) gives each warp blocks of
+16 rows (:data:`WARP_ROWS`, the M of ``mma.sync.m16n8k16``) and works with these, built on the intrinsics of
+:mod:`.ptx`:
 
 * :func:`make_load_rows`, :func:`make_load_pair`: rows of a (batch, seqlen, nheads, D) array into shared
   memory with ``cp.async``, 16 bytes a copy, zeros past the end of the sequence;
@@ -9,7 +10,9 @@ Every tensor-core kernel (:mod:`.mma_forward`, :mod:`.mma_backward`, :mod:`.mma_
   copies of tile j + 1 with the products on tile j);
 * :func:`make_load_a`: the A fragments of 16 rows (``ldmatrix``);
 * :func:`make_mma_abt`: acc = A X^T (S = Q K^T, dP = dO V^T), :func:`make_mma_ab`: acc += P X (O += P V,
-  dQ += dS K, ...), with :func:`make_mma_into` the one m16n8k16 product behind both.
+  dQ += dS K, ...), with :func:`make_mma_into` the one m16n8k16 product behind both;
+* :func:`make_load_a_rows`, :func:`make_mma_abt_rows`, :func:`make_mma_ab_rows`: the same for a warp of two
+  blocks of 16 rows (the forward's larger tiles), each fragment of K_j or V_j loaded once for both blocks.
 
 A head dim that is a multiple of 8 but not of 16 (24, 40, ...) is padded in shared memory to the next multiple of
 16 (:func:`padded`), the k-step of ``mma.sync.m16n8k16``: the copies fill the columns past the head dim with
