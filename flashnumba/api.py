@@ -30,8 +30,7 @@ import numpy as np
 from . import _arrays, _launch, config, planner as _plan
 from ._validate import (Options, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
                         check_forward_results, check_mods, check_options, check_qkv, check_same_place, check_seed,
-                        check_stream, inspect, kernel_for_precision, mod_args_tuple)
-from ._validate import check_array_arg
+                        check_stream, inspect, kernel_for_precision, mod_args_tuple, check_array_arg)
 
 Array = Any  # a NumPy or CuPy array, a torch CUDA tensor, or any __cuda_array_interface__ object
 MAX_PROBS_ELEMENTS = 2**26  # return_attn_probs materialises (batch, nheads, seqlen_q, seqlen_k): small sizes only

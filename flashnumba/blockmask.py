@@ -51,9 +51,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
                       like=None) -> BlockMask:
     """Classify ``mask_mod(b, h, q_idx, kv_idx, *score_mod_args)`` in blocks of ``BLOCK_SIZE`` (an int, or
     (query rows, key rows)) for B batch entries and H heads (1: the same for all) of Q_LEN queries and KV_LEN keys,
-    evaluating it on the device (one kernel, every entry once). ``like``: an array on the device to use (q), else
-    the device of the arrays in score_mod_args, else CuPy's current one. Pass the result to
-    :func:`flashnumba.flex_attention` (``block_mask=``) with the same mask_mod and score_mod_args.
+    evaluating it on the device (one kernel, every entry once). ``like``: an array on the side to use (q), else
+    that of the first array of score_mod_args (NumPy ones: the result in NumPy), else CuPy's current device. Pass
+    the result to :func:`flashnumba.flex_attention` (``block_mask=``) with the same mask_mod and score_mod_args.
     """
     qb, kb = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, (int, np.integer)) else tuple(BLOCK_SIZE)
     for name, n in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN), ("BLOCK_SIZE", qb), ("BLOCK_SIZE", kb)):
@@ -62,8 +62,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
     if qb % 16 or kb % 16:
         raise ValueError(f"BLOCK_SIZE must be multiples of 16 (the kernels' tiles divide it), got ({qb}, {kb})")
     args = mod_args_tuple(score_mod_args)
-    if like is None:
-        like = next((a for a in args if _arrays.kind(a) != "numpy"), None)
+    if like is None and args:  # the arrays the mask reads say where it lives (NumPy ones: on the host)
+        like = args[0]
     if like is None:
         like = np.zeros((1, 1, 1, 1), np.float32) if SIMULATOR or _arrays.cupy is None else \
             _arrays.cupy.zeros((1, 1, 1, 1), np.float32)
@@ -71,14 +71,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
     mods, targs = check_mods(tq, tq, None, None, mask_mod, args, True)
     nq, nk = -(-Q_LEN // qb), -(-KV_LEN // kb)
     xp = np if SIMULATOR or tq.kind == "numpy" or _arrays.cupy is None else _arrays.cupy
-    if SIMULATOR:
-        state = np.zeros((B, H, nq, nk), np.int8)
-    else:
-        state = xp.zeros((B, H, nq, nk), np.int8)
-    dummy = xp.zeros(1, np.float32)
-    kernel_args = [t.array for t in targs] + [dummy] * (4 - len(targs))
-    if SIMULATOR:
-        kernel_args = [_arrays.to_host(a) for a in kernel_args]
+    state = xp.zeros((B, H, nq, nk), np.int8)
+    kernel_args = [t.array for t in targs] + [xp.zeros(1, np.float32)] * (4 - len(targs))
     make_classify(mods, qb, kb)[(nq, nk, B * H), (THREADS,)](state, Q_LEN, KV_LEN, *kernel_args)
     key = (state == 0).astype(np.int32) * nk + xp.arange(nk, dtype=np.int32)  # non-empty first, each ascending
     order = xp.argsort(key, axis=-1).astype(np.int32)

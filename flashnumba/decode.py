@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _arrays
 from .api import flash_attn_varlen_forward
+from .reference import rotate_pairs
 
 MIN_PAGE_SIZE = 16  # rows per page of a paged cache: at least one tile of the kernels' smallest key tiles
 
@@ -35,7 +36,7 @@ def _xp(x):
 
 def _host_ints(name, x, shape):
     """An integer array argument as host int64, checked for shape (its values are checked by the caller)."""
-    a = np.asarray(x.get() if hasattr(x, "get") else x)
+    a = _arrays.to_host(x) if hasattr(x, "__cuda_array_interface__") else np.asarray(x)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers (int32), got dtype {a.dtype}")
     if a.shape != shape:
@@ -43,20 +44,12 @@ def _host_ints(name, x, shape):
     return a.astype(np.int64)
 
 
-def _rotate(xp, x, cos, sin, pos, interleaved):
-    """x (n, heads, d) rotated at positions ``pos`` (n,) in float32, returned in x's dtype (see
-    :func:`flashnumba.reference.apply_rotary`)."""
-    half = cos.shape[1]
-    y = x.astype(np.float32)
+def _rotate(x, cos, sin, pos, interleaved):
+    """x (n, heads, d) rotated at positions ``pos`` (n,) in float32 (as flash-attn), returned in x's dtype: the
+    reference's rotation (:func:`flashnumba.reference.rotate_pairs`) on x's array module."""
     c = cos[pos].astype(np.float32)[:, None, :]
     s = sin[pos].astype(np.float32)[:, None, :]
-    if interleaved:
-        x1, x2 = y[..., 0:2 * half:2].copy(), y[..., 1:2 * half:2].copy()
-        y[..., 0:2 * half:2], y[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
-    else:
-        x1, x2 = y[..., :half].copy(), y[..., half:2 * half].copy()
-        y[..., :half], y[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
-    return y.astype(x.dtype)
+    return rotate_pairs(x.astype(np.float32), c, s, interleaved).astype(x.dtype)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -164,7 +157,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         pos = (lens[:, None] + np.arange(seqlen_new)[None, :]).reshape(-1)
         knew = k.reshape(batch * seqlen_new, nheads_k, d)
         if rotary:
-            knew = _rotate(xp, knew, cos, sin, xp.asarray(pos), rotary_interleaved)
+            knew = _rotate(knew, cos, sin, xp.asarray(pos), rotary_interleaved)
         r = rows(b_idx, pos)
         k_cache[r] = knew
         v_cache[r] = v.reshape(batch * seqlen_new, nheads_k, d)
@@ -178,7 +171,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary:  # positions L + t when causal or windowed, else L for every row (one token)
         local = causal or tuple(window_size) != (-1, -1)
         qpos = (lens[:, None] + np.arange(seqlen_q)[None, :]).reshape(-1) if local else np.repeat(lens, seqlen_q)
-        qp = _rotate(xp, qp, cos, sin, xp.asarray(qpos), rotary_interleaved)
+        qp = _rotate(qp, cos, sin, xp.asarray(qpos), rotary_interleaved)
     else:
         qp = xp.ascontiguousarray(qp)
     cu_q = (np.arange(batch + 1) * seqlen_q).astype(np.int32)

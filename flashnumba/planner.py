@@ -241,14 +241,12 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
         if kernel not in takes:
             raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels "
                              f"{', '.join(repr(x) for x in takes[1:])} (or None), not {kernel!r}")
-        if pass_ == "forward" and (kernel == "tc" or kernel is None and (
-                tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))):
-            blocker = _mma_blocker(tq, tensors, limits, tiles_given and kernel is None, pass_)
-            if kernel == "tc":
-                _check_family(kernel, tq, opts, limits, pass_)
-                return "tc", "a user's score_mod / mask_mod on the tensor cores: asked for by kernel=", None
-            if blocker is None:
-                return "tc", "a user's score_mod / mask_mod on the tensor cores", None
+        if kernel == "tc":  # (the forward's: the backward's kernel was refused above)
+            _check_family(kernel, tq, opts, limits, pass_)
+            return "tc", "a user's score_mod / mask_mod on the tensor cores: asked for by kernel=", None
+        if (pass_ == "forward" and kernel is None and (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))
+                and _mma_blocker(tq, tensors, limits, tiles_given, pass_) is None):
+            return "tc", "a user's score_mod / mask_mod on the tensor cores", None
         return kernel or simt, "a user's score_mod / mask_mod: the register-tiled SIMT kernels", None
     if kernel is not None:
         if kernel not in families:

@@ -474,17 +474,23 @@ def apply_rotary(x, cos, sin, positions, interleaved=True):
     ``interleaved`` (GPT-J): the pairs are dims (0, 1), (2, 3), ...; otherwise (GPT-NeoX) dims (i, i + rotary_dim
     / 2). Each pair (x1, x2) becomes (x1 cos - x2 sin, x1 sin + x2 cos) with the angle of its position and index:
     the complex product (x1 + i x2) e^{i theta}."""
-    x = np.asarray(x, np.float64).copy()
     c = np.asarray(cos, np.float64)[positions][:, None, :]
     s = np.asarray(sin, np.float64)[positions][:, None, :]
+    return rotate_pairs(np.asarray(x, np.float64).copy(), c, s, interleaved)
+
+
+def rotate_pairs(y, c, s, interleaved):
+    """y (seqlen, nheads, head_dim) rotated in place and returned: each pair (x1, x2) of its first 2 c.shape[-1]
+    dims (interleaved or halves, see :func:`apply_rotary`) becomes (x1 c - x2 s, x1 s + x2 c), c and s (seqlen, 1,
+    rotary_dim / 2) the cosines and sines of each row's angles. NumPy or CuPy arrays, in their own dtype."""
     half = c.shape[-1]
     if interleaved:
-        x1, x2 = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
-        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
+        x1, x2 = y[..., 0:2 * half:2].copy(), y[..., 1:2 * half:2].copy()
+        y[..., 0:2 * half:2], y[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
     else:
-        x1, x2 = x[..., :half].copy(), x[..., half:2 * half].copy()
-        x[..., :half], x[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
-    return x
+        x1, x2 = y[..., :half].copy(), y[..., half:2 * half].copy()
+        y[..., :half], y[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
+    return y
 
 
 def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

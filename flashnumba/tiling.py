@@ -176,7 +176,7 @@ TABLES = {
     ],
     "tc": [
         Candidate(64, Tiles(128, 64, 128), "fastest of the H200 sweep at d = 64: 4 warps of 32 rows, B_c 64 (with "
-                                           "window, softcap, ALiBi or dropout: 8 warps of 16, see WM2_PLAIN_ONLY)"),
+                                           "window, softcap, ALiBi or dropout: 8 warps of 16, plain_rows_per_warp)"),
         Candidate(64, Tiles(128, 32, _tc_threads(128)), "8 warps, B_c 32: fits 64 KB"),
         Candidate(128, Tiles(128, 64, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 64"),
         Candidate(128, Tiles(128, 32, _tc_threads(128)), "B_c 32: fits 99 KB at d = 128 (RTX 30/40, A10, L4)"),

@@ -557,15 +557,25 @@ def _gpu_intrinsics():
 
         return sig, codegen
 
-    @intrinsic
-    def to_tf32(typingctx, x):
-        sig = types.uint32(x)
+    def make_unary(name, text, result):
+        """An intrinsic of one float32 operand and one instruction ``text`` ($0 the result, $1 the operand),
+        returning uint32 (``result`` "r") or float32 ("f")."""
+        ret, ty = (i32, types.uint32) if result == "r" else (f32, types.float32)
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            return asm(builder, i32, [v], "cvt.rna.tf32.f32 $0, $1;", "=r,f", side_effect=False)
+        def unary(typingctx, x):
+            sig = ty(x)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                v = context.cast(builder, args[0], sig.args[0], types.float32)
+                return asm(builder, ret, [v], text, f"={result},f", side_effect=False)
+
+            return sig, codegen
+
+        unary.__name__ = name
+        return intrinsic(unary)
+
+    to_tf32 = make_unary("to_tf32", "cvt.rna.tf32.f32 $0, $1;", "r")
+    exp2_ftz = make_unary("exp2_ftz", "ex2.approx.ftz.f32 $0, $1;", "f")
 
     @intrinsic
     def split_tf32(typingctx, x):
@@ -577,16 +587,6 @@ def _gpu_intrinsics():
             v = context.cast(builder, args[0], sig.args[0], types.float32)
             r = asm(builder, ir.LiteralStructType([i32, i32]), [v], text, "=r,=r,f", side_effect=False)
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, i) for i in range(2)])
-
-        return sig, codegen
-
-    @intrinsic
-    def exp2_ftz(typingctx, x):
-        sig = types.float32(x)
-
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            return asm(builder, f32, [v], "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effect=False)
 
         return sig, codegen
 
