@@ -2,13 +2,14 @@
 
 An inference step appends the new tokens' keys and values to a cache (contiguous per sequence, or in pages
 through a block table), rotates the new keys and the queries (rotary embedding), and attends from the queries to
-everything the cache holds. :func:`flash_attn_with_kvcache` does these steps with array operations and runs the
-attention on the varlen forward kernels (:func:`flashnumba.flash_attn_varlen_forward`), the keys and values of
-each sequence gathered from the cache into one packed array first. The semantics are those of
+everything the cache holds. :func:`flash_attn_with_kvcache` appends and rotates with array operations (on the few
+new rows) and runs the attention on the split-KV kernel (:mod:`flashnumba.kernels.mma_decode`), which reads the
+cache in place: the query heads that share a key/value head together, the keys of each sequence split over
+several blocks, the parts combined exactly by a second kernel. The semantics are those of
 :func:`flashnumba.reference.kvcache_attention`, the float64 NumPy reference the tests compare with.
 
-Still to come: a split-KV (flash-decoding) kernel that reads the cache in place, several blocks per sequence,
-the query heads that share a key/value head together; this version copies the keys and values it attends to.
+float32 caches, GPUs without ``mma.sync`` (compute capability < 8.0) and ``kernel="gather"`` take the other path:
+each sequence's keys and values gathered from the cache into one packed array, then the varlen forward kernels.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays
-from .api import flash_attn_varlen_forward
+from . import _arrays, _launch, planner as _plan, tiling
+from ._backend import SIMULATOR
+from ._validate import check_options, inspect
+from .api import _cached, _key, flash_attn_varlen_forward
 from .reference import rotate_pairs
 
 MIN_PAGE_SIZE = 16  # rows per page of a paged cache: at least one tile of the kernels' smallest key tiles
@@ -55,7 +58,7 @@ def _rotate(x, cos, sin, pos, interleaved):
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False) -> Any:
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, kernel=None) -> Any:
     """Attention of q against a KV cache, with flash-attn 2.8's arguments and semantics.
 
     q (batch, seqlen_q, nheads, head_dim); k_cache, v_cache (batch_cache, seqlen_cache, nheads_k, head_dim), or
@@ -67,9 +70,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     positions cache_seqlens + t when causal or windowed, else all at cache_seqlens), ``rotary_interleaved``
     (GPT-J pairs) or not (GPT-NeoX halves). ``cache_batch_idx`` (batch,): the cache entry of each sequence (not
     with a block table). causal (bottom-right aligned), window_size, softcap, alibi_slopes, softmax_scale as
-    :func:`flashnumba.flash_attn_forward`. ``num_splits`` is accepted for compatibility (0 or a positive int) and
-    has no effect yet. Returns out like q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q)
-    float32.
+    :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut into (0: chosen
+    from the GPU's SM count and the work, :func:`flashnumba.planner.decode_splits`; 1: none). Returns out like
+    q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32.
+
+    ``kernel`` (flashnumba's own): None, "splitkv" (float16 / bfloat16, head_dim a multiple of 8 up to 256, a
+    GPU of compute capability >= 8.0; the caches C-contiguous) or "gather" (any dtype: the keys each sequence
+    attends to copied into a packed array for the varlen forward). None takes "splitkv" where it applies.
 
     The integer arguments are read on the host and checked: positions beyond the cache, pages outside the pool,
     new keys that would not fit, rotary tables too short raise ValueError before anything is written.
@@ -161,22 +168,46 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         r = rows(b_idx, pos)
         k_cache[r] = knew
         v_cache[r] = v.reshape(batch * seqlen_new, nheads_k, d)
-    # 2. the keys and values each sequence attends to, packed; q rotated
+    # 2. q rotated (positions L + t when causal or windowed, else L for every row: one token)
     seqlen_k = lens + seqlen_new
+    qp = q
+    if rotary:
+        local = causal or tuple(window_size) != (-1, -1)
+        qpos = (lens[:, None] + np.arange(seqlen_q)[None, :]).reshape(-1) if local else np.repeat(lens, seqlen_q)
+        qp = _rotate(q.reshape(batch * seqlen_q, nheads, d), cos, sin, xp.asarray(qpos),
+                     rotary_interleaved).reshape(q.shape)
+    qp = xp.ascontiguousarray(qp)
+    if _use_splitkv(kernel, q, k_cache, v_cache):
+        # 3. attention on the split-KV kernel, reading the cache in place
+        tq, tk, tv = inspect("q", qp, 4), inspect("k_cache", k_cache, 4), inspect("v_cache", v_cache, 4)
+        opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
+        i32 = np.int32
+        seqlens = xp.asarray(seqlen_k.astype(i32))
+        bidx = None if paged else xp.asarray(cbi.astype(i32))
+        table = None
+        if paged:
+            table = block_table if (_arrays.kind(block_table) == _arrays.kind(q) and block_table.dtype == i32 and
+                                    block_table.flags.c_contiguous) else xp.asarray(bt.astype(i32))
+        arrays = (qp, k_cache, v_cache, seqlens, bidx, table, None if opts.alibi is None else alibi_slopes)
+        key = _key("decode", arrays, (opts, num_splits, int(seqlen_k.max(initial=0))))
+
+        def build():
+            t = [None if x is None else inspect(n, x, x.ndim) for n, x in
+                 zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
+            p = _plan.decode_plan(tq, tk, tv, opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
+                                  max_seqlen_k=int(seqlen_k.max(initial=0)), num_splits=int(num_splits))
+            return _launch.Call(p)
+
+        out, lse = _cached(key, build).run(arrays)
+        return (out, lse) if return_softmax_lse else out
+    # 3. the keys and values each sequence attends to, packed, on the varlen forward kernels
     b_idx = np.repeat(np.arange(batch), seqlen_k)
     pos = np.concatenate([np.arange(n) for n in seqlen_k]) if batch else np.zeros(0, np.int64)
     r = rows(b_idx, pos)
     kp, vp = k_cache[r], v_cache[r]
-    qp = q.reshape(batch * seqlen_q, nheads, d)
-    if rotary:  # positions L + t when causal or windowed, else L for every row (one token)
-        local = causal or tuple(window_size) != (-1, -1)
-        qpos = (lens[:, None] + np.arange(seqlen_q)[None, :]).reshape(-1) if local else np.repeat(lens, seqlen_q)
-        qp = _rotate(qp, cos, sin, xp.asarray(qpos), rotary_interleaved)
-    else:
-        qp = xp.ascontiguousarray(qp)
+    qp = qp.reshape(batch * seqlen_q, nheads, d)
     cu_q = (np.arange(batch + 1) * seqlen_q).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(seqlen_k)]).astype(np.int32)
-    # 3. attention on the varlen kernels
     out, lse = flash_attn_varlen_forward(qp, kp, vp, xp.asarray(cu_q), xp.asarray(cu_k), seqlen_q,
                                          int(seqlen_k.max(initial=0)), softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
@@ -185,3 +216,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return out, lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2)
     return out
 
+
+def _use_splitkv(kernel, q, k_cache, v_cache) -> bool:
+    """Whether the call runs on the split-KV kernel (see :func:`flash_attn_with_kvcache`'s ``kernel``)."""
+    if kernel not in (None, "splitkv", "gather"):
+        raise ValueError(f"kernel must be None, 'splitkv' or 'gather', got {kernel!r}")
+    if kernel == "gather":
+        return False
+    blocker = None
+    sixteen = q.dtype == np.float16 or _arrays.is_bfloat16(q.dtype)
+    if not sixteen:
+        blocker = f"it takes float16 or bfloat16, not {q.dtype}"
+    elif q.shape[-1] not in tiling.MMA_HEAD_DIMS:
+        blocker = f"it is built for head_dim a multiple of 8 up to 256, not {q.shape[-1]}"
+    elif not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        blocker = "it reads C-contiguous caches (k_cache, v_cache)"
+    elif not SIMULATOR and tuple(_plan.current_device().cc) < tiling.MMA_MIN_CC:
+        blocker = "it needs compute capability 8.0 or newer (mma.sync, cp.async)"
+    if blocker and kernel == "splitkv":
+        raise ValueError(f"kernel='splitkv' does not apply: {blocker}")
+    return blocker is None

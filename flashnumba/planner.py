@@ -35,7 +35,7 @@ import numpy as np
 from . import _arrays, _validate, config, tiling
 from ._backend import SIMULATOR, cuda
 from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel, is_c_layout
-from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward
+from .kernels import mma_backward, mma_decode, mma_forward, mma_tf32, simt_backward, simt_forward
 from .kernels.common import MOD_ARGS
 from .kernels.simt_forward import LOG2E
 
@@ -435,6 +435,98 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     empty = bsz * nheads * max_q == 0 or total_q == 0
     return Plan("forward", family, _dtype_name(dt), D, opts.describe(), limits, why, fallback,
                 () if empty else (launch,), arrays, scalars, tuple(inputs), (out_spec, lse_spec), tq.kind)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decoding against a KV cache (split-KV)
+# ---------------------------------------------------------------------------------------------------------------
+
+DECODE_WARPS = 4  # warps of a decoding block, each KW keys of every tile
+DECODE_KW = 16  # keys a warp takes of each tile: a tile of 64 keys, two buffers of 69 KB at head_dim 128
+MAX_SPLITS = 128
+
+
+def decode_splits(blocks: int, n_tiles: int, limits: tiling.DeviceLimits, per_sm: int) -> int:
+    """``num_splits=0``: how many parts to cut each sequence's keys into. ``blocks`` blocks without a split, each
+    reading ``n_tiles`` tiles, on ``limits.sm_count`` SMs of ``per_sm`` resident blocks each: the fewest splits
+    whose last wave of blocks is at least 85% as full as the best count's (a wave is one block on every slot;
+    a part-filled last wave leaves the memory's bandwidth unused while it runs), at most one split per tile."""
+    if n_tiles <= 1 or blocks <= 0:
+        return 1
+    slots = max(1, (limits.sm_count or 108) * per_sm)
+    eff = {}
+    for n in range(1, min(n_tiles, MAX_SPLITS) + 1):
+        waves = blocks * n / slots
+        eff[n] = waves / _cdiv(blocks * n, slots)
+    best = max(eff.values())
+    return min(n for n, e in eff.items() if e >= 0.85 * best)
+
+
+def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen_k, num_splits=0,
+                device=None) -> Plan:
+    """The plan of a decoding call (:func:`flashnumba.flash_attn_with_kvcache` on the split-KV kernel): tq (batch,
+    seqlen_q, nheads, D) the queries (rotated), tk, tv the cache (C-contiguous), seqlens the (batch,) int32 keys
+    per sequence, batch_idx or block_table (int32 Tensors, or None), ``max_seqlen_k`` the largest of seqlens."""
+    limits = resolve_device(device, (tq, tk, tv))
+    batch, seqlen_q, nheads, D = tq.shape
+    nheads_k = tk.shape[2]
+    paged = block_table is not None
+    dt = tq.dtype
+    W, KW = DECODE_WARPS, DECODE_KW
+    smem = mma_decode.shared_bytes(D, W, KW)
+    if smem > limits.max_shared_per_block:
+        W = 2  # (head_dim 256 on 99 KB GPUs)
+        smem = mma_decode.shared_bytes(D, W, KW)
+    per_sm = max(1, min(limits.blocks_per_sm, limits.shared_per_sm // smem, limits.threads_per_sm // (32 * W)))
+    zrows = _cdiv(seqlen_q * (nheads // nheads_k), mma_decode.ROWS)
+    n_tiles = _cdiv(max_seqlen_k, W * KW)
+    splits = num_splits or decode_splits(batch * nheads_k * zrows, n_tiles, limits, per_sm)
+    split = splits > 1
+    inputs, arrays = [], {}
+    for t in (tq, tk, tv):
+        inputs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy"))
+        arrays[t.name] = _kernel_meta(t, False, False)
+    for name, t, shape in (("seqlens_k", seqlens, (batch,)), ("batch_idx", batch_idx, (1,)),
+                           ("block_table", block_table, (1, 1))):
+        if t is None:
+            inputs.append(InputSpec(name, "none", dummy_shape=shape, dummy_dtype="int32"))
+            arrays[name] = array_meta(shape, (4,) * len(shape), np.int32, "A")
+        else:
+            inputs.append(InputSpec(name, t.kind, to_device=t.kind == "numpy"))
+            arrays[name] = _kernel_meta(t, False, False)
+    a = opts.alibi
+    if a is None:
+        inputs.append(InputSpec("alibi", "none", dummy_shape=(1, 1), dummy_dtype="float32"))
+        arrays["alibi"] = array_meta((1, 1), (4, 4), np.float32, "A")
+    else:
+        st = c_strides(a.shape, 4) if a.kind == "numpy" else a.strides
+        inputs.append(InputSpec("alibi", a.kind, to_device=a.kind == "numpy", broadcast=(batch, nheads)))
+        arrays["alibi"] = array_meta((batch, nheads), (0, st[0]) if len(a.shape) == 1 else st, np.float32, "A")
+    out_spec, arrays["out"] = _output("out", tq.shape, dt, False)
+    lse_spec, arrays["lse"] = _output("lse", (batch, nheads, seqlen_q), np.dtype(np.float32), False)
+    f32 = np.dtype(np.float32)
+    part = (splits, batch, seqlen_q, nheads, D) if split else (1, 1, 1, 1, 1)
+    lpart = (splits, batch, nheads, seqlen_q) if split else (1, 1, 1, 1)
+    opart_spec, arrays["o_part"] = _output("o_part", part, f32, False, returned=False)
+    lpart_spec, arrays["lse_part"] = _output("lse_part", lpart, f32, False, returned=False)
+    scalars = _option_scalars(opts)
+    has_left, has_right, softcap, alibi, _, _ = opts.variant
+    dname = _dtype_name(dt)
+    why = (f"the split-KV kernel: the {nheads // nheads_k} query heads of a key/value head as rows of one tile, "
+           f"the keys in {splits} part{'s' if split else ''} (num_splits={num_splits})")
+    launches = [KernelLaunch("decode split-KV", "decode", mma_decode.make_decode_tc,
+                             (D, W, KW, dname, has_left, has_right, softcap, alibi, paged, split),
+                             ("q", "k_cache", "v_cache", "out", "lse", "o_part", "lse_part", "seqlens_k", "batch_idx",
+                              "block_table", "alibi", "scale_q", "softcap", "left", "right"),
+                             (splits, batch * nheads_k, zrows), (32 * W,), smem, None,
+                             f"{W} warps of {KW} keys a tile; {per_sm} blocks an SM by shared memory")]
+    if split:
+        launches.append(KernelLaunch("decode combine", "decode", mma_decode.make_combine, (dname,),
+                                     ("o_part", "lse_part", "out", "lse"), (seqlen_q, batch * nheads),
+                                     (min(256, 32 * _cdiv(D, 32)),), 0, None, "the splits' exact combination"))
+    empty = batch * seqlen_q * nheads == 0
+    return Plan("decode", "splitkv", dname, D, opts.describe(), limits, why, None, () if empty else tuple(launches),
+                arrays, scalars, tuple(inputs), (out_spec, lse_spec, opart_spec, lpart_spec), tq.kind)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -242,6 +242,61 @@ def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, wind
     return out.transpose(0, 2, 1, 3), lse
 
 
+def combine_splits(outs, lses):
+    """Exact attention from attentions over parts of the keys (split-KV decoding's second step), in float64.
+
+    ``outs`` (S, batch, seqlen_q, nheads, d): each part's normalised output O_s; ``lses`` (S, batch, nheads,
+    seqlen_q): its logsumexp L_s (-inf where the part saw no key). The whole is::
+
+        M = max_s L_s,   L = M + log(sum_s exp(L_s - M)),   O = sum_s exp(L_s - L) O_s
+
+    the online softmax's rescaling done once per part instead of once per tile. Returns (out, lse); a row that
+    no part saw gets 0 and -inf.
+    """
+    outs, lses = np.asarray(outs, np.float64), np.asarray(lses, np.float64)
+    m = lses.max(axis=0)
+    seen = np.isfinite(m)
+    m_use = np.where(seen, m, 0.0)
+    w = np.exp(lses - m_use)  # (S, batch, nheads, seqlen_q); 0 for the parts that saw nothing
+    total = w.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(seen, m_use + np.log(np.where(seen, total, 1.0)), -np.inf)
+        weights = np.where(seen, w / np.where(seen, total, 1.0), 0.0)
+    out = np.einsum("sbht,sbthd->bthd", weights, outs)
+    return out, lse
+
+
+def attention_forward_split(q, k, v, *, num_splits=2, **opts):
+    """Attention as split-KV decoding computes it (:mod:`flashnumba.kernels.mma_decode`), in float64: the keys cut
+    into ``num_splits`` contiguous parts, :func:`attention_forward` over each part (keys outside it hidden), then
+    :func:`combine_splits`. The same result as :func:`attention_forward` over all the keys."""
+    seqlen_q, seqlen_k = np.shape(q)[1], np.shape(k)[1]
+    edges = np.linspace(0, seqlen_k, num_splits + 1).astype(int)
+    outs, lses = [], []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        keep = np.zeros((seqlen_q, seqlen_k), bool)
+        keep[:, lo:hi] = True
+        o, lse = _masked_forward(q, k, v, keep, opts)
+        outs.append(o)
+        lses.append(lse)
+    return combine_splits(outs, lses)
+
+
+def _masked_forward(q, k, v, keep, opts):
+    """attention_forward with the keys outside ``keep`` (seqlen_q, seqlen_k) hidden as well."""
+    scale = default_scale(np.shape(q)[-1]) if opts.get("softmax_scale") is None else float(opts["softmax_scale"])
+    Q, K, V = (_heads_first(x, np.float64) for x in (q, k, v))
+    batch, nheads, seqlen_q, _ = Q.shape
+    seqlen_k = K.shape[2]
+    K, V = _expand_kv(K, nheads), _expand_kv(V, nheads)
+    s, _ = _scores(Q, K, np.arange(seqlen_q), np.arange(seqlen_k), seqlen_q, seqlen_k, scale,
+                   opts.get("causal", False), opts.get("window_size", (-1, -1)), opts.get("softcap", 0.0),
+                   _slopes(opts.get("alibi_slopes"), batch, nheads, np.float64))
+    s = np.where(keep, s, -np.inf)
+    p, lse = _softmax(s)
+    return (p @ V).transpose(0, 2, 1, 3), lse
+
+
 @_bfloat16_in_float32
 def attention_backward_blocked(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                                softcap=0.0, alibi_slopes=None, dropout_z=None, block_m=16, block_n=16,

@@ -69,12 +69,13 @@ def _problem(rng, batch, seqlen_q, seqlen_new, nheads_k, groups, d, lens, paged,
     return q, k, v, kc, vc, kw
 
 
-def _check(q, k, v, kc, vc, kw, opts):
+def _check(q, k, v, kc, vc, kw, opts, call=None):
+    """flash_attn_with_kvcache(..., **kw, **opts, **call) against the reference (which takes kw and opts)."""
     truth_o, truth_l, truth_kc, truth_vc = ref.kvcache_attention(q, kc, vc, k, v, **kw, **opts)
     base_o, base_l, _, _ = ref.kvcache_attention(q, kc, vc, k, v, dtype=np.dtype(q.dtype), **kw, **opts)
     before = [None if x is None else x.copy() for x in (q, k, v)]
     kc1, vc1 = kc.copy(), vc.copy()
-    out, lse = flash_attn_with_kvcache(q, kc1, vc1, k, v, return_softmax_lse=True, **kw, **opts)
+    out, lse = flash_attn_with_kvcache(q, kc1, vc1, k, v, return_softmax_lse=True, **kw, **opts, **(call or {}))
     out, lse = to_numpy(out), to_numpy(lse)
     assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     n = max(q.shape[-1], kc.shape[1])
@@ -137,3 +138,102 @@ def test_bad_input_is_refused_before_anything_is_written():
         flash_attn_with_kvcache(q, kc[:, :8], vc[:, :8], k, v, cache_seqlens=np.array([1, 1], np.int32),
                                 block_table=np.zeros((2, 1), np.int32))
     np.testing.assert_array_equal(kc, kc0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the split-KV kernel (float16 / bfloat16): splits, the combine kernel, the reference's blocked version
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=10 if flashnumba.SIMULATOR else 200, deadline=None)
+@given(batch=st.integers(1, 2), seqlen_q=st.integers(1, 4), seqlen_k=st.integers(0, 70), nheads_k=st.integers(1, 2),
+       groups=st.integers(1, 3), splits=st.integers(1, 5), causal=st.booleans(), seed=st.integers(0, 99))
+def test_reference_split_is_attention(batch, seqlen_q, seqlen_k, nheads_k, groups, splits, causal, seed):
+    """The blocked NumPy version of split-KV (parts over the keys, then combine_splits) is attention."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, seqlen_q, nheads_k * groups, 8))
+    k, v = (rng.standard_normal((batch, seqlen_k, nheads_k, 8)) for _ in range(2))
+    o, lse = ref.attention_forward_split(q, k, v, num_splits=splits, causal=causal, window_size=(5, -1))
+    o1, lse1 = ref.attention_forward(q, k, v, causal=causal, window_size=(5, -1))
+    np.testing.assert_allclose(o, o1, atol=1e-12)
+    np.testing.assert_allclose(lse, lse1, atol=1e-12)
+
+
+def _device(x):
+    from flashnumba._backend import cuda
+
+    return x if flashnumba.SIMULATOR else cuda.to_device(x)
+
+
+def _host(x):
+    return x if isinstance(x, np.ndarray) else x.copy_to_host()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_combine_kernel_against_numpy(dtype):
+    """The second kernel of a split call alone: parts with -inf (no key) among them, a row no part saw."""
+    from flashnumba.kernels.mma_decode import make_combine
+    from flashnumba import _arrays
+
+    if dtype == "bfloat16" and _arrays.bfloat16() is None:
+        pytest.skip("ml_dtypes is not installed")
+    rng = np.random.default_rng(3)
+    S, b, sq, h, d = 4, 2, 3, 2, 40
+    o_part = rng.standard_normal((S, b, sq, h, d)).astype(np.float32)
+    lse_part = (3 * rng.standard_normal((S, b, h, sq))).astype(np.float32)
+    lse_part[1, 0, 0, 0] = -np.inf
+    lse_part[:, 1, 1, 2] = -np.inf
+    want_o, want_l = ref.combine_splits(o_part, lse_part)
+    bf = dtype == "bfloat16"
+    out = _device(np.full((b, sq, h, d), 0x7FC0 if bf else np.nan, np.uint16 if bf else dtype))
+    lse = _device(np.full((b, h, sq), np.nan, np.float32))
+    make_combine("bfloat16" if bf else "float16")[(sq, b * h), (64,)](_device(o_part), _device(lse_part), out, lse)
+    got = _host(out)
+    got = got.view(_arrays.bfloat16()).astype(np.float32) if bf else got.astype(np.float32)
+    tol = 2 * np.finfo(np.float16).eps if not bf else 2 ** -7
+    np.testing.assert_allclose(got, want_o, rtol=tol, atol=tol)
+    np.testing.assert_allclose(_host(lse), want_l, rtol=1e-6, atol=1e-5)
+    assert not got[1, 2, 1].any() and np.isneginf(_host(lse)[1, 1, 2])
+
+
+@settings(max_examples=3 if flashnumba.SIMULATOR else 400, deadline=None)
+@given(batch=st.integers(1, 2), seqlen_q=st.sampled_from([1, 1, 2, 6]), seqlen_new=st.sampled_from([0, 1, 3]),
+       nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3, 4, 8]),
+       lens=st.lists(st.sampled_from([0, 1, 15, 64, 100]), min_size=2, max_size=2), paged=st.booleans(),
+       page=st.sampled_from([16, 48]), d=st.sampled_from([16, 24, 64]), num_splits=st.sampled_from([0, 1, 2, 7]),
+       rotary=st.sampled_from([(0, True), (8, False)]), causal=st.booleans(),
+       extra=st.sampled_from([{}, {"window_size": (20, 0)}, {"softcap": 3.0}, {"alibi": True}]),
+       bf16=st.booleans(), seed=st.integers(0, 99))
+def test_drawn_caches_on_the_split_kv_kernel(batch, seqlen_q, seqlen_new, nheads_k, groups, lens, paged, page, d,
+                                             num_splits, rotary, causal, extra, bf16, seed):
+    """float16 / bfloat16 on the split-KV kernel: cache lengths 0 and 1, pages, splits from 1 to more than the
+    tiles, GQA ratios, every option."""
+    from flashnumba import _arrays
+
+    rng = np.random.default_rng(seed)
+    dtype = _arrays.bfloat16() if bf16 and _arrays.bfloat16() is not None else np.float16
+    q, k, v, kc, vc, kw = _problem(rng, batch, seqlen_q, seqlen_new, nheads_k, groups, d, lens[:batch], paged,
+                                   page, dtype, rotary[0])
+    opts = dict(causal=causal, rotary_interleaved=rotary[1])
+    if extra.get("alibi"):
+        opts["alibi_slopes"] = (0.3 / np.arange(1, nheads_k * groups + 1)).astype(np.float32)
+    else:
+        opts.update(extra)
+    _check(q, k, v, kc, vc, kw, opts, dict(num_splits=num_splits, kernel="splitkv"))
+
+
+def test_split_kv_on_cupy_arrays_appends_in_place():
+    """On the GPU with CuPy arrays: the cache updated in place on the device, the result as with NumPy."""
+    cupy = pytest.importorskip("cupy") if not flashnumba.SIMULATOR else pytest.skip("a GPU test")
+    rng = np.random.default_rng(9)
+    q, k, v, kc, vc, kw = _problem(rng, 3, 1, 1, 2, 4, 128, [300, 0, 1000], True, 64, np.float16, 0)
+    truth_o, truth_l, truth_kc, truth_vc = ref.kvcache_attention(q, kc, vc, k, v, **kw)
+    base_o, base_l, _, _ = ref.kvcache_attention(q, kc, vc, k, v, dtype=np.float16, **kw)
+    dkc, dvc = cupy.asarray(kc), cupy.asarray(vc)
+    out, lse = flash_attn_with_kvcache(cupy.asarray(q), dkc, dvc, cupy.asarray(k), cupy.asarray(v),
+                                       return_softmax_lse=True, **{n: cupy.asarray(x) for n, x in kw.items()})
+    assert isinstance(out, cupy.ndarray)
+    assert_close_to_truth("out", cupy.asnumpy(out), truth_o, base_o.astype(np.float16), reduction=1001)
+    assert_close_to_truth("lse", cupy.asnumpy(lse), truth_l, base_l.astype(np.float32), reduction=1001)
+    np.testing.assert_array_equal(cupy.asnumpy(dkc), truth_kc)
+    np.testing.assert_array_equal(cupy.asnumpy(dvc), truth_vc)

@@ -670,7 +670,18 @@ def main(argv=None):
     p.add_argument("--shared-caps", type=int, nargs="+", default=None, metavar="BYTES",
                    help="time the default plans with the shared memory per block capped at each of these sizes "
                         "(flashnumba.tools.caps)")
+    p.add_argument("--decode", action="store_true",
+                   help="decoding against a KV cache: TB/s of K and V read, beside torch's backends "
+                        "(flashnumba.tools.decode)")
+    p.add_argument("--decode-splits", type=int, nargs="+", default=[0],
+                   help="with --decode: the num_splits values to time (0: the plan's choice)")
     a = p.parse_args(argv)
+    if a.decode:
+        from .decode import run as decode_run
+
+        seqlens = a.seqlens if a.seqlens != p.get_default("seqlens") else (8192, 32768)
+        decode_run(a.out, seqlens=seqlens, group_ms=a.group_ms, splits=a.decode_splits)
+        return 0
     if a.shared_caps:
         from .caps import main as caps_main
 

@@ -1,0 +1,350 @@
+"""Decoding on tensor cores: split-KV attention (flash-decoding) against a KV cache read in place.
+
+At decode time each sequence has one query token (or a few) and a long cache of keys and values: the work is
+reading K and V once, and the forward kernel's grid (one block per query tile and query head) has too few blocks
+to read them at the memory's speed, each walking the whole cache alone, and every query head that shares a
+key/value head reading it again. This kernel changes the grid, not the algorithm:
+
+* **the query heads that share a key/value head are rows of one tile.** With G = nheads / nheads_k, the rows of
+  a block are the pairs (t, gh) of query position t and head hk G + gh, row r = t G + gh: for one query token
+  and G = 4, four rows of one (16 x D) block of ``mma.sync``, so each K_j, V_j tile is read once for all G heads;
+* **the key range is split** (the grid's x): split s of S takes tiles s ceil(n / S) .. of the n key tiles the
+  rows can see, so batch x nheads_k x S blocks read the cache at once;
+* **the warps of a block split each tile**: warp w takes keys 16 w .. 16 w + 15 (``KW`` keys) of every tile, each
+  warp keeping its own m, l and O for the block's 16 rows (the rows are too few to give the warps rows).
+
+Every (warp, split) pair is an attention over part of the keys, with its own running max m, sum l and
+unnormalised output O. Partial results combine exactly, by the same algebra as the online softmax
+(:func:`flashnumba.reference.combine_splits` is the blocked NumPy version): with L_s = m_s + log(l_s) the
+logsumexp of part s and O_s = (its unnormalised output) / l_s::
+
+    L   = log(sum_s exp(L_s))              = M + log(sum_s exp(L_s - M)),   M = max_s L_s
+    O   = sum_s exp(L_s - L) O_s
+
+(a part that saw no key has L_s = -inf and weight 0). The warps of a block combine through shared memory at the
+end (in base 2, from their m and l); the splits, through a second kernel (:func:`make_combine`) that reads each
+split's O_s (float32) and L_s. With one split the first kernel writes the output itself.
+
+The cache: k_cache, v_cache (batch_cache, capacity, nheads_k, D) with ``batch_idx`` the cache row of each
+sequence, or, ``paged``, (num_pages, page_size, nheads_k, D) with ``block_table`` (batch, max_pages) the page of
+each page_size keys; ``seqlens_k`` (batch,) the keys of each sequence. Keys are read straight from the cache with
+``cp.async`` (a paged cache: one block-table entry a row), rows past seqlens_k are zeros, and nothing past them is
+read. The rest is the tensor-core forward's (:mod:`.mma_forward`): the fragment layout, the online softmax on the
+accumulators, the double buffer of K_j, V_j tiles, the masks (query row t sees key j iff t + diag - left <= j <=
+t + diag + right, diag = seqlen_k - seqlen_q) and the score modifications (softcap, ALiBi by query head).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from . import bf16, ptx
+from .._backend import cuda
+from .common import LN2, LOG2E, NEG_INF, make_score_mod
+from .mma_tiles import HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_mma_ab, make_mma_abt, padded, tile_landed
+from numba import float32, uint16, uint32
+from numba.cuda.types import float16
+
+ROWS = WARP_ROWS  # rows (query position, head) of a block: one m16 block
+
+
+def shared_bytes(D, warps, KW):
+    """Q's 16 rows and two K_j, V_j buffers of warps x KW rows (16-bit, rows of padded(D) + PAD), or the warps'
+    m, l and O (float32) for the combine at the end, which reuses them: the larger."""
+    LD = padded(D) + PAD
+    return max((ROWS + 4 * warps * KW) * LD * 2, warps * (2 * ROWS + ROWS * padded(D)) * 4)
+
+
+@functools.lru_cache(maxsize=None)
+def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=False, softcap=False, alibi=False,
+                   paged=False, split=False):
+    """The split-KV decoding kernel for head_dim D (a multiple of 8 up to 256), ``warps`` warps of ``KW`` keys each
+    per tile (a multiple of 16), ``dtype`` "float16" or "bfloat16", options compiled in as flagged; ``paged``: the
+    cache in pages (block_table); ``split``: several splits, written to o_part / lse_part for :func:`make_combine`
+    (else to out / lse).
+
+    Arguments: (q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens_k, batch_idx, block_table, alibi,
+    scale_q, softcap, left, right). q (batch, seqlen_q, nheads, D), out like it, lse (batch, nheads, seqlen_q)
+    float32; k_cache, v_cache as in the module docstring, C-contiguous, float16 or uint16 holding bfloat16 bits;
+    o_part (splits, batch, seqlen_q, nheads, D) and lse_part (splits, batch, nheads, seqlen_q) float32 (natural
+    log); seqlens_k, batch_idx (batch,) int32, block_table (batch, max_pages) int32 (dummies where not used); alibi
+    (batch, nheads) float32. scale_q = softmax_scale * log2(e), or softmax_scale with softcap or ALiBi.
+
+    Launch: grid (splits, batch * nheads_k, ceil(seqlen_q * G / 16)), block (32 * warps,), dynamic shared memory
+    :func:`shared_bytes`.
+    """
+    if D not in HEAD_DIMS:
+        raise ValueError(f"the decoding kernel supports head_dim a multiple of 8 up to 256, got {D}")
+    if KW % 16 or KW <= 0 or warps not in (1, 2, 4, 8):
+        raise ValueError(f"KW must be a positive multiple of 16 and warps 1, 2, 4 or 8, got {KW}, {warps}")
+    is_bf16 = dtype == "bfloat16"
+    store = bf16.load_store(is_bf16)[1]
+    elem = uint16 if is_bf16 else float16
+    SCORE_MOD = softcap or alibi
+    score_mod = make_score_mod(softcap, alibi)
+    HAS_LEFT, HAS_RIGHT, PAGED, SPLIT, ALIBI = has_left, has_right, paged, split, alibi
+    DG, D = D, padded(D)
+    LD = D + PAD
+    BC = warps * KW  # keys per tile of the block
+    NT = 32 * warps
+    CH = D // 8  # 16-byte chunks per row
+    NS = KW // 8  # (16 x 8) tiles of S per warp
+    NO = D // 8  # (16 x 8) tiles of O
+    OFF_K = ROWS * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
+    OFF_V = BC * LD
+    BUF = 2 * BC * LD
+    MS = 2 * ROWS + ROWS * D  # float32 per warp in the combine: m, l, O of the 16 rows
+    load_a = make_load_a(D)
+    mma_abt = make_mma_abt(D, KW, dtype)  # S = Q K_w^T, K_w: the warp's KW keys of the tile
+    mma_ab = make_mma_ab(KW, D, dtype)  # O += P V_w
+
+    @cuda.jit(device=True, inline=True)
+    def load_q(smem, q, b, hk, G, ri0, R, tid):
+        """The block's 16 rows of Q (row r: query position (ri0 + r) // G, head hk G + (ri0 + r) % G) into smem
+        rows 0 .. 15; rows past R and columns past DG are zeros."""
+        for e in range(tid, ROWS * CH, NT):
+            r = e // CH
+            c = (e - r * CH) * 8
+            rr = ri0 + r
+            dst = r * LD + c
+            if rr < R and (DG == D or c < DG):
+                t = rr // G
+                h = hk * G + rr - t * G
+                ptx.cp_async_16(smem, dst, q, ((b * q.shape[1] + t) * q.shape[2] + h) * DG + c)
+            else:
+                for x in range(8):
+                    smem[dst + x] = 0
+
+    @cuda.jit(device=True, inline=True)
+    def load_kv(smem, off, k_cache, v_cache, b, bb, hk, j0, seqlen_k, block_table, tid):
+        """Keys j0 .. j0 + BC - 1 of sequence b from the cache (a paged one through block_table) into smem from
+        element ``off`` (K) and off + OFF_V (V); rows at or past seqlen_k are zeros."""
+        P = k_cache.shape[1]
+        HK = k_cache.shape[2]
+        for it in range((BC * CH + NT - 1) // NT):
+            e = tid + it * NT
+            if (BC * CH) % NT == 0 or e < BC * CH:
+                r = e // CH
+                c = (e - r * CH) * 8
+                j = j0 + r
+                dst = off + r * LD + c
+                if j < seqlen_k and (DG == D or c < DG):
+                    if PAGED:
+                        page = block_table[b, j // P]
+                        row = page * P + j % P
+                    else:
+                        row = bb * P + j
+                    src = (row * HK + hk) * DG + c
+                    ptx.cp_async_16(smem, dst, k_cache, src)
+                    ptx.cp_async_16(smem, dst + OFF_V, v_cache, src)
+                else:
+                    for x in range(8):
+                        smem[dst + x] = 0
+                        smem[dst + OFF_V + x] = 0
+
+    @cuda.jit
+    def decode_tc(q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens_k, batch_idx, block_table, alibi,
+                  scale_q, softcap, left, right):
+        HK = k_cache.shape[2]
+        SQ = q.shape[1]
+        G = q.shape[2] // HK
+        R = SQ * G  # rows (query position, head) of this key/value head
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        g = lane >> 2  # rows g and g + 8 of the block
+        t4 = lane & 3  # columns 2 t4, 2 t4 + 1 of each 8-wide tile
+        split = cuda.blockIdx.x
+        b = cuda.blockIdx.y // HK
+        hk = cuda.blockIdx.y % HK
+        ri0 = cuda.blockIdx.z * ROWS
+        seqlen_k = seqlens_k[b]
+        bb = b if PAGED else batch_idx[b]
+        diag = seqlen_k - SQ
+        # this lane's rows: query positions, and (ALiBi) the slopes of their heads
+        pos0 = (ri0 + g) // G
+        pos1 = (ri0 + g + 8) // G
+        slope0 = float32(0.0)
+        slope1 = float32(0.0)
+        if ALIBI:
+            r0 = min(ri0 + g, R - 1)
+            r1 = min(ri0 + g + 8, R - 1)
+            slope0 = alibi[b, hk * G + r0 - (r0 // G) * G]
+            slope1 = alibi[b, hk * G + r1 - (r1 // G) * G]
+
+        # the key tiles the block's rows see (causal / window), and this split's share of them
+        n_start = 0
+        n_end = seqlen_k
+        if HAS_LEFT:
+            n_start = max(0, ri0 // G + diag - left) // BC * BC
+        if HAS_RIGHT:
+            n_end = max(0, min(seqlen_k, (min(ri0 + ROWS, R) - 1) // G + diag + right + 1))
+        n_tiles = max(0, (n_end - n_start + BC - 1) // BC)
+        per = (n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x
+        first = split * per
+        count = max(0, min(n_tiles, first + per) - first)
+
+        smem = cuda.shared.array(0, elem)  # Q | K, V buffer 0 | K, V buffer 1 (dynamic), shared
+        qa = cuda.local.array((D // 16, 4), uint32)  # A fragments of Q's 16 rows
+        s = cuda.local.array((NS, 4), float32)  # S, then P: the warp's (16, KW)
+        o = cuda.local.array((NO, 4), float32)  # O: (16, D)
+        m = cuda.local.array(2, float32)  # rows g, g + 8: running max (base 2), this lane's partial sum
+        l = cuda.local.array(2, float32)
+        m_use = cuda.local.array(2, float32)
+        for x in range(2):
+            m[x] = NEG_INF
+            l[x] = 0.0
+        for n in range(NO):
+            for x in range(4):
+                o[n, x] = 0.0
+
+        load_q(smem, q, b, hk, G, ri0, R, tid)
+        if count > 0:
+            load_kv(smem, OFF_K, k_cache, v_cache, b, bb, hk, n_start + first * BC, seqlen_k, block_table, tid)
+        ptx.cp_async_commit()
+        for it in range(count):
+            j0 = n_start + (first + it) * BC
+            buf = OFF_K + (it & 1) * BUF
+            if it + 1 < count:
+                load_kv(smem, OFF_K + ((it + 1) & 1) * BUF, k_cache, v_cache, b, bb, hk, j0 + BC, seqlen_k,
+                        block_table, tid)
+            tile_landed()
+            if it == 0:
+                load_a(qa, smem, 0, lane)
+            mma_abt(s, qa, smem, buf + warp * KW * LD, lane)
+            jw = j0 + warp * KW  # the warp's first key
+            for n in range(NS):
+                for x in range(4):
+                    pos = pos0 if x < 2 else pos1
+                    j = jw + 8 * n + 2 * t4 + (x & 1)
+                    val = s[n, x] * scale_q
+                    if SCORE_MOD:
+                        val, _ = score_mod(val, softcap, slope0 if x < 2 else slope1, pos, j, diag)
+                        val *= LOG2E
+                    if j >= seqlen_k or (HAS_LEFT and j < pos + diag - left) or (HAS_RIGHT and j > pos + diag + right):
+                        val = NEG_INF
+                    s[n, x] = val
+            # the online softmax of the warp's rows (as the forward): the row max over the quad, then P, l, O
+            mx0 = NEG_INF
+            mx1 = NEG_INF
+            for n in range(NS):
+                mx0 = max(mx0, max(s[n, 0], s[n, 1]))
+                mx1 = max(mx1, max(s[n, 2], s[n, 3]))
+            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
+            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
+            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
+            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
+            a0 = float32(1.0)
+            a1 = float32(1.0)
+            for x in range(2):
+                mx = max(m[x], mx0 if x == 0 else mx1)
+                m_use[x] = mx if mx != NEG_INF else float32(0.0)
+                alpha = ptx.exp2_ftz(m[x] - m_use[x])
+                if x == 0:
+                    a0 = alpha
+                else:
+                    a1 = alpha
+                m[x] = mx
+            ps0 = float32(0.0)
+            ps1 = float32(0.0)
+            for n in range(NS):
+                for x in range(4):
+                    p = ptx.exp2_ftz(s[n, x] - m_use[x >> 1])
+                    if x < 2:
+                        ps0 += p
+                    else:
+                        ps1 += p
+                    s[n, x] = p
+            l[0] = a0 * l[0] + ps0
+            l[1] = a1 * l[1] + ps1
+            for n in range(NO):
+                o[n, 0] *= a0
+                o[n, 1] *= a0
+                o[n, 2] *= a1
+                o[n, 3] *= a1
+            mma_ab(o, s, smem, buf + OFF_V + warp * KW * LD, lane)
+            cuda.syncthreads()  # every warp is done with this buffer before the next iteration copies into it
+        ptx.cp_async_wait_all()
+        for x in range(2):
+            l[x] += ptx.shfl_xor_f32(l[x], 1)
+            l[x] += ptx.shfl_xor_f32(l[x], 2)
+
+        # the warps' partial results combined (module docstring), through the shared memory the tiles used
+        cuda.syncthreads()
+        red = cuda.shared.array(0, float32)
+        base = warp * MS
+        if t4 == 0:
+            red[base + g] = m[0]
+            red[base + g + 8] = m[1]
+            red[base + ROWS + g] = l[0]
+            red[base + ROWS + g + 8] = l[1]
+        for n in range(NO):
+            red[base + 2 * ROWS + g * D + 8 * n + 2 * t4] = o[n, 0]
+            red[base + 2 * ROWS + g * D + 8 * n + 2 * t4 + 1] = o[n, 1]
+            red[base + 2 * ROWS + (g + 8) * D + 8 * n + 2 * t4] = o[n, 2]
+            red[base + 2 * ROWS + (g + 8) * D + 8 * n + 2 * t4 + 1] = o[n, 3]
+        cuda.syncthreads()
+        for e in range(tid, ROWS * DG, NT):
+            r = e // DG
+            c = e - r * DG
+            rr = ri0 + r
+            if rr < R:
+                mm = NEG_INF
+                for w in range(warps):
+                    mm = max(mm, red[w * MS + r])
+                ll = float32(0.0)
+                acc = float32(0.0)
+                if mm != NEG_INF:
+                    for w in range(warps):
+                        f = ptx.exp2_ftz(red[w * MS + r] - mm)
+                        ll += red[w * MS + ROWS + r] * f
+                        acc += red[w * MS + 2 * ROWS + r * D + c] * f
+                t = rr // G
+                h = hk * G + rr - t * G
+                val = acc / ll if ll != 0 else float32(0.0)
+                lval = float32(mm * LN2 + math.log(ll)) if ll != 0 else NEG_INF
+                if SPLIT:
+                    o_part[split, b, t, h, c] = val
+                    if c == 0:
+                        lse_part[split, b, h, t] = lval
+                else:
+                    out[b, t, h, c] = store(val)
+                    if c == 0:
+                        lse[b, h, t] = lval
+
+    return decode_tc
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine(dtype="float16"):
+    """The second kernel of a split call: out and lse from the splits' o_part and lse_part (module docstring).
+
+    Arguments: (o_part, lse_part, out, lse) as :func:`make_decode_tc`'s. Launch: grid (seqlen_q, batch * nheads),
+    block (32 * ceil(D / 32),) at most 256 threads, each thread some columns of the row."""
+    store = bf16.load_store(dtype == "bfloat16")[1]
+
+    @cuda.jit
+    def combine(o_part, lse_part, out, lse):
+        t = cuda.blockIdx.x
+        H = out.shape[2]
+        b = cuda.blockIdx.y // H
+        h = cuda.blockIdx.y % H
+        S = o_part.shape[0]
+        mm = NEG_INF
+        for sp in range(S):
+            mm = max(mm, lse_part[sp, b, h, t])
+        ll = float32(0.0)
+        if mm != NEG_INF:
+            for sp in range(S):
+                ll += math.exp(lse_part[sp, b, h, t] - mm)
+        for c in range(cuda.threadIdx.x, out.shape[3], cuda.blockDim.x):
+            acc = float32(0.0)
+            if mm != NEG_INF:
+                for sp in range(S):
+                    acc += math.exp(lse_part[sp, b, h, t] - mm) * o_part[sp, b, t, h, c]
+            out[b, t, h, c] = store(acc / ll if ll != 0 else float32(0.0))
+        if cuda.threadIdx.x == 0:
+            lse[b, h, t] = float32(mm + math.log(ll)) if ll != 0 else NEG_INF
+
+    return combine
