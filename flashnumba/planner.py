@@ -444,6 +444,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
 DECODE_WARPS = 4  # warps of a decoding block, each KW keys of every tile
 DECODE_KW = 16  # keys a warp takes of each tile: a tile of 64 keys, two buffers of 69 KB at head_dim 128
 MAX_SPLITS = 128
+DECODE_REGISTERS = 255  # registers a thread of the decoding kernel is taken to hold (it uses nearly all it may)
 
 
 def decode_splits(blocks: int, n_tiles: int, limits: tiling.DeviceLimits, per_sm: int) -> int:
@@ -477,7 +478,8 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     if smem > limits.max_shared_per_block:
         W = 2  # (head_dim 256 on 99 KB GPUs)
         smem = mma_decode.shared_bytes(D, W, KW)
-    per_sm = max(1, min(limits.blocks_per_sm, limits.shared_per_sm // smem, limits.threads_per_sm // (32 * W)))
+    per_sm = max(1, min(limits.blocks_per_sm, limits.shared_per_sm // smem, limits.threads_per_sm // (32 * W),
+                        limits.registers_per_sm // (DECODE_REGISTERS * 32 * W)))
     zrows = _cdiv(seqlen_q * (nheads // nheads_k), mma_decode.ROWS)
     n_tiles = _cdiv(max_seqlen_k, W * KW)
     splits = num_splits or decode_splits(batch * nheads_k * zrows, n_tiles, limits, per_sm)

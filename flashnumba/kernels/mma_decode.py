@@ -28,10 +28,12 @@ split's O_s (float32) and L_s. With one split the first kernel writes the output
 The cache: k_cache, v_cache (batch_cache, capacity, nheads_k, D) with ``batch_idx`` the cache row of each
 sequence, or, ``paged``, (num_pages, page_size, nheads_k, D) with ``block_table`` (batch, max_pages) the page of
 each page_size keys; ``seqlens_k`` (batch,) the keys of each sequence. Keys are read straight from the cache with
-``cp.async`` (a paged cache: one block-table entry a row), rows past seqlens_k are zeros, and nothing past them is
-read. The rest is the tensor-core forward's (:mod:`.mma_forward`): the fragment layout, the online softmax on the
-accumulators, the double buffer of K_j, V_j tiles, the masks (query row t sees key j iff t + diag - left <= j <=
-t + diag + right, diag = seqlen_k - seqlen_q) and the score modifications (softcap, ALiBi by query head).
+``cp.async`` (a paged cache: one block-table entry a tile where a page holds whole tiles, else one a row), rows
+past seqlens_k are zeros, and nothing past them is read. The rest is the tensor-core forward's
+(:mod:`.mma_forward`): the fragment layout, the online softmax on the accumulators, the cp.async pipeline of K_j,
+V_j tiles (here :data:`STAGES` buffers: two tiles in flight, the cache's reads being what bounds the kernel), the
+masks (query row t sees key j iff t + diag - left <= j <= t + diag + right, diag = seqlen_k - seqlen_q) and the
+score modifications (softcap, ALiBi by query head).
 """
 
 from __future__ import annotations
@@ -42,18 +44,19 @@ import math
 from . import bf16, ptx
 from .._backend import cuda
 from .common import LN2, LOG2E, NEG_INF, make_score_mod
-from .mma_tiles import HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_mma_ab, make_mma_abt, padded, tile_landed
+from .mma_tiles import HEAD_DIMS, PAD, WARP_ROWS, make_mma_ab_rows, make_mma_abt_rows, padded
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16
 
 ROWS = WARP_ROWS  # rows (query position, head) of a block: one m16 block
+STAGES = 3  # K_j, V_j buffers: two tiles in flight while the warps compute on a third
 
 
 def shared_bytes(D, warps, KW):
-    """Q's 16 rows and two K_j, V_j buffers of warps x KW rows (16-bit, rows of padded(D) + PAD), or the warps'
-    m, l and O (float32) for the combine at the end, which reuses them: the larger."""
+    """Q's 16 rows and STAGES K_j, V_j buffers of warps x KW rows (16-bit, rows of padded(D) + PAD), or the warps'
+    m, l and O (float32) for the combine at the end, which reuses them: the larger; then 16 ALiBi slopes."""
     LD = padded(D) + PAD
-    return max((ROWS + 4 * warps * KW) * LD * 2, warps * (2 * ROWS + ROWS * padded(D)) * 4)
+    return max((ROWS + 2 * STAGES * warps * KW) * LD * 2, warps * (2 * ROWS + ROWS * padded(D)) * 4) + 4 * ROWS
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,13 +94,17 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
     CH = D // 8  # 16-byte chunks per row
     NS = KW // 8  # (16 x 8) tiles of S per warp
     NO = D // 8  # (16 x 8) tiles of O
-    OFF_K = ROWS * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
+    OFF_K = ROWS * LD  # K buffer 0; buffer s lies s BUF further on; V_j lies OFF_V after its K_j
     OFF_V = BC * LD
     BUF = 2 * BC * LD
+    WAIT = STAGES - 1  # copy groups left in flight when a tile is used
     MS = 2 * ROWS + ROWS * D  # float32 per warp in the combine: m, l, O of the 16 rows
-    load_a = make_load_a(D)
-    mma_abt = make_mma_abt(D, KW, dtype)  # S = Q K_w^T, K_w: the warp's KW keys of the tile
-    mma_ab = make_mma_ab(KW, D, dtype)  # O += P V_w
+    SLOPES = max((ROWS + 2 * STAGES * BC) * LD * 2, warps * MS * 4) // 4  # ALiBi slopes of the 16 rows (float32), past both
+    # S = Q K_w^T (K_w: the warp's KW keys of the tile), Q's A fragments read from shared memory at each k-step:
+    # kept in registers they would leave too few for O at head_dim 128 (the cache's reads, not the products,
+    # bound this kernel)
+    mma_abt = make_mma_abt_rows(D, KW, dtype, 1, True)
+    mma_ab = make_mma_ab_rows(KW, D, dtype, 1)  # O += P V_w
 
     @cuda.jit(device=True, inline=True)
     def load_q(smem, q, b, hk, G, ri0, R, tid):
@@ -119,9 +126,15 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
     @cuda.jit(device=True, inline=True)
     def load_kv(smem, off, k_cache, v_cache, b, bb, hk, j0, seqlen_k, block_table, tid):
         """Keys j0 .. j0 + BC - 1 of sequence b from the cache (a paged one through block_table) into smem from
-        element ``off`` (K) and off + OFF_V (V); rows at or past seqlen_k are zeros."""
+        element ``off`` (K) and off + OFF_V (V); rows at or past seqlen_k are zeros. Pages that hold whole tiles
+        (page size a multiple of BC; tiles start at multiples of BC) cost one block-table read a tile, issued before
+        the copies; smaller pages one a row."""
         P = k_cache.shape[1]
         HK = k_cache.shape[2]
+        whole = not PAGED or P % BC == 0
+        base = bb * P + j0  # the tile's first row in the cache
+        if PAGED and whole and j0 < seqlen_k:
+            base = block_table[b, j0 // P] * P + j0 % P
         for it in range((BC * CH + NT - 1) // NT):
             e = tid + it * NT
             if (BC * CH) % NT == 0 or e < BC * CH:
@@ -130,11 +143,9 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
                 j = j0 + r
                 dst = off + r * LD + c
                 if j < seqlen_k and (DG == D or c < DG):
-                    if PAGED:
-                        page = block_table[b, j // P]
-                        row = page * P + j % P
-                    else:
-                        row = bb * P + j
+                    row = base + r
+                    if not whole:
+                        row = block_table[b, j // P] * P + j % P
                     src = (row * HK + hk) * DG + c
                     ptx.cp_async_16(smem, dst, k_cache, src)
                     ptx.cp_async_16(smem, dst + OFF_V, v_cache, src)
@@ -162,16 +173,14 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
         seqlen_k = seqlens_k[b]
         bb = b if PAGED else batch_idx[b]
         diag = seqlen_k - SQ
-        # this lane's rows: query positions, and (ALiBi) the slopes of their heads
+        # this lane's rows' query positions; (ALiBi) the slopes of the rows' heads, in shared memory (registers
+        # are short at head_dim 128)
         pos0 = (ri0 + g) // G
         pos1 = (ri0 + g + 8) // G
-        slope0 = float32(0.0)
-        slope1 = float32(0.0)
-        if ALIBI:
-            r0 = min(ri0 + g, R - 1)
-            r1 = min(ri0 + g + 8, R - 1)
-            slope0 = alibi[b, hk * G + r0 - (r0 // G) * G]
-            slope1 = alibi[b, hk * G + r1 - (r1 // G) * G]
+        red = cuda.shared.array(0, float32)  # the same memory as float32: slopes, and the warps' combine
+        if ALIBI and tid < ROWS:
+            rs = min(ri0 + tid, R - 1)
+            red[SLOPES + tid] = alibi[b, hk * G + rs - (rs // G) * G]
 
         # the key tiles the block's rows see (causal / window), and this split's share of them
         n_start = 0
@@ -186,9 +195,10 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
         count = max(0, min(n_tiles, first + per) - first)
 
         smem = cuda.shared.array(0, elem)  # Q | K, V buffer 0 | K, V buffer 1 (dynamic), shared
-        qa = cuda.local.array((D // 16, 4), uint32)  # A fragments of Q's 16 rows
-        s = cuda.local.array((NS, 4), float32)  # S, then P: the warp's (16, KW)
-        o = cuda.local.array((NO, 4), float32)  # O: (16, D)
+        qa = cuda.local.array((1, 1, 4), uint32)  # A fragments of Q's 16 rows, one k-step at a time
+        s = cuda.local.array((1, NS, 4), float32)  # S, then P: the warp's (16, KW)
+        pa = cuda.local.array((1, 4), uint32)  # P's A fragments of one k-step of O += P V
+        o = cuda.local.array((1, NO, 4), float32)  # O: (16, D)
         m = cuda.local.array(2, float32)  # rows g, g + 8: running max (base 2), this lane's partial sum
         l = cuda.local.array(2, float32)
         m_use = cuda.local.array(2, float32)
@@ -197,40 +207,46 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
             l[x] = 0.0
         for n in range(NO):
             for x in range(4):
-                o[n, x] = 0.0
+                o[0, n, x] = 0.0
 
+        # Prologue: Q and tile 0 in flight as one commit group, tile 1 as the next (an empty group if none)
         load_q(smem, q, b, hk, G, ri0, R, tid)
-        if count > 0:
-            load_kv(smem, OFF_K, k_cache, v_cache, b, bb, hk, n_start + first * BC, seqlen_k, block_table, tid)
-        ptx.cp_async_commit()
+        for st in range(STAGES - 1):
+            if st < count:
+                load_kv(smem, OFF_K + st * BUF, k_cache, v_cache, b, bb, hk, n_start + (first + st) * BC, seqlen_k,
+                        block_table, tid)
+            ptx.cp_async_commit()
         for it in range(count):
             j0 = n_start + (first + it) * BC
-            buf = OFF_K + (it & 1) * BUF
-            if it + 1 < count:
-                load_kv(smem, OFF_K + ((it + 1) & 1) * BUF, k_cache, v_cache, b, bb, hk, j0 + BC, seqlen_k,
-                        block_table, tid)
-            tile_landed()
-            if it == 0:
-                load_a(qa, smem, 0, lane)
-            mma_abt(s, qa, smem, buf + warp * KW * LD, lane)
+            buf = OFF_K + (it % STAGES) * BUF
+            # tile it + 2 into the buffer tile it - 1 used (freed by the barrier that ended iteration it - 1), its
+            # own group; then wait until all groups but the two newest landed (tile it), and a barrier
+            if it + STAGES - 1 < count:
+                load_kv(smem, OFF_K + ((it + STAGES - 1) % STAGES) * BUF, k_cache, v_cache, b, bb, hk,
+                        j0 + (STAGES - 1) * BC, seqlen_k, block_table, tid)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait(WAIT)
+            cuda.syncthreads()
+            mma_abt(s, qa, smem, 0, buf + warp * KW * LD, lane)
             jw = j0 + warp * KW  # the warp's first key
             for n in range(NS):
                 for x in range(4):
                     pos = pos0 if x < 2 else pos1
                     j = jw + 8 * n + 2 * t4 + (x & 1)
-                    val = s[n, x] * scale_q
+                    val = s[0, n, x] * scale_q
                     if SCORE_MOD:
-                        val, _ = score_mod(val, softcap, slope0 if x < 2 else slope1, pos, j, diag)
+                        val, _ = score_mod(val, softcap, red[SLOPES + g + 8 * (x >> 1)] if ALIBI else float32(0.0),
+                                           pos, j, diag)
                         val *= LOG2E
                     if j >= seqlen_k or (HAS_LEFT and j < pos + diag - left) or (HAS_RIGHT and j > pos + diag + right):
                         val = NEG_INF
-                    s[n, x] = val
+                    s[0, n, x] = val
             # the online softmax of the warp's rows (as the forward): the row max over the quad, then P, l, O
             mx0 = NEG_INF
             mx1 = NEG_INF
             for n in range(NS):
-                mx0 = max(mx0, max(s[n, 0], s[n, 1]))
-                mx1 = max(mx1, max(s[n, 2], s[n, 3]))
+                mx0 = max(mx0, max(s[0, n, 0], s[0, n, 1]))
+                mx1 = max(mx1, max(s[0, n, 2], s[0, n, 3]))
             mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
             mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
             mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
@@ -250,20 +266,20 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
             ps1 = float32(0.0)
             for n in range(NS):
                 for x in range(4):
-                    p = ptx.exp2_ftz(s[n, x] - m_use[x >> 1])
+                    p = ptx.exp2_ftz(s[0, n, x] - m_use[x >> 1])
                     if x < 2:
                         ps0 += p
                     else:
                         ps1 += p
-                    s[n, x] = p
+                    s[0, n, x] = p
             l[0] = a0 * l[0] + ps0
             l[1] = a1 * l[1] + ps1
             for n in range(NO):
-                o[n, 0] *= a0
-                o[n, 1] *= a0
-                o[n, 2] *= a1
-                o[n, 3] *= a1
-            mma_ab(o, s, smem, buf + OFF_V + warp * KW * LD, lane)
+                o[0, n, 0] *= a0
+                o[0, n, 1] *= a0
+                o[0, n, 2] *= a1
+                o[0, n, 3] *= a1
+            mma_ab(o, s, pa, smem, buf + OFF_V + warp * KW * LD, lane)
             cuda.syncthreads()  # every warp is done with this buffer before the next iteration copies into it
         ptx.cp_async_wait_all()
         for x in range(2):
@@ -272,7 +288,6 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
 
         # the warps' partial results combined (module docstring), through the shared memory the tiles used
         cuda.syncthreads()
-        red = cuda.shared.array(0, float32)
         base = warp * MS
         if t4 == 0:
             red[base + g] = m[0]
@@ -280,10 +295,10 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
             red[base + ROWS + g] = l[0]
             red[base + ROWS + g + 8] = l[1]
         for n in range(NO):
-            red[base + 2 * ROWS + g * D + 8 * n + 2 * t4] = o[n, 0]
-            red[base + 2 * ROWS + g * D + 8 * n + 2 * t4 + 1] = o[n, 1]
-            red[base + 2 * ROWS + (g + 8) * D + 8 * n + 2 * t4] = o[n, 2]
-            red[base + 2 * ROWS + (g + 8) * D + 8 * n + 2 * t4 + 1] = o[n, 3]
+            red[base + 2 * ROWS + g * D + 8 * n + 2 * t4] = o[0, n, 0]
+            red[base + 2 * ROWS + g * D + 8 * n + 2 * t4 + 1] = o[0, n, 1]
+            red[base + 2 * ROWS + (g + 8) * D + 8 * n + 2 * t4] = o[0, n, 2]
+            red[base + 2 * ROWS + (g + 8) * D + 8 * n + 2 * t4 + 1] = o[0, n, 3]
         cuda.syncthreads()
         for e in range(tid, ROWS * DG, NT):
             r = e // DG

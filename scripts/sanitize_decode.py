@@ -1,0 +1,47 @@
+"""Run the split-KV decoding kernels on awkward caches, for compute-sanitizer (memcheck, racecheck):
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_decode.py
+
+Cache lengths 0, 1 and a page's end, splits from 1 to more than the tiles, paged and contiguous caches, the
+query heads of a key/value head as rows (GQA 4 and 8), seqlen_q > 1 with causal and window masks, head dims 40
+and 256. Each result is compared with the float64 reference (a loose check: the test suite has the tolerances).
+"""
+
+import cupy
+import numpy as np
+
+import flashnumba
+from flashnumba import reference as ref
+
+rng = np.random.default_rng(0)
+cases = [  # (batch, seqlen_q, nheads, nheads_k, d, lens, page or 0, num_splits, options)
+    (2, 1, 8, 2, 128, [0, 1], 0, 1, {}),
+    (2, 1, 32, 4, 128, [300, 64], 64, 0, {}),
+    (3, 1, 8, 1, 64, [17, 16, 200], 16, 7, dict(causal=True)),
+    (2, 5, 4, 2, 40, [90, 3], 0, 3, dict(causal=True, window_size=(20, 0))),
+    (1, 3, 8, 8, 256, [130], 32, 2, dict(softcap=5.0, alibi_slopes=np.linspace(0.1, 1, 8).astype(np.float32))),
+    (2, 1, 8, 2, 64, [5, 40], 0, 50, {}),  # more splits than tiles
+]
+for batch, sq, h, hk, d, lens, page, splits, opts in cases:
+    q = rng.standard_normal((batch, sq, h, d)).astype(np.float16)
+    cap = max(max(lens), 1)
+    if page:
+        per = -(-cap // page)
+        kc, vc = (rng.standard_normal((batch * per + 1, page, hk, d)).astype(np.float16) for _ in range(2))
+        kw = dict(block_table=cupy.asarray(rng.permutation(batch * per + 1)[:batch * per].reshape(batch, per)
+                                           .astype(np.int32)))
+        rkw = dict(block_table=cupy.asnumpy(kw["block_table"]))
+    else:
+        kc, vc = (rng.standard_normal((batch, cap, hk, d)).astype(np.float16) for _ in range(2))
+        kw, rkw = {}, {}
+    o_ref, _, _, _ = ref.kvcache_attention(q, kc, vc, cache_seqlens=np.array(lens, np.int32), **rkw, **opts)
+    copts = {n: (cupy.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in opts.items()}
+    out = flashnumba.flash_attn_with_kvcache(cupy.asarray(q), cupy.asarray(kc), cupy.asarray(vc),
+                                             cache_seqlens=cupy.asarray(np.array(lens, np.int32)),
+                                             num_splits=splits, **kw, **copts)
+    err = float(np.abs(cupy.asnumpy(out).astype(np.float64) - o_ref).max())
+    print(f"decode batch {batch} seqlen_q {sq} heads {h}/{hk} d {d} lens {lens} page {page} splits {splits} "
+          f"{opts and sorted(opts)}: max error {err:.2e}")
+    assert err < 2e-2, err
+cupy.cuda.Device().synchronize()
+print("sanitize_decode done")
