@@ -179,14 +179,53 @@ def numerics(_data=None, prefix="results/latest/"):
     return out + [f"Reports: {files}."]
 
 
+def decode(d, prefix="results/latest/"):
+    """bench --decode: TB/s of K and V read per implementation and workload, both timing modes."""
+    w = d["workload"]
+    out = [_env(d["environment"]) + f" Source: [`bench-decode.json`]({prefix}bench-decode.json).", "",
+           f"{w['dtype']}, {w['nheads']} query heads on {w['nheads_k']} key/value heads, head_dim {w['head_dim']}, "
+           f"one query token per sequence; bytes of K and V read per second (back to back / one call per event "
+           f"pair), and the fraction of the device-to-device copy rate measured in the same run "
+           f"({d['copy_bandwidth_tb_s']:.2f} TB/s):", "",
+           "| workload | implementation | TB/s back to back | TB/s one call a pair | of the copy rate | ms |",
+           "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in d["rows"]:
+        if "tb_s" not in r:
+            out.append(f"| {r['workload']} | {r['impl']} | - | - | - | ({r.get('error', 'not run')}) |")
+            continue
+        out.append(f"| {r['workload']} | {r['impl']} | {r['tb_s']:.2f} | {r['tb_s_single']:.2f} | "
+                   f"{r['copy_fraction']:.2f} | {r['ms']:.3f} |")
+    return out
+
+
+def flex(d, prefix="results/latest/"):
+    """scripts/flex_bench.py: flex_attention's masks beside the built-in kernels and torch's FlexAttention."""
+    out = [_env(d["environment"]) + f" Source: [`flex-bench.json`]({prefix}flex-bench.json).", "",
+           "float16 forward, batch = 16384 / seqlen, heads = 2048 / head_dim; ms of one call per pair of CUDA "
+           "events, TFLOP/s of the entries the mask leaves:", "",
+           "| head_dim | seqlen | case | ms | TFLOP/s |", "| ---: | ---: | --- | ---: | ---: |"]
+    for r in d["rows"]:
+        if "ms" in r:
+            out.append(f"| {r['head_dim']} | {r['seqlen']} | {r['case']} | {r['ms']:.3f} | {r['tflops']:.1f} |")
+    out += ["", "Largest difference from FlexAttention in float32 on the same mask (flashnumba float16 / "
+            "FlexAttention float16):", ""]
+    for r in d["rows"]:
+        if r["case"].startswith("max |out"):
+            out.append(f"- d={r['head_dim']}, {r['case'][len('max |out - float32 flex| '):]}: {r['value']:.2e} / "
+                       f"{r['torch_flex_value']:.2e}")
+    return out
+
+
 TARGETS = {  # file: (marker name, table function, its arguments)
     "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}),
-                           ("headline", headlines, {"prefix": "results/latest/"})],
+                           ("headline", headlines, {"prefix": "results/latest/"}), ("decode", decode, {}),
+                           ("flex", flex, {})],
     "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {})],
 }
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
-           "headline": ("bench.json", "bench-tc.json"), "numerics": None}
+           "headline": ("bench.json", "bench-tc.json"), "numerics": None, "decode": "bench-decode.json",
+           "flex": "flex-bench.json"}
 
 
 def main():
