@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays, _launch, planner as _plan, tiling
+from . import _arrays, _launch, config, planner as _plan, tiling
 from ._backend import SIMULATOR
 from ._validate import check_options, inspect
 from .api import _cached, _key, flash_attn_varlen_forward
@@ -37,14 +37,26 @@ def _xp(x):
                     f"flashnumba.torch does not offer it yet)")
 
 
-def _host_ints(name, x, shape):
-    """An integer array argument as host int64, checked for shape (its values are checked by the caller)."""
-    a = _arrays.to_host(x) if hasattr(x, "__cuda_array_interface__") else np.asarray(x)
+def _ints(name, x, shape, xp, read):
+    """An integer array argument (NumPy, CuPy or a Python int for cache_seqlens): (on the device side as int32
+    C-contiguous, on the host as int64 or None). Shape and dtype are checked; a device array is copied to the
+    host only where ``read`` (to check its values: one synchronisation)."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        host = np.full(shape, int(x), np.int64)
+        return xp.asarray(host.astype(np.int32)), host
+    kind = _arrays.kind(x) if hasattr(x, "__cuda_array_interface__") or isinstance(x, np.ndarray) else None
+    a = x if kind is not None else np.asarray(x)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers (int32), got dtype {a.dtype}")
-    if a.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-    return a.astype(np.int64)
+    if tuple(a.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
+    if kind in (None, "numpy"):
+        host = np.asarray(a).astype(np.int64)
+        return xp.asarray(host.astype(np.int32)), host
+    if kind != "cupy" or xp is np:
+        raise TypeError(f"{name} must be a NumPy or CuPy array on q's side, got {type(x).__name__}")
+    dev = a if (a.dtype == np.int32 and a.flags.c_contiguous) else xp.ascontiguousarray(a.astype(np.int32))
+    return dev, (_arrays.to_host(a).astype(np.int64) if read else None)
 
 
 def _rotate(x, cos, sin, pos, interleaved):
@@ -78,8 +90,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     GPU of compute capability >= 8.0; the caches C-contiguous) or "gather" (any dtype: the keys each sequence
     attends to copied into a packed array for the varlen forward). None takes "splitkv" where it applies.
 
-    The integer arguments are read on the host and checked: positions beyond the cache, pages outside the pool,
-    new keys that would not fit, rotary tables too short raise ValueError before anything is written.
+    The integer arguments are checked on the host before anything is written (positions beyond the cache, pages
+    outside the pool, new keys that would not fit, rotary tables too short: ValueError); device arrays are copied
+    to the host for it, unless ``flashnumba.config.check_device_values`` is off (a decoding step then makes no
+    host round trip; see :mod:`flashnumba.config` for what unchecked values do).
     """
     xp = _xp(q)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
@@ -99,7 +113,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError("give both k and v (the new keys and values), or neither")
     if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    read = config.check_device_values  # device integer arrays copied to the host and checked
     paged = block_table is not None
+    bt = cbi = None
     if paged:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
@@ -108,28 +124,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"the page size (k_cache.shape[1]) must be at least {MIN_PAGE_SIZE}, got {page}")
         if getattr(block_table, "ndim", 0) != 2:
             raise ValueError(f"block_table must be (batch, max_pages), got shape {getattr(block_table, 'shape', None)}")
-        bt = _host_ints("block_table", block_table, (batch, block_table.shape[1]))
-        if bt.size and (bt.min() < 0 or bt.max() >= k_cache.shape[0]):
+        table, bt = _ints("block_table", block_table, (batch, block_table.shape[1]), xp, read)
+        if bt is not None and bt.size and (bt.min() < 0 or bt.max() >= k_cache.shape[0]):
             raise ValueError(f"block_table holds pages outside the pool of {k_cache.shape[0]}: "
                              f"{int(bt.min())} .. {int(bt.max())}")
-        capacity = bt.shape[1] * page
+        capacity = block_table.shape[1] * page
     else:
         capacity = k_cache.shape[1]
         if cache_batch_idx is None:
-            cbi = np.arange(batch)
             if k_cache.shape[0] < batch:
                 raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {batch}: pass cache_batch_idx")
+            bidx, cbi = _arange(xp, batch), np.arange(batch)
         else:
-            cbi = _host_ints("cache_batch_idx", cache_batch_idx, (batch,))
-            if cbi.min() < 0 or cbi.max() >= k_cache.shape[0]:
+            bidx, cbi = _ints("cache_batch_idx", cache_batch_idx, (batch,), xp, read)
+            if cbi is not None and batch and (cbi.min() < 0 or cbi.max() >= k_cache.shape[0]):
                 raise ValueError(f"cache_batch_idx must lie in [0, {k_cache.shape[0]}), got "
                                  f"{int(cbi.min())} .. {int(cbi.max())}")
-    if cache_seqlens is None:
-        lens = np.zeros(batch, np.int64)
-    elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        lens = np.full(batch, int(cache_seqlens), np.int64)
-    else:
-        lens = _host_ints("cache_seqlens", cache_seqlens, (batch,))
+    lens_dev, lens = _ints("cache_seqlens", 0 if cache_seqlens is None else cache_seqlens, (batch,), xp, read)
     seqlen_new = 0
     if k is not None:
         if k.shape != (batch, k.shape[1], nheads_k, d) or v.shape != k.shape:
@@ -138,7 +149,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k.dtype != q.dtype or v.dtype != q.dtype:
             raise TypeError(f"k and v must have q's dtype {q.dtype}")
         seqlen_new = k.shape[1]
-    if lens.min(initial=0) < 0 or lens.max(initial=0) + seqlen_new > capacity:
+    if lens is not None and (lens.min(initial=0) < 0 or lens.max(initial=0) + seqlen_new > capacity):
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache's capacity), got "
                          f"{int(lens.min())} .. {int(lens.max()) + seqlen_new}")
     rotary = rotary_cos is not None
@@ -147,63 +158,59 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError("rotary_cos and rotary_sin must both be given, (seqlen_ro, rotary_dim / 2)")
         if 2 * rotary_cos.shape[1] > d:
             raise ValueError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds head_dim {d}")
-        need = int(lens.max(initial=0)) + max(seqlen_new, seqlen_q)
+        # (cache_seqlens unread: flash-attn's own rule, tables as long as the cache)
+        need = capacity if lens is None else int(lens.max(initial=0)) + max(seqlen_new, seqlen_q)
         if rotary_cos.shape[0] < need:
             raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions; this call needs {need}")
         cos, sin = xp.asarray(rotary_cos), xp.asarray(rotary_sin)
 
-    # where each position of each sequence lives: (cache row, position within it)
+    # where each position of each sequence lives: (cache row, position within it), on the arrays' side
     def rows(b_idx, pos):
         if paged:
-            return xp.asarray(bt[b_idx, pos // page]), xp.asarray(pos % page)
-        return xp.asarray(cbi[b_idx]), xp.asarray(pos)
+            return table[b_idx, pos // page], pos % page
+        return bidx[b_idx], pos
 
     # 1. the new keys and values into the cache, in place (keys rotated at their positions)
     if seqlen_new:
-        b_idx = np.repeat(np.arange(batch), seqlen_new)
-        pos = (lens[:, None] + np.arange(seqlen_new)[None, :]).reshape(-1)
+        b_idx = xp.repeat(xp.arange(batch), seqlen_new)
+        pos = (lens_dev[:, None] + xp.arange(seqlen_new)[None, :]).reshape(-1)
         knew = k.reshape(batch * seqlen_new, nheads_k, d)
         if rotary:
-            knew = _rotate(knew, cos, sin, xp.asarray(pos), rotary_interleaved)
+            knew = _rotate(knew, cos, sin, pos, rotary_interleaved)
         r = rows(b_idx, pos)
         k_cache[r] = knew
         v_cache[r] = v.reshape(batch * seqlen_new, nheads_k, d)
     # 2. q rotated (positions L + t when causal or windowed, else L for every row: one token)
-    seqlen_k = lens + seqlen_new
+    seqlens_dev = lens_dev + seqlen_new if seqlen_new else lens_dev
     qp = q
     if rotary:
         local = causal or tuple(window_size) != (-1, -1)
-        qpos = (lens[:, None] + np.arange(seqlen_q)[None, :]).reshape(-1) if local else np.repeat(lens, seqlen_q)
-        qp = _rotate(q.reshape(batch * seqlen_q, nheads, d), cos, sin, xp.asarray(qpos),
-                     rotary_interleaved).reshape(q.shape)
+        steps = xp.arange(seqlen_q)[None, :] if local else xp.zeros((1, seqlen_q), np.int64)
+        qpos = (lens_dev[:, None] + steps).reshape(-1)
+        qp = _rotate(q.reshape(batch * seqlen_q, nheads, d), cos, sin, qpos, rotary_interleaved).reshape(q.shape)
     qp = xp.ascontiguousarray(qp)
     if _use_splitkv(kernel, q, k_cache, v_cache):
         # 3. attention on the split-KV kernel, reading the cache in place
         tq, tk, tv = inspect("q", qp, 4), inspect("k_cache", k_cache, 4), inspect("v_cache", v_cache, 4)
         opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
-        i32 = np.int32
-        seqlens = xp.asarray(seqlen_k.astype(i32))
-        bidx = None if paged else xp.asarray(cbi.astype(i32))
-        table = None
-        if paged:
-            table = block_table if (_arrays.kind(block_table) == _arrays.kind(q) and block_table.dtype == i32 and
-                                    block_table.flags.c_contiguous) else xp.asarray(bt.astype(i32))
-        arrays = (qp, k_cache, v_cache, seqlens, bidx, table, None if opts.alibi is None else alibi_slopes)
-        key = _key("decode", arrays, (opts, num_splits, int(seqlen_k.max(initial=0))))
+        arrays = (qp, k_cache, v_cache, seqlens_dev, None if paged else bidx, table if paged else None,
+                  None if opts.alibi is None else alibi_slopes)
+        key = _key("decode", arrays, (opts, num_splits, capacity))
 
         def build():
             t = [None if x is None else inspect(n, x, x.ndim) for n, x in
                  zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
             p = _plan.decode_plan(tq, tk, tv, opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
-                                  max_seqlen_k=int(seqlen_k.max(initial=0)), num_splits=int(num_splits))
+                                  max_seqlen_k=capacity, num_splits=int(num_splits))
             return _launch.Call(p)
 
         out, lse = _cached(key, build).run(arrays)
         return (out, lse) if return_softmax_lse else out
-    # 3. the keys and values each sequence attends to, packed, on the varlen forward kernels
+    # 3. the keys and values each sequence attends to, packed, on the varlen forward kernels (the lengths read)
+    seqlen_k = _arrays.to_host(seqlens_dev).astype(np.int64)
     b_idx = np.repeat(np.arange(batch), seqlen_k)
     pos = np.concatenate([np.arange(n) for n in seqlen_k]) if batch else np.zeros(0, np.int64)
-    r = rows(b_idx, pos)
+    r = rows(xp.asarray(b_idx), xp.asarray(pos))
     kp, vp = k_cache[r], v_cache[r]
     qp = qp.reshape(batch * seqlen_q, nheads, d)
     cu_q = (np.arange(batch + 1) * seqlen_q).astype(np.int32)
@@ -215,6 +222,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if return_softmax_lse:
         return out, lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2)
     return out
+
+
+_aranges: dict = {}
+
+
+def _arange(xp, n):
+    """A device (or NumPy) arange(n) int32, made once per size."""
+    key = (xp.__name__, n)
+    if key not in _aranges:
+        _aranges[key] = xp.arange(n, dtype=np.int32)
+    return _aranges[key]
 
 
 def _use_splitkv(kernel, q, k_cache, v_cache) -> bool:

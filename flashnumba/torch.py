@@ -427,7 +427,47 @@ def _no_block_table(block_table):
                          "as packed (total_k, nheads_k, d) tensors")
 
 
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's ``flash_attn_with_kvcache`` on torch CUDA tensors: forward only (as flash-attn's), no autograd.
+
+    The arguments and semantics of :func:`flashnumba.flash_attn_with_kvcache` (k_cache and v_cache updated in
+    place when k and v are given), on float16 or float32 tensors: the tensors are handed to it as CuPy views of
+    the same memory (no copy), on torch's current stream. Not supported: ``cache_leftpad`` (ValueError), bfloat16
+    (TypeError: the array operations that append and rotate run in CuPy, which has no bfloat16).
+    """
+    try:
+        import cupy
+    except ImportError:
+        raise ImportError("flashnumba.torch.flash_attn_with_kvcache needs CuPy (it appends and rotates with CuPy "
+                          "views of the tensors)") from None
+    from .decode import flash_attn_with_kvcache as core
+
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad is not supported")
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                   cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
+                   alibi_slopes=alibi_slopes)
+    for name, x in tensors.items():
+        if isinstance(x, Tensor) and not x.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got one on {x.device}")
+    if q.dtype == torch.bfloat16:
+        raise TypeError("flashnumba.torch.flash_attn_with_kvcache takes float16 or float32 tensors, not bfloat16")
+    views = {n: cupy.asarray(x.detach()) if isinstance(x, Tensor) else x for n, x in tensors.items()}
+    stream = torch.cuda.current_stream(q.device)
+    with cupy.cuda.Device(q.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        result = core(views.pop("q"), views.pop("k_cache"), views.pop("v_cache"), **views,
+                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                      rotary_interleaved=rotary_interleaved, num_splits=num_splits,
+                      return_softmax_lse=return_softmax_lse)
+    if return_softmax_lse:
+        return tuple(torch.as_tensor(x, device=q.device) for x in result)
+    return torch.as_tensor(result, device=q.device)
+
+
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "FlashAttnFunc",
            "FlashAttnQKVPackedFunc", "FlashAttnKVPackedFunc", "FlashAttnVarlenFunc", "FlashAttnVarlenQKVPackedFunc",
-           "FlashAttnVarlenKVPackedFunc"]
+           "FlashAttnVarlenKVPackedFunc", "flash_attn_with_kvcache"]

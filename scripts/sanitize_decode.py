@@ -4,7 +4,7 @@
 
 Cache lengths 0, 1 and a page's end, splits from 1 to more than the tiles, paged and contiguous caches, the
 query heads of a key/value head as rows (GQA 4 and 8), seqlen_q > 1 with causal and window masks, head dims 40
-and 256. Each result is compared with the float64 reference (a loose check: the test suite has the tolerances).
+and 256; then lengths, pages and batch indices outside the cache that the host did not check. Each result is compared with the float64 reference (a loose check: the test suite has the tolerances).
 """
 
 import cupy
@@ -43,5 +43,16 @@ for batch, sq, h, hk, d, lens, page, splits, opts in cases:
     print(f"decode batch {batch} seqlen_q {sq} heads {h}/{hk} d {d} lens {lens} page {page} splits {splits} "
           f"{opts and sorted(opts)}: max error {err:.2e}")
     assert err < 2e-2, err
+# values the host does not check (config.check_device_values off): lengths past the cache, a page outside the
+# pool, a batch index outside the cache; the kernel must stay inside the arrays
+flashnumba.config.check_device_values = False
+q = cupy.asarray(rng.standard_normal((2, 1, 8, 64)).astype(np.float16))
+kc, vc = (cupy.asarray(rng.standard_normal((2, 128, 2, 64)).astype(np.float16)) for _ in range(2))
+flashnumba.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cupy.asarray(np.array([5000, -3], np.int32)),
+                                   cache_batch_idx=cupy.asarray(np.array([1, 9], np.int32)), num_splits=3)
+kp, vp = (x.reshape(4, 64, 2, 64) for x in (kc, vc))
+flashnumba.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cupy.asarray(np.array([128, 128], np.int32)),
+                                   block_table=cupy.asarray(np.array([[0, 99], [-5, 3]], np.int32)))
+flashnumba.config.check_device_values = True
 cupy.cuda.Device().synchronize()
 print("sanitize_decode done")

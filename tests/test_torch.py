@@ -503,3 +503,37 @@ def test_compiled_transformer_block_matches_eager():
     names = ["out"] + [n for n, _ in block.named_parameters()]
     for name, g, b, t in zip(names, got, base, truth):
         close(name, g, t, b, 256)
+
+
+@on_gpu
+def test_flash_attn_with_kvcache_on_tensors_appends_in_place():
+    """flash_attn_with_kvcache on torch tensors: the cache tensors updated in place, the result as the reference's,
+    on torch's current stream (a side stream here)."""
+    pytest.importorskip("cupy")
+    from flashnumba import reference as ref
+
+    rng = np.random.default_rng(4)
+    b, h, hk, d, page, per = 2, 8, 2, 64, 64, 3
+    q = rng.standard_normal((b, 1, h, d)).astype(np.float16)
+    kn, vn = (rng.standard_normal((b, 1, hk, d)).astype(np.float16) for _ in range(2))
+    kc, vc = (rng.standard_normal((b * per, page, hk, d)).astype(np.float16) for _ in range(2))
+    table = rng.permutation(b * per).reshape(b, per).astype(np.int32)
+    lens = np.array([100, 7], np.int32)
+    truth_o, truth_l, truth_kc, truth_vc = ref.kvcache_attention(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                                                 block_table=table, causal=True)
+    base_o, base_l, _, _ = ref.kvcache_attention(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table,
+                                                 causal=True, dtype=np.float16)
+    t = {n: torch.as_tensor(x, device="cuda") for n, x in dict(q=q, k=kn, v=vn, kc=kc, vc=vc, table=table,
+                                                                 lens=lens).items()}
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out, lse = ft.flash_attn_with_kvcache(t["q"], t["kc"], t["vc"], t["k"], t["v"], cache_seqlens=t["lens"],
+                                             block_table=t["table"], causal=True, return_softmax_lse=True)
+    side.synchronize()
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and lse.shape == (b, h, 1)
+    assert_close_to_truth("out", out.cpu().numpy(), truth_o, base_o.astype(np.float16), reduction=page * per)
+    assert_close_to_truth("lse", lse.cpu().numpy(), truth_l, base_l.astype(np.float32), reduction=page * per)
+    np.testing.assert_array_equal(t["kc"].cpu().numpy(), truth_kc)
+    np.testing.assert_array_equal(t["vc"].cpu().numpy(), truth_vc)
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        ft.flash_attn_with_kvcache(t["q"], t["kc"], t["vc"], cache_leftpad=t["lens"])

@@ -133,8 +133,11 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
         HK = k_cache.shape[2]
         whole = not PAGED or P % BC == 0
         base = bb * P + j0  # the tile's first row in the cache
+        ok = True  # (a page outside the pool, which the host did not check, reads as zeros)
         if PAGED and whole and j0 < seqlen_k:
-            base = block_table[b, j0 // P] * P + j0 % P
+            page = block_table[b, j0 // P]
+            ok = 0 <= page < k_cache.shape[0]
+            base = page * P + j0 % P
         for it in range((BC * CH + NT - 1) // NT):
             e = tid + it * NT
             if (BC * CH) % NT == 0 or e < BC * CH:
@@ -142,10 +145,12 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
                 c = (e - r * CH) * 8
                 j = j0 + r
                 dst = off + r * LD + c
-                if j < seqlen_k and (DG == D or c < DG):
-                    row = base + r
-                    if not whole:
-                        row = block_table[b, j // P] * P + j % P
+                row = base + r
+                if PAGED and not whole and j < seqlen_k:
+                    page = block_table[b, j // P]
+                    ok = 0 <= page < k_cache.shape[0]
+                    row = page * P + j % P
+                if ok and j < seqlen_k and (DG == D or c < DG):
                     src = (row * HK + hk) * DG + c
                     ptx.cp_async_16(smem, dst, k_cache, src)
                     ptx.cp_async_16(smem, dst + OFF_V, v_cache, src)
@@ -170,8 +175,17 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
         b = cuda.blockIdx.y // HK
         hk = cuda.blockIdx.y % HK
         ri0 = cuda.blockIdx.z * ROWS
-        seqlen_k = seqlens_k[b]
-        bb = b if PAGED else batch_idx[b]
+        # this sequence's keys, clipped to the cache's capacity, and its cache row; values the host did not check
+        # (device arrays, config.check_device_values off) cannot make the kernel read outside the arrays: a
+        # cache_batch_idx outside the cache gives the sequence no keys
+        cap = block_table.shape[1] * k_cache.shape[1] if PAGED else k_cache.shape[1]
+        seqlen_k = min(max(seqlens_k[b], 0), cap)
+        bb = 0
+        if not PAGED:
+            bb = batch_idx[b]
+            if bb < 0 or bb >= k_cache.shape[0]:
+                bb = 0
+                seqlen_k = 0
         diag = seqlen_k - SQ
         # this lane's rows' query positions; (ALiBi) the slopes of the rows' heads, in shared memory (registers
         # are short at head_dim 128)
