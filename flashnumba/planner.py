@@ -302,6 +302,18 @@ def _kernel_meta(t: _validate.Tensor, lead: bool, contiguous: bool) -> ArrayMeta
     return array_meta(shape, strides, t.dtype)
 
 
+def _alibi_input(a, batch, nheads):
+    """(InputSpec, kernel ArrayMeta) of the ALiBi slopes: a dummy without them; (nheads,) slopes read as (batch,
+    nheads) with a batch stride of 0."""
+    if a is None:
+        return (InputSpec("alibi", "none", dummy_shape=(1, 1), dummy_dtype="float32"),
+                array_meta((1, 1), (4, 4), np.float32, "A"))
+    s = c_strides(a.shape, 4) if a.kind == "numpy" else a.strides
+    strides = (0, s[0]) if len(a.shape) == 1 else s
+    return (InputSpec("alibi", a.kind, to_device=a.kind == "numpy", broadcast=(batch, nheads)),
+            array_meta((batch, nheads), strides, np.float32, "A"))
+
+
 def _inputs(tensors, family, lead, opts, batch, cu):
     """InputSpecs and kernel ArrayMetas of the call's arrays (q, k, v, ... then alibi, cu_q, cu_k, then the
     arrays a user's score_mod / mask_mod read, a0 .. a3)."""
@@ -312,16 +324,8 @@ def _inputs(tensors, family, lead, opts, batch, cu):
             not _c_layout(t) and not (family == "tc" and _rows_in_place(t))))
         specs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, lead=lead))
         metas[t.name] = _kernel_meta(t, lead, copy)
-    nheads = tensors[0].shape[-2]
-    a = opts.alibi
-    if a is None:
-        specs.append(InputSpec("alibi", "none", dummy_shape=(1, 1), dummy_dtype="float32"))
-        metas["alibi"] = array_meta((1, 1), (4, 4), np.float32, "A")
-    else:
-        s = c_strides(a.shape, 4) if a.kind == "numpy" else a.strides
-        strides = (0, s[0]) if len(a.shape) == 1 else s
-        specs.append(InputSpec("alibi", a.kind, to_device=a.kind == "numpy", broadcast=(batch, nheads)))
-        metas["alibi"] = array_meta((batch, nheads), strides, np.float32, "A")
+    spec, metas["alibi"] = _alibi_input(opts.alibi, batch, tensors[0].shape[-2])
+    specs.append(spec)
     for name, tc in (("cu_q", cu[0] if cu else None), ("cu_k", cu[1] if cu else None)):
         if tc is None:
             specs.append(InputSpec(name, "none", dummy_shape=(1,), dummy_dtype="int32"))
@@ -496,14 +500,8 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
         else:
             inputs.append(InputSpec(name, t.kind, to_device=t.kind == "numpy"))
             arrays[name] = _kernel_meta(t, False, False)
-    a = opts.alibi
-    if a is None:
-        inputs.append(InputSpec("alibi", "none", dummy_shape=(1, 1), dummy_dtype="float32"))
-        arrays["alibi"] = array_meta((1, 1), (4, 4), np.float32, "A")
-    else:
-        st = c_strides(a.shape, 4) if a.kind == "numpy" else a.strides
-        inputs.append(InputSpec("alibi", a.kind, to_device=a.kind == "numpy", broadcast=(batch, nheads)))
-        arrays["alibi"] = array_meta((batch, nheads), (0, st[0]) if len(a.shape) == 1 else st, np.float32, "A")
+    spec, arrays["alibi"] = _alibi_input(opts.alibi, batch, nheads)
+    inputs.append(spec)
     out_spec, arrays["out"] = _output("out", tq.shape, dt, False)
     lse_spec, arrays["lse"] = _output("lse", (batch, nheads, seqlen_q), np.dtype(np.float32), False)
     f32 = np.dtype(np.float32)

@@ -81,7 +81,8 @@ def main():
         density_doc = 1.0 / args.docs
         cases = [  # (name, density of visible entries, fn)
             ("dense built-in", 1.0, lambda: flashnumba.flash_attn_forward(q, k, v)[0]),
-            ("torch SDPA default backend, dense", 1.0, lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)),
+            ("torch SDPA default backend, dense", 1.0,
+             lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)),
             ("causal built-in", 0.5, lambda: flashnumba.flash_attn_forward(q, k, v, causal=True)[0]),
             ("causal mask_mod + block mask", 0.5,
              lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_causal)),

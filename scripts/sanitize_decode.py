@@ -4,7 +4,8 @@
 
 Cache lengths 0, 1 and a page's end, splits from 1 to more than the tiles, paged and contiguous caches, the
 query heads of a key/value head as rows (GQA 4 and 8), seqlen_q > 1 with causal and window masks, head dims 40
-and 256; then lengths, pages and batch indices outside the cache that the host did not check. Each result is compared with the float64 reference (a loose check: the test suite has the tolerances).
+and 256; then lengths, pages and batch indices outside the cache that the host did not check. Each result is
+compared with the float64 reference (a loose check: the test suite has the tolerances).
 """
 
 import cupy

@@ -99,7 +99,8 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
     BUF = 2 * BC * LD
     WAIT = STAGES - 1  # copy groups left in flight when a tile is used
     MS = 2 * ROWS + ROWS * D  # float32 per warp in the combine: m, l, O of the 16 rows
-    SLOPES = max((ROWS + 2 * STAGES * BC) * LD * 2, warps * MS * 4) // 4  # ALiBi slopes of the 16 rows (float32), past both
+    # the ALiBi slopes of the 16 rows (float32), past both the tiles and the combine's values
+    SLOPES = max((ROWS + 2 * STAGES * BC) * LD * 2, warps * MS * 4) // 4
     # S = Q K_w^T (K_w: the warp's KW keys of the tile), Q's A fragments read from shared memory at each k-step:
     # kept in registers they would leave too few for O at head_dim 128 (the cache's reads, not the products,
     # bound this kernel)

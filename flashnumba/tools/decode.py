@@ -11,17 +11,17 @@ call per pair of events, beside torch's scaled_dot_product_attention with its fl
 backends on the same keys (``enable_gqa``; a backend that refuses it is recorded as such). The figure is the bytes
 of K and V the attention must read (each sequence's keys once) divided by the time, and its fraction of the
 device-to-device copy bandwidth measured in the same run (a copy reads and writes: its rate counts both).
+flashnumba is timed as called by default (device cache_seqlens read back and checked at each call) and with
+``flashnumba.config.check_device_values`` off (no host round trip, as flash-attn's call).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import numpy as np
 
-from .environment import environment
+from .environment import environment, write_json
 from .timing import cuda_time_calls_ms
 
 NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
@@ -91,6 +91,14 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
              tb_s=kv_bytes / (back * 1e-3) / 1e12, tb_s_single=kv_bytes / (single * 1e-3) / 1e12,
              copy_fraction=kv_bytes / (back * 1e-3) / copy_bps, **extra)
 
+    def unchecked(workload, fn, kv_bytes):
+        """The default call again with config.check_device_values off: no host round trip for the lengths."""
+        flashnumba.config.check_device_values = False
+        try:
+            measure(workload, "flashnumba (unchecked device values)", fn, kv_bytes, num_splits=0)
+        finally:
+            flashnumba.config.check_device_values = True
+
     def cache(batch, n):
         return [cupy.asarray(rng.standard_normal((batch, n, NHEADS_K, HEAD_DIM), np.float32).astype(np.float16))
                 for _ in range(2)]
@@ -105,6 +113,7 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
             for s in splits:
                 measure(name, f"flashnumba (num_splits={s})", lambda s=s: flashnumba.flash_attn_with_kvcache(
                     q, kc, vc, cache_seqlens=lens, num_splits=s), kv, num_splits=s)
+            unchecked(name, lambda: flashnumba.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens), kv)
             for peer, fn in _torch_peers(q, kc, vc, np.full(batch, n)).items():
                 if callable(fn):
                     measure(name, peer, fn, kv)
@@ -138,10 +147,7 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
     result = dict(date=time.strftime("%Y-%m-%d"), environment=environment(), copy_bandwidth_tb_s=copy_bps / 1e12,
                   workload=dict(nheads=NHEADS, nheads_k=NHEADS_K, head_dim=HEAD_DIM, dtype="float16", seqlen_q=1),
                   group_ms=group_ms, rows=rows)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "bench-decode.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = write_json(result, out_dir, "bench-decode.json")
     print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write); wrote {path}")
     return result
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import sys
 
 from .. import _backend
@@ -19,3 +21,12 @@ def environment():
     except ImportError:
         pass
     return env
+
+
+def write_json(result, out_dir, name):
+    """``result`` as out_dir/name (indented JSON), the folder made where missing; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path

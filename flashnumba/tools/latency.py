@@ -153,7 +153,7 @@ def first_call(shape=SHAPE):
 
 
 def main(out_dir=None):
-    from .environment import environment
+    from .environment import environment, write_json
 
     result = {"environment": environment(), "shape": list(SHAPE), "dtype": "float16", "per_call": per_call(),
               "first_call": first_call()}
@@ -167,9 +167,5 @@ def main(out_dir=None):
               f"compiled {sum(not k['cached'] for k in r['kernels'])} kernels in "
               f"{sum(k['seconds'] for k in r['kernels']):.1f} s, loaded {sum(k['cached'] for k in r['kernels'])}")
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, "latency.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {path}")
+        print(f"wrote {write_json(result, out_dir, 'latency.json')}")
     return result
