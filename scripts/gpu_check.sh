@@ -20,12 +20,14 @@ for step in $STEPS; do
            echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15
            grep -h "^FAILED" "$OUT/failures.log" 2>/dev/null ;;  # written as failures happen
     demo) python3 -m flashnumba demo 2>&1 | tee "$OUT/demo.log" ;;
-    sanitize)
-      for tool in memcheck racecheck; do
-        timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 ${SANITIZE_SCRIPT:-scripts/sanitize.py} \
-          > "$OUT/sanitize_$tool.txt" 2>&1
-        echo "$tool: exit $?"; tail -3 "$OUT/sanitize_$tool.txt"; cat "$OUT/sanitize_$tool.txt" >> "$OUT/sanitize.log"
-        rm "$OUT/sanitize_$tool.txt"
+    sanitize) # SANITIZE_SCRIPTS: the forward/backward kernels' and the decoding kernels' awkward shapes
+      for script in ${SANITIZE_SCRIPTS:-scripts/sanitize.py scripts/sanitize_decode.py}; do
+        for tool in memcheck racecheck; do
+          timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 $script \
+            > "$OUT/sanitize_$tool.txt" 2>&1
+          echo "$script $tool: exit $?"; tail -3 "$OUT/sanitize_$tool.txt"; cat "$OUT/sanitize_$tool.txt" >> "$OUT/sanitize.log"
+          rm "$OUT/sanitize_$tool.txt"
+        done
       done ;;
     crosscheck) python3 scripts/crosscheck_torch.py 2>&1 | tee "$OUT/crosscheck.log" ;;
     memory) python3 scripts/backward_memory.py 4096 16384 2>&1 | tee "$OUT/backward_memory.log" ;;

@@ -321,3 +321,28 @@ def test_unchecked_device_values_stay_inside_the_arrays():
     o1, l1 = ref.attention_forward(q[:1], keys, vals)
     np.testing.assert_allclose(out, o1, atol=2e-3)
     np.testing.assert_allclose(lse, l1, atol=1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks=st.integers(1, 5000), n_tiles=st.integers(0, 600), sms=st.integers(1, 200), per_sm=st.integers(1, 8))
+def test_the_split_count_fills_the_last_wave(blocks, n_tiles, sms, per_sm):
+    """num_splits=0's choice: between 1 and the tiles (at most MAX_SPLITS), 1 where there is one tile or less,
+    and its last wave at least 85% as full as that of any count up to the limit."""
+    import dataclasses
+    import math
+
+    from flashnumba import planner, tiling
+
+    lim = dataclasses.replace(tiling.ARCHS["sm_90"], sm_count=sms)
+    n = planner.decode_splits(blocks, n_tiles, lim, per_sm)
+    assert 1 <= n <= max(1, min(n_tiles, planner.MAX_SPLITS))
+    if n_tiles <= 1:
+        assert n == 1
+        return
+    slots = sms * per_sm
+
+    def fill(k):
+        return blocks * k / slots / math.ceil(blocks * k / slots)
+
+    best = max(fill(k) for k in range(1, min(n_tiles, planner.MAX_SPLITS) + 1))
+    assert fill(n) >= 0.85 * best - 1e-12
