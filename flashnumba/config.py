@@ -12,7 +12,8 @@ no sequence longer than max_seqlen) make the kernels read and write outside the 
 ``flash_attn_with_kvcache``'s device ``cache_seqlens``, ``cache_batch_idx`` and ``block_table``; there unchecked
 values cannot take the split-KV kernel outside the arrays (lengths are clipped to the cache, a page outside the
 pool reads as zeros, a batch index outside the cache gives no keys), and a decoding step then makes no host
-round trip (flash-attn checks none of them).
+round trip (flash-attn checks none of them). The append of new keys and values, though, writes where such values
+point (CuPy wraps indices outside an array): into other rows of the cache.
 """
 
 poison_outputs = False

@@ -33,8 +33,8 @@ def _xp(x):
         return np
     if kind == "cupy":
         return _arrays.cupy
-    raise TypeError(f"flash_attn_with_kvcache takes NumPy or CuPy arrays, got {type(x).__name__} (from torch: "
-                    f"flashnumba.torch does not offer it yet)")
+    raise TypeError(f"flash_attn_with_kvcache takes NumPy or CuPy arrays, got {type(x).__name__} (torch tensors: "
+                    f"flashnumba.torch.flash_attn_with_kvcache)")
 
 
 def _ints(name, x, shape, xp, read):
@@ -76,7 +76,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q (batch, seqlen_q, nheads, head_dim); k_cache, v_cache (batch_cache, seqlen_cache, nheads_k, head_dim), or
     with ``block_table`` (batch, max_pages) int32 a paged cache (num_pages, page_size, nheads_k, head_dim), page
     size at least :data:`MIN_PAGE_SIZE`. ``cache_seqlens`` (an int, or (batch,) int32): the keys the cache holds
-    per sequence before the call. ``k``, ``v`` (batch, seqlen_new, nheads_k, head_dim), optional: written into the
+    per sequence before the call (None: the whole cache, its capacity; new keys then need it). ``k``, ``v`` (batch, seqlen_new, nheads_k, head_dim), optional: written into the
     cache in place at positions cache_seqlens .. + seqlen_new - 1 (the only arrays modified), k rotated first.
     ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2): rotary embedding of the new k and of q (at
     positions cache_seqlens + t when causal or windowed, else all at cache_seqlens), ``rotary_interleaved``
@@ -125,9 +125,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if getattr(block_table, "ndim", 0) != 2:
             raise ValueError(f"block_table must be (batch, max_pages), got shape {getattr(block_table, 'shape', None)}")
         table, bt = _ints("block_table", block_table, (batch, block_table.shape[1]), xp, read)
-        if bt is not None and bt.size and (bt.min() < 0 or bt.max() >= k_cache.shape[0]):
-            raise ValueError(f"block_table holds pages outside the pool of {k_cache.shape[0]}: "
-                             f"{int(bt.min())} .. {int(bt.max())}")
         capacity = block_table.shape[1] * page
     else:
         capacity = k_cache.shape[1]
@@ -140,7 +137,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if cbi is not None and batch and (cbi.min() < 0 or cbi.max() >= k_cache.shape[0]):
                 raise ValueError(f"cache_batch_idx must lie in [0, {k_cache.shape[0]}), got "
                                  f"{int(cbi.min())} .. {int(cbi.max())}")
-    lens_dev, lens = _ints("cache_seqlens", 0 if cache_seqlens is None else cache_seqlens, (batch,), xp, read)
+    if cache_seqlens is None and k is not None:
+        raise ValueError("new keys k need cache_seqlens (where to write them)")
+    # (None: every sequence holds the whole cache, as in flash-attn)
+    lens_dev, lens = _ints("cache_seqlens", capacity if cache_seqlens is None else cache_seqlens, (batch,), xp, read)
     seqlen_new = 0
     if k is not None:
         if k.shape != (batch, k.shape[1], nheads_k, d) or v.shape != k.shape:
@@ -152,17 +152,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if lens is not None and (lens.min(initial=0) < 0 or lens.max(initial=0) + seqlen_new > capacity):
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache's capacity), got "
                          f"{int(lens.min())} .. {int(lens.max()) + seqlen_new}")
+    if paged and bt is not None and lens is not None:  # the pages the sequences use (a table may be padded past them)
+        used = np.arange(bt.shape[1])[None, :] < -(-(lens + seqlen_new) // page)[:, None]
+        bad = used & ((bt < 0) | (bt >= k_cache.shape[0]))
+        if bad.any():
+            raise ValueError(f"block_table holds pages outside the pool of {k_cache.shape[0]}: "
+                             f"{bt[bad][:4].tolist()} among those the sequences use")
     rotary = rotary_cos is not None
     if rotary:
         if rotary_sin is None or rotary_cos.ndim != 2 or rotary_sin.shape != rotary_cos.shape:
             raise ValueError("rotary_cos and rotary_sin must both be given, (seqlen_ro, rotary_dim / 2)")
         if 2 * rotary_cos.shape[1] > d:
             raise ValueError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds head_dim {d}")
-        # (cache_seqlens unread: flash-attn's own rule, tables as long as the cache)
-        need = capacity if lens is None else int(lens.max(initial=0)) + max(seqlen_new, seqlen_q)
+        # q at positions L + t (causal or windowed) or L; the new keys at L .. L + seqlen_new - 1 (cache_seqlens
+        # unread: flash-attn's own rule, tables as long as the cache)
+        local = causal or tuple(window_size) != (-1, -1)
+        need = capacity if lens is None else int(lens.max(initial=0)) + max(seqlen_new, seqlen_q if local else 1)
         if rotary_cos.shape[0] < need:
             raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions; this call needs {need}")
         cos, sin = xp.asarray(rotary_cos), xp.asarray(rotary_sin)
+
+    # the options and the kernel, checked before anything is written
+    splitkv = _use_splitkv(kernel, q, k_cache, v_cache)
+    tq, tk, tv = inspect("q", q, 4), inspect("k_cache", k_cache, 4), inspect("v_cache", v_cache, 4)
+    opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
 
     # where each position of each sequence lives: (cache row, position within it), on the arrays' side
     def rows(b_idx, pos):
@@ -184,15 +197,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlens_dev = lens_dev + seqlen_new if seqlen_new else lens_dev
     qp = q
     if rotary:
-        local = causal or tuple(window_size) != (-1, -1)
         steps = xp.arange(seqlen_q)[None, :] if local else xp.zeros((1, seqlen_q), np.int64)
         qpos = (lens_dev[:, None] + steps).reshape(-1)
         qp = _rotate(q.reshape(batch * seqlen_q, nheads, d), cos, sin, qpos, rotary_interleaved).reshape(q.shape)
     qp = xp.ascontiguousarray(qp)
-    if _use_splitkv(kernel, q, k_cache, v_cache):
+    if not _arrays.starts_aligned(qp):  # (a view that does not start on 16 bytes: the 16-byte copies need it)
+        qp = qp.copy()
+    if splitkv:
         # 3. attention on the split-KV kernel, reading the cache in place
-        tq, tk, tv = inspect("q", qp, 4), inspect("k_cache", k_cache, 4), inspect("v_cache", v_cache, 4)
-        opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
+        tq = inspect("q", qp, 4)
         arrays = (qp, k_cache, v_cache, seqlens_dev, None if paged else bidx, table if paged else None,
                   None if opts.alibi is None else alibi_slopes)
         key = _key("decode", arrays, (opts, num_splits, capacity))
@@ -206,8 +219,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
         out, lse = _cached(key, build).run(arrays)
         return (out, lse) if return_softmax_lse else out
-    # 3. the keys and values each sequence attends to, packed, on the varlen forward kernels (the lengths read)
-    seqlen_k = _arrays.to_host(seqlens_dev).astype(np.int64)
+    # 3. the keys and values each sequence attends to, packed, on the varlen forward kernels (the lengths read,
+    # and clipped to the cache as the split-KV kernel clips them)
+    seqlen_k = np.clip(_arrays.to_host(seqlens_dev).astype(np.int64), 0, capacity)
     b_idx = np.repeat(np.arange(batch), seqlen_k)
     pos = np.concatenate([np.arange(n) for n in seqlen_k]) if batch else np.zeros(0, np.int64)
     r = rows(xp.asarray(b_idx), xp.asarray(pos))
@@ -228,8 +242,8 @@ _aranges: dict = {}
 
 
 def _arange(xp, n):
-    """A device (or NumPy) arange(n) int32, made once per size."""
-    key = (xp.__name__, n)
+    """A device (or NumPy) arange(n) int32, made once per size and device."""
+    key = (xp.__name__, n, xp.cuda.Device().id if xp is not np else None)
     if key not in _aranges:
         _aranges[key] = xp.arange(n, dtype=np.int32)
     return _aranges[key]
@@ -249,6 +263,8 @@ def _use_splitkv(kernel, q, k_cache, v_cache) -> bool:
         blocker = f"it is built for head_dim a multiple of 8 up to 256, not {q.shape[-1]}"
     elif not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         blocker = "it reads C-contiguous caches (k_cache, v_cache)"
+    elif not (_arrays.starts_aligned(k_cache) and _arrays.starts_aligned(v_cache)):
+        blocker = "its 16-byte copies need caches that start on 16 bytes"
     elif not SIMULATOR and tuple(_plan.current_device().cc) < tiling.MMA_MIN_CC:
         blocker = "it needs compute capability 8.0 or newer (mma.sync, cp.async)"
     if blocker and kernel == "splitkv":

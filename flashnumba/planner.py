@@ -446,7 +446,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
 # ---------------------------------------------------------------------------------------------------------------
 
 DECODE_WARPS = 4  # warps of a decoding block, each KW keys of every tile
-DECODE_KW = 16  # keys a warp takes of each tile: a tile of 64 keys, two buffers of 69 KB at head_dim 128
+DECODE_KW = 16  # keys a warp takes of each tile: tiles of 64 keys, three K, V buffers of 104 KB at head_dim 128
 MAX_SPLITS = 128
 DECODE_REGISTERS = 255  # registers a thread of the decoding kernel is taken to hold (it uses nearly all it may)
 
@@ -471,7 +471,9 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
                 device=None) -> Plan:
     """The plan of a decoding call (:func:`flashnumba.flash_attn_with_kvcache` on the split-KV kernel): tq (batch,
     seqlen_q, nheads, D) the queries (rotated), tk, tv the cache (C-contiguous), seqlens the (batch,) int32 keys
-    per sequence, batch_idx or block_table (int32 Tensors, or None), ``max_seqlen_k`` the largest of seqlens."""
+    per sequence, batch_idx or block_table (int32 Tensors, or None), ``max_seqlen_k`` a bound on seqlens (the
+    cache's capacity: the lengths themselves may live on the device, unread). ``num_splits`` above
+    :data:`MAX_SPLITS` counts as MAX_SPLITS (as in flash-attn)."""
     limits = resolve_device(device, (tq, tk, tv))
     batch, seqlen_q, nheads, D = tq.shape
     nheads_k = tk.shape[2]
@@ -479,14 +481,17 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     dt = tq.dtype
     W, KW = DECODE_WARPS, DECODE_KW
     smem = mma_decode.shared_bytes(D, W, KW)
-    if smem > limits.max_shared_per_block:
-        W = 2  # (head_dim 256 on 99 KB GPUs)
+    while smem > limits.max_shared_per_block and W > 1:  # (large head dims on GPUs of 99 or 64 KB a block)
+        W //= 2
         smem = mma_decode.shared_bytes(D, W, KW)
+    if smem > limits.max_shared_per_block:
+        raise ValueError(f"the split-KV kernel at head_dim {D} needs {smem} bytes of shared memory, more than this "
+                         f"GPU's {limits.max_shared_per_block}; pass kernel='gather'")
     per_sm = max(1, min(limits.blocks_per_sm, limits.shared_per_sm // smem, limits.threads_per_sm // (32 * W),
                         limits.registers_per_sm // (DECODE_REGISTERS * 32 * W)))
     zrows = _cdiv(seqlen_q * (nheads // nheads_k), mma_decode.ROWS)
     n_tiles = _cdiv(max_seqlen_k, W * KW)
-    splits = num_splits or decode_splits(batch * nheads_k * zrows, n_tiles, limits, per_sm)
+    splits = min(num_splits, MAX_SPLITS) or decode_splits(batch * nheads_k * zrows, n_tiles, limits, per_sm)
     split = splits > 1
     inputs, arrays = [], {}
     for t in (tq, tk, tv):

@@ -558,15 +558,18 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, r
 
     For batch entry b: its cache is k_cache[cache_batch_idx[b]] (b without it), or with ``block_table`` the pages
     block_table[b, p // page_size] (k_cache then (num_pages, page_size, nheads_k, head_dim)), position p at row
-    p % page_size. L = cache_seqlens[b] (an int: the same for every entry) positions hold keys; the new k[b], v[b]
-    (seqlen_new rows) are written at positions L .. L + seqlen_new - 1, k rotated at those positions first; then
-    q[b] attends to the L + seqlen_new keys, causal bottom-right aligned (query t at position L + seqlen_new -
-    seqlen_q + t). q is rotated at positions L + t when causal or windowed, else at position L for every row (as
-    flash-attn: the queries are then taken to be one token)."""
+    p % page_size. L = cache_seqlens[b] (an int: the same for every entry; None: the whole cache, its capacity)
+    positions hold keys; the new k[b], v[b] (seqlen_new rows) are written at positions L .. L + seqlen_new - 1, k
+    rotated at those positions first; then q[b] attends to the L + seqlen_new keys, causal bottom-right aligned
+    (query t at position L + seqlen_new - seqlen_q + t). q is rotated at positions L + t when causal or windowed,
+    else at position L for every row (as flash-attn: the queries are then taken to be one token)."""
     q = np.asarray(q)
     batch, seqlen_q, nheads, d = q.shape
     kc, vc = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
-    lens = np.broadcast_to(np.asarray(0 if cache_seqlens is None else cache_seqlens, np.int64), (batch,))
+    if cache_seqlens is None and k is not None:
+        raise ValueError("new keys k need cache_seqlens (where to write them)")
+    capacity = kc.shape[1] * (1 if block_table is None else np.shape(block_table)[1])
+    lens = np.broadcast_to(np.asarray(capacity if cache_seqlens is None else cache_seqlens, np.int64), (batch,))
     sn = 0 if k is None else np.asarray(k).shape[1]
     outs, lses = [], []
     for b in range(batch):

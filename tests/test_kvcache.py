@@ -346,3 +346,44 @@ def test_the_split_count_fills_the_last_wave(blocks, n_tiles, sms, per_sm):
 
     best = max(fill(k) for k in range(1, min(n_tiles, planner.MAX_SPLITS) + 1))
     assert fill(n) >= 0.85 * best - 1e-12
+
+
+def test_no_cache_seqlens_is_the_whole_cache_and_bad_options_write_nothing():
+    """cache_seqlens=None: every sequence attends to its whole cache (flash-attn's meaning); new keys without it,
+    and options that are refused, raise before the cache is written."""
+    rng = np.random.default_rng(12)
+    q, k, v, kc, vc, kw = _problem(rng, 2, 1, 1, 2, 2, 16, [3, 4], False, 16, np.float16, 0)
+    kw.pop("cache_seqlens")
+    out = to_numpy(flash_attn_with_kvcache(q, kc, vc, **kw))
+    o, _, _, _ = ref.kvcache_attention(q, kc, vc, **kw)
+    base, _, _, _ = ref.kvcache_attention(q, kc, vc, dtype=np.float16, **kw)
+    assert_close_to_truth("out", out, o, base.astype(np.float16), reduction=kc.shape[1])
+    kc0 = kc.copy()
+    with pytest.raises(ValueError, match="need cache_seqlens"):
+        flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    lens = np.array([3, 4], np.int32)
+    for bad, err in ((dict(kernel="bogus"), ValueError), (dict(window_size=(3,)), ValueError),
+                     (dict(alibi_slopes=np.ones(3, np.float32)), ValueError), (dict(softcap=-1.0), ValueError)):
+        with pytest.raises(err):
+            flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, **kw, **bad)
+        np.testing.assert_array_equal(kc, kc0)
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_86", "sm_90"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_plans_fit_each_architecture(arch, d):
+    """The decoding plan's shared memory fits every architecture's limit (fewer warps where a block would not)."""
+    from flashnumba import _validate, planner, tiling
+
+    q = np.zeros((2, 1, 8, d), np.float16)
+    kc = np.zeros((2, 4096, 2, d), np.float16)
+    tq, tk, tv = (_validate.inspect(n, x, 4) for n, x in (("q", q), ("k_cache", kc), ("v_cache", kc)))
+    opts = _validate.check_options(tq, tk, False, (-1, -1), 0.0, None, 0.0, None)
+    t = _validate.inspect("seqlens_k", np.zeros(2, np.int32), 1)
+    p = planner.decode_plan(tq, tk, tv, opts, seqlens=t, batch_idx=t, block_table=None, max_seqlen_k=4096,
+                            device=arch)
+    assert p.launches[0].shared_bytes <= tiling.ARCHS[arch].max_shared_per_block
+    assert 1 <= p.launches[0].grid[0] <= planner.MAX_SPLITS
+    many = planner.decode_plan(tq, tk, tv, opts, seqlens=t, batch_idx=t, block_table=None, max_seqlen_k=4096,
+                               num_splits=10 ** 6, device=arch)
+    assert many.launches[0].grid[0] == planner.MAX_SPLITS
