@@ -76,8 +76,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q (batch, seqlen_q, nheads, head_dim); k_cache, v_cache (batch_cache, seqlen_cache, nheads_k, head_dim), or
     with ``block_table`` (batch, max_pages) int32 a paged cache (num_pages, page_size, nheads_k, head_dim), page
     size at least :data:`MIN_PAGE_SIZE`. ``cache_seqlens`` (an int, or (batch,) int32): the keys the cache holds
-    per sequence before the call (None: the whole cache, its capacity; new keys then need it). ``k``, ``v`` (batch, seqlen_new, nheads_k, head_dim), optional: written into the
-    cache in place at positions cache_seqlens .. + seqlen_new - 1 (the only arrays modified), k rotated first.
+    per sequence before the call (None: the whole cache, its capacity; new keys then need it). ``k``, ``v``
+    (batch, seqlen_new, nheads_k, head_dim), optional: written into the cache in place at positions
+    cache_seqlens .. + seqlen_new - 1 (the only arrays modified), k rotated first.
     ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2): rotary embedding of the new k and of q (at
     positions cache_seqlens + t when causal or windowed, else all at cache_seqlens), ``rotary_interleaved``
     (GPT-J pairs) or not (GPT-NeoX halves). ``cache_batch_idx`` (batch,): the cache entry of each sequence (not
@@ -115,7 +116,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     read = config.check_device_values  # device integer arrays copied to the host and checked
     paged = block_table is not None
-    bt = cbi = None
+    bt = None
     if paged:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
@@ -131,7 +132,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_batch_idx is None:
             if k_cache.shape[0] < batch:
                 raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {batch}: pass cache_batch_idx")
-            bidx, cbi = _arange(xp, batch), np.arange(batch)
+            bidx = _arange(xp, batch)
         else:
             bidx, cbi = _ints("cache_batch_idx", cache_batch_idx, (batch,), xp, read)
             if cbi is not None and batch and (cbi.min() < 0 or cbi.max() >= k_cache.shape[0]):

@@ -335,23 +335,24 @@ def _inputs(tensors, family, lead, opts, batch, cu):
             specs.append(InputSpec(name, tc.kind, to_device=tc.kind == "numpy"))
             metas[name] = array_meta(tc.shape, (stride,), np.int32, "A")
     for n in range(MOD_ARGS):
-        name = f"a{n}"
-        if n < len(opts.mod_args):
-            t = opts.mod_args[n]
-            specs.append(InputSpec(name, t.kind, to_device=t.kind == "numpy"))
-            metas[name] = _kernel_meta(t, False, False)
-        else:
-            specs.append(InputSpec(name, "none", dummy_shape=(1,), dummy_dtype="float32"))
-            metas[name] = array_meta((1,), (4,), np.float32, "A")
+        t = opts.mod_args[n] if n < len(opts.mod_args) else None
+        spec, metas[f"a{n}"] = _optional_input(f"a{n}", t, (1,), "float32")
+        specs.append(spec)
     for n, (name, dtype, ndim) in enumerate(zip(BLOCK_MASK_PARAMS, ("int32", "int32", "int8"), (3, 4, 4))):
-        if opts.block_mask is not None:
-            t = opts.block_mask[2 + n]
-            specs.append(InputSpec(name, t.kind, to_device=t.kind == "numpy"))
-            metas[name] = _kernel_meta(t, False, False)
-        else:
-            specs.append(InputSpec(name, "none", dummy_shape=(1,) * ndim, dummy_dtype=dtype))
-            metas[name] = array_meta((1,) * ndim, (np.dtype(dtype).itemsize,) * ndim, np.dtype(dtype), "A")
+        t = None if opts.block_mask is None else opts.block_mask[2 + n]
+        spec, metas[name] = _optional_input(name, t, (1,) * ndim, dtype)
+        specs.append(spec)
     return specs, metas
+
+
+def _optional_input(name, t, dummy_shape, dummy_dtype):
+    """(InputSpec, kernel ArrayMeta) of an optional array argument read as it is: the Tensor ``t``, or where it is
+    None a dummy of ``dummy_shape`` and ``dummy_dtype``."""
+    if t is None:
+        dt = np.dtype(dummy_dtype)
+        return (InputSpec(name, "none", dummy_shape=dummy_shape, dummy_dtype=dummy_dtype),
+                array_meta(dummy_shape, (dt.itemsize,) * len(dummy_shape), dt, "A"))
+    return InputSpec(name, t.kind, to_device=t.kind == "numpy"), _kernel_meta(t, False, False)
 
 
 def _output(name, user_shape, dtype, lead, returned=True):
@@ -499,12 +500,8 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
         arrays[t.name] = _kernel_meta(t, False, False)
     for name, t, shape in (("seqlens_k", seqlens, (batch,)), ("batch_idx", batch_idx, (1,)),
                            ("block_table", block_table, (1, 1))):
-        if t is None:
-            inputs.append(InputSpec(name, "none", dummy_shape=shape, dummy_dtype="int32"))
-            arrays[name] = array_meta(shape, (4,) * len(shape), np.int32, "A")
-        else:
-            inputs.append(InputSpec(name, t.kind, to_device=t.kind == "numpy"))
-            arrays[name] = _kernel_meta(t, False, False)
+        spec, arrays[name] = _optional_input(name, t, shape, "int32")
+        inputs.append(spec)
     spec, arrays["alibi"] = _alibi_input(opts.alibi, batch, nheads)
     inputs.append(spec)
     out_spec, arrays["out"] = _output("out", tq.shape, dt, False)
@@ -524,7 +521,8 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
                              ("q", "k_cache", "v_cache", "out", "lse", "o_part", "lse_part", "seqlens_k", "batch_idx",
                               "block_table", "alibi", "scale_q", "softcap", "left", "right"),
                              (splits, batch * nheads_k, zrows), (32 * W,), smem, None,
-                             f"{W} warps of {KW} keys a tile; {per_sm} blocks an SM by shared memory")]
+                             f"{W} warps of {KW} keys a tile; {per_sm} blocks an SM by shared memory, threads "
+                             f"and registers")]
     if split:
         launches.append(KernelLaunch("decode combine", "decode", mma_decode.make_combine, (dname,),
                                      ("o_part", "lse_part", "out", "lse"), (seqlen_q, batch * nheads),

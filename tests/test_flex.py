@@ -344,24 +344,26 @@ def test_block_mask_on_the_tensor_cores(name, batch, per_head):
     assert_close_to_truth("lse", to_numpy(lse), truth_l, base_l.astype(np.float32), reduction=max(16, sk))
 
 
+def _documents_block_mask(seed, d, dtype):
+    """q, k, v (1 x 20 x 1 x d), the documents example's mask_mod and arrays, and its block mask (16-row blocks)."""
+    _, _, mask_mod, make_args = EXAMPLES["documents"]
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 1, 20, 20, 1, d, dtype)
+    args = make_args(20, 20, rng)
+    return q, k, v, mask_mod, args, flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args,
+                                                                  BLOCK_SIZE=16)
+
+
 def test_block_mask_on_the_simt_kernels_gives_the_same_result():
     """Where the kernels do not read the block mask (SIMT, float32) the mask_mod is evaluated everywhere."""
-    _, _, mask_mod, make_args = EXAMPLES["documents"]
-    rng = np.random.default_rng(8)
-    q, k, v = random_qkv(rng, 1, 20, 20, 1, 8, np.float32)
-    args = make_args(20, 20, rng)
-    bm = flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=16)
+    q, k, v, mask_mod, args, bm = _documents_block_mask(8, 8, np.float32)
     with_bm = flashnumba.flex_attention(q, k, v, block_mask=bm, score_mod_args=args)
     without = flashnumba.flex_attention(q, k, v, mask_mod=mask_mod, score_mod_args=args)
     np.testing.assert_array_equal(to_numpy(with_bm), to_numpy(without))
 
 
 def test_block_mask_errors():
-    _, _, mask_mod, make_args = EXAMPLES["documents"]
-    rng = np.random.default_rng(9)
-    q, k, v = random_qkv(rng, 1, 20, 20, 1, 16, np.float16)
-    args = make_args(20, 20, rng)
-    bm = flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=16)
+    q, k, v, mask_mod, args, bm = _documents_block_mask(9, 16, np.float16)
     with pytest.raises(ValueError, match="another mask_mod"):
         flashnumba.flex_attention(q, k, v, mask_mod=causal_mask, block_mask=bm, score_mod_args=args)
     with pytest.raises(ValueError, match="Q_LEN, KV_LEN"):

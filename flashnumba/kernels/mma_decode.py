@@ -52,11 +52,16 @@ ROWS = WARP_ROWS  # rows (query position, head) of a block: one m16 block
 STAGES = 3  # K_j, V_j buffers: two tiles in flight while the warps compute on a third
 
 
-def shared_bytes(D, warps, KW):
+def _reused_bytes(D, warps, KW):
     """Q's 16 rows and STAGES K_j, V_j buffers of warps x KW rows (16-bit, rows of padded(D) + PAD), or the warps'
-    m, l and O (float32) for the combine at the end, which reuses them: the larger; then 16 ALiBi slopes."""
+    m, l and O (float32) for the combine at the end, which reuses them: the larger."""
     LD = padded(D) + PAD
-    return max((ROWS + 2 * STAGES * warps * KW) * LD * 2, warps * (2 * ROWS + ROWS * padded(D)) * 4) + 4 * ROWS
+    return max((ROWS + 2 * STAGES * warps * KW) * LD * 2, warps * (2 * ROWS + ROWS * padded(D)) * 4)
+
+
+def shared_bytes(D, warps, KW):
+    """The tiles or the combine (:func:`_reused_bytes`), then the 16 rows' ALiBi slopes (float32)."""
+    return _reused_bytes(D, warps, KW) + 4 * ROWS
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,8 +104,7 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
     BUF = 2 * BC * LD
     WAIT = STAGES - 1  # copy groups left in flight when a tile is used
     MS = 2 * ROWS + ROWS * D  # float32 per warp in the combine: m, l, O of the 16 rows
-    # the ALiBi slopes of the 16 rows (float32), past both the tiles and the combine's values
-    SLOPES = max((ROWS + 2 * STAGES * BC) * LD * 2, warps * MS * 4) // 4
+    SLOPES = _reused_bytes(DG, warps, KW) // 4  # the ALiBi slopes of the 16 rows (float32), past both
     # S = Q K_w^T (K_w: the warp's KW keys of the tile), Q's A fragments read from shared memory at each k-step:
     # kept in registers they would leave too few for O at head_dim 128 (the cache's reads, not the products,
     # bound this kernel)
