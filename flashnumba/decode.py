@@ -96,60 +96,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     to the host for it, unless ``flashnumba.config.check_device_values`` is off (a decoding step then makes no
     host round trip; see :mod:`flashnumba.config` for what unchecked values do).
     """
-    xp = _xp(q)
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if x is not None and _xp(x) is not xp:
-            raise TypeError(f"{name} must be the same kind of array as q ({type(q).__name__})")
-    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q must be 4-D and k_cache, v_cache 4-D of one shape, got {q.shape}, {k_cache.shape}, "
-                         f"{v_cache.shape}")
-    batch, seqlen_q, nheads, d = q.shape
-    nheads_k = k_cache.shape[2]
-    if k_cache.shape[3] != d or nheads % nheads_k:
-        raise ValueError(f"k_cache {k_cache.shape} does not suit q {q.shape}: head_dim must match and nheads be a "
-                         f"multiple of nheads_k")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if (k is None) != (v is None):
-        raise ValueError("give both k and v (the new keys and values), or neither")
-    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
-    read = config.check_device_values  # device integer arrays copied to the host and checked
-    paged = block_table is not None
-    bt = None
-    if paged:
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
-        page = k_cache.shape[1]
-        if page < MIN_PAGE_SIZE:
-            raise ValueError(f"the page size (k_cache.shape[1]) must be at least {MIN_PAGE_SIZE}, got {page}")
-        if getattr(block_table, "ndim", 0) != 2:
-            raise ValueError(f"block_table must be (batch, max_pages), got shape {getattr(block_table, 'shape', None)}")
-        table, bt = _ints("block_table", block_table, (batch, block_table.shape[1]), xp, read)
-        capacity = block_table.shape[1] * page
-    else:
-        capacity = k_cache.shape[1]
-        if cache_batch_idx is None:
-            if k_cache.shape[0] < batch:
-                raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {batch}: pass cache_batch_idx")
-            bidx = _arange(xp, batch)
-        else:
-            bidx, cbi = _ints("cache_batch_idx", cache_batch_idx, (batch,), xp, read)
-            if cbi is not None and batch and (cbi.min() < 0 or cbi.max() >= k_cache.shape[0]):
-                raise ValueError(f"cache_batch_idx must lie in [0, {k_cache.shape[0]}), got "
-                                 f"{int(cbi.min())} .. {int(cbi.max())}")
     if cache_seqlens is None and k is not None:
         raise ValueError("new keys k need cache_seqlens (where to write them)")
+    # what the shapes, dtypes, options and the kernel choice decide: checked once per kind of call, then kept
+    lens_array = cache_seqlens is not None and not isinstance(cache_seqlens, (int, np.integer))
+    key = _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens if lens_array else None, cache_batch_idx,
+                           block_table, rotary_cos, rotary_sin, alibi_slopes),
+               (causal, window_size, softcap, rotary_interleaved, softmax_scale, num_splits, kernel,
+                None if lens_array else type(cache_seqlens)))
+    st = _cached(key, lambda: _Static(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+                                      block_table, causal, window_size, softcap, alibi_slopes, softmax_scale,
+                                      num_splits, kernel))
+    xp, batch, seqlen_q, nheads, nheads_k, d = st.xp, st.batch, st.seqlen_q, st.nheads, st.nheads_k, st.d
+    capacity, seqlen_new, paged, page = st.capacity, st.seqlen_new, st.paged, st.page
+    read = config.check_device_values  # device integer arrays copied to the host and checked
+    bt = None
+    if paged:
+        table, bt = _ints("block_table", block_table, (batch, block_table.shape[1]), xp, read)
+    elif cache_batch_idx is None:
+        bidx = _arange(xp, batch)
+    else:
+        bidx, cbi = _ints("cache_batch_idx", cache_batch_idx, (batch,), xp, read)
+        if cbi is not None and batch and (cbi.min() < 0 or cbi.max() >= k_cache.shape[0]):
+            raise ValueError(f"cache_batch_idx must lie in [0, {k_cache.shape[0]}), got "
+                             f"{int(cbi.min())} .. {int(cbi.max())}")
     # (None: every sequence holds the whole cache, as in flash-attn)
     lens_dev, lens = _ints("cache_seqlens", capacity if cache_seqlens is None else cache_seqlens, (batch,), xp, read)
-    seqlen_new = 0
-    if k is not None:
-        if k.shape != (batch, k.shape[1], nheads_k, d) or v.shape != k.shape:
-            raise ValueError(f"k and v must have shape (batch, seqlen_new, nheads_k, head_dim) = ({batch}, n, "
-                             f"{nheads_k}, {d}), got {k.shape}, {v.shape}")
-        if k.dtype != q.dtype or v.dtype != q.dtype:
-            raise TypeError(f"k and v must have q's dtype {q.dtype}")
-        seqlen_new = k.shape[1]
     if lens is not None and (lens.min(initial=0) < 0 or lens.max(initial=0) + seqlen_new > capacity):
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache's capacity), got "
                          f"{int(lens.min())} .. {int(lens.max()) + seqlen_new}")
@@ -159,24 +131,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if bad.any():
             raise ValueError(f"block_table holds pages outside the pool of {k_cache.shape[0]}: "
                              f"{bt[bad][:4].tolist()} among those the sequences use")
-    rotary = rotary_cos is not None
+    rotary, local = st.rotary, st.local
     if rotary:
-        if rotary_sin is None or rotary_cos.ndim != 2 or rotary_sin.shape != rotary_cos.shape:
-            raise ValueError("rotary_cos and rotary_sin must both be given, (seqlen_ro, rotary_dim / 2)")
-        if 2 * rotary_cos.shape[1] > d:
-            raise ValueError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds head_dim {d}")
         # q at positions L + t (causal or windowed) or L; the new keys at L .. L + seqlen_new - 1 (cache_seqlens
         # unread: flash-attn's own rule, tables as long as the cache)
-        local = causal or tuple(window_size) != (-1, -1)
         need = capacity if lens is None else int(lens.max(initial=0)) + max(seqlen_new, seqlen_q if local else 1)
         if rotary_cos.shape[0] < need:
             raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions; this call needs {need}")
         cos, sin = xp.asarray(rotary_cos), xp.asarray(rotary_sin)
-
-    # the options and the kernel, checked before anything is written
-    splitkv = _use_splitkv(kernel, q, k_cache, v_cache)
-    tq, tk, tv = inspect("q", q, 4), inspect("k_cache", k_cache, 4), inspect("v_cache", v_cache, 4)
-    opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
+    opts, splitkv = st.opts, st.splitkv
 
     # where each position of each sequence lives: (cache row, position within it), on the arrays' side
     def rows(b_idx, pos):
@@ -206,19 +169,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         qp = qp.copy()
     if splitkv:
         # 3. attention on the split-KV kernel, reading the cache in place
-        tq = inspect("q", qp, 4)
         arrays = (qp, k_cache, v_cache, seqlens_dev, None if paged else bidx, table if paged else None,
                   None if opts.alibi is None else alibi_slopes)
-        key = _key("decode", arrays, (opts, num_splits, capacity))
-
-        def build():
-            t = [None if x is None else inspect(n, x, x.ndim) for n, x in
-                 zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
-            p = _plan.decode_plan(tq, tk, tv, opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
-                                  max_seqlen_k=capacity, num_splits=int(num_splits))
-            return _launch.Call(p)
-
-        out, lse = _cached(key, build).run(arrays)
+        out, lse = st.call(arrays).run(arrays)
         return (out, lse) if return_softmax_lse else out
     # 3. the keys and values each sequence attends to, packed, on the varlen forward kernels (the lengths read,
     # and clipped to the cache as the split-KV kernel clips them)
@@ -237,6 +190,86 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if return_softmax_lse:
         return out, lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2)
     return out
+
+
+class _Static:
+    """What a call's shapes, dtypes, options and kernel choice decide, checked (ValueError / TypeError) once per
+    kind of call and kept (:func:`flashnumba.api._cached`): the values of the integer arrays are checked at every
+    call, these are not (they cannot change between calls of one key). ``call(arrays)``: the split-KV kernels'
+    launcher, planned at the first call that runs them."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, block_table, causal,
+                 window_size, softcap, alibi_slopes, softmax_scale, num_splits, kernel):
+        self.xp = xp = _xp(q)
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+            if x is not None and _xp(x) is not xp:
+                raise TypeError(f"{name} must be the same kind of array as q ({type(q).__name__})")
+        if q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+            raise ValueError(f"q must be 4-D and k_cache, v_cache 4-D of one shape, got {q.shape}, "
+                             f"{k_cache.shape}, {v_cache.shape}")
+        batch, self.seqlen_q, self.nheads, d = q.shape
+        self.batch, self.d = batch, d
+        self.nheads_k = nheads_k = k_cache.shape[2]
+        if k_cache.shape[3] != d or self.nheads % nheads_k:
+            raise ValueError(f"k_cache {k_cache.shape} does not suit q {q.shape}: head_dim must match and nheads "
+                             f"be a multiple of nheads_k")
+        if not (q.dtype == k_cache.dtype == v_cache.dtype):
+            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+                            f"{v_cache.dtype}")
+        if (k is None) != (v is None):
+            raise ValueError("give both k and v (the new keys and values), or neither")
+        if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
+            raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+        self.num_splits = int(num_splits)
+        self.paged = block_table is not None
+        self.page = 0
+        if self.paged:
+            if cache_batch_idx is not None:
+                raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
+            self.page = page = k_cache.shape[1]
+            if page < MIN_PAGE_SIZE:
+                raise ValueError(f"the page size (k_cache.shape[1]) must be at least {MIN_PAGE_SIZE}, got {page}")
+            if getattr(block_table, "ndim", 0) != 2:
+                raise ValueError(f"block_table must be (batch, max_pages), got shape "
+                                 f"{getattr(block_table, 'shape', None)}")
+            self.capacity = block_table.shape[1] * page
+        else:
+            self.capacity = k_cache.shape[1]
+            if cache_batch_idx is None and k_cache.shape[0] < batch:
+                raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {batch}: pass cache_batch_idx")
+        self.seqlen_new = 0
+        if k is not None:
+            if k.shape != (batch, k.shape[1], nheads_k, d) or v.shape != k.shape:
+                raise ValueError(f"k and v must have shape (batch, seqlen_new, nheads_k, head_dim) = ({batch}, n, "
+                                 f"{nheads_k}, {d}), got {k.shape}, {v.shape}")
+            if k.dtype != q.dtype or v.dtype != q.dtype:
+                raise TypeError(f"k and v must have q's dtype {q.dtype}")
+            self.seqlen_new = k.shape[1]
+        self.rotary = rotary_cos is not None
+        self.local = causal or tuple(window_size) != (-1, -1)
+        if self.rotary:
+            if rotary_sin is None or rotary_cos.ndim != 2 or rotary_sin.shape != rotary_cos.shape:
+                raise ValueError("rotary_cos and rotary_sin must both be given, (seqlen_ro, rotary_dim / 2)")
+            if 2 * rotary_cos.shape[1] > d:
+                raise ValueError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds head_dim {d}")
+        # the options and the kernel
+        self.splitkv = _use_splitkv(kernel, q, k_cache, v_cache)
+        self.tk, self.tv = inspect("k_cache", k_cache, 4), inspect("v_cache", v_cache, 4)
+        self.opts = check_options(inspect("q", q, 4), self.tk, causal, window_size, softcap, alibi_slopes, 0.0,
+                                  softmax_scale)
+        self._call = None
+
+    def call(self, arrays) -> _launch.Call:
+        """The split-KV launcher for arrays (q rotated and contiguous, k_cache, v_cache, the lengths, the batch
+        index or the block table, the ALiBi slopes), planned at the first call."""
+        if self._call is None:
+            tq = inspect("q", arrays[0], 4)
+            t = [None if x is None else inspect(n, x, x.ndim) for n, x in
+                 zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
+            p = _plan.decode_plan(tq, self.tk, self.tv, self.opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
+                                  max_seqlen_k=self.capacity, num_splits=self.num_splits)
+            self._call = _launch.Call(p)
+        return self._call
 
 
 _aranges: dict = {}

@@ -134,11 +134,13 @@ class Tiles(NamedTuple):
 
 @dataclass(frozen=True)
 class Candidate:
-    """A table row: the tiles, the head dims it is for (``max_head_dim``: up to and including), and why."""
+    """A table row: the tiles, the head dims it is for (``max_head_dim``: up to and including), why, and the
+    oldest compute capability it is chosen on (``min_cc``: tiles measured fastest on one generation only)."""
 
     max_head_dim: int
     tiles: Tiles
     reason: str
+    min_cc: tuple = (0, 0)
 
 
 def _tc_threads(rows):
@@ -178,7 +180,9 @@ TABLES = {
         Candidate(64, Tiles(128, 64, 128), "fastest of the H200 sweep at d = 64: 4 warps of 32 rows, B_c 64 (with "
                                            "window, softcap, ALiBi or dropout: 8 warps of 16, plain_rows_per_warp)"),
         Candidate(64, Tiles(128, 32, _tc_threads(128)), "8 warps, B_c 32: fits 64 KB"),
-        Candidate(128, Tiles(128, 64, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 64"),
+        Candidate(128, Tiles(128, 128, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 128 "
+                  "(K_j and V_j of 128 keys: 170 KB of shared memory, Hopper's)", min_cc=(9, 0)),
+        Candidate(128, Tiles(128, 64, _tc_threads(128)), "8 warps, B_c 64: fits 163 KB at d = 128 (A100)"),
         Candidate(128, Tiles(128, 32, _tc_threads(128)), "B_c 32: fits 99 KB at d = 128 (RTX 30/40, A10, L4)"),
         Candidate(128, Tiles(64, 32, _tc_threads(64)), "4 warps: fits 64 KB"),
         Candidate(192, Tiles(128, 64, _tc_threads(128)), "8 warps, B_c 64: S and O within 255 registers at d <= 192"),
@@ -234,7 +238,11 @@ def plain_rows_per_warp(t: Tiles, variant, mods=False) -> Tiles:
     """The tensor-core forward's tiles for a variant: warps of two blocks of 16 rows (wm = 2) hold twice the
     accumulators, which leaves no registers for the window's, softcap's, ALiBi's or dropout's per-score work
     (compiled for sm_90 the kernel then keeps S and O in local memory); with any of those options, or a user's
-    score_mod / mask_mod (``mods``), the same tile runs as warps of 16 rows (twice the threads)."""
+    score_mod / mask_mod (``mods``), the same tile runs as warps of 16 rows (twice the threads). A user's
+    functions also take B_c to at most 64: their arguments and intermediate values need the registers that the
+    scores of a 128-key tile hold."""
+    if mods and t.block_n > 64:
+        t = t._replace(block_n=64)
     if t.block_m == 16 * (t.num_threads // 32):
         return t
     has_left, _, softcap, alibi, _, dropout = variant
@@ -344,7 +352,7 @@ def default(table: str, D: int, limits: DeviceLimits) -> Candidate:
     earlier one did not fit, the reason says so."""
     passed = None
     for c in TABLES[table]:
-        if D > c.max_head_dim:
+        if D > c.max_head_dim or tuple(limits.cc) < c.min_cc:
             continue
         try:
             check(table, D, c.tiles)
@@ -364,7 +372,8 @@ def default(table: str, D: int, limits: DeviceLimits) -> Candidate:
 
 def largest_fitting(table: str, D: int, limits: DeviceLimits) -> str:
     """The table's candidates that fit the device at head dim D, for error messages."""
-    ok = [c.tiles for c in TABLES[table] if D <= c.max_head_dim and fits(table, D, c.tiles, limits)]
+    ok = [c.tiles for c in TABLES[table]
+          if D <= c.max_head_dim and tuple(limits.cc) >= c.min_cc and fits(table, D, c.tiles, limits)]
     return ", ".join(f"(block_m {t.block_m}, block_n {t.block_n})" for t in ok[:3]) or "none"
 
 

@@ -674,7 +674,7 @@ def main(argv=None):
                    help="decoding against a KV cache: TB/s of K and V read, beside torch's backends "
                         "(flashnumba.tools.decode)")
     p.add_argument("--decode-splits", type=int, nargs="+", default=[0],
-                   help="with --decode: the num_splits values to time (0: the plan's choice)")
+                   help="with --decode: num_splits values to time beside the plan's choice")
     a = p.parse_args(argv)
     if a.decode:
         from .decode import run as decode_run

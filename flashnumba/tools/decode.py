@@ -91,11 +91,13 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
              tb_s=kv_bytes / (back * 1e-3) / 1e12, tb_s_single=kv_bytes / (single * 1e-3) / 1e12,
              copy_fraction=kv_bytes / (back * 1e-3) / copy_bps, **extra)
 
-    def unchecked(workload, fn, kv_bytes):
-        """The default call again with config.check_device_values off: no host round trip for the lengths."""
+    def both(workload, fn, kv_bytes, **extra):
+        """The default call, then again with config.check_device_values off (no host round trip for the
+        lengths and pages)."""
+        measure(workload, "flashnumba (num_splits=0)", fn, kv_bytes, num_splits=0, **extra)
         flashnumba.config.check_device_values = False
         try:
-            measure(workload, "flashnumba (unchecked device values)", fn, kv_bytes, num_splits=0)
+            measure(workload, "flashnumba (unchecked device values)", fn, kv_bytes, num_splits=0, **extra)
         finally:
             flashnumba.config.check_device_values = True
 
@@ -110,10 +112,11 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
             lens = cupy.full(batch, n, np.int32)
             kv = 2 * batch * n * NHEADS_K * HEAD_DIM * 2
             name = f"batch {batch}, seqlen_k {n}"
+            both(name, lambda: flashnumba.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens), kv)
             for s in splits:
-                measure(name, f"flashnumba (num_splits={s})", lambda s=s: flashnumba.flash_attn_with_kvcache(
-                    q, kc, vc, cache_seqlens=lens, num_splits=s), kv, num_splits=s)
-            unchecked(name, lambda: flashnumba.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens), kv)
+                if s:
+                    measure(name, f"flashnumba (num_splits={s})", lambda s=s: flashnumba.flash_attn_with_kvcache(
+                        q, kc, vc, cache_seqlens=lens, num_splits=s), kv, num_splits=s)
             for peer, fn in _torch_peers(q, kc, vc, np.full(batch, n)).items():
                 if callable(fn):
                     measure(name, peer, fn, kv)
@@ -128,9 +131,9 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
                     kp, vp = (cupy.empty((batch * per, page, NHEADS_K, HEAD_DIM), np.float16) for _ in range(2))
                     kp[order] = kc.reshape(batch * per, page, NHEADS_K, HEAD_DIM)
                     vp[order] = vc.reshape(batch * per, page, NHEADS_K, HEAD_DIM)
-                    measure(f"{name}, paged ({page} a page)", "flashnumba (num_splits=0)",
-                            lambda kp=kp, vp=vp, table=table: flashnumba.flash_attn_with_kvcache(
-                                q, kp, vp, cache_seqlens=lens, block_table=table), kv, page=page)
+                    both(f"{name}, paged ({page} a page)", lambda kp=kp, vp=vp, table=table:
+                         flashnumba.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table), kv,
+                         page=page)
             del kc, vc
     # 128 sequences of mixed lengths from a paged cache
     batch, page, longest = 128, 256, 8192
@@ -141,9 +144,9 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
                            .astype(np.float16)) for _ in range(2))
     table = cupy.asarray(rng.permutation(batch * per).astype(np.int32).reshape(batch, per))
     kv = int(2 * lens_h.sum() * NHEADS_K * HEAD_DIM * 2)
-    measure(f"128 sequences, lengths 1..{longest}, paged ({page} a page)", "flashnumba (num_splits=0)",
-            lambda: flashnumba.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cupy.asarray(lens_h),
-                                                       block_table=table), kv)
+    lens_d = cupy.asarray(lens_h)
+    both(f"128 sequences, lengths 1..{longest}, paged ({page} a page)",
+         lambda: flashnumba.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens_d, block_table=table), kv)
     result = dict(date=time.strftime("%Y-%m-%d"), environment=environment(), copy_bandwidth_tb_s=copy_bps / 1e12,
                   workload=dict(nheads=NHEADS, nheads_k=NHEADS_K, head_dim=HEAD_DIM, dtype="float16", seqlen_q=1),
                   group_ms=group_ms, rows=rows)

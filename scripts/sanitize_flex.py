@@ -1,0 +1,64 @@
+"""Run flex_attention's kernels (a user's score_mod and mask_mod compiled in) on awkward shapes, for
+compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python scripts/sanitize_flex.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_flex.py
+
+Each example of the tests (tests/test_flex.py) runs forward on the tensor-core kernel (float16) and forward and
+backward on the SIMT kernels (float32), with GQA, seqlens that are not multiples of any tile, and a block mask
+(create_block_mask's kernel too); every result is compared with the float64 reference.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+import flashnumba
+from flashnumba import reference as ref
+
+try:
+    import cupy as xp
+    SHAPES = ((1, 77, 93, 2, 2, 64), (2, 33, 150, 1, 4, 128))
+except ImportError:  # (a dry run in the simulator: NumPy arrays, small shapes)
+    xp = np
+    SHAPES = ((1, 9, 13, 1, 2, 16),)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from test_flex import EXAMPLES  # noqa: E402
+
+rng = np.random.default_rng(0)
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else x
+
+
+for name, (score_mod, grad, mask_mod, make_args) in EXAMPLES.items():
+    for b, sq, sk, hk, groups, d in SHAPES:
+        h = hk * groups
+        args = make_args(sq, sk, rng) if make_args else ()
+        q = rng.standard_normal((b, sq, h, d)).astype(np.float32)
+        k, v = (rng.standard_normal((b, sk, hk, d)).astype(np.float32) for _ in range(2))
+        dout = rng.standard_normal(q.shape).astype(np.float32)
+        dargs = tuple(xp.asarray(a) for a in args)
+        kw = dict(score_mod_args=dargs, enable_gqa=groups > 1)
+        truth, _ = ref.flex_attention_forward(q, k, v, score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args)
+        dq_, dk_, dv_ = ref.flex_attention_backward(dout, q, k, v, score_mod=score_mod, score_mod_grad=grad,
+                                                    mask_mod=mask_mod, score_mod_args=args)
+        # float32 on the SIMT kernels, forward and backward
+        cq, ck, cv, cdo = (xp.asarray(x) for x in (q, k, v, dout))
+        out, lse = flashnumba.flex_attention(cq, ck, cv, score_mod, mask_mod, return_lse=True, **kw)
+        grads = flashnumba.flex_attention_backward(cdo, cq, ck, cv, out, lse, score_mod, mask_mod,
+                                                   score_mod_grad=grad, **kw)
+        errs = [float(np.abs(_host(x) - r).max()) for x, r in zip((out, *grads), (truth, dq_, dk_, dv_))]
+        # float16 on the tensor-core forward, without and with a block mask
+        hq, hk_, hv = (xp.asarray(x.astype(np.float16)) for x in (q, k, v))
+        out16 = flashnumba.flex_attention(hq, hk_, hv, score_mod, mask_mod, **kw)
+        errs.append(float(np.abs(_host(out16).astype(np.float64) - truth).max()))
+        if mask_mod is not None:
+            bm = flashnumba.create_block_mask(mask_mod, b, 1, sq, sk, score_mod_args=dargs, like=hq)
+            outbm = flashnumba.flex_attention(hq, hk_, hv, score_mod, mask_mod, block_mask=bm, **kw)
+            errs.append(float(np.abs(_host(outbm).astype(np.float64) - truth).max()))
+        print(f"{name:24s} b{b} sq{sq} sk{sk} h{h}/{hk} d{d}: max err fp32 out/dq/dk/dv, fp16 out (, block mask)",
+              " ".join(f"{e:.1e}" for e in errs), flush=True)
