@@ -27,6 +27,9 @@ except ImportError:  # (a dry run in the simulator: NumPy arrays, small shapes)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from test_flex import EXAMPLES  # noqa: E402
 
+if os.environ.get("SANITIZE_FLEX_SHAPES") == "one":  # (the first shape only: a sanitizer's run is slow)
+    SHAPES = SHAPES[:1]
+NAMES = os.environ.get("SANITIZE_FLEX_EXAMPLES", ",".join(EXAMPLES)).split(",")  # (a subset, for racecheck)
 rng = np.random.default_rng(0)
 
 
@@ -34,7 +37,8 @@ def _host(x):
     return x.get() if hasattr(x, "get") else x
 
 
-for name, (score_mod, grad, mask_mod, make_args) in EXAMPLES.items():
+for name in NAMES:
+    score_mod, grad, mask_mod, make_args = EXAMPLES[name]
     for b, sq, sk, hk, groups, d in SHAPES:
         h = hk * groups
         args = make_args(sq, sk, rng) if make_args else ()
