@@ -254,19 +254,18 @@ class _Static:
                 raise ValueError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds head_dim {d}")
         # the options and the kernel
         self.splitkv = _use_splitkv(kernel, q, k_cache, v_cache)
-        self.tk, self.tv = inspect("k_cache", k_cache, 4), inspect("v_cache", v_cache, 4)
-        self.opts = check_options(inspect("q", q, 4), self.tk, causal, window_size, softcap, alibi_slopes, 0.0,
-                                  softmax_scale)
+        self.opts = check_options(inspect("q", q, 4), inspect("k_cache", k_cache, 4), causal, window_size, softcap,
+                                  alibi_slopes, 0.0, softmax_scale)  # (no array kept: a cache may be large)
         self._call = None
 
     def call(self, arrays) -> _launch.Call:
         """The split-KV launcher for arrays (q rotated and contiguous, k_cache, v_cache, the lengths, the batch
         index or the block table, the ALiBi slopes), planned at the first call."""
         if self._call is None:
-            tq = inspect("q", arrays[0], 4)
+            tq, tk, tv = (inspect(n, x, 4) for n, x in zip(("q", "k_cache", "v_cache"), arrays[:3]))
             t = [None if x is None else inspect(n, x, x.ndim) for n, x in
                  zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
-            p = _plan.decode_plan(tq, self.tk, self.tv, self.opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
+            p = _plan.decode_plan(tq, tk, tv, self.opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
                                   max_seqlen_k=self.capacity, num_splits=self.num_splits)
             self._call = _launch.Call(p)
         return self._call

@@ -3,9 +3,10 @@
     python scripts/run_notebook.py notebooks/02_block_sizes.ipynb [...]
 
 For machines without jupyter/nbclient (the GPU machine): code cells run in order in one namespace; each cell's
-stdout and stderr become ``stream`` outputs, the value of a final expression an ``execute_result``, and every
-matplotlib figure left open a ``display_data`` PNG (as the inline backend shows them). A cell that raises
-records the traceback as an ``error`` output, and the script stops there and exits non-zero (as nbclient does).
+stdout and stderr become ``stream`` outputs, the value of a final expression an ``execute_result`` (none where
+the cell ends in ";"), and every matplotlib figure left open a ``display_data`` PNG (as the inline backend shows
+them). A cell that raises records the traceback as an ``error`` output, and the script stops there and exits
+non-zero (as nbclient does).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def run(path):
         if err.getvalue():
             outputs.append(_stream("stderr", err.getvalue()))
         outputs.extend(_figures())
-        if result is not None and ok:
+        if result is not None and ok and not source.rstrip().endswith(";"):  # (a final ";" hides it, as in Jupyter)
             outputs.append({"output_type": "execute_result", "execution_count": count, "metadata": {},
                             "data": {"text/plain": repr(result).splitlines(keepends=True)}})
         if not ok:

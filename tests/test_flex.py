@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import flashnumba
-from conftest import assert_close_to_truth, random_qkv, to_numpy
+from conftest import assert_close_to_truth, random_qkv, shard, to_numpy
 from flashnumba import reference as ref
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,11 +139,16 @@ def test_each_example(name):
     _run(name, 13, 21, 1, 2, 16, seed=len(name))
 
 
-@settings(max_examples=6 if flashnumba.SIMULATOR else 200, deadline=None)
+# On a GPU each drawn example compiles its own kernels: the profile's examples are spread over shards (workers).
+SHARDS = 1 if flashnumba.SIMULATOR else 8
+
+
+@pytest.mark.parametrize("part", range(SHARDS))
+@(settings(max_examples=6, deadline=None) if flashnumba.SIMULATOR else shard(SHARDS))
 @given(name=st.sampled_from(list(EXAMPLES)), sq=st.sampled_from([1, 7, 17, 33]), sk=st.sampled_from([1, 9, 17, 40]),
        nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), d=st.sampled_from([8, 16, 40]),
        seed=st.integers(0, 99))
-def test_drawn_shapes(name, sq, sk, nheads_k, groups, d, seed):
+def test_drawn_shapes(part, name, sq, sk, nheads_k, groups, d, seed):
     _run(name, sq, sk, nheads_k, groups, d, seed)
 
 
@@ -184,11 +189,12 @@ def test_examples_on_the_tensor_cores_bfloat16():
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
-@settings(max_examples=int(__import__("os").environ.get("FLASHNUMBA_GPU_EXAMPLES", 40)), deadline=None)
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
 @given(name=st.sampled_from(list(EXAMPLES)), sq=st.sampled_from([1, 63, 200, 513]),
        sk=st.sampled_from([1, 80, 200, 700]), nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
        d=st.sampled_from([40, 64, 128]), seed=st.integers(0, 99))
-def test_drawn_shapes_on_the_tensor_cores_gpu(name, sq, sk, nheads_k, groups, d, seed):
+def test_drawn_shapes_on_the_tensor_cores_gpu(part, name, sq, sk, nheads_k, groups, d, seed):
     _run_tc(name, sq, sk, nheads_k, groups, d, seed, np.float16)
 
 

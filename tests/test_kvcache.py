@@ -369,6 +369,30 @@ def test_no_cache_seqlens_is_the_whole_cache_and_bad_options_write_nothing():
         np.testing.assert_array_equal(kc, kc0)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_values_are_checked_at_every_call_of_a_kept_kind(paged):
+    """A call's shapes, dtypes and options are checked once and kept; the values of its integer arrays are not:
+    after a good call, the same kind of call with lengths beyond the cache, a page outside the pool, a batch
+    index outside the cache or rotary tables too short still raises, and writes nothing."""
+    rng = np.random.default_rng(21)
+    q, k, v, kc, vc, kw = _problem(rng, 2, 1, 1, 1, 2, 16, [3, 5], paged, 16, np.float16, 8)
+    _check(q, k, v, kc, vc, kw, {})
+    kc0 = kc.copy()
+    capacity = kw["block_table"].shape[1] * kc.shape[1] if paged else kc.shape[1]
+    bad = [dict(cache_seqlens=np.array([3, capacity], np.int32))]
+    if paged:
+        table = kw["block_table"].copy()
+        table[1, 0] = kc.shape[0]
+        bad.append(dict(block_table=table))
+    else:
+        bad.append(dict(cache_batch_idx=np.array([0, kc.shape[0]], np.int32)))
+    bad.append(dict(cache_seqlens=np.array([3, kw["rotary_cos"].shape[0]], np.int32)))  # (rotary too short too)
+    for change in bad:
+        with pytest.raises(ValueError):
+            flash_attn_with_kvcache(q, kc, vc, k, v, **(kw | change))
+        np.testing.assert_array_equal(kc, kc0)
+
+
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_86", "sm_90"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_decode_plans_fit_each_architecture(arch, d):
