@@ -102,7 +102,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lens_array = cache_seqlens is not None and not isinstance(cache_seqlens, (int, np.integer))
     key = _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens if lens_array else None, cache_batch_idx,
                            block_table, rotary_cos, rotary_sin, alibi_slopes),
-               (causal, window_size, softcap, rotary_interleaved, softmax_scale, num_splits, kernel,
+               (causal, tuple(window_size) if isinstance(window_size, list) else window_size, softcap,
+                rotary_interleaved, softmax_scale, num_splits, kernel,
                 None if lens_array else type(cache_seqlens)))
     st = _cached(key, lambda: _Static(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx,
                                       block_table, causal, window_size, softcap, alibi_slopes, softmax_scale,

@@ -181,7 +181,8 @@ TABLES = {
                                            "window, softcap, ALiBi or dropout: 8 warps of 16, plain_rows_per_warp)"),
         Candidate(64, Tiles(128, 32, _tc_threads(128)), "8 warps, B_c 32: fits 64 KB"),
         Candidate(128, Tiles(128, 128, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 128 "
-                  "(K_j and V_j of 128 keys: 170 KB of shared memory, Hopper's)", min_cc=(9, 0)),
+                  "(K_j and V_j of 128 keys: 170 KB of shared memory, Hopper's; with per-score options B_c 64, "
+                  "plain_rows_per_warp)", min_cc=(9, 0)),
         Candidate(128, Tiles(128, 64, _tc_threads(128)), "8 warps, B_c 64: fits 163 KB at d = 128 (A100)"),
         Candidate(128, Tiles(128, 32, _tc_threads(128)), "B_c 32: fits 99 KB at d = 128 (RTX 30/40, A10, L4)"),
         Candidate(128, Tiles(64, 32, _tc_threads(64)), "4 warps: fits 64 KB"),
@@ -238,17 +239,16 @@ def plain_rows_per_warp(t: Tiles, variant, mods=False) -> Tiles:
     """The tensor-core forward's tiles for a variant: warps of two blocks of 16 rows (wm = 2) hold twice the
     accumulators, which leaves no registers for the window's, softcap's, ALiBi's or dropout's per-score work
     (compiled for sm_90 the kernel then keeps S and O in local memory); with any of those options, or a user's
-    score_mod / mask_mod (``mods``), the same tile runs as warps of 16 rows (twice the threads). A user's
-    functions also take B_c to at most 64: their arguments and intermediate values need the registers that the
-    scores of a 128-key tile hold."""
-    if mods and t.block_n > 64:
-        t = t._replace(block_n=64)
-    if t.block_m == 16 * (t.num_threads // 32):
-        return t
+    score_mod / mask_mod (``mods``), the same tile runs as warps of 16 rows (twice the threads). The same
+    per-score work takes B_c to at most 64: its values need the registers that the scores of a 128-key tile
+    hold (every option with GQA, or a user's functions, spill there at d = 128)."""
     has_left, _, softcap, alibi, _, dropout = variant
-    if has_left or softcap or alibi or dropout or mods:
-        return t._replace(num_threads=_tc_threads(t.block_m))
-    return t
+    per_score = has_left or softcap or alibi or dropout or mods
+    if per_score and t.block_n > 64:
+        t = t._replace(block_n=64)
+    if t.block_m == 16 * (t.num_threads // 32) or not per_score:
+        return t
+    return t._replace(num_threads=_tc_threads(t.block_m))
 
 
 def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:

@@ -20,8 +20,9 @@ for step in $STEPS; do
            echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15
            grep -h "^FAILED" "$OUT/failures.log" 2>/dev/null ;;  # written as failures happen
     demo) python3 -m flashnumba demo 2>&1 | tee "$OUT/demo.log" ;;
-    sanitize) # SANITIZE_SCRIPTS: the forward/backward kernels' and the decoding kernels' awkward shapes
-      for script in ${SANITIZE_SCRIPTS:-scripts/sanitize.py scripts/sanitize_decode.py}; do
+    sanitize) # SANITIZE_SCRIPTS: the forward/backward kernels', the decoding kernels' and flex_attention's awkward
+      # shapes (SANITIZE_FLEX_SHAPES=one: flex_attention's first shape only)
+      for script in ${SANITIZE_SCRIPTS:-scripts/sanitize.py scripts/sanitize_decode.py scripts/sanitize_flex.py}; do
         for tool in memcheck racecheck; do
           timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 $script \
             > "$OUT/sanitize_$tool.txt" 2>&1
