@@ -142,6 +142,10 @@ class Candidate:
     reason: str
     min_cc: tuple = (0, 0)
 
+    def applies(self, D: int, limits: DeviceLimits) -> bool:
+        """Whether the row is for head dim D on the device's generation (its shared memory aside)."""
+        return D <= self.max_head_dim and tuple(limits.cc) >= self.min_cc
+
 
 def _tc_threads(rows):
     return 32 * (rows // mma_forward.WARP_ROWS)
@@ -352,7 +356,7 @@ def default(table: str, D: int, limits: DeviceLimits) -> Candidate:
     earlier one did not fit, the reason says so."""
     passed = None
     for c in TABLES[table]:
-        if D > c.max_head_dim or tuple(limits.cc) < c.min_cc:
+        if not c.applies(D, limits):
             continue
         try:
             check(table, D, c.tiles)
@@ -372,8 +376,7 @@ def default(table: str, D: int, limits: DeviceLimits) -> Candidate:
 
 def largest_fitting(table: str, D: int, limits: DeviceLimits) -> str:
     """The table's candidates that fit the device at head dim D, for error messages."""
-    ok = [c.tiles for c in TABLES[table]
-          if D <= c.max_head_dim and tuple(limits.cc) >= c.min_cc and fits(table, D, c.tiles, limits)]
+    ok = [c.tiles for c in TABLES[table] if c.applies(D, limits) and fits(table, D, c.tiles, limits)]
     return ", ".join(f"(block_m {t.block_m}, block_n {t.block_n})" for t in ok[:3]) or "none"
 
 
