@@ -398,6 +398,7 @@ def bind(spec: KernelLaunch, arrays: dict, scalars: dict, device):
 # ---------------------------------------------------------------------------------------------------------------
 
 _dummies: dict = {}
+SCRATCH_ALIGN = 256  # bytes: where each temporary starts in a call's scratch (an allocator's own alignment)
 
 
 def dummy(name, shape, dtype):
@@ -453,11 +454,18 @@ class Call:
                 moved = spec.to_device or spec.copy
                 kind = ("cupy" if _arrays.cupy is not None else "numba") if spec.to_device else spec.kind
                 self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind]))
-        self.allocs = []  # (name, shape, kernel dtype, returned)
+        self._byte = sys.modules["torch"].uint8 if self.torch else np.dtype(np.uint8)
+        self.allocs = []  # (name, shape, kernel dtype) of the returned outputs
+        self.scratch = []  # (name, byte offset) of the temporaries, which share one allocation of scratch_bytes
+        self.scratch_bytes = 0
         for spec in self.outputs:
             kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(spec.dtype) else np.dtype(spec.dtype)
-            self.allocs.append((spec.name, spec.shape, _arrays.torch_dtype(spec.dtype) if self.torch else kdtype,
-                                spec.returned))
+            if spec.returned:
+                self.allocs.append((spec.name, spec.shape, _arrays.torch_dtype(spec.dtype) if self.torch else kdtype))
+            else:
+                self.scratch.append((spec.name, self.scratch_bytes))
+                nbytes = int(np.prod(self.plan.arrays[spec.name].shape)) * kdtype.itemsize
+                self.scratch_bytes += -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
         self.host_results = [s.dtype for s in self.outputs if s.returned] if self.like == "numpy" else None
         if self.torch:
             self.empty = None
@@ -488,19 +496,20 @@ class Call:
 
     def _alloc(self, shape, dtype, ref):
         """(array, address) of a new output; NaN-filled when ``config.poison_outputs`` is set (bfloat16 bits:
-        0x7FC0)."""
+        0x7FC0; the bytes of the temporaries' scratch: 0xFF, a NaN in every float type)."""
+        poison = 0x7FC0 if dtype == np.uint16 else 0xFF if dtype == np.uint8 else np.nan
         if self.torch:
             arr = sys.modules["torch"].empty(shape, dtype=dtype, device=ref.device)
             if config.poison_outputs:
-                arr.fill_(float("nan"))
+                arr.fill_(255 if dtype == self._byte else float("nan"))
             return arr, arr.data_ptr()
         if self.empty is not cuda.device_array:
             arr = self.empty(shape, dtype)
             if config.poison_outputs:
-                arr.fill(0x7FC0 if dtype == np.uint16 else np.nan)
+                arr.fill(poison)
             return arr, arr.data.ptr
         if config.poison_outputs:
-            host = np.full(shape, 0x7FC0, np.uint16) if dtype == np.uint16 else np.full(shape, np.nan, dtype)
+            host = np.full(shape, poison, dtype)
             arr = cuda.to_device(host)
         else:
             arr = cuda.device_array(shape, dtype)
@@ -521,9 +530,14 @@ class Call:
             values[name] = address(x)
         ref = arrays[0]
         outs = []
-        for name, shape, dtype, returned in self.allocs:
+        for name, shape, dtype in self.allocs:
             arr, values[name] = self._alloc(shape, dtype, ref)
-            (outs if returned else keep).append(arr)
+            outs.append(arr)
+        if self.scratch:
+            arr, base = self._alloc((self.scratch_bytes,), self._byte, ref)
+            keep.append(arr)
+            for name, off in self.scratch:
+                values[name] = base + off
         return values, outs, keep
 
     def run(self, arrays, seed=0, offset=0, stream=None):

@@ -103,11 +103,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     key = _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens if lens_array else None, cache_batch_idx,
                            block_table, rotary_cos, rotary_sin, alibi_slopes),
                (causal, tuple(window_size) if isinstance(window_size, list) else window_size, softcap,
-                rotary_interleaved, softmax_scale, num_splits, kernel,
+                rotary_interleaved, softmax_scale, num_splits, kernel, bool(return_softmax_lse),
                 None if lens_array else type(cache_seqlens)))
     st = _cached(key, lambda: _Static(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx,
                                       block_table, causal, window_size, softcap, alibi_slopes, softmax_scale,
-                                      num_splits, kernel))
+                                      num_splits, kernel, bool(return_softmax_lse)))
     xp, batch, seqlen_q, nheads, nheads_k, d = st.xp, st.batch, st.seqlen_q, st.nheads, st.nheads_k, st.d
     capacity, seqlen_new, paged, page = st.capacity, st.seqlen_new, st.paged, st.page
     read = config.check_device_values  # device integer arrays copied to the host and checked
@@ -172,8 +172,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # 3. attention on the split-KV kernel, reading the cache in place
         arrays = (qp, k_cache, v_cache, seqlens_dev, None if paged else bidx, table if paged else None,
                   None if opts.alibi is None else alibi_slopes)
-        out, lse = st.call(arrays).run(arrays)
-        return (out, lse) if return_softmax_lse else out
+        res = st.call(arrays).run(arrays)  # [out, lse], or [out] (lse then in the call's scratch)
+        return tuple(res) if return_softmax_lse else res[0]
     # 3. the keys and values each sequence attends to, packed, on the varlen forward kernels (the lengths read,
     # and clipped to the cache as the split-KV kernel clips them)
     seqlen_k = np.clip(_arrays.to_host(seqlens_dev).astype(np.int64), 0, capacity)
@@ -200,8 +200,9 @@ class _Static:
     launcher, planned at the first call that runs them."""
 
     def __init__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, block_table, causal,
-                 window_size, softcap, alibi_slopes, softmax_scale, num_splits, kernel):
+                 window_size, softcap, alibi_slopes, softmax_scale, num_splits, kernel, return_lse=True):
         self.xp = xp = _xp(q)
+        self.return_lse = return_lse
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
             if x is not None and _xp(x) is not xp:
                 raise TypeError(f"{name} must be the same kind of array as q ({type(q).__name__})")
@@ -267,7 +268,8 @@ class _Static:
             t = [None if x is None else inspect(n, x, x.ndim) for n, x in
                  zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
             p = _plan.decode_plan(tq, tk, tv, self.opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
-                                  max_seqlen_k=self.capacity, num_splits=self.num_splits)
+                                  max_seqlen_k=self.capacity, num_splits=self.num_splits,
+                                  return_lse=self.return_lse)
             self._call = _launch.Call(p)
         return self._call
 
