@@ -468,23 +468,25 @@ def decode_splits(blocks: int, n_tiles: int, limits: tiling.DeviceLimits, per_sm
     return min(n for n, e in eff.items() if e >= 0.85 * best)
 
 
-def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen_k, num_splits=0,
-                device=None) -> Plan:
+def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen_k, num_splits=0, return_lse=True,
+                stages=None, device=None) -> Plan:
     """The plan of a decoding call (:func:`flashnumba.flash_attn_with_kvcache` on the split-KV kernel): tq (batch,
     seqlen_q, nheads, D) the queries (rotated), tk, tv the cache (C-contiguous), seqlens the (batch,) int32 keys
     per sequence, batch_idx or block_table (int32 Tensors, or None), ``max_seqlen_k`` a bound on seqlens (the
     cache's capacity: the lengths themselves may live on the device, unread). ``num_splits`` above
-    :data:`MAX_SPLITS` counts as MAX_SPLITS (as in flash-attn)."""
+    :data:`MAX_SPLITS` counts as MAX_SPLITS (as in flash-attn). The call returns out, and lse with ``return_lse``
+    (else the kernels write it to the call's scratch). ``stages``: the kernel's K, V buffers (None: its default,
+    :data:`flashnumba.kernels.mma_decode.STAGES`)."""
     limits = resolve_device(device, (tq, tk, tv))
     batch, seqlen_q, nheads, D = tq.shape
     nheads_k = tk.shape[2]
     paged = block_table is not None
     dt = tq.dtype
-    W, KW = DECODE_WARPS, DECODE_KW
-    smem = mma_decode.shared_bytes(D, W, KW)
+    W, KW, S = DECODE_WARPS, DECODE_KW, stages or mma_decode.STAGES
+    smem = mma_decode.shared_bytes(D, W, KW, S)
     while smem > limits.max_shared_per_block and W > 1:  # (large head dims on GPUs of 99 or 64 KB a block)
         W //= 2
-        smem = mma_decode.shared_bytes(D, W, KW)
+        smem = mma_decode.shared_bytes(D, W, KW, S)
     if smem > limits.max_shared_per_block:
         raise ValueError(f"the split-KV kernel at head_dim {D} needs {smem} bytes of shared memory, more than this "
                          f"GPU's {limits.max_shared_per_block}; pass kernel='gather'")
@@ -505,7 +507,8 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     spec, arrays["alibi"] = _alibi_input(opts.alibi, batch, nheads)
     inputs.append(spec)
     out_spec, arrays["out"] = _output("out", tq.shape, dt, False)
-    lse_spec, arrays["lse"] = _output("lse", (batch, nheads, seqlen_q), np.dtype(np.float32), False)
+    lse_spec, arrays["lse"] = _output("lse", (batch, nheads, seqlen_q), np.dtype(np.float32), False,
+                                      returned=return_lse)
     f32 = np.dtype(np.float32)
     part = (splits, batch, seqlen_q, nheads, D) if split else (1, 1, 1, 1, 1)
     lpart = (splits, batch, nheads, seqlen_q) if split else (1, 1, 1, 1)
@@ -517,12 +520,12 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     why = (f"the split-KV kernel: the {nheads // nheads_k} query heads of a key/value head as rows of one tile, "
            f"the keys in {splits} part{'s' if split else ''} (num_splits={num_splits})")
     launches = [KernelLaunch("decode split-KV", "decode", mma_decode.make_decode_tc,
-                             (D, W, KW, dname, has_left, has_right, softcap, alibi, paged, split),
+                             (D, W, KW, dname, has_left, has_right, softcap, alibi, paged, split, S),
                              ("q", "k_cache", "v_cache", "out", "lse", "o_part", "lse_part", "seqlens_k", "batch_idx",
                               "block_table", "alibi", "scale_q", "softcap", "left", "right"),
                              (splits, batch * nheads_k, zrows), (32 * W,), smem, None,
-                             f"{W} warps of {KW} keys a tile; {per_sm} blocks an SM by shared memory, threads "
-                             f"and registers")]
+                             f"{W} warps of {KW} keys a tile, {S} buffers; {per_sm} blocks an SM by shared "
+                             f"memory, threads and registers")]
     if split:
         launches.append(KernelLaunch("decode combine", "decode", mma_decode.make_combine, (dname,),
                                      ("o_part", "lse_part", "out", "lse"), (seqlen_q, batch * nheads),

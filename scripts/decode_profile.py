@@ -1,12 +1,14 @@
 """Where a decoding step's time goes: the host (Python) side under cProfile, or the kernels under Nsight Compute.
 
-    python scripts/decode_profile.py host [batch] [seqlen_k]       # cProfile of 2000 calls, checked and unchecked
+    python scripts/decode_profile.py host [batch] [seqlen_k] [page]   # cProfile of 2000 calls, checked, unchecked
     ncu --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section WarpStateStats --section LaunchStats \\
-        python scripts/decode_profile.py ncu [batch] [seqlen_k]     # flashnumba's kernels, then cuDNN's
+        python scripts/decode_profile.py ncu [batch] [seqlen_k] [page]  # flashnumba's kernels, then cuDNN's
+    python scripts/decode_profile.py stages [batch] [seqlen_k] [page]  # the kernel with 2 and 3 K, V buffers
 
 Workload as in ``python -m flashnumba bench --decode``: float16, head_dim 128, 32 query heads on 8 key/value
-heads, one query token per sequence, every sequence holding seqlen_k keys (defaults: batch 32, seqlen_k 8192).
+heads, one query token per sequence, every sequence holding seqlen_k keys (defaults: batch 32, seqlen_k 8192);
+with ``page``, flashnumba reads the same keys from a paged cache of that page size (the pages shuffled).
 """
 
 import cProfile
@@ -25,9 +27,19 @@ rng = np.random.default_rng(0)
 q = cupy.asarray(rng.standard_normal((batch, 1, 32, 128), np.float32).astype(np.float16))
 kc, vc = (cupy.asarray(rng.standard_normal((batch, n, 8, 128), np.float32).astype(np.float16)) for _ in range(2))
 lens = cupy.full(batch, n, np.int32)
+page = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+table = None
+if page:  # sequence b's page i is page table[b, i] of the pool: the same keys, in shuffled pages
+    per = n // page
+    table = cupy.asarray(rng.permutation(batch * per).astype(np.int32).reshape(batch, per))
+    pool_k, pool_v = (cupy.empty((batch * per, page, 8, 128), np.float16) for _ in range(2))
+    pool_k[table.reshape(-1)] = kc.reshape(batch * per, page, 8, 128)
+    pool_v[table.reshape(-1)] = vc.reshape(batch * per, page, 8, 128)
 
 
 def step():
+    if page:
+        return flashnumba.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=table)
     return flashnumba.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
 
 
@@ -63,6 +75,30 @@ elif mode == "ncu":
         torch.cuda.synchronize()
         cupy.cuda.profiler.stop()
     print(f"profiled flash_attn_with_kvcache (its kernels in launch order) and cuDNN's SDPA, batch {batch}, "
-          f"seqlen_k {n}")
+          f"seqlen_k {n}, page size {page or 'none (contiguous)'}")
+elif mode == "stages":  # the kernel's K, V buffers (the plan's ``stages``): each count timed, calls back to back
+    from flashnumba import _launch, _validate, planner
+
+    kk, vv = (pool_k, pool_v) if page else (kc, vc)
+    arrays = (q, kk, vv, lens, None if page else cupy.arange(batch, dtype=np.int32), table, None)
+    names = ("q", "k_cache", "v_cache", "seqlens_k", "batch_idx", "block_table")
+    t = [None if x is None else _validate.inspect(nm, x, x.ndim) for nm, x in zip(names, arrays)]
+    opts = _validate.check_options(t[0], t[1], False, (-1, -1), 0.0, None, 0.0, None)
+    nbytes = 2 * kc.nbytes
+    for stages in (2, 3):
+        p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5], max_seqlen_k=n,
+                                return_lse=False, stages=stages)
+        call = _launch.Call(p)
+        for _ in range(20):
+            call.run(arrays)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(200):
+            call.run(arrays)
+        end.record()
+        end.synchronize()
+        ms = cupy.cuda.get_elapsed_time(start, end) / 200
+        print(f"stages {stages}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s; {p.launches[0].grid} grid, "
+              f"{p.launches[0].shared_bytes} B shared ({p.launches[0].reason})")
 else:
-    raise SystemExit(f"mode must be host or ncu, got {mode!r}")
+    raise SystemExit(f"mode must be host, ncu or stages, got {mode!r}")

@@ -323,6 +323,37 @@ def test_unchecked_device_values_stay_inside_the_arrays():
     np.testing.assert_allclose(lse, l1, atol=1e-3)
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_every_buffer_count_gives_the_same_attention(stages):
+    """The kernel's K, V buffers (the plan's ``stages``; the default is one of them) change the pipeline, not the
+    result: contiguous and paged caches of several tiles (64 keys a tile), one split and three, against float64."""
+    from flashnumba import _launch, _validate, planner
+
+    rng = np.random.default_rng(stages)
+    q = rng.standard_normal((2, 1, 4, 16)).astype(np.float16)
+    kc, vc = (rng.standard_normal((2, 256, 2, 16)).astype(np.float16) for _ in range(2))
+    lens = np.array([256, 150], np.int32)
+    opts = _validate.check_options(_validate.inspect("q", q, 4), _validate.inspect("k_cache", kc, 4), False,
+                                   (-1, -1), 0.0, None, 0.0, None)
+    truth_o, truth_l, _, _ = ref.kvcache_attention(q, kc, vc, cache_seqlens=lens)
+    base_o, base_l, _, _ = ref.kvcache_attention(q, kc, vc, cache_seqlens=lens, dtype=np.float16)
+    pages = np.array([[3, 0], [1, 2]], np.int32)  # sequence b's keys in pages pages[b] of 128
+    kp, vp = (np.empty((4, 128, 2, 16), np.float16) for _ in range(2))
+    for b in range(2):
+        for i in range(2):
+            kp[pages[b, i]], vp[pages[b, i]] = kc[b, 128 * i:128 * (i + 1)], vc[b, 128 * i:128 * (i + 1)]
+    for paged, splits in ((False, 1), (True, 3)):
+        k_, v_ = (kp, vp) if paged else (kc, vc)
+        arrays = (q, k_, v_, lens, None if paged else np.arange(2, dtype=np.int32), pages if paged else None, None)
+        t = [None if x is None else _validate.inspect(n, x, x.ndim) for n, x in
+             zip(("q", "k_cache", "v_cache", "seqlens_k", "batch_idx", "block_table"), arrays)]
+        p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5], max_seqlen_k=256,
+                                num_splits=splits, stages=stages)
+        out, lse = (to_numpy(x) for x in _launch.Call(p).run(arrays))
+        assert_close_to_truth("out", out, truth_o, base_o.astype(np.float16), reduction=256)
+        assert_close_to_truth("lse", lse, truth_l, base_l.astype(np.float32), reduction=256)
+
+
 @settings(max_examples=200, deadline=None)
 @given(blocks=st.integers(1, 5000), n_tiles=st.integers(0, 600), sms=st.integers(1, 200), per_sm=st.integers(1, 8))
 def test_the_split_count_fills_the_last_wave(blocks, n_tiles, sms, per_sm):

@@ -31,7 +31,7 @@ each page_size keys; ``seqlens_k`` (batch,) the keys of each sequence. Keys are 
 ``cp.async`` (a paged cache: one block-table entry a tile where a page holds whole tiles, else one a row), rows
 past seqlens_k are zeros, and nothing past them is read. The rest is the tensor-core forward's
 (:mod:`.mma_forward`): the fragment layout, the online softmax on the accumulators, the cp.async pipeline of K_j,
-V_j tiles (here :data:`STAGES` buffers: two tiles in flight, the cache's reads being what bounds the kernel), the
+V_j tiles (here :data:`STAGES` buffers by default: one tile in flight while the warps use the other), the
 masks (query row t sees key j iff t + diag - left <= j <= t + diag + right, diag = seqlen_k - seqlen_q) and the
 score modifications (softcap, ALiBi by query head).
 """
@@ -49,28 +49,30 @@ from numba import float32, uint16, uint32
 from numba.cuda.types import float16
 
 ROWS = WARP_ROWS  # rows (query position, head) of a block: one m16 block
-STAGES = 3  # K_j, V_j buffers: two tiles in flight while the warps compute on a third
+# K_j, V_j buffers by default: one tile in flight while the warps compute on the other. The blocks of an SM together
+# keep enough reads in flight, and the smaller buffers leave room for a third block an SM (and for smaller GPUs)
+STAGES = 2
 
 
-def _reused_bytes(D, warps, KW):
-    """Q's 16 rows and STAGES K_j, V_j buffers of warps x KW rows (16-bit, rows of padded(D) + PAD), or the warps'
-    m, l and O (float32) for the combine at the end, which reuses them: the larger."""
+def _reused_bytes(D, warps, KW, stages=STAGES):
+    """Q's 16 rows and ``stages`` K_j, V_j buffers of warps x KW rows (16-bit, rows of padded(D) + PAD), or the
+    warps' m, l and O (float32) for the combine at the end, which reuses them: the larger."""
     LD = padded(D) + PAD
-    return max((ROWS + 2 * STAGES * warps * KW) * LD * 2, warps * (2 * ROWS + ROWS * padded(D)) * 4)
+    return max((ROWS + 2 * stages * warps * KW) * LD * 2, warps * (2 * ROWS + ROWS * padded(D)) * 4)
 
 
-def shared_bytes(D, warps, KW):
+def shared_bytes(D, warps, KW, stages=STAGES):
     """The tiles or the combine (:func:`_reused_bytes`), then the 16 rows' ALiBi slopes (float32)."""
-    return _reused_bytes(D, warps, KW) + 4 * ROWS
+    return _reused_bytes(D, warps, KW, stages) + 4 * ROWS
 
 
 @functools.lru_cache(maxsize=None)
 def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=False, softcap=False, alibi=False,
-                   paged=False, split=False):
+                   paged=False, split=False, stages=STAGES):
     """The split-KV decoding kernel for head_dim D (a multiple of 8 up to 256), ``warps`` warps of ``KW`` keys each
     per tile (a multiple of 16), ``dtype`` "float16" or "bfloat16", options compiled in as flagged; ``paged``: the
     cache in pages (block_table); ``split``: several splits, written to o_part / lse_part for :func:`make_combine`
-    (else to out / lse).
+    (else to out / lse); ``stages`` K_j, V_j buffers (2 or more: stages - 1 tiles in flight).
 
     Arguments: (q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens_k, batch_idx, block_table, alibi,
     scale_q, softcap, left, right). q (batch, seqlen_q, nheads, D), out like it, lse (batch, nheads, seqlen_q)
@@ -80,12 +82,15 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
     (batch, nheads) float32. scale_q = softmax_scale * log2(e), or softmax_scale with softcap or ALiBi.
 
     Launch: grid (splits, batch * nheads_k, ceil(seqlen_q * G / 16)), block (32 * warps,), dynamic shared memory
-    :func:`shared_bytes`.
+    :func:`shared_bytes` (with the same ``stages``).
     """
     if D not in HEAD_DIMS:
         raise ValueError(f"the decoding kernel supports head_dim a multiple of 8 up to 256, got {D}")
     if KW % 16 or KW <= 0 or warps not in (1, 2, 4, 8):
         raise ValueError(f"KW must be a positive multiple of 16 and warps 1, 2, 4 or 8, got {KW}, {warps}")
+    if stages < 2:
+        raise ValueError(f"stages must be at least 2, got {stages}")
+    STAGES = stages
     is_bf16 = dtype == "bfloat16"
     store = bf16.load_store(is_bf16)[1]
     elem = uint16 if is_bf16 else float16
@@ -104,7 +109,7 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
     BUF = 2 * BC * LD
     WAIT = STAGES - 1  # copy groups left in flight when a tile is used
     MS = 2 * ROWS + ROWS * D  # float32 per warp in the combine: m, l, O of the 16 rows
-    SLOPES = _reused_bytes(DG, warps, KW) // 4  # the ALiBi slopes of the 16 rows (float32), past both
+    SLOPES = _reused_bytes(DG, warps, KW, stages) // 4  # the ALiBi slopes of the 16 rows (float32), past both
     # S = Q K_w^T (K_w: the warp's KW keys of the tile), Q's A fragments read from shared memory at each k-step:
     # kept in registers they would leave too few for O at head_dim 128 (the cache's reads, not the products,
     # bound this kernel)
@@ -143,11 +148,17 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
             page = block_table[b, j0 // P]
             ok = 0 <= page < k_cache.shape[0]
             base = page * P + j0 % P
+        r0 = tid // CH  # (where CH divides NT, a thread's column is the same in every step)
+        c0 = (tid - r0 * CH) * 8
         for it in range((BC * CH + NT - 1) // NT):
             e = tid + it * NT
             if (BC * CH) % NT == 0 or e < BC * CH:
-                r = e // CH
-                c = (e - r * CH) * 8
+                if NT % CH == 0:
+                    r = r0 + it * (NT // CH)
+                    c = c0
+                else:
+                    r = e // CH
+                    c = (e - r * CH) * 8
                 j = j0 + r
                 dst = off + r * LD + c
                 row = base + r
@@ -228,7 +239,8 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
             for x in range(4):
                 o[0, n, x] = 0.0
 
-        # Prologue: Q and tile 0 in flight as one commit group, tile 1 as the next (an empty group if none)
+        # Prologue: Q and tiles 0 .. STAGES - 2 in flight, Q with tile 0 as one commit group, each further tile as
+        # the next (an empty group where there is none)
         load_q(smem, q, b, hk, G, ri0, R, tid)
         for st in range(STAGES - 1):
             if st < count:
@@ -238,8 +250,9 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
         for it in range(count):
             j0 = n_start + (first + it) * BC
             buf = OFF_K + (it % STAGES) * BUF
-            # tile it + 2 into the buffer tile it - 1 used (freed by the barrier that ended iteration it - 1), its
-            # own group; then wait until all groups but the two newest landed (tile it), and a barrier
+            # tile it + STAGES - 1 into the buffer tile it - 1 used (freed by the barrier that ended iteration
+            # it - 1), its own group; then wait until all groups but the STAGES - 1 newest landed (tile it), and a
+            # barrier
             if it + STAGES - 1 < count:
                 load_kv(smem, OFF_K + ((it + STAGES - 1) % STAGES) * BUF, k_cache, v_cache, b, bb, hk,
                         j0 + (STAGES - 1) * BC, seqlen_k, block_table, tid)
@@ -293,11 +306,12 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
                     s[0, n, x] = p
             l[0] = a0 * l[0] + ps0
             l[1] = a1 * l[1] + ps1
-            for n in range(NO):
-                o[0, n, 0] *= a0
-                o[0, n, 1] *= a0
-                o[0, n, 2] *= a1
-                o[0, n, 3] *= a1
+            if a0 != 1.0 or a1 != 1.0:  # O rescaled only where a row's max grew (after the first tiles, seldom)
+                for n in range(NO):
+                    o[0, n, 0] *= a0
+                    o[0, n, 1] *= a0
+                    o[0, n, 2] *= a1
+                    o[0, n, 3] *= a1
             mma_ab(o, s, pa, smem, buf + OFF_V + warp * KW * LD, lane)
             cuda.syncthreads()  # every warp is done with this buffer before the next iteration copies into it
         ptx.cp_async_wait_all()
