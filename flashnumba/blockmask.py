@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import _arrays
-from ._backend import SIMULATOR
+from ._backend import SIMULATOR, cuda
 from ._validate import check_mods, inspect, mod_args_tuple
 from .kernels.block_mask import THREADS, make_classify
 
@@ -73,7 +73,13 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
     xp = np if SIMULATOR or tq.kind == "numpy" or _arrays.cupy is None else _arrays.cupy
     state = xp.zeros((B, H, nq, nk), np.int8)
     kernel_args = [t.array for t in targs] + [xp.zeros(1, np.float32)] * (4 - len(targs))
-    make_classify(mods, qb, kb)[(nq, nk, B * H), (THREADS,)](state, Q_LEN, KV_LEN, *kernel_args)
+    launch = make_classify(mods, qb, kb)[(nq, nk, B * H), (THREADS,)]
+    if xp is np and not SIMULATOR:  # NumPy arrays on a GPU: copied there and back once, explicitly
+        dev = cuda.to_device(state)
+        launch(dev, Q_LEN, KV_LEN, *[cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in kernel_args])
+        state = dev.copy_to_host()
+    else:
+        launch(state, Q_LEN, KV_LEN, *kernel_args)
     key = (state == 0).astype(np.int32) * nk + xp.arange(nk, dtype=np.int32)  # non-empty first, each ascending
     order = xp.argsort(key, axis=-1).astype(np.int32)
     num = (state != 0).sum(axis=-1).astype(np.int32)
