@@ -449,7 +449,9 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
 DECODE_WARPS = 4  # warps of a decoding block, each KW keys of every tile
 DECODE_KW = 16  # keys a warp takes of each tile: tiles of 64 keys, three K, V buffers of 104 KB at head_dim 128
 MAX_SPLITS = 128
-DECODE_REGISTERS = 255  # registers a thread of the decoding kernel is taken to hold (it uses nearly all it may)
+# registers a thread of the decoding kernel is taken to hold when the plan counts blocks an SM: the most it may use
+# (its own count, known only once compiled, depends on the options and the head dim)
+DECODE_REGISTERS = 255
 
 
 def decode_splits(blocks: int, n_tiles: int, limits: tiling.DeviceLimits, per_sm: int) -> int:

@@ -1,6 +1,7 @@
-"""Every kernel a default plan chooses compiles for sm_75, sm_80, sm_86, sm_89 and sm_90 without a GPU, and fits
-that architecture: registers (255 a thread, 64 K a block), shared memory (static + dynamic within what a block may
-use there), no stack frame that would spill to local memory beyond what the assembler reports.
+"""Every kernel a default plan chooses compiles for sm_75, sm_80, sm_86 and sm_90 without a GPU, and fits that
+architecture: registers (255 a thread, 64 K a block), shared memory (static + dynamic within what a block may use
+there), no stack frame that would spill to local memory beyond what the assembler reports. (sm_89 is left out:
+its limits a block are sm_86's, so its plans choose the same kernels, and it has the same instructions.)
 
 Runs in subprocesses with FLASHNUMBA_SIMULATOR=0 (the test session itself may be using the simulator); the plans
 are made for each architecture's limits (``device="sm_80"``), the kernels compiled with numba-cuda's NVVM and
@@ -57,7 +58,7 @@ print(json.dumps(rows))
 """
 
 
-@pytest.mark.parametrize("arch", list(tiling.ARCHS))
+@pytest.mark.parametrize("arch", [a for a in tiling.ARCHS if a != "sm_89"])
 def test_planned_kernels_compile_and_fit(arch, tmp_path):
     pytest.importorskip("cuda.bindings.nvjitlink")
     env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0",
