@@ -497,12 +497,12 @@ class Call:
     def _alloc(self, shape, dtype, ref):
         """(array, address) of a new output; NaN-filled when ``config.poison_outputs`` is set (bfloat16 bits:
         0x7FC0; the bytes of the temporaries' scratch: 0xFF, a NaN in every float type)."""
-        poison = 0x7FC0 if dtype == np.uint16 else 0xFF if dtype == np.uint8 else np.nan
         if self.torch:
             arr = sys.modules["torch"].empty(shape, dtype=dtype, device=ref.device)
             if config.poison_outputs:
                 arr.fill_(255 if dtype == self._byte else float("nan"))
             return arr, arr.data_ptr()
+        poison = 0x7FC0 if dtype == np.uint16 else 0xFF if dtype == np.uint8 else np.nan
         if self.empty is not cuda.device_array:
             arr = self.empty(shape, dtype)
             if config.poison_outputs:

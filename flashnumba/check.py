@@ -293,8 +293,8 @@ def _forward(impl, problem, q, k, v, **extra):
 
 
 def _backward(impl, problem, dout, q, k, v):
-    grads = impl.backward(*(_to(x, impl.side(problem.dtype)) for x in (dout, q, k, v)),
-                          **_call_options(problem, impl))
+    side = impl.side(problem.dtype)
+    grads = impl.backward(*(_to(x, side) for x in (dout, q, k, v)), **_call_options(problem, impl))
     return tuple(_back(g) for g in grads)
 
 
