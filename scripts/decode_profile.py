@@ -5,6 +5,8 @@
         --section WarpStateStats --section LaunchStats \\
         python scripts/decode_profile.py ncu [batch] [seqlen_k] [page]  # flashnumba's kernels, then cuDNN's
     python scripts/decode_profile.py stages [batch] [seqlen_k] [page]  # the kernel with 2 and 3 K, V buffers
+    python scripts/decode_profile.py latency [batch] [seqlen_k] [page]  # host and device time of a call, with torch's
+    python scripts/decode_profile.py splits [batch] [seqlen_k] [page]  # num_splits 0 (the plan's) and others, timed
 
 Workload as in ``python -m flashnumba bench --decode``: float16, head_dim 128, 32 query heads on 8 key/value
 heads, one query token per sequence, every sequence holding seqlen_k keys (defaults: batch 32, seqlen_k 8192);
@@ -100,5 +102,106 @@ elif mode == "stages":  # the kernel's K, V buffers (the plan's ``stages``): eac
         ms = cupy.cuda.get_elapsed_time(start, end) / 200
         print(f"stages {stages}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s; {p.launches[0].grid} grid, "
               f"{p.launches[0].shared_bytes} B shared ({p.launches[0].reason})")
+elif mode == "latency":  # a call's host time, its GPU time alone (calls replayed from a CUDA graph), and the two modes
+    import time
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq = torch.as_tensor(q, device="cuda").transpose(1, 2)
+    tk, tv = (torch.as_tensor(x, device="cuda").transpose(1, 2) for x in (kc, vc))
+
+    def peer(backend):
+        def fn():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+        return fn
+
+    def unchecked():
+        flashnumba.config.check_device_values = False
+        try:
+            return step()
+        finally:
+            flashnumba.config.check_device_values = True
+
+    def graph_ms(fn, calls=50):  # the GPU's time per call with no host in the way
+        if fn is unchecked:
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                fn()
+                stream.synchronize()
+                g_stream = stream
+                stream.begin_capture()
+                for _ in range(calls):
+                    fn()
+                graph = stream.end_capture()
+            launch = lambda: graph.launch(g_stream)  # noqa: E731
+            sync = g_stream.synchronize
+        else:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    fn()
+            launch, sync = graph.replay, torch.cuda.synchronize
+        launch()
+        sync()
+        best = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            launch()
+            sync()
+            best.append((time.perf_counter() - t) * 1e3 / calls)
+        return min(best)
+
+    def host_us(fn, calls=25, rounds=20):
+        times = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t) / calls * 1e6)
+            torch.cuda.synchronize()
+        return float(np.median(times))
+
+    from flashnumba.tools.timing import cuda_time_calls_ms
+
+    print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}: host us a call (median of 20 x 25 calls); GPU us a "
+          f"call from a CUDA graph of 50 calls (host-timed, min of 5); back to back and one call a pair (events)")
+    impls = (("flashnumba unchecked", unchecked), ("flashnumba checked", step),
+             ("torch flash", peer(SDPBackend.FLASH_ATTENTION)), ("torch cuDNN", peer(SDPBackend.CUDNN_ATTENTION)))
+    for name, fn in impls:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        host = host_us(fn)
+        try:
+            gpu = f"{graph_ms(fn) * 1e3:7.1f}" if fn is not step else "  (syncs)"
+        except Exception as err:  # noqa: BLE001  (a call that cannot be captured: say so)
+            gpu = f"not captured ({type(err).__name__}: {str(err)[:80]})"
+        back, _, k = cuda_time_calls_ms(fn, warmup=3, repeat=10, group_ms=20.0)
+        pair, _, _ = cuda_time_calls_ms(fn, warmup=1, repeat=10)
+        print(f"{name:22s} host {host:6.1f} us   GPU {gpu} us   back to back {back * 1e3:6.1f} us ({k} calls)   "
+              f"pair {pair * 1e3:6.1f} us")
+elif mode == "splits":
+    from flashnumba.tools.timing import cuda_time_calls_ms
+
+    flashnumba.config.check_device_values = False
+    nbytes = 2 * kc.nbytes
+    kk, vv = (pool_k, pool_v) if page else (kc, vc)
+    for s in (0, 16, 32, 42, 48, 64, 96, 128):
+        def fn(s=s):
+            return flashnumba.flash_attn_with_kvcache(q, kk, vv, cache_seqlens=lens, block_table=table, num_splits=s)
+        back, _, _ = cuda_time_calls_ms(fn, warmup=3, repeat=10, group_ms=20.0)
+        pair, _, _ = cuda_time_calls_ms(fn, warmup=1, repeat=10)
+        grids = [c.call(None).plan.launches[0].grid for k, c in flashnumba.api._calls.items()  # (the grid: splits)
+                 if k and k[0] == "kvcache" and c._call is not None and c.num_splits == s]
+        print(f"num_splits {s:3d}: back to back {nbytes / back / 1e9:.2f} TB/s, pair {nbytes / pair / 1e9:.2f} TB/s, "
+              f"grid {grids[-1] if grids else '?'}")
 else:
-    raise SystemExit(f"mode must be host, ncu or stages, got {mode!r}")
+    raise SystemExit(f"mode must be host, ncu, stages, latency or splits, got {mode!r}")

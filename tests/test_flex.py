@@ -68,7 +68,7 @@ def _docs(sq, sk, rng):
     return (np.sort(rng.integers(0, 3, sq)).astype(np.int32), np.sort(rng.integers(0, 3, sk)).astype(np.int32))
 
 
-def _table(sq, sk, rng, nheads=4):  # (the most heads the tests draw: 2 key/value heads x 2)
+def _table(sq, sk, rng, nheads=6):  # (the most query heads the tests draw: 2 key/value heads x 3)
     n = max(sq, sk)
     return (rng.standard_normal((nheads, 2 * n + 1)).astype(np.float32),)
 
