@@ -180,17 +180,25 @@ def max_error(a, b) -> float:
     return float(np.abs(np.where(same_inf, 0.0, a - np.where(same_inf, 0.0, b))).max())
 
 
-def tolerance(truth, baseline, dtype, reduction) -> float:
-    """FACTOR x the baseline's error against the truth, plus FLOOR_ULPS ulps of ``dtype`` and FLOOR_ULPS sqrt(n)
-    float32 ulps at the truth's magnitude (n: the longest sum accumulated), as flash-attn's tests allow."""
-    finite = np.asarray(truth)[np.isfinite(truth)]
-    magnitude = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
-    floor = FLOOR_ULPS * magnitude * (_eps(dtype) + math.sqrt(reduction) * _eps(np.float32))
+def tolerance(truth, baseline, dtype, reduction, terms=None) -> float:
+    """FACTOR x the baseline's error against the truth, plus FLOOR_ULPS ulps of ``dtype`` at the truth's magnitude
+    (the result's rounding) and FLOOR_ULPS float32 ulps at the larger of sqrt(n) x the truth's magnitude (n: the
+    longest sum accumulated; the statistical rounding of n additions, as flash-attn's tests allow) and the size of
+    the terms summed (``terms``, as :func:`flashnumba.reference.attention_backward_terms` gives them: one ulp of
+    each term, where the result cancels far below them, below both Higham's worst case and the statistical
+    estimate)."""
+    def magnitude(x):
+        finite = np.asarray(x)[np.isfinite(x)]
+        return max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
+
+    result = magnitude(truth)
+    summed = max(math.sqrt(reduction) * result, 0.0 if terms is None else magnitude(terms))
+    floor = FLOOR_ULPS * (result * _eps(dtype) + summed * _eps(np.float32))
     return FACTOR * max_error(baseline, truth) + floor
 
 
-def _compare(got, truth, baseline, dtype, reduction, what):
-    err, tol = max_error(got, truth), tolerance(truth, baseline, dtype, reduction)
+def _compare(got, truth, baseline, dtype, reduction, what, terms=None):
+    err, tol = max_error(got, truth), tolerance(truth, baseline, dtype, reduction, terms)
     if not err <= tol:
         raise _Failure(err / tol if tol else math.inf, err, tol, f"{what} error {err:.3g} > {tol:.3g}")
     return err, tol
@@ -424,9 +432,10 @@ def check_backward(impl, examples, dtypes, head_dims, max_seqlen, seed):
         ro = p.reference_options()
         truth = reference.attention_backward(dout, q, k, v, **ro)
         base = reference.attention_backward(dout, q, k, v, dtype=np.dtype(q.dtype), **ro)
+        terms = reference.attention_backward_terms(dout, q, k, v, **ro)
         worst = (0.0, 1.0)
-        for name, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
-            err, tol = _compare(g, t, b, q.dtype, max(p.head_dim, p.seqlen_q, p.seqlen_k), name)
+        for name, g, t, b, a in zip(("dq", "dk", "dv"), grads, truth, base, terms):
+            err, tol = _compare(g, t, b, q.dtype, max(p.head_dim, p.seqlen_q, p.seqlen_k), name, a)
             worst = max(worst, (err, tol), key=lambda et: et[0] / et[1] if et[1] else 0)
         return worst
 

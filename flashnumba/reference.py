@@ -192,6 +192,32 @@ def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, windo
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
 
 
+def attention_backward_terms(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, dropout_z=None):
+    """The size of the terms each gradient of :func:`attention_backward` sums: the same formulas on absolute
+    values (float64), |dV| <= |P Z|^T |dO|, |dS| <= P (|Z| |dO| |V|^T + |dO| |O|) |1 - tanh^2|,
+    |dQ| <= scale |dS| |K|, |dK| <= scale |dS|^T |Q|.
+
+    Rounding in a sum of products is bounded by the sum of the products' absolute values (Higham, "Accuracy and
+    Stability of Numerical Algorithms", 2nd ed., section 3.5), not by the result, which can be far smaller: with
+    one key, P = 1 and dP - D cancels to exactly 0 in dQ and dK, while each of dP and D holds head_dim products.
+    The checker's float32-accumulation allowance is one ulp of these sizes at least
+    (:func:`flashnumba.check.tolerance`).
+    """
+    nheads_k = np.shape(k)[2]
+    q, k, v, p, _, dcap, scale = _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        np.float64)
+    z = np.ones(()) if dropout_z is None else np.abs(np.asarray(dropout_z, np.float64))
+    q, k, v, do = np.abs(q), np.abs(k), np.abs(v), np.abs(_heads_first(dout, np.float64))
+    o = (p * z) @ v
+    dv = (p * z).transpose(0, 1, 3, 2) @ do
+    ds = p * (z * (do @ v.transpose(0, 1, 3, 2)) + (do * o).sum(axis=-1, keepdims=True)) * np.abs(dcap)
+    dq = scale * (ds @ k)
+    dk = scale * (ds.transpose(0, 1, 3, 2) @ q)
+    dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
+    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
 def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, block_m=16, block_n=16):
     """Attention computed tile by tile with the online softmax (FlashAttention-2, Algorithm 1), in float64.

@@ -122,3 +122,22 @@ def test_bfloat16_baseline_is_float32_with_out_rounded_to_bfloat16():
     np.testing.assert_array_equal(lse, lse32)
     grads = reference.attention_backward(q, q, k, v, dtype=bf16)
     assert all(g.dtype == bf16 for g in grads)
+
+
+@pytest.mark.parametrize("opts", FEATURES)
+def test_backward_terms_bound_the_gradients(opts):
+    """attention_backward_terms (the checker's size of the terms each gradient sums) is the gradient's formula on
+    absolute values: it bounds |dq|, |dk|, |dv| element by element, and stays of the terms' size where the
+    gradient cancels (one key: P = 1, dP - D = 0, dq = dk = 0)."""
+    rng = np.random.default_rng(7)
+    q, k, v = _gqa_qkv(rng, 2, 9, 11, 2, 1, 8)
+    dout = rng.standard_normal(q.shape)
+    for a, g in zip(reference.attention_backward_terms(dout, q, k, v, **opts),
+                    reference.attention_backward(dout, q, k, v, **opts)):
+        assert a.shape == g.shape and np.all(a >= np.abs(g) * (1 - 1e-12))
+    q, k, v = _gqa_qkv(rng, 1, 6, 1, 2, 2, 8)
+    dout = rng.standard_normal(q.shape)
+    dq, dk, _ = reference.attention_backward(dout, q, k, v)
+    tq, tk, _ = reference.attention_backward_terms(dout, q, k, v)
+    assert np.abs(dq).max() < 1e-12 and np.abs(dk).max() < 1e-12
+    assert tq.min() > 0.01 and tk.min() > 0.01
