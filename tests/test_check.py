@@ -127,11 +127,12 @@ def test_correct_implementations_pass(impl):
 
 
 def test_flashnumba_passes():
-    """flashnumba's own kernels (in the simulator on a machine without a GPU: few, small examples)."""
+    """flashnumba's own kernels (in the simulator on a machine without a GPU: one small example a property, the
+    adapter's path through each; the checker's own logic is tested on NumPy implementations above)."""
     small = flashnumba.SIMULATOR
     # (determinism on a GPU only: what it catches, results that change with the order the hardware schedules work
     # in, the simulator does not reproduce; and its fixed shape is the slowest property to simulate)
-    report = check_attention(adapter("flashnumba"), examples=2 if small else 60, max_seqlen=20 if small else 200,
+    report = check_attention(adapter("flashnumba"), examples=1 if small else 60, max_seqlen=20 if small else 200,
                              head_dims=(16,) if small else (40, 64, 128), dtypes=("float32",) if small else None,
                              properties=("forward", "lse", "backward", "causal-convention", "empty-rows",
                                          "large-logits", "nan-containment", "varlen", "immutability")
