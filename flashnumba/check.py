@@ -184,9 +184,8 @@ def tolerance(truth, baseline, dtype, reduction, terms=None) -> float:
     """FACTOR x the baseline's error against the truth, plus FLOOR_ULPS ulps of ``dtype`` at the truth's magnitude
     (the result's rounding) and FLOOR_ULPS float32 ulps at the larger of sqrt(n) x the truth's magnitude (n: the
     longest sum accumulated; the statistical rounding of n additions, as flash-attn's tests allow) and the size of
-    the terms summed (``terms``, as :func:`flashnumba.reference.attention_backward_terms` gives them: one ulp of
-    each term, where the result cancels far below them, below both Higham's worst case and the statistical
-    estimate)."""
+    the terms summed (``terms``, as :func:`flashnumba.reference.attention_backward_terms` gives them, for results
+    that cancel far below their terms: Higham's bound gamma_n |A| |B| with a constant in place of n)."""
     def magnitude(x):
         finite = np.asarray(x)[np.isfinite(x)]
         return max(1.0, float(np.abs(finite).max())) if finite.size else 1.0

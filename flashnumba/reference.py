@@ -195,13 +195,13 @@ def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, windo
 def attention_backward_terms(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, dropout_z=None):
     """The size of the terms each gradient of :func:`attention_backward` sums: the same formulas on absolute
-    values (float64), |dV| <= |P Z|^T |dO|, |dS| <= P (|Z| |dO| |V|^T + |dO| |O|) |1 - tanh^2|,
+    values (float64), |dV| <= |P Z|^T |dO|, |dS| <= P (|Z| |dO| |V|^T + rowsum(|dO| * (|P Z| |V|))) |1 - tanh^2|,
     |dQ| <= scale |dS| |K|, |dK| <= scale |dS|^T |Q|.
 
-    Rounding in a sum of products is bounded by the sum of the products' absolute values (Higham, "Accuracy and
-    Stability of Numerical Algorithms", 2nd ed., section 3.5), not by the result, which can be far smaller: with
-    one key, P = 1 and dP - D cancels to exactly 0 in dQ and dK, while each of dP and D holds head_dim products.
-    The checker's float32-accumulation allowance is one ulp of these sizes at least
+    The rounding error of a sum of products grows with the sum of the products' absolute values (Higham,
+    "Accuracy and Stability of Numerical Algorithms", 2nd ed., section 3.5: |fl(A B) - A B| <= gamma_n |A| |B|),
+    not with the result, which can be far smaller: with one key, P = 1 and dP - D cancels to exactly 0 in dQ and
+    dK, while each of dP and D holds head_dim products. The checker allows a few float32 ulps of these sizes
     (:func:`flashnumba.check.tolerance`).
     """
     nheads_k = np.shape(k)[2]

@@ -118,11 +118,11 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
         return fn
 
     def unchecked():
-        flashnumba.config.check_device_values = False
+        saved, flashnumba.config.check_device_values = flashnumba.config.check_device_values, False
         try:
             return step()
         finally:
-            flashnumba.config.check_device_values = True
+            flashnumba.config.check_device_values = saved
 
     def graph_ms(fn, calls=50):  # the GPU's time per call with no host in the way
         if fn is unchecked:
@@ -130,13 +130,12 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
             with stream:
                 fn()
                 stream.synchronize()
-                g_stream = stream
                 stream.begin_capture()
                 for _ in range(calls):
                     fn()
                 graph = stream.end_capture()
-            launch = lambda: graph.launch(g_stream)  # noqa: E731
-            sync = g_stream.synchronize
+            launch = lambda: graph.launch(stream)  # noqa: E731
+            sync = stream.synchronize
         else:
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):
@@ -171,7 +170,8 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
 
     from flashnumba.tools.timing import cuda_time_calls_ms
 
-    print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}: host us a call (median of 20 x 25 calls); GPU us a "
+    print(f"batch {batch}, seqlen_k {n}, page {page or 'none'} (torch: the contiguous cache): host us a call "
+          f"(median of 20 x 25 calls); GPU us a "
           f"call from a CUDA graph of 50 calls (host-timed, min of 5); back to back and one call a pair (events)")
     impls = (("flashnumba unchecked", unchecked), ("flashnumba checked", step),
              ("torch flash", peer(SDPBackend.FLASH_ATTENTION)), ("torch cuDNN", peer(SDPBackend.CUDNN_ATTENTION)))
@@ -194,6 +194,7 @@ elif mode == "splits":
     flashnumba.config.check_device_values = False
     nbytes = 2 * kc.nbytes
     kk, vv = (pool_k, pool_v) if page else (kc, vc)
+    print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}")
     for s in (0, 16, 32, 42, 48, 64, 96, 128):
         def fn(s=s):
             return flashnumba.flash_attn_with_kvcache(q, kk, vv, cache_seqlens=lens, block_table=table, num_splits=s)

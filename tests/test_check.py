@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flashnumba
-from flashnumba import reference
+from flashnumba import check, reference
 from flashnumba.check import Implementation, Unsupported, adapter, check_attention, reference_implementation
 
 
@@ -203,3 +203,24 @@ def test_reports_in_worker_processes(tmp_path, capsys):
     assert out.index("[float32] numpy-reference: passed") < out.index("[float16] numpy-reference: passed")
     data = json.loads((tmp_path / "check-numpy-reference-float16.json").read_text())
     assert data["dtypes"] == ["float16"] and data["passed"] and "environment" in data
+
+
+def test_gradient_tolerance_allows_cancellation_and_catches_small_errors():
+    """With one key dq = 0 exactly (P = 1, dP = D), and a float32 computation is left with the rounding of dP - D,
+    sums of head_dim products of size ~sqrt(head_dim): the gradient's tolerance allows that (a few ulps of the
+    terms summed, reference.attention_backward_terms) while an error of 0.1% of an ordinary gradient fails."""
+    rng = np.random.default_rng(3)
+    for seqlen_k in (1, 64):
+        q, dout = (rng.standard_normal((1, 64, 2, 128)).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((1, seqlen_k, 2, 128)).astype(np.float32) for _ in range(2))
+        truth = reference.attention_backward(dout, q, k, v, softmax_scale=0.5)[0]
+        base = reference.attention_backward(dout, q, k, v, softmax_scale=0.5, dtype=np.float32)[0]
+        terms = reference.attention_backward_terms(dout, q, k, v, softmax_scale=0.5)[0]
+        tol = check.tolerance(truth, base, np.float32, 128, terms)
+        if seqlen_k == 1:  # dP by a pairwise sum, D by a running one (as a separate pass over dO * O adds them)
+            dp = (dout * v[:, :1]).sum(axis=-1, dtype=np.float32)
+            d_i = np.cumsum(dout * v[:, :1], axis=-1, dtype=np.float32)[..., -1]
+            dq = np.float32(0.5) * (dp - d_i)[..., None] * k[:, :1]
+            assert np.abs(truth).max() < 1e-12 and 0 < check.max_error(dq, truth) <= tol
+        else:
+            assert check.max_error(truth * (1 + 1e-3), truth) > tol

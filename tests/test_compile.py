@@ -1,14 +1,16 @@
-"""Every kernel a default plan chooses compiles for sm_75, sm_80, sm_86 and sm_90 without a GPU, and fits that
-architecture: registers (255 a thread, 64 K a block), shared memory (static + dynamic within what a block may use
-there), no stack frame that would spill to local memory beyond what the assembler reports. (sm_89 is left out:
-its limits a block are sm_86's, so its plans choose the same kernels, and it has the same instructions.)
+"""Every kernel the default plans choose (and the tensor-core and TF32 kernels chosen with ``kernel=``) builds for
+sm_75, sm_80, sm_86 and sm_90 without a GPU, and fits that architecture: registers (255 a thread, 64 K a block),
+shared memory (static + dynamic within what a block may use there), no stack frame that would spill to local
+memory beyond what the assembler reports. (sm_89 is left out: its limits a block are sm_86's, so its plans choose
+the same kernels, and it has the same instructions.)
 
 Runs in subprocesses with FLASHNUMBA_SIMULATOR=0 (the test session itself may be using the simulator); the plans
-are made for each architecture's limits (``device="sm_80"``), the kernels compiled with numba-cuda's NVVM and
-assembled with nvJitLink. sm_80, sm_86 and sm_90 share one subprocess, in which a kernel that several of their
-plans choose is compiled to PTX once, for sm_80 (the oldest target of the tensor-core kernels), and assembled for
-each target, as the CUDA driver assembles PTX written for an older architecture; the GPU profile compiles the
-kernels for the GPU's own architecture.
+are made for each architecture's limits (``device="sm_80"``). NVVM (numba-cuda) compiles the kernels to PTX for
+sm_75 and for sm_80, and nvJitLink assembles them for each target: sm_80, sm_86 and sm_90 share one subprocess,
+in which every kernel of their plans is compiled to PTX for sm_80 (once where plans share it) and assembled for
+its target, as the CUDA driver assembles PTX written for an older architecture. (Those assembled from sm_80's PTX
+for another target are not stored in the disk cache; the GPU profile compiles every kernel for the GPU's own
+architecture.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 import flashnumba
 from flashnumba import _launch, planner
 ptx_of = {}  # a kernel's PTX, compiled once for sm_80 where its target is sm_80 or newer
-real_compile_ptx = _launch.compile_ptx
+real_compile_ptx, real_store = _launch.compile_ptx, _launch._cache.store
 def compile_kernel(spec, sig, cc):
     cc = tuple(cc)[:2]
     base = (8, 0) if cc >= (8, 0) else cc
@@ -38,10 +40,13 @@ def compile_kernel(spec, sig, cc):
             ptx_of[key] = real_compile_ptx(pyfunc, signature, base)
         return ptx_of[key].replace(f".target sm_{base[0]}{base[1]}", f".target sm_{target[0]}{target[1]}", 1)
     _launch.compile_ptx = compile_ptx
+    if cc != base:  # (not stored under the target's key: it is not that target's own compile)
+        _launch._cache.store = lambda *args, **kwargs: None
     try:
         return _launch.compile_kernel(spec, sig, cc)
     finally:
         _launch.compile_ptx = real_compile_ptx
+        _launch._cache.store = real_store
 planner.compile_kernel = compile_kernel
 result = {}
 for arch in sys.argv[1:]:
