@@ -180,12 +180,18 @@ def attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, windo
     nheads_k = np.shape(k)[2]
     q, k, v, p, _, dcap, scale = _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dtype)
     z = np.ones((), dtype) if dropout_z is None else np.asarray(dropout_z, dtype)
-    do = _heads_first(dout, dtype)
+    return _gradients(_heads_first(dout, dtype), q, k, v, p, z, dcap, scale, nheads_k)
+
+
+def _gradients(do, q, k, v, p, z, dcap, scale, nheads_k, absolute=False):
+    """:func:`attention_backward`'s formulas on heads-first arrays, returned as (batch, seqlen, heads, d); with
+    ``absolute`` D is added to Z dP instead of subtracted (the form of :func:`attention_backward_terms`, which
+    passes absolute values)."""
     o = (p * z) @ v
     dv = (p * z).transpose(0, 1, 3, 2) @ do
     dp = do @ v.transpose(0, 1, 3, 2)
     d_i = (do * o).sum(axis=-1, keepdims=True)
-    ds = p * (z * dp - d_i) * dcap
+    ds = p * ((z * dp + d_i) if absolute else (z * dp - d_i)) * dcap
     dq = scale * (ds @ k)
     dk = scale * (ds.transpose(0, 1, 3, 2) @ q)
     dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
@@ -208,14 +214,8 @@ def attention_backward_terms(dout, q, k, v, *, softmax_scale=None, causal=False,
     q, k, v, p, _, dcap, scale = _dense(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                         np.float64)
     z = np.ones(()) if dropout_z is None else np.abs(np.asarray(dropout_z, np.float64))
-    q, k, v, do = np.abs(q), np.abs(k), np.abs(v), np.abs(_heads_first(dout, np.float64))
-    o = (p * z) @ v
-    dv = (p * z).transpose(0, 1, 3, 2) @ do
-    ds = p * (z * (do @ v.transpose(0, 1, 3, 2)) + (do * o).sum(axis=-1, keepdims=True)) * np.abs(dcap)
-    dq = scale * (ds @ k)
-    dk = scale * (ds.transpose(0, 1, 3, 2) @ q)
-    dk, dv = _fold_kv(dk, nheads_k), _fold_kv(dv, nheads_k)
-    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    return _gradients(np.abs(_heads_first(dout, np.float64)), np.abs(q), np.abs(k), np.abs(v), p, z, np.abs(dcap),
+                      scale, nheads_k, absolute=True)
 
 
 def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
