@@ -448,7 +448,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
 
 DECODE_WARPS = 4  # warps of a decoding block, each KW keys of every tile
 DECODE_KW = 16  # keys a warp takes of each tile: tiles of 64 keys, two K, V buffers of 70 KB at head_dim 128
-MAX_SPLITS = 128
+MAX_SPLITS = mma_decode.MAX_SPLITS
 # registers a thread of the decoding kernel is taken to hold when the plan counts blocks an SM: the most it may use
 # (its own count, known only once compiled, depends on the options and the head dim)
 DECODE_REGISTERS = 255

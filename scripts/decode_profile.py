@@ -7,6 +7,7 @@
     python scripts/decode_profile.py stages [batch] [seqlen_k] [page]  # the kernel with 2 and 3 K, V buffers
     python scripts/decode_profile.py latency [batch] [seqlen_k] [page]  # host and device time of a call, with torch's
     python scripts/decode_profile.py splits [batch] [seqlen_k] [page]  # num_splits 0 (the plan's) and others, timed
+    python scripts/decode_profile.py tiles [batch] [seqlen_k] [page]  # keys a warp, buffers and splits: GPU time
 
 Workload as in ``python -m flashnumba bench --decode``: float16, head_dim 128, 32 query heads on 8 key/value
 heads, one query token per sequence, every sequence holding seqlen_k keys (defaults: batch 32, seqlen_k 8192);
@@ -75,8 +76,11 @@ elif mode == "ncu":
         cupy.cuda.Device().synchronize()
         torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
         torch.cuda.synchronize()
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+            torch.cuda.synchronize()
         cupy.cuda.profiler.stop()
-    print(f"profiled flash_attn_with_kvcache (its kernels in launch order) and cuDNN's SDPA, batch {batch}, "
+    print(f"profiled flash_attn_with_kvcache (its kernels in launch order), cuDNN's and flash's SDPA, batch {batch}, "
           f"seqlen_k {n}, page size {page or 'none (contiguous)'}")
 elif mode == "stages":  # the kernel's K, V buffers (the plan's ``stages``): each count timed, calls back to back
     from flashnumba import _launch, _validate, planner
@@ -102,6 +106,49 @@ elif mode == "stages":  # the kernel's K, V buffers (the plan's ``stages``): eac
         ms = cupy.cuda.get_elapsed_time(start, end) / 200
         print(f"stages {stages}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s; {p.launches[0].grid} grid, "
               f"{p.launches[0].shared_bytes} B shared ({p.launches[0].reason})")
+elif mode == "tiles":  # the kernel's tile (KW keys a warp), buffers and splits: the GPU's time from a CUDA graph
+    import time
+
+    from flashnumba import _launch, _validate, planner
+
+    kk, vv = (pool_k, pool_v) if page else (kc, vc)
+    arrays = (q, kk, vv, lens, None if page else cupy.arange(batch, dtype=np.int32), table, None)
+    names = ("q", "k_cache", "v_cache", "seqlens_k", "batch_idx", "block_table")
+    t = [None if x is None else _validate.inspect(nm, x, x.ndim) for nm, x in zip(names, arrays)]
+    opts = _validate.check_options(t[0], t[1], False, (-1, -1), 0.0, None, 0.0, None)
+    nbytes = 2 * kc.nbytes
+    stream = cupy.cuda.Stream(non_blocking=True)
+    print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}: us a call from a CUDA graph of 50 calls (min of 5)")
+    for kw in (16, 32):
+        planner.DECODE_KW = kw
+        for stages in (2, 3):
+            for splits in (0, 8, 16, 32, 48):
+                try:
+                    p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5],
+                                            max_seqlen_k=n, return_lse=False, stages=stages, num_splits=splits)
+                except ValueError as err:
+                    print(f"KW {kw} stages {stages}: {err}")
+                    break
+                call = _launch.Call(p)
+                with stream:
+                    call.run(arrays, stream=stream.ptr)
+                    stream.synchronize()
+                    stream.begin_capture()
+                    for _ in range(50):
+                        call.run(arrays, stream=stream.ptr)
+                    graph = stream.end_capture()
+                graph.launch(stream)
+                stream.synchronize()
+                best = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    graph.launch(stream)
+                    stream.synchronize()
+                    best.append((time.perf_counter() - t0) / 50)
+                us = min(best) * 1e6
+                print(f"KW {kw:2d} stages {stages} num_splits {splits:2d}: {us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s; "
+                      f"grid {p.launches[0].grid}, {p.launches[0].shared_bytes} B shared, "
+                      f"{len(p.launches)} kernels", flush=True)
 elif mode == "latency":  # a call's host time, its GPU time alone (calls replayed from a CUDA graph), and the two modes
     import time
 
@@ -205,4 +252,4 @@ elif mode == "splits":
         print(f"num_splits {s:3d}: back to back {nbytes / back / 1e9:.2f} TB/s, pair {nbytes / pair / 1e9:.2f} TB/s, "
               f"grid {grids[-1] if grids else '?'}")
 else:
-    raise SystemExit(f"mode must be host, ncu, stages, latency or splits, got {mode!r}")
+    raise SystemExit(f"mode must be host, ncu, stages, tiles, latency or splits, got {mode!r}")

@@ -169,16 +169,17 @@ def _host(x):
     return x if isinstance(x, np.ndarray) else x.copy_to_host()
 
 
-@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
-def test_combine_kernel_against_numpy(dtype):
-    """The second kernel of a split call alone: parts with -inf (no key) among them, a row no part saw."""
+@pytest.mark.parametrize("dtype,S,threads", [(np.float16, 4, 64), ("bfloat16", 4, 64), (np.float16, 37, 32)])
+def test_combine_kernel_against_numpy(dtype, S, threads):
+    """The second kernel of a split call alone: parts with -inf (no key) among them, a row no part saw; more
+    splits than a warp's lanes and not a multiple of the splits read at once."""
     from flashnumba.kernels.mma_decode import make_combine
     from flashnumba import _arrays
 
     if dtype == "bfloat16" and _arrays.bfloat16() is None:
         pytest.skip("ml_dtypes is not installed")
     rng = np.random.default_rng(3)
-    S, b, sq, h, d = 4, 2, 3, 2, 40
+    b, sq, h, d = 2, 3, 2, 40
     o_part = rng.standard_normal((S, b, sq, h, d)).astype(np.float32)
     lse_part = (3 * rng.standard_normal((S, b, h, sq))).astype(np.float32)
     lse_part[1, 0, 0, 0] = -np.inf
@@ -187,7 +188,7 @@ def test_combine_kernel_against_numpy(dtype):
     bf = dtype == "bfloat16"
     out = _device(np.full((b, sq, h, d), 0x7FC0 if bf else np.nan, np.uint16 if bf else dtype))
     lse = _device(np.full((b, h, sq), np.nan, np.float32))
-    make_combine("bfloat16" if bf else "float16")[(sq, b * h), (64,)](_device(o_part), _device(lse_part), out, lse)
+    make_combine("bfloat16" if bf else "float16")[(sq, b * h), (threads,)](_device(o_part), _device(lse_part), out, lse)
     got = _host(out)
     got = got.view(_arrays.bfloat16()).astype(np.float32) if bf else got.astype(np.float32)
     tol = 2 * np.finfo(np.float16).eps if not bf else 2 ** -7

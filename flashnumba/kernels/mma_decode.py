@@ -52,6 +52,8 @@ ROWS = WARP_ROWS  # rows (query position, head) of a block: one m16 block
 # K_j, V_j buffers by default: one tile in flight while the warps compute on the other. The blocks of an SM together
 # keep enough reads in flight, and the smaller buffers leave room for a third block an SM (and for smaller GPUs)
 STAGES = 2
+MAX_SPLITS = 128  # splits of a sequence's keys at most (the combine holds their weights in shared memory)
+UNROLL = 8  # splits the combine reads at once
 
 
 def _reused_bytes(D, warps, KW, stages=STAGES):
@@ -368,8 +370,16 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
 def make_combine(dtype="float16"):
     """The second kernel of a split call: out and lse from the splits' o_part and lse_part (module docstring).
 
-    Arguments: (o_part, lse_part, out, lse) as :func:`make_decode_tc`'s. Launch: grid (seqlen_q, batch * nheads),
-    block (32 * ceil(D / 32),) at most 256 threads, each thread some columns of the row."""
+    One block per (query position, batch x head). The splits' L_s are read at once (a thread each) into shared
+    memory; the first warp takes their max M and sum (lanes over the splits, then a butterfly of shuffles, so every
+    lane holds the same L in a fixed order) and turns each L_s into its weight exp(L_s - L); then each thread sums
+    its columns' w_s O_s, ``UNROLL`` splits at a time, so that as many loads are in flight instead of one: the
+    partial results sit in L2 and the kernel's time is the latency of its rounds of reads (one a split, without
+    the unrolling).
+
+    Arguments: (o_part, lse_part, out, lse) as :func:`make_decode_tc`'s, at most :data:`MAX_SPLITS` splits.
+    Launch: grid (seqlen_q, batch * nheads), block (32 * ceil(D / 32),) at most 256 threads (32 at least), each
+    thread some columns of the row."""
     store = bf16.load_store(dtype == "bfloat16")[1]
 
     @cuda.jit
@@ -379,20 +389,44 @@ def make_combine(dtype="float16"):
         b = cuda.blockIdx.y // H
         h = cuda.blockIdx.y % H
         S = o_part.shape[0]
-        mm = NEG_INF
-        for sp in range(S):
-            mm = max(mm, lse_part[sp, b, h, t])
-        ll = float32(0.0)
-        if mm != NEG_INF:
-            for sp in range(S):
-                ll += math.exp(lse_part[sp, b, h, t] - mm)
-        for c in range(cuda.threadIdx.x, out.shape[3], cuda.blockDim.x):
-            acc = float32(0.0)
+        tid = cuda.threadIdx.x
+        w = cuda.shared.array(MAX_SPLITS, float32)  # the splits' L_s, then their weights exp(L_s - L)
+        total = cuda.shared.array(1, float32)  # L
+        for sp in range(tid, S, cuda.blockDim.x):
+            w[sp] = lse_part[sp, b, h, t]
+        cuda.syncthreads()
+        if tid < 32:
+            mm = NEG_INF
+            for sp in range(tid, S, 32):
+                mm = max(mm, w[sp])
+            for x in (16, 8, 4, 2, 1):
+                mm = max(mm, ptx.shfl_xor_f32(mm, x))
+            ll = float32(0.0)
             if mm != NEG_INF:
-                for sp in range(S):
-                    acc += math.exp(lse_part[sp, b, h, t] - mm) * o_part[sp, b, t, h, c]
-            out[b, t, h, c] = store(acc / ll if ll != 0 else float32(0.0))
-        if cuda.threadIdx.x == 0:
-            lse[b, h, t] = float32(mm + math.log(ll)) if ll != 0 else NEG_INF
+                for sp in range(tid, S, 32):
+                    ll += math.exp(w[sp] - mm)
+            for x in (16, 8, 4, 2, 1):
+                ll += ptx.shfl_xor_f32(ll, x)
+            big = float32(mm + math.log(ll)) if ll != 0 else NEG_INF
+            for sp in range(tid, S, 32):  # (each lane rewrites only the entries it read)
+                w[sp] = math.exp(w[sp] - big) if ll != 0 else float32(0.0)
+            if tid == 0:
+                total[0] = big
+            for sp in range(S + tid, (S + UNROLL - 1) // UNROLL * UNROLL, 32):
+                w[sp] = float32(0.0)  # the last round's splits past S weigh nothing
+        cuda.syncthreads()
+        part = cuda.local.array(UNROLL, float32)
+        for c in range(tid, out.shape[3], cuda.blockDim.x):
+            acc = float32(0.0)
+            for s0 in range(0, S, UNROLL):
+                # UNROLL loads with no branch between them, so all are in flight before the first sum needs one
+                # (past S: split S - 1 again, weight 0)
+                for u in range(UNROLL):
+                    part[u] = o_part[min(s0 + u, S - 1), b, t, h, c]
+                for u in range(UNROLL):
+                    acc += w[s0 + u] * part[u]
+            out[b, t, h, c] = store(acc)
+        if tid == 0:
+            lse[b, h, t] = total[0]
 
     return combine
