@@ -452,22 +452,27 @@ MAX_SPLITS = mma_decode.MAX_SPLITS
 # registers a thread of the decoding kernel is taken to hold when the plan counts blocks an SM: the most it may use
 # (its own count, known only once compiled, depends on the options and the head dim)
 DECODE_REGISTERS = 255
+# a decoding block's fixed time, in tiles' worth, when the plan weighs split counts: the pipeline's first tile
+# and the warps' combine at the end
+DECODE_FIXED_TILES = 1
 
 
 def decode_splits(blocks: int, n_tiles: int, limits: tiling.DeviceLimits, per_sm: int) -> int:
     """``num_splits=0``: how many parts to cut each sequence's keys into. ``blocks`` blocks without a split, each
-    reading ``n_tiles`` tiles, on ``limits.sm_count`` SMs of ``per_sm`` resident blocks each: the fewest splits
-    whose last wave of blocks is at least 85% as full as the best count's (a wave is one block on every slot;
-    a part-filled last wave leaves the memory's bandwidth unused while it runs), at most one split per tile."""
+    reading ``n_tiles`` tiles, on ``limits.sm_count`` SMs of ``per_sm`` resident blocks each. A call's time is
+    taken as its waves of blocks (a wave is one block on every slot) times a block's time, ceil(n_tiles / n) tiles
+    plus :data:`DECODE_FIXED_TILES` for starting the pipeline and combining the warps: the count with the least,
+    the fewest of those (each split costs the combine a read). So a split count that leaves some blocks a tile
+    more than the rest (29 splits of 128 tiles: 5 for some, 4 for others) loses to one that divides them evenly
+    (32: 4 each), and a second wave is taken only where it more than halves a block's tiles."""
     if n_tiles <= 1 or blocks <= 0:
         return 1
     slots = max(1, (limits.sm_count or 108) * per_sm)
-    eff = {}
-    for n in range(1, min(n_tiles, MAX_SPLITS) + 1):
-        waves = blocks * n / slots
-        eff[n] = waves / _cdiv(blocks * n, slots)
-    best = max(eff.values())
-    return min(n for n, e in eff.items() if e >= 0.85 * best)
+
+    def cost(n):
+        return _cdiv(blocks * n, slots) * (_cdiv(n_tiles, n) + DECODE_FIXED_TILES)
+
+    return min(range(1, min(n_tiles, MAX_SPLITS) + 1), key=lambda n: (cost(n), n))
 
 
 def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen_k, num_splits=0, return_lse=True,

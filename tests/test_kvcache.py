@@ -357,9 +357,9 @@ def test_every_buffer_count_gives_the_same_attention(stages):
 
 @settings(max_examples=200, deadline=None)
 @given(blocks=st.integers(1, 5000), n_tiles=st.integers(0, 600), sms=st.integers(1, 200), per_sm=st.integers(1, 8))
-def test_the_split_count_fills_the_last_wave(blocks, n_tiles, sms, per_sm):
-    """num_splits=0's choice: between 1 and the tiles (at most MAX_SPLITS), 1 where there is one tile or less,
-    and its last wave at least 85% as full as that of any count up to the limit."""
+def test_the_split_count_is_the_quickest_by_waves_and_tiles(blocks, n_tiles, sms, per_sm):
+    """num_splits=0's choice: between 1 and the tiles (at most MAX_SPLITS), 1 where there is one tile or less; no
+    other count takes fewer waves x (tiles a block + the fixed part), and none fewer does as well."""
     import dataclasses
     import math
 
@@ -373,11 +373,25 @@ def test_the_split_count_fills_the_last_wave(blocks, n_tiles, sms, per_sm):
         return
     slots = sms * per_sm
 
-    def fill(k):
-        return blocks * k / slots / math.ceil(blocks * k / slots)
+    def cost(k):
+        return math.ceil(blocks * k / slots) * (math.ceil(n_tiles / k) + planner.DECODE_FIXED_TILES)
 
-    best = max(fill(k) for k in range(1, min(n_tiles, planner.MAX_SPLITS) + 1))
-    assert fill(n) >= 0.85 * best - 1e-12
+    counts = range(1, min(n_tiles, planner.MAX_SPLITS) + 1)
+    assert cost(n) == min(cost(k) for k in counts)
+    assert all(cost(k) > cost(n) for k in counts if k < n)
+
+
+@pytest.mark.parametrize("blocks,n_tiles,want", [(8, 128, 32), (8, 512, 32), (32, 128, 8), (256, 128, 1)])
+def test_the_split_count_of_the_measured_workloads(blocks, n_tiles, want):
+    """The counts the H200 measured fastest (docs/benchmarks.md, "How fast is decoding?"; 132 SMs, two blocks an
+    SM): batch 1 at seqlen_k 8192 and 32768 (8 key/value heads; 128 and 512 tiles of 64 keys), batch 4 and 32 at
+    8192."""
+    import dataclasses
+
+    from flashnumba import planner, tiling
+
+    lim = dataclasses.replace(tiling.ARCHS["sm_90"], sm_count=132)
+    assert planner.decode_splits(blocks, n_tiles, lim, 2) == want
 
 
 def test_no_cache_seqlens_is_the_whole_cache_and_bad_options_write_nothing():
