@@ -48,6 +48,59 @@ def step():
 
 step()
 cupy.cuda.Device().synchronize()
+
+
+def kernel_inputs():
+    """(arrays, inspected, opts): the call's arrays in the decoding plan's order, as the planner takes them, for the
+    modes that make their own plans."""
+    from flashnumba import _validate
+
+    kk, vv = (pool_k, pool_v) if page else (kc, vc)
+    arrays = (q, kk, vv, lens, None if page else cupy.arange(batch, dtype=np.int32), table, None)
+    names = ("q", "k_cache", "v_cache", "seqlens_k", "batch_idx", "block_table")
+    t = [None if x is None else _validate.inspect(nm, x, x.ndim) for nm, x in zip(names, arrays)]
+    return arrays, t, _validate.check_options(t[0], t[1], False, (-1, -1), 0.0, None, 0.0, None)
+
+
+def graph_ms(fn, calls=50, on_torch=False):
+    """The GPU's time per call of ``fn`` with no host in the way: ``calls`` calls captured in a CUDA graph (CuPy's,
+    or torch's with ``on_torch``), the graph replayed, host-timed; the least of 5 replays."""
+    import time
+
+    if on_torch:
+        import torch
+
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        launch, sync = graph.replay, torch.cuda.synchronize
+    else:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            stream.begin_capture()
+            for _ in range(calls):
+                fn()
+            graph = stream.end_capture()
+        launch = lambda: graph.launch(stream)  # noqa: E731
+        sync = stream.synchronize
+    launch()
+    sync()
+    best = []
+    for _ in range(5):
+        t = time.perf_counter()
+        launch()
+        sync()
+        best.append((time.perf_counter() - t) * 1e3 / calls)
+    return min(best)
+
+
 if mode == "host":
     for checked in (True, False):
         flashnumba.config.check_device_values = checked
@@ -83,13 +136,9 @@ elif mode == "ncu":
     print(f"profiled flash_attn_with_kvcache (its kernels in launch order), cuDNN's and flash's SDPA, batch {batch}, "
           f"seqlen_k {n}, page size {page or 'none (contiguous)'}")
 elif mode == "stages":  # the kernel's K, V buffers (the plan's ``stages``): each count timed, calls back to back
-    from flashnumba import _launch, _validate, planner
+    from flashnumba import _launch, planner
 
-    kk, vv = (pool_k, pool_v) if page else (kc, vc)
-    arrays = (q, kk, vv, lens, None if page else cupy.arange(batch, dtype=np.int32), table, None)
-    names = ("q", "k_cache", "v_cache", "seqlens_k", "batch_idx", "block_table")
-    t = [None if x is None else _validate.inspect(nm, x, x.ndim) for nm, x in zip(names, arrays)]
-    opts = _validate.check_options(t[0], t[1], False, (-1, -1), 0.0, None, 0.0, None)
+    arrays, t, opts = kernel_inputs()
     nbytes = 2 * kc.nbytes
     for stages in (2, 3):
         p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5], max_seqlen_k=n,
@@ -107,17 +156,10 @@ elif mode == "stages":  # the kernel's K, V buffers (the plan's ``stages``): eac
         print(f"stages {stages}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s; {p.launches[0].grid} grid, "
               f"{p.launches[0].shared_bytes} B shared ({p.launches[0].reason})")
 elif mode == "tiles":  # the kernel's tile (KW keys a warp), buffers and splits: the GPU's time from a CUDA graph
-    import time
+    from flashnumba import _launch, planner
 
-    from flashnumba import _launch, _validate, planner
-
-    kk, vv = (pool_k, pool_v) if page else (kc, vc)
-    arrays = (q, kk, vv, lens, None if page else cupy.arange(batch, dtype=np.int32), table, None)
-    names = ("q", "k_cache", "v_cache", "seqlens_k", "batch_idx", "block_table")
-    t = [None if x is None else _validate.inspect(nm, x, x.ndim) for nm, x in zip(names, arrays)]
-    opts = _validate.check_options(t[0], t[1], False, (-1, -1), 0.0, None, 0.0, None)
+    arrays, t, opts = kernel_inputs()
     nbytes = 2 * kc.nbytes
-    stream = cupy.cuda.Stream(non_blocking=True)
     print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}: us a call from a CUDA graph of 50 calls (min of 5)")
     for kw in (16, 32):
         planner.DECODE_KW = kw
@@ -130,22 +172,7 @@ elif mode == "tiles":  # the kernel's tile (KW keys a warp), buffers and splits:
                     print(f"KW {kw} stages {stages}: {err}")
                     break
                 call = _launch.Call(p)
-                with stream:
-                    call.run(arrays, stream=stream.ptr)
-                    stream.synchronize()
-                    stream.begin_capture()
-                    for _ in range(50):
-                        call.run(arrays, stream=stream.ptr)
-                    graph = stream.end_capture()
-                graph.launch(stream)
-                stream.synchronize()
-                best = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    graph.launch(stream)
-                    stream.synchronize()
-                    best.append((time.perf_counter() - t0) / 50)
-                us = min(best) * 1e6
+                us = graph_ms(lambda: call.run(arrays)) * 1e3
                 print(f"KW {kw:2d} stages {stages} num_splits {splits:2d}: {us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s; "
                       f"grid {p.launches[0].grid}, {p.launches[0].shared_bytes} B shared, "
                       f"{len(p.launches)} kernels", flush=True)
@@ -171,39 +198,6 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
         finally:
             flashnumba.config.check_device_values = saved
 
-    def graph_ms(fn, calls=50):  # the GPU's time per call with no host in the way
-        if fn is unchecked:
-            stream = cupy.cuda.Stream(non_blocking=True)
-            with stream:
-                fn()
-                stream.synchronize()
-                stream.begin_capture()
-                for _ in range(calls):
-                    fn()
-                graph = stream.end_capture()
-            launch = lambda: graph.launch(stream)  # noqa: E731
-            sync = stream.synchronize
-        else:
-            s = torch.cuda.Stream()
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(calls):
-                    fn()
-            launch, sync = graph.replay, torch.cuda.synchronize
-        launch()
-        sync()
-        best = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            launch()
-            sync()
-            best.append((time.perf_counter() - t) * 1e3 / calls)
-        return min(best)
-
     def host_us(fn, calls=25, rounds=20):
         times = []
         for _ in range(rounds):
@@ -228,7 +222,7 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
         torch.cuda.synchronize()
         host = host_us(fn)
         try:
-            gpu = f"{graph_ms(fn) * 1e3:7.1f}" if fn is not step else "  (syncs)"
+            gpu = f"{graph_ms(fn, on_torch=fn is not unchecked) * 1e3:7.1f}" if fn is not step else "  (syncs)"
         except Exception as err:  # noqa: BLE001  (a call that cannot be captured: say so)
             gpu = f"not captured ({type(err).__name__}: {str(err)[:80]})"
         back, _, k = cuda_time_calls_ms(fn, warmup=3, repeat=10, group_ms=20.0)
