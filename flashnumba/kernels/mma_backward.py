@@ -31,7 +31,9 @@ already the A operand of the next product (the module docstring of mma_forward s
 
 P and dS are rounded to 16 bits as the A operand of their products, as in FlashAttention-2. The tiles a block loops
 over are copied with cp.async into two buffers in turn (the next in flight while the warps work on the current
-one); L_i and D_i of each query tile go to small float32 arrays in shared memory beside them. With causal or
+one); L_i and D_i of each query tile go to small float32 arrays in shared memory beside them, loaded into
+registers with the tile's copies and stored after its products (a load waited for at once would hold every
+warp at the barrier for the memory's latency, once a tile). With causal or
 window masking, the blocks visit only the tiles that meet their band; tiles wholly inside it skip the mask.
 """
 
@@ -262,15 +264,29 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     mma_abt = make_mma_abt(D, B_R, dtype)  # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
     mma_ab = make_mma_ab(B_R, D, dtype)  # dV_j += P^T dO_i, dK_j += dS^T Q_i
 
+    SR = -(-B_R // NT)  # query rows of L_i and D_i a thread fetches (B_R may exceed the block's NT threads)
+
     @cuda.jit(device=True, inline=True)
-    def load_stats(lsm, dsm, sel, lse, delta, bb, h, row0, row_end, tid):
-        """log2(e) L_i and D_i of the B_R query rows from row0 into buffer ``sel`` (0 past row_end, and 0 for a
-        row that sees no key: its entries are all masked)."""
-        for r in range(tid, B_R, NT):  # (B_R may exceed the block's NT threads)
+    def fetch_stats(st, lse, delta, bb, h, row0, row_end, tid):
+        """L_i and D_i of the query rows row0 + tid, row0 + tid + NT, ... of the tile into registers: loads
+        issued here, used only by :func:`put_stats` after the tile's products, which hide their latency."""
+        for x in range(SR):
+            r = tid + x * NT
             i = row0 + r
-            L = lse[bb, h, i] if i < row_end else float32(0.0)
-            lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
-            dsm[sel, r] = delta[bb, h, i] if i < row_end else float32(0.0)
+            inside = r < B_R and i < row_end
+            st[0, x] = lse[bb, h, i] if inside else float32(0.0)
+            st[1, x] = delta[bb, h, i] if inside else float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def put_stats(lsm, dsm, sel, st, tid):
+        """log2(e) L_i and D_i from :func:`fetch_stats` into buffer ``sel`` (0 past the end of the sequence, and
+        0 for a row that sees no key: its entries are all masked)."""
+        for x in range(SR):
+            r = tid + x * NT
+            if r < B_R:
+                L = st[0, x]
+                lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
+                dsm[sel, r] = st[1, x]
 
     @cuda.jit
     def backward_dkdv_tc(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q,
@@ -300,6 +316,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         dp = cuda.local.array((NS, 4), float32)  # dP^T, then dS^T
         dv_acc = cuda.local.array((NO, 4), float32)  # dV_j
         dk_acc = cuda.local.array((NO, 4), float32)  # dK_j
+        st = cuda.local.array((2, SR), float32)  # L_i, D_i of the next query tile, on their way to shared memory
         for n in range(NO):
             for x in range(4):
                 dv_acc[n, x] = 0.0
@@ -319,7 +336,8 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         if total > 0:
             h = hk * group
             load_qdo(smem, OFF_Q, q, dout, bb, q0 + m_begin * B_R, q0 + seqlen_q, h, tid)
-            load_stats(lsm, dsm, 0, lse, delta, bb, h, q0 + m_begin * B_R, q0 + seqlen_q, tid)
+            fetch_stats(st, lse, delta, bb, h, q0 + m_begin * B_R, q0 + seqlen_q, tid)
+            put_stats(lsm, dsm, 0, st, tid)
         ptx.cp_async_commit()
 
         for it in range(total):
@@ -337,13 +355,15 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                     h2 = hk * group + int(uint32(it + 1) // uint32(nt))
                     row2 = q0 + (m_begin + int(uint32(it + 1) % uint32(nt))) * B_R
                 load_qdo(smem, OFF_Q + (1 - sel) * BUF, q, dout, bb, row2, q0 + seqlen_q, h2, tid)
-                load_stats(lsm, dsm, 1 - sel, lse, delta, bb, h2, row2, q0 + seqlen_q, tid)
+                fetch_stats(st, lse, delta, bb, h2, row2, q0 + seqlen_q, tid)
             tile_landed()  # this tile (and K_j, V_j) landed; its copies, zero stores, L_i and D_i visible to all
 
             load_a(af, smem, r0 * LD, lane)
             mma_abt(s, af, smem, buf, lane)  # S^T = K_j Q_i^T
             load_a(af, smem, OFF_V + r0 * LD, lane)
             mma_abt(dp, af, smem, buf + OFF_DO, lane)  # dP^T = V_j dO_i^T
+            if it + 1 < total:  # the next tile's L_i and D_i into the buffers the last iteration read
+                put_stats(lsm, dsm, 1 - sel, st, tid)
 
             slope = alibi[b, h] if ALIBI else float32(0.0)
             last_row = min(i0 + B_R, seqlen_q) - 1

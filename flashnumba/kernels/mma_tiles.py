@@ -93,14 +93,33 @@ def make_load_rows(D, NT, LD=None, per_copy=8, strided=False, DG=None, per_colum
     D unless given) to D, become zeros (plain stores: a row of garbage could hold a NaN, and 0 * NaN is NaN).
     ``per_column``: where NT is a multiple of the chunks per row, each thread copies one column of rows NT / CH
     apart (one division a call instead of one a copy; the 3xTF32 forward, at the register limit, keeps the
-    division per copy, which holds no row index across the copies)."""
+    division per copy, which holds no row index across the copies); from a C-contiguous source it computes the
+    64-bit index of its first chunk once and steps it by NT / CH rows (a handful of instructions a copy instead
+    of the products of the full index)."""
     if LD is None:
         LD = D + PAD
     if DG is None:
         DG = D
     CH = D // per_copy  # 16-byte chunks per row
     copy16 = make_copy16(DG, strided)
-    if per_column and NT % CH == 0:  # each thread copies one column of rows RS apart: one division a call
+    if per_column and NT % CH == 0 and not strided:  # as below, the source index stepped from row to row
+        RS = NT // CH
+
+        @cuda.jit(device=True, inline=True)
+        def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
+            r = tid // CH
+            c = (tid - r * CH) * per_copy
+            g = ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * DG + c  # src[b, row0 + r, h, c], flat
+            step = RS * src.shape[2] * DG  # RS rows further on
+            for it in range((rows + RS - 1) // RS):
+                if rows % RS == 0 or r < rows:
+                    if row0 + r < row_end and (DG == D or c < DG):
+                        ptx.cp_async_16(smem, off + r * LD + c, src, g)
+                    else:
+                        _zeros(smem, off + r * LD + c, per_copy)
+                r += RS
+                g += step
+    elif per_column and NT % CH == 0:  # each thread copies one column of rows RS apart: one division a call
         RS = NT // CH
 
         @cuda.jit(device=True, inline=True)
@@ -133,8 +152,14 @@ def _copy_or_zero(copy16, smem, dst, src, b, row0, r, h, c, inside, per_copy):
     if inside:
         copy16(smem, dst, src, b, row0, r, h, c)
     else:
-        for x in range(per_copy):
-            smem[dst + x] = 0  # (a float16 constant captured from Python fails NVVM)
+        _zeros(smem, dst, per_copy)
+
+
+@cuda.jit(device=True, inline=True)
+def _zeros(smem, dst, per_copy):
+    """Zeros in place of one 16-byte chunk (plain stores)."""
+    for x in range(per_copy):
+        smem[dst + x] = 0  # (a float16 constant captured from Python fails NVVM)
 
 
 @functools.lru_cache(maxsize=None)
