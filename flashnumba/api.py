@@ -258,7 +258,7 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2" (register-tiled)
     or "v1" (one thread per row, the readable one), see flashnumba.kernels.simt_backward; "tc" (tensor cores:
-    float16 or bfloat16, head_dim a multiple of 8 up to 160 (kernel=None: the multiples of 16), every option;
+    float16 or bfloat16, head_dim a multiple of 8 up to 256, every option;
     block_m and block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
     flashnumba.kernels.mma_backward. None

@@ -11,7 +11,7 @@ ask for without running anything::
 How ``kernel=None`` chooses:
 
 * float16 / bfloat16: the tensor-core kernels (``tc``) where they apply: a GPU of compute capability >= 8.0
-  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim a multiple of 8 up to 256 forward and up to 160 backward
+  (``mma.sync`` m16n8k16 and ``cp.async``), head_dim a multiple of 8 up to 256, forward and backward
   (:data:`flashnumba.tiling.MMA_DEFAULT_HEAD_DIMS`; those not a multiple of 16, 8, 24, 40, ..., padded to 16 in
   shared memory with zero columns), and no tile arguments given
   (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the

@@ -20,7 +20,7 @@ family         kernel module                                        threads
 ``bwd_v2``     :mod:`flashnumba.kernels.simt_backward`              given; a multiple of 32
 ``tc``         :mod:`flashnumba.kernels.mma_forward`                32 per 16 or 32 query rows (given; else 16)
 ``tc_dq``      :mod:`flashnumba.kernels.mma_backward`               32 per 16 query rows
-``tc_dkdv``    :mod:`flashnumba.kernels.mma_backward`               32 per 16 key rows
+``tc_dkdv``    :mod:`flashnumba.kernels.mma_backward`               32 per 16 key rows (d > 160: twice)
 ``tf32``,      :mod:`flashnumba.kernels.mma_tf32`                   32 per 16 query rows
 ``3xtf32``
 =============  ===================================================  ============================================
@@ -204,6 +204,9 @@ TABLES = {
         Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
         Candidate(160, Tiles(64, 32, _tc_threads(64)), "4 warps on 32-row K_j, V_j tiles: fits 99 KB at d <= 160"),
         Candidate(160, Tiles(32, 16, _tc_threads(32)), "2 warps, 16-row K_j, V_j tiles: fits 64 KB"),
+        Candidate(256, Tiles(64, 32, _tc_threads(64)), "4 warps on 32-row K_j, V_j tiles (A fragments per k-step)"),
+        Candidate(256, Tiles(64, 16, _tc_threads(64)), "16-row K_j, V_j tiles: fits 99 KB at d <= 256"),
+        Candidate(256, Tiles(16, 16, _tc_threads(16)), "1 warp: fits 64 KB at d <= 256"),
     ],
     "tc_dkdv": [
         Candidate(64, Tiles(32, 64, _tc_threads(64)), "fastest of the H200 sweep at d = 64"),
@@ -213,6 +216,10 @@ TABLES = {
         Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
         Candidate(160, Tiles(16, 64, _tc_threads(64)), "16-row Q_i tiles: dK_j, dV_j of d = 160 within 255 registers"),
         Candidate(160, Tiles(16, 32, _tc_threads(32)), "2 warps: fits 64 KB at d <= 160"),
+        Candidate(256, Tiles(32, 64, _tc_threads(64)), "64 key rows, two warps a 16 of them (each half of dK_j, "
+                  "dV_j's columns), 32-row Q_i tiles"),
+        Candidate(256, Tiles(16, 64, _tc_threads(64)), "16-row Q_i tiles: fits 99 KB at d <= 256"),
+        Candidate(256, Tiles(16, 16, _tc_threads(16)), "16 key rows: fits 64 KB at d <= 256"),
     ],
     "tf32": [
         Candidate(64, Tiles(64, 64, _tc_threads(64)), "4 warps, B_c 64 at d = 64"),
@@ -317,7 +324,7 @@ def check(table: str, D: int, t: Tiles):
             raise ValueError(f"kernel 'tc' takes block_n a positive multiple of 16, got {n}")
     elif table in ("tc_dq", "tc_dkdv"):
         if D not in mma_backward.BACKWARD_HEAD_DIMS:
-            raise ValueError(f"the tensor-core backward supports head_dim a multiple of 8 up to 160, got {D}")
+            raise ValueError(f"the tensor-core backward supports head_dim a multiple of 8 up to 256, got {D}")
         for name, value in (("block_m", m), ("block_n", n)):
             if value not in mma_backward.TILES:
                 raise ValueError(f"the tensor-core backward takes {name} in {mma_backward.TILES}, got {value}")
@@ -339,15 +346,15 @@ def fits(table: str, D: int, t: Tiles, limits: DeviceLimits) -> bool:
     return True
 
 
-def threads_of(table: str, t: Tiles) -> Tiles:
+def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
     """t with the threads the family derives from its tiles (v1: a thread per row; tensor cores: a warp per 16
-    rows) filled in."""
+    rows, for tc_dkdv at head dim D a warp per 16 key rows and column part) filled in."""
     if table == "v1":
         return t._replace(num_threads=t.block_m)
     if table in ("tc_dq", "tf32", "3xtf32"):
         return t._replace(num_threads=_tc_threads(t.block_m))
     if table == "tc_dkdv":
-        return t._replace(num_threads=_tc_threads(t.block_n))
+        return t._replace(num_threads=mma_backward.dkdv_threads(D, t.block_n))
     return t
 
 
@@ -385,7 +392,7 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
     values (what is not given taken from the default) checked against the family's rules and the device."""
     if block_m is None and block_n is None and num_threads is None:
         c = default(table, D, limits)
-        return threads_of(table, c.tiles), c.reason
+        return threads_of(table, c.tiles, D), c.reason
     try:
         base = default(table, D, limits).tiles
     except ValueError:
@@ -397,7 +404,7 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
                          f"(32 per 16 rows)")
     if table == "tc" and num_threads is None:  # a warp per 16 rows unless the caller says otherwise
         t = t._replace(num_threads=_tc_threads(t.block_m))
-    t = threads_of(table, t)
+    t = threads_of(table, t, D)
     check(table, D, t)
     for part in _parts(table):
         nbytes, static = shared_bytes(part, D, t)

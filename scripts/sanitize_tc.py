@@ -20,6 +20,8 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, head_dim, causal, dtype, block_
     (1, 200, 333, 1, 128, True, ml_dtypes.bfloat16, None, None),
     (1, 130, 70, 2, 64, True, np.float16, 128, 32),
     (1, 33, 100, 1, 128, False, ml_dtypes.bfloat16, 16, 16),
+    (1, 97, 70, 2, 256, True, np.float16, None, None),  # above d = 160: two warps a key block in dK/dV
+    (1, 70, 97, 1, 176, False, ml_dtypes.bfloat16, None, None),  # 176 padded to 192 there
 ]
 for b, sq, sk, h, d, causal, dtype, bm, bn in cases:
     hq, hk, hv = (rng.standard_normal((b, s, h, d)).astype(dtype) for s in (sq, sk, sk))

@@ -2,7 +2,7 @@
 
 The SIMT backward (:mod:`flashnumba.kernels.simt_backward`) in the tile operations of
 :mod:`flashnumba.kernels.mma_forward`: float16 or bfloat16 inputs, float32 accumulation, head_dim a multiple of 8
-up to 160 (:data:`BACKWARD_HEAD_DIMS`; padded to a multiple of 16 in shared memory, as the forward), with every
+up to 256 (:data:`BACKWARD_HEAD_DIMS`; padded to a multiple of 16 in shared memory, as the forward), with every
 option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen, dropout; :func:`make_entry` holds the
 per-entry part). As there, D_i = rowsum(dO_i * O_i) comes first (``simt_backward.make_backward_preprocess_warp``),
 then two kernels, neither with atomics, so the gradients are deterministic:
@@ -29,6 +29,11 @@ already the A operand of the next product (the module docstring of mma_forward s
     dK_j   += dS_ij^T Q_i                  mma_ab: A = dS_ij^T, B = Q_i
     finally dK_j *= scale
 
+Above d = 160 (:func:`column_parts`) dK_j and dV_j of 16 keys no longer fit one warp's registers: two warps share
+each block of 16 keys, both form its S^T and dP^T (their A fragments read per k-step), and each accumulates the
+dK_j, dV_j columns of one half of the head dim (padded to 32: :func:`dkdv_dim`), so the first two products are
+computed twice. The dQ kernel keeps its warp's rows and reads their A fragments per k-step there.
+
 P and dS are rounded to 16 bits as the A operand of their products, as in FlashAttention-2. The tiles a block loops
 over are copied with cp.async into two buffers in turn (the next in flight while the warps work on the current
 one); L_i and D_i of each query tile go to small float32 arrays in shared memory beside them, loaded into
@@ -51,9 +56,27 @@ from numba import float32, uint16, uint32
 from numba.cuda.types import float16
 
 TILES = (16, 32, 64, 128)  # block_m and block_n: multiples of the 16 rows of one warp
-# The dK/dV kernel keeps dK_j and dV_j of its warp's 16 keys x d in registers (2 x d / 8 x 4 floats a lane): beyond
-# d = 160 they and the products' operands no longer fit in 255 registers.
-BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d <= 160)
+BACKWARD_HEAD_DIMS = HEAD_DIMS  # every multiple of 8 up to 256
+# Beyond d = 160 the dK/dV kernel's dK_j and dV_j of 16 keys x d (2 x d / 8 x 4 floats a lane) and the products'
+# operands no longer fit in a warp's 255 registers a lane: there each key block has two warps, each holding the
+# dK_j, dV_j columns of one half of the head dim, and the dQ kernel reads its A fragments per k-step.
+SPLIT_ABOVE = 160
+
+
+def column_parts(D):
+    """Warps that share one block of 16 keys in the dK/dV kernel, each with its part of the head dim's columns."""
+    return 2 if D > SPLIT_ABOVE else 1
+
+
+def dkdv_dim(D):
+    """The head dim of the dK/dV kernel's shared rows and products: padded to 16 (:func:`padded`), and to 32
+    where two warps split the columns, so that each half is whole 16-column k-steps."""
+    return -(-D // 32) * 32 if column_parts(D) > 1 else padded(D)
+
+
+def dkdv_threads(D, block_n):
+    """Threads of a dK/dV block: a warp per 16 keys and column part."""
+    return 32 * (block_n // WARP_ROWS) * column_parts(D)
 
 
 def shared_bytes_dq(D, block_m, block_n):
@@ -63,7 +86,7 @@ def shared_bytes_dq(D, block_m, block_n):
 
 def shared_bytes_dkdv(D, block_m, block_n):
     """K_j and V_j (block_n rows), two Q_i, dO_i buffers (block_m rows); L_i and D_i (static, not counted)."""
-    return (2 * block_n + 4 * block_m) * (padded(D) + PAD) * 2
+    return (2 * block_n + 4 * block_m) * (dkdv_dim(D) + PAD) * 2
 
 
 def _check(D, block_m, block_n, dtype):
@@ -79,7 +102,7 @@ def _check(D, block_m, block_n, dtype):
 @cuda.jit(device=True, inline=True)
 def _store_bf16(x):
     """float32 -> bfloat16 bits, rounded to nearest even by one cvt.rn.bf16x2 (bf16.float32_to_bf16's branches
-    keep the dK/dV accumulators of head_dim 128 out of registers)."""
+    keep the dK/dV accumulators of head_dim 128, and dQ's of 256, out of registers)."""
     return uint16(ptx.pack_bf16x2(x, float32(0.0)) & 0xFFFF)
 
 
@@ -133,11 +156,12 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant)
     is_bf16 = dtype == "bfloat16"
-    store = bf16.load_store(is_bf16)[1]
+    store = _store_bf16 if is_bf16 else bf16.load_store(False)[1]
     elem = uint16 if is_bf16 else float16
     B_R, B_C = block_m, block_n
     NT = 2 * B_R  # 32 threads per 16 rows
     DG, D = D, padded(D)  # the arrays' head dim; the shared rows' and the products' (zeros past DG)
+    A_SMEM = DG > SPLIT_ABOVE  # Q_i's and dO_i's fragments read per k-step (dQ_i's registers leave none for them)
     LD = D + PAD
     KD, NS, NO, NOG = D // 16, B_C // 8, D // 8, DG // 8
     OFF_DO = B_R * LD  # dO_i after Q_i
@@ -147,7 +171,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     load_qdo = make_load_pair(D, NT, B_R, OFF_DO, strided, DG)  # Q_i and dO_i
     load_kv = make_load_pair(D, NT, B_C, OFF_V, strided, DG)  # K_j and V_j of one buffer
     load_a = make_load_a(D)
-    mma_abt = make_mma_abt(D, B_C, dtype)  # S = Q_i K_j^T, dP = dO_i V_j^T
+    mma_abt = make_mma_abt(D, B_C, dtype, A_SMEM)  # S = Q_i K_j^T, dP = dO_i V_j^T
     mma_ab = make_mma_ab(B_C, D, dtype)  # dQ_i += dS K_j
     key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
 
@@ -174,7 +198,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
             return
 
         smem = cuda.shared.array(0, elem)  # Q_i | dO_i | K, V buffer 0 | K, V buffer 1 (dynamic), shared
-        af = cuda.local.array((KD, 4), uint32)  # A fragments: this warp's rows of Q_i, then of dO_i
+        af = cuda.local.array((1 if A_SMEM else KD, 4), uint32)  # A fragments: this warp's rows of Q_i, of dO_i
         s = cuda.local.array((NS, 4), float32)  # S
         dp = cuda.local.array((NS, 4), float32)  # dP, then dS
         acc = cuda.local.array((NO, 4), float32)  # dQ_i
@@ -203,10 +227,14 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
                 load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb, k0 + j0 + B_C, k0 + seqlen_k, hk, tid)
             tile_landed()  # tile j (and Q_i, dO_i) landed and visible to every thread
 
-            load_a(af, smem, r0 * LD, lane)
-            mma_abt(s, af, smem, buf, lane)  # S = Q_i K_j^T
-            load_a(af, smem, OFF_DO + r0 * LD, lane)
-            mma_abt(dp, af, smem, buf + OFF_V, lane)  # dP = dO_i V_j^T
+            if A_SMEM:
+                mma_abt(s, smem, r0 * LD, buf, lane)  # S = Q_i K_j^T
+                mma_abt(dp, smem, OFF_DO + r0 * LD, buf + OFF_V, lane)  # dP = dO_i V_j^T
+            else:
+                load_a(af, smem, r0 * LD, lane)
+                mma_abt(s, af, smem, buf, lane)  # S = Q_i K_j^T
+                load_a(af, smem, OFF_DO + r0 * LD, lane)
+                mma_abt(dp, af, smem, buf + OFF_V, lane)  # dP = dO_i V_j^T
 
             masked = (j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
                       or (HAS_LEFT and j0 < last_row + diag - left))
@@ -235,9 +263,9 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
 @functools.lru_cache(maxsize=None)
 def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False):
-    """The dK/dV kernel: grid (ceil(max_seqlen_k / block_n), batch * nheads_k), block (2 * block_n,) (block_n / 16
-    warps), dynamic shared memory :func:`shared_bytes_dkdv`. With GQA a block sums over the nheads / nheads_k
-    query heads of its key/value head, in order.
+    """The dK/dV kernel: grid (ceil(max_seqlen_k / block_n), batch * nheads_k), block (:func:`dkdv_threads`:
+    block_n / 16 warps, twice as many above d = 160), dynamic shared memory :func:`shared_bytes_dkdv`. With GQA a
+    block sums over the nheads / nheads_k query heads of its key/value head, in order.
 
     Arguments: (dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, ...), as the dQ kernel's with dk, dv like k.
     """
@@ -250,10 +278,12 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     store = _store_bf16 if is_bf16 else bf16.load_store(False)[1]
     elem = uint16 if is_bf16 else float16
     B_R, B_C = block_m, block_n
-    NT = 2 * B_C
-    DG, D = D, padded(D)
+    CS = column_parts(D)  # warps a block of 16 keys (each holds dK_j, dV_j of DH of the head dim's columns)
+    NT = dkdv_threads(D, B_C)
+    DG, D = D, dkdv_dim(D)
     LD = D + PAD
-    KD, NS, NO, NOG = D // 16, B_R // 8, D // 8, DG // 8
+    DH = D // CS
+    KD, NS, NO = D // 16, B_R // 8, DH // 8
     OFF_V = B_C * LD  # V_j after K_j
     OFF_Q = 2 * B_C * LD  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_R * LD
@@ -261,8 +291,8 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     load_kv = make_load_pair(D, NT, B_C, OFF_V, strided, DG)  # K_j and V_j
     load_qdo = make_load_pair(D, NT, B_R, OFF_DO, strided, DG)  # Q_i and dO_i of one buffer
     load_a = make_load_a(D)
-    mma_abt = make_mma_abt(D, B_R, dtype)  # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
-    mma_ab = make_mma_ab(B_R, D, dtype)  # dV_j += P^T dO_i, dK_j += dS^T Q_i
+    mma_abt = make_mma_abt(D, B_R, dtype, CS > 1)  # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
+    mma_ab = make_mma_ab(B_R, DH, dtype, LD)  # dV_j += P^T dO_i, dK_j += dS^T Q_i (this warp's DH columns)
 
     SR = -(-B_R // NT)  # query rows of L_i and D_i a thread fetches (B_R may exceed the block's NT threads)
 
@@ -302,7 +332,8 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         b = cuda.blockIdx.y // nheads_k
         hk = cuda.blockIdx.y % nheads_k
         j0 = cuda.blockIdx.x * B_C  # first key of K_j (the first key tiles see the most queries: they start first)
-        r0 = warp * WARP_ROWS  # this warp's keys inside K_j
+        r0 = (warp // CS) * WARP_ROWS  # this warp's keys inside K_j
+        c0 = (warp % CS) * DH  # and its first column of dK_j, dV_j
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q
         if j0 >= seqlen_k:  # (VARLEN) a block past the end of a shorter sequence: nothing to do
@@ -311,7 +342,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         smem = cuda.shared.array(0, elem)  # K_j | V_j | Q, dO buffer 0 | Q, dO buffer 1 (dynamic), shared
         lsm = cuda.shared.array((2, B_R), float32)  # log2(e) L_i of the query tile, two buffers, shared
         dsm = cuda.shared.array((2, B_R), float32)  # D_i of the query tile, two buffers, shared
-        af = cuda.local.array((KD, 4), uint32)  # A fragments: this warp's rows of K_j, then of V_j
+        af = cuda.local.array((1 if CS > 1 else KD, 4), uint32)  # A fragments: this warp's rows of K_j, of V_j
         s = cuda.local.array((NS, 4), float32)  # S^T, then (P keep)^T (this warp's 16 keys x B_R queries)
         dp = cuda.local.array((NS, 4), float32)  # dP^T, then dS^T
         dv_acc = cuda.local.array((NO, 4), float32)  # dV_j
@@ -358,10 +389,14 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                 fetch_stats(st, lse, delta, bb, h2, row2, q0 + seqlen_q, tid)
             tile_landed()  # this tile (and K_j, V_j) landed; its copies, zero stores, L_i and D_i visible to all
 
-            load_a(af, smem, r0 * LD, lane)
-            mma_abt(s, af, smem, buf, lane)  # S^T = K_j Q_i^T
-            load_a(af, smem, OFF_V + r0 * LD, lane)
-            mma_abt(dp, af, smem, buf + OFF_DO, lane)  # dP^T = V_j dO_i^T
+            if CS > 1:  # (both warps of a key block form the whole S^T and dP^T)
+                mma_abt(s, smem, r0 * LD, buf, lane)  # S^T = K_j Q_i^T
+                mma_abt(dp, smem, OFF_V + r0 * LD, buf + OFF_DO, lane)  # dP^T = V_j dO_i^T
+            else:
+                load_a(af, smem, r0 * LD, lane)
+                mma_abt(s, af, smem, buf, lane)  # S^T = K_j Q_i^T
+                load_a(af, smem, OFF_V + r0 * LD, lane)
+                mma_abt(dp, af, smem, buf + OFF_DO, lane)  # dP^T = V_j dO_i^T
             if it + 1 < total:  # the next tile's L_i and D_i into the buffers the last iteration read
                 put_stats(lsm, dsm, 1 - sel, st, tid)
 
@@ -378,8 +413,8 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                     s[n, x] = pz
                     dp[n, x] = ds
 
-            mma_ab(dv_acc, s, smem, buf + OFF_DO, lane)  # dV_j += (P keep)^T dO_i
-            mma_ab(dk_acc, dp, smem, buf, lane)  # dK_j += dS^T Q_i
+            mma_ab(dv_acc, s, smem, buf + OFF_DO + c0, lane)  # dV_j += (P keep)^T dO_i
+            mma_ab(dk_acc, dp, smem, buf + c0, lane)  # dK_j += dS^T Q_i
             cuda.syncthreads()  # every warp is done with these buffers before the next iteration refills them
         ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
@@ -387,10 +422,12 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         for x in range(2):
             j = j0 + r0 + g + 8 * x
             if j < seqlen_k:
-                for n in range(NOG):
-                    dk[bb, k0 + j, hk, 8 * n + 2 * t] = store(dk_acc[n, 2 * x] * scale)
-                    dk[bb, k0 + j, hk, 8 * n + 2 * t + 1] = store(dk_acc[n, 2 * x + 1] * scale)
-                    dv[bb, k0 + j, hk, 8 * n + 2 * t] = store(dv_acc[n, 2 * x] * zscale)
-                    dv[bb, k0 + j, hk, 8 * n + 2 * t + 1] = store(dv_acc[n, 2 * x + 1] * zscale)
+                for n in range(NO):
+                    c = c0 + 8 * n + 2 * t
+                    if D == DG or c < DG:  # (the columns past the head dim are padding)
+                        dk[bb, k0 + j, hk, c] = store(dk_acc[n, 2 * x] * scale)
+                        dk[bb, k0 + j, hk, c + 1] = store(dk_acc[n, 2 * x + 1] * scale)
+                        dv[bb, k0 + j, hk, c] = store(dv_acc[n, 2 * x] * zscale)
+                        dv[bb, k0 + j, hk, c + 1] = store(dv_acc[n, 2 * x + 1] * zscale)
 
     return backward_dkdv_tc

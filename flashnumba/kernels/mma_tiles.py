@@ -208,10 +208,11 @@ def make_load_a(D):
 
 
 @functools.lru_cache(maxsize=None)
-def make_mma_abt(D, N, dtype):
+def make_mma_abt(D, N, dtype, a_in_smem=False):
     """mma_abt(acc, frag, smem, off, lane): acc = A X^T, A (16 x D) given by its fragments ``frag`` (load_a),
     X (N x D) the N rows of smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns
-    8n .. 8n + 7.
+    8n .. 8n + 7. With ``a_in_smem``: mma_abt(acc, smem, a_off, off, lane), A's fragments read per k-step from
+    the 16 rows at element ``a_off`` (no registers held for them across the product: what large head dims need).
 
     B = X^T (D x N) in "col" layout is X row-major: non-transposing ldmatrix. One x4 load covers 16 rows of X
     x 16 columns: lanes 0-7 rows n0..n0+7, columns 16kk..+7 (b0 of tile n0), lanes 8-15 the same rows, columns
@@ -220,31 +221,46 @@ def make_mma_abt(D, N, dtype):
     mma_into, _ = _kind(dtype)
 
     @cuda.jit(device=True, inline=True)
-    def mma_abt(acc, frag, smem, off, lane):
-        for n in range(N // 8):
-            for x in range(4):
-                acc[n, x] = 0.0
-        for kk in range(D // 16):
-            for n2 in range(N // 16):
-                row = 16 * n2 + (lane & 7) + 8 * (lane >> 4)
-                col = 16 * kk + 8 * ((lane >> 3) & 1)
-                b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, off + row * LD + col)
-                mma_into(acc, 2 * n2, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b0, b1)
-                mma_into(acc, 2 * n2 + 1, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], b2, b3)
+    def k_step(acc, kk, a0, a1, a2, a3, smem, off, lane):
+        for n2 in range(N // 16):
+            row = 16 * n2 + (lane & 7) + 8 * (lane >> 4)
+            col = 16 * kk + 8 * ((lane >> 3) & 1)
+            b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, off + row * LD + col)
+            mma_into(acc, 2 * n2, a0, a1, a2, a3, b0, b1)
+            mma_into(acc, 2 * n2 + 1, a0, a1, a2, a3, b2, b3)
+
+    if a_in_smem:
+        @cuda.jit(device=True, inline=True)
+        def mma_abt(acc, smem, a_off, off, lane):
+            for n in range(N // 8):
+                for x in range(4):
+                    acc[n, x] = 0.0
+            for kk in range(D // 16):
+                a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, a_off + (lane % 16) * LD + 16 * kk + 8 * (lane // 16))
+                k_step(acc, kk, a0, a1, a2, a3, smem, off, lane)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def mma_abt(acc, frag, smem, off, lane):
+            for n in range(N // 8):
+                for x in range(4):
+                    acc[n, x] = 0.0
+            for kk in range(D // 16):
+                k_step(acc, kk, frag[kk, 0], frag[kk, 1], frag[kk, 2], frag[kk, 3], smem, off, lane)
 
     return mma_abt
 
 
 @functools.lru_cache(maxsize=None)
-def make_mma_ab(N, D, dtype):
+def make_mma_ab(N, D, dtype, ld=None):
     """mma_ab(acc, p, smem, off, lane): acc += P X, P (16 x N) given as C fragments p[n, 0..3] (rounded to 16
     bits here; the module docstring of :mod:`.mma_forward` shows why a C fragment is already the A fragment),
     X (N x D) the N rows of smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns
-    8n .. 8n + 7 (D / 8 of them).
+    8n .. 8n + 7 (D / 8 of them). ``ld``: the rows' stride in elements, D + PAD unless given (X the first D
+    columns from ``off`` of wider rows: a warp's share of a product split by columns).
 
     B = X (N x D) row-major is "row" layout for B: transposing ldmatrix. Lane l points at row 16c + l % 16,
     column 16 n2 + 8 (l // 16): (b0, b1) of columns 16 n2 .. +7, then of columns 16 n2 + 8 .. +15."""
-    LD = D + PAD
+    LD = D + PAD if ld is None else ld
     mma_into, pack = _kind(dtype)
 
     @cuda.jit(device=True, inline=True)

@@ -49,7 +49,7 @@ def candidates(family: str, D: int, limits) -> list:
                                       if family == "tc" else (None,)):
         if family == "tc":  # a warp per 16 query rows, or per 32 (two blocks of 16 a warp)
             nt = 32 * m // nt
-        t = tiling.threads_of(family, tiling.Tiles(m, n, nt or max(m, n)))  # (bwd_v1: a thread per row)
+        t = tiling.threads_of(family, tiling.Tiles(m, n, nt or max(m, n)), D)  # (bwd_v1: a thread per row)
         try:
             tiling.check(family, D, t)
         except ValueError:
