@@ -508,8 +508,9 @@ def test_tc_copies_an_input_that_does_not_start_on_16_bytes():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Every head dim a multiple of 8: forward up to 256, backward up to 160; a multiple of 8 but not of 16 padded to
-# 16 in shared memory (kernel=None takes every one of them on a GPU)
+# Every head dim a multiple of 8 up to 256, forward and backward; a multiple of 8 but not of 16 padded to 16 in
+# shared memory (kernel=None takes every one of them on a GPU); above 160 the dK/dV kernel splits the columns of
+# dK_j and dV_j between two warps a key block (padded to 32) and the dQ kernel reads A fragments per k-step
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -521,7 +522,7 @@ def test_forward_tc_other_head_dims(D):
     check_forward(out, lse, q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("D", [96, 24])
+@pytest.mark.parametrize("D", [96, 24, 176])
 def test_backward_tc_other_head_dims(D):
     rng = np.random.default_rng(D)
     grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 17, 20, 1, D, np.float16, True, block_m=16,
@@ -552,11 +553,16 @@ def test_head_dims_beyond_the_tensor_cores_are_refused_or_fall_back():
     q = np.zeros((1, 8, 1, 36), np.float16)  # not a multiple of 8
     with pytest.raises(ValueError, match="multiple of 8 up to 256"):
         flashnumba.plan(q, q, q, kernel="tc")
-    q = np.zeros((1, 8, 1, 192), np.float16)  # forward on tensor cores, backward not
     lse = np.zeros((1, 1, 8), np.float32)
-    assert flashnumba.plan(q, q, q, kernel="tc").kernel == "tc"
-    with pytest.raises(ValueError, match="tensor-core backward supports head_dim a multiple of 8 up to 160"):
+    with pytest.raises(ValueError, match="tensor-core backward supports head_dim a multiple of 8 up to 256"):
         flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc")
+    q = np.zeros((1, 8, 1, 264), np.float16)  # beyond 256: no kernel takes it
+    with pytest.raises(ValueError, match=r"head_dim must be in \[1, 256\]"):
+        flashnumba.plan(q, q, q, kernel="tc")
+    for D, parts in ((160, 1), (192, 2), (256, 2)):  # above 160, two warps a block of 16 keys in dK/dV
+        q = np.zeros((1, 8, 1, D), np.float16)
+        p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc", block_m=16, block_n=32)
+        assert p.kernel == "tc" and [s.block[0] for s in p.launches[1:]] == [32, 64 * parts], (D, p)
 
 
 GPU_HEAD_DIMS = [d for d in tiling.MMA_HEAD_DIMS if d not in (64, 128)]  # the multiples of 8 to 256
@@ -566,8 +572,8 @@ GPU_HEAD_DIMS = [d for d in tiling.MMA_HEAD_DIMS if d not in (64, 128)]  # the m
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("D", GPU_HEAD_DIMS)
 def test_tc_every_head_dim_gpu(D, dtype):
-    """kernel="tc" at every head dim it is built for, awkward lengths, causal and not, with the default tiles;
-    the backward where it is built (d <= 160)."""
+    """kernel="tc" at every head dim it is built for, awkward lengths, causal and not, with the default tiles,
+    forward and backward."""
     import ml_dtypes
 
     np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
