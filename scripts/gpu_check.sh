@@ -5,6 +5,8 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+# every case of the offline compile tests (the GPU profile's default too; per push without a GPU: a few)
+export FLASHNUMBA_FULL_COMPILE=1
 # Measured on the H200 (2026-11-29): info+tests+crosscheck+sanitize(SANITIZE_CASES=defaults)+demo+memory 364 s
 # (tests 214 s with 16 workers); the float32 bench sweep with --passes fwd bwd --max-call-ms 250, 369 s;
 # the notebooks 300 s. One call may take 10 minutes: split them across calls.

@@ -4,6 +4,10 @@ Profiles (``FLASHNUMBA_TEST_PROFILE``, default ``gpu`` on a GPU and ``ci`` under
 
 * ``ci``  : simulator-sized shapes (seqlen <= 100, a bounded amount of work per example), few examples;
 * ``gpu`` : larger shapes (seqlen up to 300), more examples.
+
+``FULL_COMPILE`` (the ``gpu`` profile, or ``FLASHNUMBA_FULL_COMPILE=1``): the offline compile tests build every
+kernel of their lists; otherwise (the ``ci`` profile) one representative of each kind, so that the per-push run
+without a GPU stays near 15 minutes (docs/testing.md says which run where).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile(PROFILE)
+FULL_COMPILE = PROFILE == "gpu" or os.environ.get("FLASHNUMBA_FULL_COMPILE", "0") not in ("", "0")
 
 # Bounds on the shapes the property tests draw, per profile.
 MAX_SEQLEN = 100 if PROFILE == "ci" else 300

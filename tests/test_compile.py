@@ -11,6 +11,12 @@ in which every kernel of their plans is compiled to PTX for sm_80 (once where pl
 its target, as the CUDA driver assembles PTX written for an older architecture. (Those assembled from sm_80's PTX
 for another target are not stored in the disk cache; the GPU profile compiles every kernel for the GPU's own
 architecture.)
+
+Per push (the ``ci`` profile, conftest.FULL_COMPILE false) each architecture compiles the default plans of three
+cases, one a kernel family's tightest fit: float32 at d=256 (the SIMT kernels' largest tiles in shared memory),
+float16 at d=128 with every option (the tensor-core kernels with the most state), bfloat16 at d=128. The ``gpu``
+profile, or ``FLASHNUMBA_FULL_COMPILE=1``, compiles every case below and the ``kernel=`` tensor-core and TF32
+kernels at other head dims.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 
 import pytest
 
+from conftest import FULL_COMPILE
 from flashnumba import tiling
 
 SCRIPT = r"""
@@ -69,12 +76,14 @@ cases = [(np.float32, 64, {}), (np.float32, 128, {"causal": True}), (np.float32,
                                 dropout_p=0.1))]
 import ml_dtypes
 cases.append((ml_dtypes.bfloat16, 128, {"causal": True}))
+if not FULL:  # per push: one case a family (see the module docstring)
+    cases = [cases[2], cases[6], cases[7]]
 for dtype, d, opts in cases:
     q, k, v = (rng.standard_normal((1, 64, 4, d)).astype(dtype) for _ in range(3))
     add(flashnumba.plan(q, k, v, device=arch, **opts))
     out, lse = q.copy(), np.zeros((1, 4, 64), np.float32)
     add(flashnumba.plan_backward(q, q, k, v, out, lse, device=arch, **opts))
-if arch != "sm_75":  # kernel="tc" at other head dims: 96 and 40 (both passes), 160 (both), 256 (forward)
+if FULL and arch != "sm_75":  # kernel="tc" at other head dims: 96 and 40 (both passes), 160 (both), 256 (forward)
     for d, opts in ((96, {}), (40, {}), (160, {"causal": True})):
         q, k, v = (rng.standard_normal((1, 64, 4, d)).astype(np.float16) for _ in range(3))
         add(flashnumba.plan(q, k, v, kernel="tc", device=arch, **opts))
@@ -98,8 +107,9 @@ def test_planned_kernels_compile_and_fit(archs, tmp_path):
     env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0",
                FLASHNUMBA_CACHE_DIR=os.environ.get("FLASHNUMBA_TEST_CACHE_DIR", str(tmp_path / "cache")))
     env.pop("FLASHNUMBA_MAX_SHARED_BYTES", None)
-    proc = subprocess.run([sys.executable, "-c", f"BODY = {BODY!r}\n{SCRIPT}", *archs], env=env,
-                          capture_output=True, text=True, timeout=2400)
+    script = f"BODY = {BODY!r}\nFULL = {FULL_COMPILE!r}\n{SCRIPT}"
+    proc = subprocess.run([sys.executable, "-c", script, *archs], env=env, capture_output=True, text=True,
+                          timeout=2400)
     if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -149,8 +159,12 @@ from flashnumba import _launch
 _launch._function = lambda compiled, device_id, shared_bytes: 0  # no GPU: nothing to load
 rng = np.random.default_rng(0)
 n = 0
-for dtype, d, opts in [(np.float16, 64, dict(causal=True)), (np.float16, 128, dict(dropout_p=0.2, window_size=(5, 1))),
-                       (np.float32, 40, dict(alibi_slopes=np.ones(4, np.float32), softcap=3.0))]:
+cases = [(np.float16, 128, dict(dropout_p=0.2, window_size=(5, 1))),  # tensor cores; the seed and offset patched
+         (np.float32, 40, dict(alibi_slopes=np.ones(4, np.float32), softcap=3.0)),  # SIMT; the slopes' array
+         (np.float16, 64, dict(causal=True))]
+if not FULL:  # per push: the first two, the first at d=64 (the layout is the same at every d; it compiles faster)
+    cases = [(np.float16, 64, cases[0][2]), cases[1]]
+for dtype, d, opts in cases:
     q = rng.standard_normal((2, 50, 4, d)).astype(dtype)
     lse = np.zeros((2, 4, 50), np.float32)
     for p in (flashnumba.plan(q, q, q, device="sm_90", **opts),
@@ -169,10 +183,13 @@ print(n)
 
 def test_launch_parameters_match_the_compiled_kernels(tmp_path):
     """The parameter buffer the launch layer builds for each kernel of a plan has the PTX's own parameter sizes in
-    order, and the per-call pointers land in their slots (offline: compiled, not loaded)."""
+    order, and the per-call pointers land in their slots (offline: compiled, not loaded). Per push, the plans of
+    the tensor-core and the SIMT family with their per-call and array parameters; FULL_COMPILE, a third (plain
+    causal tensor-core) plan too."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0",
                FLASHNUMBA_CACHE_DIR=os.environ.get("FLASHNUMBA_TEST_CACHE_DIR", str(tmp_path / "cache")))
-    proc = subprocess.run([sys.executable, "-c", BOUND], env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run([sys.executable, "-c", f"FULL = {FULL_COMPILE!r}\n{BOUND}"], env=env, capture_output=True,
+                          text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert int(proc.stdout.strip().splitlines()[-1]) == 12
+    assert int(proc.stdout.strip().splitlines()[-1]) == (12 if FULL_COMPILE else 8)  # 4 launches a plan pair

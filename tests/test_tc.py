@@ -166,6 +166,9 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
                               ("every option", Variant(True, True, True, True, True, True))):
             if dtype == "bfloat16" and name != "every option":  # (bfloat16 changes only the mma and cvt)
                 continue
+            # per push: the most registers (float16, d=128, every option) and bfloat16's instructions
+            if not FULL and (dtype, D, name) not in (("float16", 128, "every option"), ("bfloat16", 64, name)):
+                continue
             key = f"{dtype} D={D} {name}"
             T = tiling.plain_rows_per_warp(tiling.default("tc", D, DEV).tiles, variant)
             sig = (f"void({a}, {a}, {a}, {a}, {f3}, float32, {resources._OPTS}, {resources._MODS}, "
@@ -188,15 +191,22 @@ print(json.dumps(out))
 
 
 def test_forward_tc_compiles_for_sm90():
+    """Per push two sets of three kernels (forward, dQ, dK/dV); conftest.FULL_COMPILE (the GPU profile, or
+    FLASHNUMBA_FULL_COMPILE=1) all eight sets: float16 at d=64 and 128, plain, causal and every option, and
+    bfloat16 at both with every option."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     import json
 
+    from conftest import FULL_COMPILE
+
     env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", f"FULL = {FULL_COMPILE!r}\n{COMPILE}"], env=env,
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(kernels) == (24 if FULL_COMPILE else 6)
     for name, r in kernels.items():
         text = r["ptx"]
         assert ".target sm_90" in text

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flashnumba
-from conftest import assert_close_to_truth, check_forward, random_qkv
+from conftest import FULL_COMPILE, assert_close_to_truth, check_forward, random_qkv
 from flashnumba import reference
 
 
@@ -96,6 +96,8 @@ for precision in ("tf32", "3xtf32"):
     for D in (64, 128):
         T = tiling.default(precision, D, tiling.ARCHS["sm_90"]).tiles
         for causal in (False, True):
+            if not FULL and (precision, D, causal) not in (("tf32", 64, False), ("3xtf32", 128, True)):
+                continue  # per push: each precision, head dim and mask once
             fn = mma_tf32.make_forward_tf32(D, causal, precision, T.block_n, T.block_m // 16)
             text = _launch.compile_ptx(fn.py_func, sig, (9, 0))
             out[f"{precision} D={D} causal={causal}"] = dict(ptx=text, **resources.ptx_resources(text))
@@ -104,15 +106,20 @@ print(json.dumps(out))
 
 
 def test_tf32_compiles_for_sm90():
+    """Per push two of the eight kernels (each precision, head dim and mask once); FULL_COMPILE (the GPU
+    profile, or FLASHNUMBA_FULL_COMPILE=1) all eight."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     import json
 
     env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", f"FULL = {FULL_COMPILE!r}\n{COMPILE}"], env=env,
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, r in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(kernels) == (8 if FULL_COMPILE else 2)
+    for name, r in kernels.items():
         text = r["ptx"]
         for needle in ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cp.async.cg.shared.global",
                        "shfl.sync.bfly.b32", "cvt.rna.tf32.f32"):
