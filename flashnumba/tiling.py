@@ -184,6 +184,9 @@ TABLES = {
         Candidate(64, Tiles(128, 64, 128), "fastest of the H200 sweep at d = 64: 4 warps of 32 rows, B_c 64 (with "
                                            "window, softcap, ALiBi or dropout: 8 warps of 16, plain_rows_per_warp)"),
         Candidate(64, Tiles(128, 32, _tc_threads(128)), "8 warps, B_c 32: fits 64 KB"),
+        Candidate(96, Tiles(128, 32, _tc_threads(64)), "fastest of the H200 sweep at d = 96: 4 warps of 32 rows, "
+                  "B_c 32 (1.4x (128, 128); with window, softcap, ALiBi or dropout: 8 warps of 16, "
+                  "plain_rows_per_warp)"),
         Candidate(128, Tiles(128, 128, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 128 "
                   "(K_j and V_j of 128 keys: 170 KB of shared memory, Hopper's; with per-score options B_c 64, "
                   "plain_rows_per_warp)", min_cc=(9, 0)),
@@ -204,8 +207,8 @@ TABLES = {
         Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
         Candidate(160, Tiles(64, 32, _tc_threads(64)), "4 warps on 32-row K_j, V_j tiles: fits 99 KB at d <= 160"),
         Candidate(160, Tiles(32, 16, _tc_threads(32)), "2 warps, 16-row K_j, V_j tiles: fits 64 KB"),
-        Candidate(256, Tiles(64, 32, _tc_threads(64)), "4 warps on 32-row K_j, V_j tiles (A fragments per k-step)"),
-        Candidate(256, Tiles(64, 16, _tc_threads(64)), "16-row K_j, V_j tiles: fits 99 KB at d <= 256"),
+        Candidate(256, Tiles(64, 16, _tc_threads(64)), "fastest of the H200 sweep at d = 256: 4 warps on 16-row K_j, "
+                  "V_j tiles (A fragments per k-step; 1.4x (64, 32)); fits 99 KB"),
         Candidate(256, Tiles(16, 16, _tc_threads(16)), "1 warp: fits 64 KB at d <= 256"),
     ],
     "tc_dkdv": [
