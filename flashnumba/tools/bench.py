@@ -118,8 +118,8 @@ _flashnumba_default.varlen = _flashnumba_default_varlen
 
 
 def _flashnumba_tc(q, k, v, dout, causal):
-    """The tensor-core kernels (``kernel="tc"``: float16 or bfloat16, head_dim a multiple of 16, up to 256 forward
-    and 160 backward), forward and backward."""
+    """The tensor-core kernels (``kernel="tc"``: float16 or bfloat16, head_dim a multiple of 8 up to 256), forward
+    and backward."""
     opts = dict(causal=causal, kernel="tc")
     out, lse = flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
     return {
