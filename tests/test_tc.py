@@ -403,7 +403,7 @@ def test_tc_dropout_close_to_one_does_not_overflow():
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
 @pytest.mark.parametrize("case", ["gqa-window", "softcap-alibi-causal", "dropout", "window-causal-gqa"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])  # (256: two warps a key block in dK/dV)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tc_options_gpu_default_tiles(case, D, dtype):
     """On the GPU: every option with the default tiles, which kernel=None chooses (and gives the same bits),
