@@ -663,7 +663,9 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
     With a score_mod, ``score_mod_grad(score, b, h, q_idx, kv_idx, *score_mod_args)``, its derivative with respect
     to the score, is required (for an added bias, a function returning 1.0): without it no gradient can be
     right, and the call raises. Gradients with respect to the arrays of ``score_mod_args`` are not computed.
-    Runs on the register-tiled SIMT backward (``kernel`` None or "v2")."""
+    Runs on the register-tiled SIMT backward (``kernel`` None or "v2"), or on the tensor cores with
+    ``kernel="tc"`` (float16 or bfloat16: the functions compiled into :mod:`flashnumba.kernels.mma_backward`;
+    a block mask's empty tiles are not skipped there)."""
     args = mod_args_tuple(score_mod_args)
     key = _key("flex_bwd", (dout, q, k, v, out, lse) + args,
                (scale, score_mod, score_mod_grad, mask_mod, enable_gqa, kernel))

@@ -237,11 +237,11 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
     families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
     simt = "v3" if pass_ == "forward" else "v2"
     if opts.mods is not None:  # a user's score_mod / mask_mod: the tensor-core forward or the register-tiled SIMT
-        takes = (None, "v2", "v3", "tc") if pass_ == "forward" else (None, "v2")
+        takes = (None, "v2", "v3", "tc") if pass_ == "forward" else (None, "v2", "tc")
         if kernel not in takes:
             raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels "
                              f"{', '.join(repr(x) for x in takes[1:])} (or None), not {kernel!r}")
-        if kernel == "tc":  # (the forward's: the backward's kernel was refused above)
+        if kernel == "tc":
             _check_family(kernel, tq, opts, limits, pass_)
             return "tc", "a user's score_mod / mask_mod on the tensor cores: asked for by kernel=", None
         if (pass_ == "forward" and kernel is None and (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))
@@ -593,11 +593,13 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         tail = ("scale_log2", "scale") + OPTION_PARAMS
         name, gqa, strided = _dtype_name(dt), nk != nheads, _strided(arrays, ("dout", "q", "k", "v"))
         dq = KernelLaunch("dQ tc", "tc_dq", mma_backward.make_backward_dq_tc,
-                          (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa, strided), io_dq + tail,
+                          (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa, strided, opts.mods),
+                          io_dq + tail + MOD_PARAMS,
                           (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
                           tiling.shared_bytes("tc_dq", D, tq_t)[0], tq_t, rq)
         kv = KernelLaunch("dK/dV tc", "tc_dkdv", mma_backward.make_backward_dkdv_tc,
-                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa, strided), io_kv + tail,
+                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa, strided, opts.mods),
+                          io_kv + tail + MOD_PARAMS,
                           (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
                           tiling.shared_bytes("tc_dkdv", D, tk_t)[0], tk_t, rk)
     elif family == "v1":

@@ -182,6 +182,37 @@ def test_examples_on_the_tensor_cores(name):
             **(dict(block_m=16, block_n=16) if flashnumba.SIMULATOR else {}))
 
 
+def _run_tc_backward(name, sq, sk, nheads_k, groups, d, seed, dtype, **tiles):
+    """Forward and backward on the tensor cores (kernel="tc") against the float64 reference, the tolerance from
+    the same computation in the input's dtype."""
+    score_mod, grad, mask_mod, make_args = EXAMPLES[name]
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, dtype)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    args = make_args(sq, sk, rng) if make_args else ()
+    kw = dict(score_mod_args=args, enable_gqa=groups > 1, kernel="tc")
+    out, lse = flashnumba.flex_attention(q, k, v, score_mod, mask_mod, return_lse=True, **kw, **tiles)
+    grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, score_mod, mask_mod, score_mod_grad=grad,
+                                               **kw)
+    rkw = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args, score_mod_grad=grad)
+    truth = ref.flex_attention_backward(dout, q, k, v, **rkw)
+    base = ref.flex_attention_backward(dout, q, k, v, dtype=np.dtype(q.dtype), **rkw)
+    for gname, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
+        g = to_numpy(g)
+        assert g.dtype == q.dtype and g.shape == (q.shape if gname == "dq" else k.shape)
+        assert_close_to_truth(gname, g, t, b.astype(q.dtype), reduction=max(d, sq, sk))
+
+
+@pytest.mark.parametrize("name", ["relative bias+documents", "softcap+alibi+window"] if flashnumba.SIMULATOR
+                         else TC_EXAMPLES)
+def test_examples_backward_on_the_tensor_cores(name):
+    """score_mod (with its derivative) and mask_mod compiled into the tensor-core backward (kernel="tc"), GQA,
+    rows that see no key; the smallest tiles in the simulator, the default ones on a GPU."""
+    _run_tc_backward(name, 13, 21, 1, 2, 16, len(name), np.float16,
+                     **(dict(block_m=16, block_n=16) if flashnumba.SIMULATOR else {}))
+
+
 def test_examples_on_the_tensor_cores_bfloat16():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     _run_tc("relative bias+documents", 9, 17, 2, 1, 24, 5, ml_dtypes.bfloat16,
@@ -244,6 +275,8 @@ def test_bad_functions_and_arguments_are_clear_errors():
         flashnumba.flex_attention(q, k, v, softcap, kernel="tc")
     out, lse = flashnumba.flex_attention(q, k, v, softcap, return_lse=True)
     with pytest.raises(ValueError, match="runs on the backward kernels"):
+        flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap, score_mod_grad=softcap_grad, kernel="v1")
+    with pytest.raises(TypeError, match="float16 or bfloat16"):  # (q is float32)
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap, score_mod_grad=softcap_grad, kernel="tc")
     with pytest.raises(ValueError, match="score_mod_grad"):
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap)

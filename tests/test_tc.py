@@ -183,7 +183,8 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
                                                  (1, 2),  # n gradient arrays
                                                  [tiling.default(f, D, DEV).tiles[:2] for f in ("tc_dq", "tc_dkdv")]):
                 grads = ", ".join([a] * n)
-                bsig = f"void({a}, {a}, {a}, {a}, {f3}, {f3}, {grads}, float32, float32, {resources._OPTS})"
+                bsig = (f"void({a}, {a}, {a}, {a}, {f3}, {f3}, {grads}, float32, float32, {resources._OPTS}, "
+                        f"{resources._MODS})")
                 text = _launch.compile_ptx(make(D, variant, bm, bn, dtype).py_func, bsig, (9, 0))
                 out[f"{key} {kname}"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))

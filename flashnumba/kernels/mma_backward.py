@@ -49,7 +49,8 @@ import functools
 
 from . import bf16, ptx
 from .._backend import cuda
-from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry
+from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry,
+                     make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
                         padded, tile_landed)
 from numba import float32, uint16, uint32
@@ -107,21 +108,34 @@ def _store_bf16(x):
 
 
 @functools.lru_cache(maxsize=None)
-def make_entry(variant):
+def make_entry(variant, mods=None):
     """entry(sv, dpv, i, j, l2, di, masked, ...) -> (P_ij keep_ij, dS_ij) of one entry, from sv = (Q_i K_j^T)_ij,
-    dpv = (dO_i V_j^T)_ij, l2 = log2(e) L_i and di = D_i: the score as the forward formed it (softcap, ALiBi), P
-    recomputed from the logsumexp, 0 where ``masked`` and the entry lies outside the sequence or the band, the
-    forward's dropout mask regenerated, and dS = P (Z dP - D_i) times the softcap's derivative."""
+    dpv = (dO_i V_j^T)_ij, l2 = log2(e) L_i and di = D_i: the score as the forward formed it (softcap, ALiBi, then
+    a user's score_mod), P recomputed from the logsumexp, 0 where ``masked`` and the entry lies outside the
+    sequence or the band, or where a user's mask_mod hides it, the forward's dropout mask regenerated, and
+    dS = P (Z dP - D_i) times the derivative of the score's modifications (softcap's, the user's
+    score_mod_grad). The user's functions (``mods``, :func:`flashnumba.kernels.common.make_user_mods`) are called
+    only for entries within the sequences, the score_mod only for those the mask_mod shows, as in the SIMT
+    backward."""
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, _, DROPOUT = variant
-    SCORE_MOD = SOFTCAP or ALIBI
+    USER_SCORE = mods is not None and mods.score_mod is not None
+    USER_MASK = mods is not None and mods.mask_mod is not None
+    user_score, user_mask = make_user_mods(mods)
+    SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE
     score_mod = make_score_mod(SOFTCAP, ALIBI)
 
     @cuda.jit(device=True, inline=True)
     def entry(sv, dpv, i, j, l2, di, masked, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left, right,
-              slope, p_drop, rp_keep, seed, offset, bh):
+              slope, p_drop, rp_keep, seed, offset, b, h, bh, a0, a1, a2, a3):
         dcap = float32(1.0)  # d(modified score) / d(scale q.k)
+        shown = True  # by the user's mask_mod
+        if USER_MASK:
+            shown = i < seqlen_q and j < seqlen_k and user_mask(b, h, i, j, a0, a1, a2, a3)
         if SCORE_MOD:
             x, dcap = score_mod(sv * scale, softcap, slope, i, j, diag)
+            if USER_SCORE and shown and i < seqlen_q and j < seqlen_k:
+                x, dmod = user_score(x, b, h, i, j, a0, a1, a2, a3)
+                dcap *= dmod
             p = ptx.exp2_ftz(x * LOG2E - l2)
         else:  # one FMA and the exponential
             p = ptx.exp2_ftz(cuda.fma(sv, scale_log2, -l2))
@@ -129,6 +143,8 @@ def make_entry(variant):
             if (i >= seqlen_q or j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                     or (HAS_RIGHT and j > i + diag + right)):
                 p = float32(0.0)
+        if USER_MASK and not shown:
+            p = float32(0.0)
         if DROPOUT:
             u = dropout_uniform(seed, offset, bh, i, j)
             if u >= p_drop:  # kept: Z_ij = 1 / (1 - p_drop)
@@ -140,21 +156,22 @@ def make_entry(variant):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False):
+def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False, mods=None):
     """The dQ kernel: grid (ceil(max_seqlen_q / block_m), batch * nheads), block (2 * block_m,) (block_m / 16
     warps), dynamic shared memory :func:`shared_bytes_dq`.
 
     Arguments: (dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop,
-    rp_keep, seed, offset): dout, q, k, v, dq C-contiguous 16-bit arrays (uint16 holding bfloat16 bits) laid out
-    as the forward's; lse, delta (batch, nheads, seqlen_q) float32; scale_log2 = softmax_scale * log2(e); the
-    rest as the SIMT kernels take them (:func:`flashnumba.kernels.simt_backward.make_backward_dq_v2`).
+    rp_keep, seed, offset, a0, a1, a2, a3): dout, q, k, v, dq C-contiguous 16-bit arrays (uint16 holding bfloat16
+    bits) laid out as the forward's; lse, delta (batch, nheads, seqlen_q) float32; scale_log2 = softmax_scale *
+    log2(e); the rest as the SIMT kernels take them (:func:`flashnumba.kernels.simt_backward.make_backward_dq_v2`),
+    a0 .. a3 the arrays of a user's score_mod / mask_mod (``mods``, :func:`make_entry`).
     ``strided``: dout, q, k, v may be strided views, read in place (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see mma_forward.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
-    entry = make_entry(variant)
+    entry = make_entry(variant, mods)
     is_bf16 = dtype == "bfloat16"
     store = _store_bf16 if is_bf16 else bf16.load_store(False)[1]
     elem = uint16 if is_bf16 else float16
@@ -177,7 +194,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
     @cuda.jit
     def backward_dq_tc(dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
-                       p_drop, rp_keep, seed, offset):
+                       p_drop, rp_keep, seed, offset, a0, a1, a2, a3):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -244,7 +261,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
                     j = j0 + 8 * n + 2 * t + (x & 1)
                     _, ds = entry(s[n, x], dp[n, x], i, j, lrow[x >> 1], drow[x >> 1], masked, seqlen_q, seqlen_k,
                                   diag, scale_log2, scale, softcap, left, right, slope, p_drop, rp_keep, seed,
-                                  offset, b * nheads + h)
+                                  offset, b, h, b * nheads + h, a0, a1, a2, a3)
                     dp[n, x] = ds
 
             mma_ab(acc, dp, smem, buf, lane)  # dQ_i += dS K_j
@@ -262,7 +279,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False):
+def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False, mods=None):
     """The dK/dV kernel: grid (ceil(max_seqlen_k / block_n), batch * nheads_k), block (:func:`dkdv_threads`:
     block_n / 16 warps, twice as many above d = 160), dynamic shared memory :func:`shared_bytes_dkdv`. With GQA a
     block sums over the nheads / nheads_k query heads of its key/value head, in order.
@@ -273,7 +290,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see mma_forward.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
-    entry = make_entry(variant)
+    entry = make_entry(variant, mods)
     is_bf16 = dtype == "bfloat16"
     store = _store_bf16 if is_bf16 else bf16.load_store(False)[1]
     elem = uint16 if is_bf16 else float16
@@ -320,7 +337,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
 
     @cuda.jit
     def backward_dkdv_tc(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q,
-                         cu_k, p_drop, rp_keep, seed, offset):
+                         cu_k, p_drop, rp_keep, seed, offset, a0, a1, a2, a3):
         nheads = q.shape[2]
         nheads_k = k.shape[2]
         group = nheads // nheads_k  # query heads per key/value head
@@ -409,7 +426,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                     c = 8 * n + 2 * t + (x & 1)  # query column inside Q_i
                     pz, ds = entry(s[n, x], dp[n, x], i0 + c, j0 + r0 + g + 8 * (x >> 1), lsm[sel, c], dsm[sel, c],
                                    masked, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left, right, slope,
-                                   p_drop, rp_keep, seed, offset, b * nheads + h)
+                                   p_drop, rp_keep, seed, offset, b, h, b * nheads + h, a0, a1, a2, a3)
                     s[n, x] = pz
                     dp[n, x] = ds
 
