@@ -229,6 +229,16 @@ def test_drawn_shapes_on_the_tensor_cores_gpu(part, name, sq, sk, nheads_k, grou
     _run_tc(name, sq, sk, nheads_k, groups, d, seed, np.float16)
 
 
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
+@given(name=st.sampled_from(list(EXAMPLES)), sq=st.sampled_from([1, 63, 200, 513]),
+       sk=st.sampled_from([1, 80, 200, 700]), nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
+       d=st.sampled_from([40, 64, 128, 256]), seed=st.integers(0, 99))
+def test_drawn_shapes_backward_on_the_tensor_cores_gpu(part, name, sq, sk, nheads_k, groups, d, seed):
+    _run_tc_backward(name, sq, sk, nheads_k, groups, d, seed, np.float16)
+
+
 def test_a_mod_that_reproduces_a_built_in_option_gives_its_result():
     """A causal mask_mod and a softcap score_mod: the built-in options' kernels' result, within rounding."""
     rng = np.random.default_rng(3)
