@@ -267,7 +267,7 @@ def plain_rows_per_warp(t: Tiles, variant, mods=False) -> Tiles:
 
 def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
     """(shared bytes per block, whether they are static) of a family's kernel at tiles t and head dim D."""
-    m, n, nt = t.block_m, t.block_n, t.num_threads
+    m, n = t.block_m, t.block_n
     if table == "v1":
         return simt_forward.shared_bytes_v1(D, m, n), True
     if table in ("v2", "v3"):
