@@ -18,6 +18,7 @@ import pytest
 import flashnumba
 from conftest import check_backward, check_forward, random_qkv
 from flashnumba import reference, tiling
+from flashnumba._backend import cuda  # (module level: the simulator swaps a kernel's global cuda for its own)
 
 
 def forward_tc(q, k, v, warps=None, rows=16, **kw):
@@ -597,3 +598,49 @@ def test_tc_every_head_dim_gpu(D, dtype):
             dout = rng.standard_normal(q.shape).astype(np_dtype)
             grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, kernel="tc")
             check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tile copies alone
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row0, row_end, rows", [(20, 30, 13), (25, 37, 16), (0, 37, 16)])
+def test_tile_copy_rows_padding_and_zeros(row0, row_end, rows):
+    """mma_tiles.make_load_rows, each thread's source index stepped by whole rows: rows row0 .. row0 + rows - 1 of
+    src[b, :, h, :] land in shared memory at a stride of D + PAD elements; rows at or past row_end (read or not:
+    the simulator raises on a read outside the array) and the columns from the head dim (56) to the padded one
+    (64) are zeros; the PAD columns and the rows past ``rows`` keep what they held."""
+    from numba.cuda.types import float16
+
+    from flashnumba.kernels import mma_tiles, ptx
+
+    DG, D, NT, MAX_ROWS = 56, 64, 32, 16
+    LD = D + mma_tiles.PAD
+    load = mma_tiles.make_load_rows(D, NT, DG=DG)
+
+    @cuda.jit
+    def copy(src, init, out, b, row0, row_end, h, rows):
+        smem = cuda.shared.array(MAX_ROWS * LD, float16)
+        tid = cuda.threadIdx.x
+        for e in range(tid, MAX_ROWS * LD, NT):
+            smem[e] = init[e]
+        cuda.syncthreads()
+        load(smem, 0, src, b, row0, row_end, h, rows, tid)
+        ptx.cp_async_wait_all()
+        cuda.syncthreads()
+        for e in range(tid, MAX_ROWS * LD, NT):
+            out[e] = smem[e]
+
+    rng = np.random.default_rng(row0 + rows)
+    src = (rng.standard_normal((2, 37, 3, DG)) + 3).astype(np.float16)  # no element is 0
+    init = np.full(MAX_ROWS * LD, -7, np.float16)
+    out = np.zeros_like(init)
+    copy[1, NT](src, init, out, 1, row0, row_end, 2, rows)
+    got = out.reshape(MAX_ROWS, LD)
+    want = init.reshape(MAX_ROWS, LD).copy()
+    for r in range(rows):
+        want[r, :D] = 0
+        if row0 + r < row_end:
+            want[r, :DG] = src[1, row0 + r, 2]
+    np.testing.assert_array_equal(got, want)
