@@ -26,7 +26,7 @@ flashnumba.config.poison_outputs = True  # every output is NaN-filled before the
 PROFILE = os.environ.get("FLASHNUMBA_TEST_PROFILE", "ci" if flashnumba.SIMULATOR else "gpu")
 settings.register_profile(
     "ci",
-    max_examples=int(os.environ.get("FLASHNUMBA_CI_EXAMPLES", "12")),
+    max_examples=int(os.environ.get("FLASHNUMBA_CI_EXAMPLES", "8")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=False,

@@ -140,11 +140,13 @@ def test_each_example(name):
 
 
 # On a GPU each drawn example compiles its own kernels: the profile's examples are spread over shards (workers).
+# In the simulator three examples (about a minute each): every example's functions already run
+# once in test_each_example; these vary the shapes, GQA and the head dim from push to push.
 SHARDS = 1 if flashnumba.SIMULATOR else 8
 
 
 @pytest.mark.parametrize("part", range(SHARDS))
-@(settings(max_examples=6, deadline=None) if flashnumba.SIMULATOR else shard(SHARDS))
+@(settings(max_examples=3, deadline=None) if flashnumba.SIMULATOR else shard(SHARDS))
 @given(name=st.sampled_from(list(EXAMPLES)), sq=st.sampled_from([1, 7, 17, 33]), sk=st.sampled_from([1, 9, 17, 40]),
        nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), d=st.sampled_from([8, 16, 40]),
        seed=st.integers(0, 99))
