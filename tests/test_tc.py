@@ -537,7 +537,8 @@ def test_forward_tc_other_head_dims(D):
 @pytest.mark.parametrize("D", [96, 24, 176])
 def test_backward_tc_other_head_dims(D):
     rng = np.random.default_rng(D)
-    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 17, 20, 1, D, np.float16, True, block_m=16,
+    sq, sk = (9, 12) if D > 160 else (17, 20)  # (176: one tile each way, the simulator's minutes are per mma)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, sq, sk, 1, D, np.float16, True, block_m=16,
                                                       block_n=16)
     check_backward(grads, dout, q, k, v, out, lse, causal=True)
 
