@@ -102,7 +102,7 @@ def make_load_rows(D, NT, LD=None, per_copy=8, strided=False, DG=None, per_colum
         DG = D
     CH = D // per_copy  # 16-byte chunks per row
     copy16 = make_copy16(DG, strided)
-    if per_column and NT % CH == 0 and not strided:  # as below, the source index stepped from row to row
+    if per_column and NT % CH == 0:  # each thread copies one column of rows RS apart: one division a call
         RS = NT // CH
 
         @cuda.jit(device=True, inline=True)
@@ -110,27 +110,18 @@ def make_load_rows(D, NT, LD=None, per_copy=8, strided=False, DG=None, per_colum
             r = tid // CH
             c = (tid - r * CH) * per_copy
             g = ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * DG + c  # src[b, row0 + r, h, c], flat
-            step = RS * src.shape[2] * DG  # RS rows further on
+            step = RS * src.shape[2] * DG  # RS rows further on (a C-contiguous source)
             for it in range((rows + RS - 1) // RS):
                 if rows % RS == 0 or r < rows:
                     if row0 + r < row_end and (DG == D or c < DG):
-                        ptx.cp_async_16(smem, off + r * LD + c, src, g)
+                        if strided:  # (addressed from its strides, per copy)
+                            copy16(smem, off + r * LD + c, src, b, row0, r, h, c)
+                        else:
+                            ptx.cp_async_16(smem, off + r * LD + c, src, g)
                     else:
                         _zeros(smem, off + r * LD + c, per_copy)
                 r += RS
                 g += step
-    elif per_column and NT % CH == 0:  # each thread copies one column of rows RS apart: one division a call
-        RS = NT // CH
-
-        @cuda.jit(device=True, inline=True)
-        def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
-            r = tid // CH
-            c = (tid - r * CH) * per_copy
-            for it in range((rows + RS - 1) // RS):
-                if rows % RS == 0 or r < rows:
-                    _copy_or_zero(copy16, smem, off + r * LD + c, src, b, row0, r, h, c,
-                                  row0 + r < row_end and (DG == D or c < DG), per_copy)
-                r += RS
     else:
         @cuda.jit(device=True, inline=True)
         def load_rows(smem, off, src, b, row0, row_end, h, rows, tid):
