@@ -109,13 +109,20 @@ EXAMPLES = {  # name: (score_mod, score_mod_grad, mask_mod, the arrays they read
 }
 
 
-def _run(name, sq, sk, nheads_k, groups, d, seed, dtype=np.float32):
-    score_mod, grad, mask_mod, make_args = EXAMPLES[name]
+def _problem(name, sq, sk, nheads_k, groups, d, seed, dtype, with_dout=True):
+    """(q, k, v, dout, the arrays the example's functions read) of one drawn problem: nheads_k key/value heads,
+    ``groups`` query heads each; dout None without ``with_dout``."""
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, dtype)
     k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
-    dout = rng.standard_normal(q.shape).astype(dtype)
-    args = make_args(sq, sk, rng) if make_args else ()
+    dout = rng.standard_normal(q.shape).astype(dtype) if with_dout else None
+    make_args = EXAMPLES[name][3]
+    return q, k, v, dout, make_args(sq, sk, rng) if make_args else ()
+
+
+def _run(name, sq, sk, nheads_k, groups, d, seed, dtype=np.float32):
+    score_mod, grad, mask_mod, _ = EXAMPLES[name]
+    q, k, v, dout, args = _problem(name, sq, sk, nheads_k, groups, d, seed, dtype)
     kw = dict(score_mod_args=args, enable_gqa=groups > 1)
     out, lse = flashnumba.flex_attention(q, k, v, score_mod, mask_mod, return_lse=True, **kw)
     grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, score_mod, mask_mod, score_mod_grad=grad,
@@ -157,11 +164,8 @@ def test_drawn_shapes(part, name, sq, sk, nheads_k, groups, d, seed):
 def _run_tc(name, sq, sk, nheads_k, groups, d, seed, dtype, **tiles):
     """The forward on the tensor cores (kernel="tc") against the float64 reference, the tolerance from the same
     computation in the input's dtype."""
-    score_mod, _, mask_mod, make_args = EXAMPLES[name]
-    rng = np.random.default_rng(seed)
-    q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, dtype)
-    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
-    args = make_args(sq, sk, rng) if make_args else ()
+    score_mod, _, mask_mod, _ = EXAMPLES[name]
+    q, k, v, _, args = _problem(name, sq, sk, nheads_k, groups, d, seed, dtype, with_dout=False)
     out, lse = flashnumba.flex_attention(q, k, v, score_mod, mask_mod, return_lse=True, score_mod_args=args,
                                          enable_gqa=groups > 1, kernel="tc", **tiles)
     rkw = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args)
@@ -187,12 +191,8 @@ def test_examples_on_the_tensor_cores(name):
 def _run_tc_backward(name, sq, sk, nheads_k, groups, d, seed, dtype, **tiles):
     """Forward and backward on the tensor cores (kernel="tc") against the float64 reference, the tolerance from
     the same computation in the input's dtype."""
-    score_mod, grad, mask_mod, make_args = EXAMPLES[name]
-    rng = np.random.default_rng(seed)
-    q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, dtype)
-    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
-    dout = rng.standard_normal(q.shape).astype(dtype)
-    args = make_args(sq, sk, rng) if make_args else ()
+    score_mod, grad, mask_mod, _ = EXAMPLES[name]
+    q, k, v, dout, args = _problem(name, sq, sk, nheads_k, groups, d, seed, dtype)
     kw = dict(score_mod_args=args, enable_gqa=groups > 1, kernel="tc")
     out, lse = flashnumba.flex_attention(q, k, v, score_mod, mask_mod, return_lse=True, **kw, **tiles)
     grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, score_mod, mask_mod, score_mod_grad=grad,
