@@ -4,8 +4,8 @@ compute-sanitizer:
     compute-sanitizer --tool memcheck python scripts/sanitize_flex.py
     compute-sanitizer --tool racecheck python scripts/sanitize_flex.py
 
-Each example of the tests (tests/test_flex.py) runs forward on the tensor-core kernel (float16) and forward and
-backward on the SIMT kernels (float32), with GQA, seqlens that are not multiples of any tile, and a block mask
+Each example of the tests (tests/test_flex.py) runs forward and backward on the tensor-core kernels (float16) and
+on the SIMT kernels (float32), with GQA, seqlens that are not multiples of any tile, and a block mask
 (create_block_mask's kernel too); every result is compared with the float64 reference.
 """
 
@@ -58,11 +58,15 @@ for name in NAMES:
         errs = [float(np.abs(_host(x) - r).max()) for x, r in zip((out, *grads), (truth, dq_, dk_, dv_))]
         # float16 on the tensor-core forward, without and with a block mask
         hq, hk_, hv = (xp.asarray(x.astype(np.float16)) for x in (q, k, v))
-        out16 = flashnumba.flex_attention(hq, hk_, hv, score_mod, mask_mod, **kw)
+        out16, lse16 = flashnumba.flex_attention(hq, hk_, hv, score_mod, mask_mod, return_lse=True, **kw)
         errs.append(float(np.abs(_host(out16).astype(np.float64) - truth).max()))
+        # and the float16 backward on the tensor cores
+        grads16 = flashnumba.flex_attention_backward(xp.asarray(dout.astype(np.float16)), hq, hk_, hv, out16, lse16,
+                                                     score_mod, mask_mod, score_mod_grad=grad, kernel="tc", **kw)
+        errs += [float(np.abs(_host(x).astype(np.float64) - r).max()) for x, r in zip(grads16, (dq_, dk_, dv_))]
         if mask_mod is not None:
             bm = flashnumba.create_block_mask(mask_mod, b, 1, sq, sk, score_mod_args=dargs, like=hq)
             outbm = flashnumba.flex_attention(hq, hk_, hv, score_mod, mask_mod, block_mask=bm, **kw)
             errs.append(float(np.abs(_host(outbm).astype(np.float64) - truth).max()))
-        print(f"{name:24s} b{b} sq{sq} sk{sk} h{h}/{hk} d{d}: max err fp32 out/dq/dk/dv, fp16 out (, block mask)",
+        print(f"{name:24s} b{b} sq{sq} sk{sk} h{h}/{hk} d{d}: max err fp32 out/dq/dk/dv, fp16 out/dq/dk/dv (, block mask)",
               " ".join(f"{e:.1e}" for e in errs), flush=True)
