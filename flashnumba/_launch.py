@@ -458,6 +458,7 @@ class Call:
         self.allocs = []  # (name, shape, kernel dtype) of the returned outputs
         self.scratch = []  # (name, byte offset) of the temporaries, which share one allocation of scratch_bytes
         self.scratch_bytes = 0
+        self.zeroed = []  # (byte offset, bytes) of the temporaries that start as zeros (accumulators)
         for spec in self.outputs:
             kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(spec.dtype) else np.dtype(spec.dtype)
             if spec.returned:
@@ -465,6 +466,8 @@ class Call:
             else:
                 self.scratch.append((spec.name, self.scratch_bytes))
                 nbytes = int(np.prod(self.plan.arrays[spec.name].shape)) * kdtype.itemsize
+                if spec.zeroed:
+                    self.zeroed.append((self.scratch_bytes, nbytes))
                 self.scratch_bytes += -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
         self.host_results = [s.dtype for s in self.outputs if s.returned] if self.like == "numpy" else None
         if self.torch:
@@ -538,6 +541,14 @@ class Call:
             keep.append(arr)
             for name, off in self.scratch:
                 values[name] = base + off
+            for off, nbytes in self.zeroed:  # on the call's stream (torch's zero_, CuPy's memset; Numba: a copy)
+                part = arr[off:off + nbytes]
+                if self.torch:
+                    part.zero_()
+                elif self.empty is cuda.device_array:
+                    part.copy_to_device(np.zeros(nbytes, np.uint8))
+                else:
+                    part.fill(0)
         return values, outs, keep
 
     def run(self, arrays, seed=0, offset=0, stream=None):
@@ -577,6 +588,8 @@ class Call:
         outs = []
         for spec in self.outputs:
             user, dev = _arrays.empty(self.plan.arrays[spec.name].shape, spec.dtype, self.like)
+            if spec.zeroed:
+                dev.copy_to_device(np.zeros(dev.shape, dev.dtype))
             values[spec.name] = dev
             if spec.returned:
                 outs.append((user, dev, spec))

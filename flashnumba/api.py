@@ -114,7 +114,7 @@ def _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
 
 
 def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                   block_m, block_n, num_threads, kernel, device=None, flex=None):
+                   block_m, block_n, num_threads, kernel, device=None, flex=None, deterministic=True):
     tq, tk, tv = (inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
     tdo, to, tl = inspect("dout", dout, 4), inspect("out", out, 4), inspect("lse", lse, 3)
     check_same_place((tq, tk, tv, tdo, to, tl))
@@ -128,8 +128,9 @@ def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, 
         mods, targs = check_mods(tq, tk, *flex[:4], flex[4], backward=True)
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
     block_m, block_n, num_threads = check_blocks(block_m, block_n, num_threads)
+    check_flag("deterministic", deterministic)
     p = _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=block_m, block_n=block_n,
-                            num_threads=num_threads, device=device)
+                            num_threads=num_threads, device=device, deterministic=bool(deterministic))
     return p, opts
 
 
@@ -158,12 +159,13 @@ def plan_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Ar
                   softcap: float = 0.0, alibi_slopes: Array | None = None, dropout_p: float = 0.0,
                   block_m: int | None = None, block_n: int | None = None, num_threads: int | None = None,
                   kernel: str | None = None, device: str | None = None,
-                  precision: str | None = None) -> _plan.Plan:
+                  precision: str | None = None, deterministic: bool = True) -> _plan.Plan:
     """The plan :func:`flash_attn_backward` would run (see :func:`plan`)."""
     if precision is not None:
         kernel = kernel_for_precision(precision, kernel, q, "backward")
     return _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                          dropout_p, block_m, block_n, num_threads, kernel, device)[0]
+                          dropout_p, block_m, block_n, num_threads, kernel, device,
+                          deterministic=deterministic)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,14 +249,15 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
                         alibi_slopes: Array | None = None, dropout_p: float = 0.0, dropout_seed: int | None = None,
                         dropout_offset: int = 0, block_m: int | None = None, block_n: int | None = None,
                         num_threads: int | None = None, kernel: str | None = None,
-                        stream: Any = None, precision: str | None = None) -> tuple[Array, Array, Array]:
+                        stream: Any = None, precision: str | None = None,
+                        deterministic: bool = True) -> tuple[Array, Array, Array]:
     """Gradients (dq, dk, dv) of attention, recomputing P tile by tile from q, k and the forward's lse.
 
     ``out`` and ``lse`` are what :func:`flash_attn_forward` returned for (q, k, v) with the same softmax_scale,
     causal, window_size, softcap, alibi_slopes and dropout arguments (with GQA, dk and dv are summed over the
     query heads that share a key/value head); dout is the gradient of the loss with respect to out (like q).
     Extra device memory is O(batch * nheads * seqlen_q): one float per query row (D_i = rowsum(dout * out)).
-    Deterministic: no atomics.
+    Deterministic by default: no atomics, the same bits on every run.
 
     block_m, block_n: query and key tile sizes; num_threads: threads per block (v2); kernel: "v2" (register-tiled)
     or "v1" (one thread per row, the readable one), see flashnumba.kernels.simt_backward; "tc" (tensor cores:
@@ -264,18 +267,22 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     flashnumba.kernels.mma_backward. None
     (default): "tc" where it applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.
     precision: float32 only, "ieee" (None: the same); the backward has no TF32 kernels yet, and "tf32" or "3xtf32"
-    raise.
+    raise. deterministic: True (default); False, on the tensor cores, has the dK/dV kernel add dQ into a float32
+    buffer with atomic adds (one kernel of five products instead of two of seven: faster, docs/benchmarks.md;
+    extra memory 4 bytes per element of q), so dq's last bits vary from run to run (dk and dv do not); the
+    SIMT kernels have no such variant and stay deterministic.
 
     Returns dq like q, dk and dv like k, in the input dtype (float32 accumulation).
     """
     if precision is not None:
         kernel = kernel_for_precision(precision, kernel, q, "backward")
     key = _key("bwd", (dout, q, k, v, out, lse, alibi_slopes),
-               (softmax_scale, causal, window_size, softcap, dropout_p, block_m, block_n, num_threads, kernel))
+               (softmax_scale, causal, window_size, softcap, dropout_p, block_m, block_n, num_threads, kernel,
+                deterministic))
 
     def build():
         p, _ = _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                              dropout_p, block_m, block_n, num_threads, kernel)
+                              dropout_p, block_m, block_n, num_threads, kernel, deterministic=deterministic)
         _warn(p)
         return _launch.Call(p)
 
@@ -500,9 +507,12 @@ def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: A
                                alibi_slopes: Array | None = None, dropout_p: float = 0.0,
                                dropout_seed: int | None = None, dropout_offset: int = 0, block_m: int | None = None,
                                block_n: int | None = None, num_threads: int | None = None,
-                               kernel: str | None = None, stream: Any = None) -> tuple[Array, Array, Array]:
+                               kernel: str | None = None, stream: Any = None,
+                               deterministic: bool = True) -> tuple[Array, Array, Array]:
     """Gradients (dq, dk, dv) of :func:`flash_attn_varlen_forward`; dout and out (total_q, nheads, d), lse
-    (nheads, total_q) as the forward returned them."""
+    (nheads, total_q) as the forward returned them. ``deterministic``: as for :func:`flash_attn_backward`."""
+    check_flag("deterministic", deterministic)
+
     def build(tq, tk, tv, batch, cu, max_q, max_k):
         tdo, to, tl = inspect("dout", dout, 3), inspect("out", out, 3), inspect("lse", lse, 2)
         check_same_place((tq, tk, tv, tdo, to, tl))
@@ -513,11 +523,12 @@ def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: A
                              batch=batch, varlen=True)
         bm, bn, nt = check_blocks(block_m, block_n, num_threads)
         return _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=bm, block_n=bn,
-                                   num_threads=nt, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, cu=cu)
+                                   num_threads=nt, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, cu=cu,
+                                   deterministic=bool(deterministic))
 
     call = _varlen_call("vbwd", (dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k),
                         (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, dropout_p, block_m,
-                         block_n, num_threads, kernel), (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         block_n, num_threads, kernel, deterministic), (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                          max_seqlen_k), build)
     seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
     dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset,

@@ -28,7 +28,7 @@ Each family's tiles come from its table in :mod:`flashnumba.tiling`: the first c
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -66,12 +66,14 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """An array a call allocates: the user's shape and dtype, and whether it is returned (D_i is not)."""
+    """An array a call allocates: the user's shape and dtype, whether it is returned (D_i is not), and whether it
+    starts as zeros (an accumulator the kernels add into; never NaN-poisoned)."""
 
     name: str
     shape: tuple
     dtype: np.dtype
     returned: bool = True
+    zeroed: bool = False
 
 
 @dataclass
@@ -548,8 +550,11 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
 
 
 def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None,
-                  device=None, batch=None, max_seqlen_q=None, max_seqlen_k=None, cu=None) -> Plan:
-    """The plan of a backward call: the D_i preprocess, then the dQ and the dK/dV kernels."""
+                  device=None, batch=None, max_seqlen_q=None, max_seqlen_k=None, cu=None,
+                  deterministic=True) -> Plan:
+    """The plan of a backward call: the D_i preprocess, then the dQ and the dK/dV kernels; on the tensor cores
+    with ``deterministic=False``, the dK/dV kernel adding dQ into a float32 accumulator with atomics, then its
+    conversion (:func:`flashnumba.kernels.mma_backward.make_backward_dkdv_tc`)."""
     limits = resolve_device(device, (tdo, tq, tk, tv, to, tl))
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
@@ -588,20 +593,31 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     io_dq = ("dout", "q", "k", "v", "lse", "delta", "dq")
     io_kv = ("dout", "q", "k", "v", "lse", "delta", "dk", "dv")
     if family == "tc":
-        tq_t, rq = tiling.resolve("tc_dq", D, limits, block_m, block_n, num_threads)
-        tk_t, rk = tiling.resolve("tc_dkdv", D, limits, block_m, block_n, num_threads)
+        atomic = not deterministic
+        kv_table = "tc_dkdv_atomic" if atomic else "tc_dkdv"
+        tk_t, rk = tiling.resolve(kv_table, D, limits, block_m, block_n, num_threads)
         tail = ("scale_log2", "scale") + OPTION_PARAMS
         name, gqa, strided = _dtype_name(dt), nk != nheads, _strided(arrays, ("dout", "q", "k", "v"))
-        dq = KernelLaunch("dQ tc", "tc_dq", mma_backward.make_backward_dq_tc,
-                          (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa, strided, opts.mods),
-                          io_dq + tail + MOD_PARAMS,
-                          (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
-                          tiling.shared_bytes("tc_dq", D, tq_t)[0], tq_t, rq)
-        kv = KernelLaunch("dK/dV tc", "tc_dkdv", mma_backward.make_backward_dkdv_tc,
-                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa, strided, opts.mods),
-                          io_kv + tail + MOD_PARAMS,
+        if atomic:  # dQ accumulated in float32 by the dK/dV kernel, zero at the start, then converted
+            spec, arrays["dq_acc"] = _output("dq_acc", tq.shape, np.dtype(np.float32), lead, returned=False)
+            outs.append(replace(spec, zeroed=True))
+            rows, threads = (1, 32) if SIMULATOR else (4, 256)
+            dq = KernelLaunch("dQ convert", "convert", mma_backward.make_dq_convert, (D, name, rows, threads),
+                              ("dq_acc", "dq", "scale"), (_cdiv(total_q, rows), lead_n), (threads,), 0)
+        else:  # the dQ kernel; the dK/dV kernel's dq_acc parameter a dummy, never read
+            spec, arrays["dq_acc"] = _optional_input("dq_acc", None, (1, 1, 1, 1), "float32")
+            inputs.append(spec)
+            tq_t, rq = tiling.resolve("tc_dq", D, limits, block_m, block_n, num_threads)
+            dq = KernelLaunch("dQ tc", "tc_dq", mma_backward.make_backward_dq_tc,
+                              (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa, strided, opts.mods),
+                              io_dq + tail + MOD_PARAMS,
+                              (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
+                              tiling.shared_bytes("tc_dq", D, tq_t)[0], tq_t, rq)
+        kv = KernelLaunch("dK/dV tc" + (" + dQ" if atomic else ""), kv_table, mma_backward.make_backward_dkdv_tc,
+                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa, strided, opts.mods, atomic),
+                          io_kv + ("dq_acc",) + tail + MOD_PARAMS,
                           (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
-                          tiling.shared_bytes("tc_dkdv", D, tk_t)[0], tk_t, rk)
+                          tiling.shared_bytes(kv_table, D, tk_t)[0], tk_t, rk)
     elif family == "v1":
         t, reason = tiling.resolve("bwd_v1", D, limits, block_m, block_n, num_threads)
         dq = KernelLaunch("dQ v1", "bwd_v1", simt_backward.make_backward_dq_v1,
@@ -622,10 +638,16 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     if bsz * nheads and (total_q or total_k):
         if total_q:
             launches.append(pre)
-        if max_q:
-            launches.append(dq)
-        if max_k:
-            launches.append(kv)
+        if family == "tc" and not deterministic:  # dQ by the dK/dV kernel, then converted
+            if max_k:
+                launches.append(kv)
+            if total_q:
+                launches.append(dq)
+        else:
+            if max_q:
+                launches.append(dq)
+            if max_k:
+                launches.append(kv)
     return Plan("backward", family, _dtype_name(dt), D, opts.describe(), limits, why, fallback, tuple(launches),
                 arrays, scalars, tuple(inputs), tuple(outs), tq.kind)
 

@@ -25,6 +25,8 @@ family         kernel module                                        threads
 ``3xtf32``
 =============  ===================================================  ============================================
 
+``tc_dkdv_atomic`` is the table of the dK/dV kernel when it also adds dQ with atomics (``deterministic=False``).
+
 Device limits (:class:`DeviceLimits`) come from the GPU (:func:`current_device`), or from :data:`ARCHS` to plan for
 a GPU one does not have. ``FLASHNUMBA_MAX_SHARED_BYTES`` caps the shared memory a block may use (to try, on a
 large GPU, the plans of a smaller one).
@@ -224,6 +226,19 @@ TABLES = {
         Candidate(256, Tiles(16, 64, _tc_threads(64)), "16-row Q_i tiles: fits 99 KB at d <= 256"),
         Candidate(256, Tiles(16, 16, _tc_threads(16)), "16 key rows: fits 64 KB at d <= 256"),
     ],
+    # the dK/dV kernel that also adds dQ with atomics (deterministic=False): dS^T in shared memory besides, and
+    # dK_j, dV_j still in registers during the dQ product: 32-row Q_i tiles keep d = 128 within 255 registers
+    "tc_dkdv_atomic": [
+        Candidate(64, Tiles(32, 64, _tc_threads(64)), "4 warps on 64 key rows, 32-row Q_i tiles"),
+        Candidate(128, Tiles(32, 128, _tc_threads(128)), "8 warps on 128 key rows, 32-row Q_i tiles: dK_j, dV_j and "
+                  "dQ's part within 255 registers at d = 128 (64-row Q_i tiles spill)"),
+        Candidate(128, Tiles(32, 64, _tc_threads(64)), "4 warps, 32-row Q_i tiles: fits 99 KB at d = 128"),
+        Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
+        Candidate(160, Tiles(16, 64, _tc_threads(64)), "16-row Q_i tiles: dK_j, dV_j of d = 160 within 255 registers"),
+        Candidate(160, Tiles(16, 32, _tc_threads(32)), "2 warps: fits 64 KB at d <= 160"),
+        Candidate(256, Tiles(16, 64, _tc_threads(64)), "64 key rows, two warps a 16 of them, 16-row Q_i tiles"),
+        Candidate(256, Tiles(16, 16, _tc_threads(16)), "16 key rows: fits 64 KB at d <= 256"),
+    ],
     "tf32": [
         Candidate(64, Tiles(64, 64, _tc_threads(64)), "4 warps, B_c 64 at d = 64"),
         Candidate(128, Tiles(128, 16, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps, B_c 16"),
@@ -284,8 +299,8 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
         return mma_forward.shared_bytes(D, n, m), False
     if table == "tc_dq":
         return mma_backward.shared_bytes_dq(D, m, n), False
-    if table == "tc_dkdv":
-        return mma_backward.shared_bytes_dkdv(D, m, n), False
+    if table in ("tc_dkdv", "tc_dkdv_atomic"):
+        return mma_backward.shared_bytes_dkdv(D, m, n, table == "tc_dkdv_atomic"), False
     if table in ("tf32", "3xtf32"):
         return mma_tf32.shared_bytes(D, n, m // mma_tf32.WARP_ROWS), False
     raise ValueError(f"unknown tile table {table!r}")
@@ -294,6 +309,7 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
 KERNEL_NAMES = {"bwd_v1_dq": "the backward dQ kernel v1", "bwd_v1_dkdv": "the backward dK/dV kernel v1",
                 "bwd_v2_dq": "the backward dQ kernel v2", "bwd_v2_dkdv": "the backward dK/dV kernel v2",
                 "tc_dq": "the tensor-core dQ kernel", "tc_dkdv": "the tensor-core dK/dV kernel",
+                "tc_dkdv_atomic": "the tensor-core dK/dV kernel with the atomic dQ",
                 "tc": "the tensor-core forward kernel", "v1": "the forward kernel v1", "v2": "the forward kernel v2",
                 "v3": "the forward kernel v3", "tf32": "the TF32 forward kernel", "3xtf32": "the 3xTF32 forward kernel"}
 
@@ -325,7 +341,7 @@ def check(table: str, D: int, t: Tiles):
                              f"each: block_m 16 to 256, got block_m {m} with {nt} threads")
         if n <= 0 or n % 16:
             raise ValueError(f"kernel 'tc' takes block_n a positive multiple of 16, got {n}")
-    elif table in ("tc_dq", "tc_dkdv"):
+    elif table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic"):
         if D not in mma_backward.BACKWARD_HEAD_DIMS:
             raise ValueError(f"the tensor-core backward supports head_dim a multiple of 8 up to 256, got {D}")
         for name, value in (("block_m", m), ("block_n", n)):
@@ -356,7 +372,7 @@ def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
         return t._replace(num_threads=t.block_m)
     if table in ("tc_dq", "tf32", "3xtf32"):
         return t._replace(num_threads=_tc_threads(t.block_m))
-    if table == "tc_dkdv":
+    if table in ("tc_dkdv", "tc_dkdv_atomic"):
         return t._replace(num_threads=mma_backward.dkdv_threads(D, t.block_n))
     return t
 
@@ -402,7 +418,7 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
         base = TABLES[table][0].tiles
     t = Tiles(base.block_m if block_m is None else block_m, base.block_n if block_n is None else block_n,
               base.num_threads if num_threads is None else num_threads)
-    if table in ("tc_dq", "tc_dkdv", "tf32", "3xtf32") and num_threads is not None:
+    if table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32") and num_threads is not None:
         raise ValueError(f"kernel {table.split('_')[0]!r} takes no num_threads: its threads follow from its tiles "
                          f"(32 per 16 rows)")
     if table == "tc" and num_threads is None:  # a warp per 16 rows unless the caller says otherwise

@@ -24,7 +24,8 @@ def _dims(table):
     from flashnumba.kernels import mma_tf32
 
     return {"tc": tiling.MMA_HEAD_DIMS, "tc_dq": tiling.MMA_BACKWARD_HEAD_DIMS,
-            "tc_dkdv": tiling.MMA_BACKWARD_HEAD_DIMS, "tf32": mma_tf32.HEAD_DIMS,
+            "tc_dkdv": tiling.MMA_BACKWARD_HEAD_DIMS, "tc_dkdv_atomic": tiling.MMA_BACKWARD_HEAD_DIMS,
+            "tf32": mma_tf32.HEAD_DIMS,
             "3xtf32": mma_tf32.HEAD_DIMS}.get(table, range(1, 257))
 
 
@@ -36,7 +37,7 @@ def test_every_family_has_a_fitting_default_at_every_head_dim(arch):
             c = tiling.default(table, d, lim)
             assert tiling.fits(table, d, c.tiles, lim), (table, d, c)
     if lim.cc >= tiling.MMA_MIN_CC:
-        for table in ("tc", "tc_dq", "tc_dkdv", "tf32", "3xtf32"):
+        for table in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32"):
             for d in _dims(table):
                 assert tiling.fits(table, d, tiling.default(table, d, lim).tiles, lim)
 

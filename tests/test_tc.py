@@ -183,7 +183,7 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
                                                                   backward_tc.make_backward_dkdv_tc),
                                                  (1, 2),  # n gradient arrays
                                                  [tiling.default(f, D, DEV).tiles[:2] for f in ("tc_dq", "tc_dkdv")]):
-                grads = ", ".join([a] * n)
+                grads = ", ".join([a] * n + ["float32[:, :, :, :]"] * (n - 1))  # (dK/dV: and dq_acc, a dummy)
                 bsig = (f"void({a}, {a}, {a}, {a}, {f3}, {f3}, {grads}, float32, float32, {resources._OPTS}, "
                         f"{resources._MODS})")
                 text = _launch.compile_ptx(make(D, variant, bm, bn, dtype).py_func, bsig, (9, 0))
@@ -301,6 +301,62 @@ def test_backward_tc_bfloat16():
     check_backward(grads, dout, q, k, v, out, lse, causal=True)
 
 
+# (seqlen_q, seqlen_k, nheads, nheads_k, D, block_m, block_n, options): each way the atomic dQ splits its work
+ATOMIC_CASES = [
+    (40, 17, 1, 1, 16, 64, 16, dict(causal=True)),  # one warp takes the four 16-row slabs of dQ_i in turn
+    (33, 40, 2, 1, 24, 16, 32, dict(window_size=(9, 4))),  # two warps split dQ_i's (padded) columns; GQA
+    (17, 23, 2, 2, 40, 32, 32, dict(softcap=3.0, alibi_slopes=np.array([0.3, 0.9], np.float32))),
+    (20, 20, 1, 1, 16, 16, 16, dict(dropout_p=0.3, dropout_seed=7)),
+]
+
+
+@pytest.mark.parametrize("case", ATOMIC_CASES)
+def test_backward_tc_atomic_dq_matches_reference(case):
+    """deterministic=False: the dK/dV kernel adds dQ_i += dS K_j with atomics into float32 (then one conversion);
+    the gradients meet the same bar as the deterministic kernels', with each option."""
+    sq, sk, nheads, nheads_k, D, bm, bn, opts = case
+    rng = np.random.default_rng(sq + 5 * D)
+    q, k, v = random_qkv(rng, 1, sq, sk, nheads, D, np.float16)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="tc", block_m=16, block_n=16, **opts)
+    p = flashnumba.plan_backward(dout, q, k, v, out, lse, kernel="tc", block_m=bm, block_n=bn, deterministic=False,
+                                 device="sm_90", **{n: x for n, x in opts.items() if n != "dropout_seed"})
+    assert [s.name for s in p.launches] == ["D_i preprocess", "dK/dV tc + dQ", "dQ convert"]
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="tc", block_m=bm, block_n=bn,
+                                           deterministic=False, **opts)
+    ref = {n: x for n, x in opts.items() if not n.startswith("dropout")}
+    if "dropout_p" in opts:
+        ref["dropout_z"] = reference.dropout_z(7, 0, 1, nheads, sq, sk, opts["dropout_p"])
+    check_backward(grads, dout, q, k, v, out, lse, **ref)
+
+
+def test_backward_tc_atomic_dq_two_warps_a_key_block():
+    """Above d = 160 two warps share each block of 16 keys in dK/dV: one of them writes dS^T for the atomic dQ."""
+    rng = np.random.default_rng(176)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 18, 17, 1, 176, np.float16, True, block_m=16,
+                                                     block_n=16, deterministic=False)
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+
+
+def test_deterministic_flag():
+    """deterministic is a bool; False plans the atomic dQ on the tensor cores only (the SIMT backward has none);
+    the atomic tiles are their own table."""
+    q = np.zeros((1, 64, 2, 128), np.float16)
+    lse = np.zeros((1, 2, 64), np.float32)
+    with pytest.raises(TypeError, match="deterministic"):
+        flashnumba.flash_attn_backward(q, q, q, q, q, lse, deterministic="no")
+    names = [s.name for s in flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc", device="sm_90").launches]
+    assert names == ["D_i preprocess", "dQ tc", "dK/dV tc"]
+    p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc", device="sm_90", deterministic=False)
+    assert [s.name for s in p.launches] == ["D_i preprocess", "dK/dV tc + dQ", "dQ convert"]
+    assert (p.launches[1].tiles.block_m, p.launches[1].tiles.block_n) == (32, 128)
+    assert p.launches[1].table == "tc_dkdv_atomic"
+    q32, lse32 = q.astype(np.float32), lse
+    p = flashnumba.plan_backward(q32, q32, q32, q32, q32, lse32, device="sm_90", deterministic=False)
+    assert [s.name for s in p.launches] == ["D_i preprocess", "dQ v2", "dK/dV v2"]
+
+
 def test_backward_tc_rejects_what_it_does_not_support():
     rng = np.random.default_rng(0)
     q, k, v = random_qkv(rng, 1, 4, 4, 2, 64, np.float16)
@@ -401,6 +457,36 @@ def test_tc_dropout_close_to_one_does_not_overflow():
     check_forward(out, lse, q, k, v, dropout_z=z)
     grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="tc", block_m=16, block_n=16, **opts)
     check_backward(grads, dout, q, k, v, out, lse, dropout_z=z)
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa-window", "softcap-alibi-causal", "dropout"])
+@pytest.mark.parametrize("D", [40, 64, 128, 176, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_tc_atomic_dq_gpu(case, D, dtype):
+    """On the GPU, deterministic=False (the atomic dQ) at its default tiles, over several tiles each way: the
+    float64 reference's bar, dk and dv the deterministic kernels' bits, dq within the float32 sums' reordering."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(D + 3 * len(case))
+    nheads, nheads_k, sq, sk = (4, 2, 300, 517) if "gqa" in case else (3, 3, 517, 300)
+    q, k, v = random_qkv(rng, 2, sq, sk, nheads, D, dtype)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    opts, ref = {}, {}
+    if case == "causal":
+        opts = dict(causal=True)
+    elif case == "gqa-window":
+        opts = dict(window_size=(70, 33))
+    elif case == "softcap-alibi-causal":
+        opts = dict(causal=True, softcap=2.5, alibi_slopes=np.array([0.3, 0.7, 0.05], np.float32))
+    elif case == "dropout":
+        opts = dict(dropout_p=0.2, dropout_seed=5, dropout_offset=1)
+        ref = dict(dropout_z=reference.dropout_z(5, 1, 2, nheads, sq, sk, 0.2))
+    ref_opts = {n: x for n, x in opts.items() if not n.startswith("dropout")} | ref
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="tc", **opts)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="tc", deterministic=False, **opts)
+    check_backward(grads, dout, q, k, v, out, lse, **ref_opts)
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")

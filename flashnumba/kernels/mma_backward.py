@@ -52,7 +52,7 @@ from .._backend import cuda
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry,
                      make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
-                        padded, tile_landed)
+                        make_mma_atb, padded, tile_landed)
 from numba import float32, uint16, uint32
 from numba.cuda.types import float16
 
@@ -62,6 +62,7 @@ BACKWARD_HEAD_DIMS = HEAD_DIMS  # every multiple of 8 up to 256
 # operands no longer fit in a warp's 255 registers a lane: there each key block has two warps, each holding the
 # dK_j, dV_j columns of one half of the head dim, and the dQ kernel reads its A fragments per k-step.
 SPLIT_ABOVE = 160
+DQ_CHUNK = 16  # columns of dQ_i a warp forms at a time in the atomic variant (16 floats a lane beside dK_j, dV_j)
 
 
 def column_parts(D):
@@ -85,9 +86,22 @@ def shared_bytes_dq(D, block_m, block_n):
     return (2 * block_m + 4 * block_n) * (padded(D) + PAD) * 2
 
 
-def shared_bytes_dkdv(D, block_m, block_n):
-    """K_j and V_j (block_n rows), two Q_i, dO_i buffers (block_m rows); L_i and D_i (static, not counted)."""
-    return (2 * block_n + 4 * block_m) * (dkdv_dim(D) + PAD) * 2
+def shared_bytes_dkdv(D, block_m, block_n, atomic_dq=False):
+    """K_j and V_j (block_n rows), two Q_i, dO_i buffers (block_m rows); L_i and D_i (static, not counted); with
+    ``atomic_dq`` dS^T too (block_n rows of block_m)."""
+    return (2 * block_n + 4 * block_m) * (dkdv_dim(D) + PAD) * 2 + (
+        block_n * (block_m + PAD) * 2 if atomic_dq else 0)
+
+
+def dq_parts(D, block_m, block_n):
+    """(slabs, column parts, slabs a warp) of the atomic dQ_i += dS_ij K_j in the dK/dV kernel: dQ_i's block_m
+    rows are 16-row slabs, each split by columns over the warps beside it (whole 16-column k-steps of the padded
+    head dim); with fewer warps than slabs a warp takes several."""
+    warps, slabs = dkdv_threads(D, block_n) // 32, block_m // WARP_ROWS
+    cols = 1
+    while 2 * cols * slabs <= warps and (dkdv_dim(D) // 16) % (2 * cols) == 0:
+        cols *= 2
+    return slabs, cols, max(1, slabs // warps)
 
 
 def _check(D, block_m, block_n, dtype):
@@ -279,12 +293,19 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False, mods=None):
+def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False, mods=None,
+                          atomic_dq=False):
     """The dK/dV kernel: grid (ceil(max_seqlen_k / block_n), batch * nheads_k), block (:func:`dkdv_threads`:
     block_n / 16 warps, twice as many above d = 160), dynamic shared memory :func:`shared_bytes_dkdv`. With GQA a
     block sums over the nheads / nheads_k query heads of its key/value head, in order.
 
-    Arguments: (dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, ...), as the dQ kernel's with dk, dv like k.
+    Arguments: (dout, q, k, v, lse, delta, dk, dv, dq_acc, scale_log2, scale, ...), as the dQ kernel's with dk, dv
+    like k. ``atomic_dq``: the kernel also adds dQ_i += dS_ij K_j (unscaled) into dq_acc, float32 like q and zero
+    at the start, with atomic adds (FlashAttention-2's backward: five products where the two deterministic kernels
+    take seven; the order of the adds, and so the last bits of dQ, vary from run to run). dS^T goes to shared
+    memory, and the block's warps split dQ_i by 16-row slabs and columns (:func:`dq_parts`), each reading dS
+    through the transposing ldmatrix (:func:`flashnumba.kernels.mma_tiles.make_mma_atb`) over all the block's
+    keys. Without it dq_acc is not touched (a dummy).
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
@@ -310,6 +331,14 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     load_a = make_load_a(D)
     mma_abt = make_mma_abt(D, B_R, dtype, CS > 1)  # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
     mma_ab = make_mma_ab(B_R, DH, dtype, LD)  # dV_j += P^T dO_i, dK_j += dS^T Q_i (this warp's DH columns)
+    ATOMIC = bool(atomic_dq)
+    LDS = B_R + PAD  # dS^T in shared memory: B_C key rows of B_R queries, after the Q, dO buffers
+    OFF_DS = OFF_Q + 2 * BUF
+    RS, CQ, SPW = dq_parts(DG, B_R, B_C)  # dQ_i's 16-row slabs, column parts, slabs a warp
+    DQW = D // CQ  # dQ_i columns of one warp, taken DQC at a time (the dK_j, dV_j accumulators stay in registers)
+    DQC = min(DQW, DQ_CHUNK)
+    NQ = DQC // 8
+    mma_atb = make_mma_atb(B_C, DQC, dtype, LDS, LD)  # dQ_i += dS K_j
 
     SR = -(-B_R // NT)  # query rows of L_i and D_i a thread fetches (B_R may exceed the block's NT threads)
 
@@ -336,8 +365,8 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                 dsm[sel, r] = st[1, x]
 
     @cuda.jit
-    def backward_dkdv_tc(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q,
-                         cu_k, p_drop, rp_keep, seed, offset, a0, a1, a2, a3):
+    def backward_dkdv_tc(dout, q, k, v, lse, delta, dk, dv, dq_acc, scale_log2, scale, softcap, left, right, alibi,
+                         cu_q, cu_k, p_drop, rp_keep, seed, offset, a0, a1, a2, a3):
         nheads = q.shape[2]
         nheads_k = k.shape[2]
         group = nheads // nheads_k  # query heads per key/value head
@@ -364,6 +393,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         dp = cuda.local.array((NS, 4), float32)  # dP^T, then dS^T
         dv_acc = cuda.local.array((NO, 4), float32)  # dV_j
         dk_acc = cuda.local.array((NO, 4), float32)  # dK_j
+        dqa = cuda.local.array((NQ, 4), float32)  # (ATOMIC) this warp's part of dS_ij K_j
         st = cuda.local.array((2, SR), float32)  # L_i, D_i of the next query tile, on their way to shared memory
         for n in range(NO):
             for x in range(4):
@@ -429,9 +459,31 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                                    p_drop, rp_keep, seed, offset, b, h, b * nheads + h, a0, a1, a2, a3)
                     s[n, x] = pz
                     dp[n, x] = ds
+            if ATOMIC and c0 == 0:  # dS^T of this warp's keys to shared memory (one warp of a column pair)
+                for n in range(NS):
+                    for x in range(4):
+                        smem[OFF_DS + (r0 + g + 8 * (x >> 1)) * LDS + 8 * n + 2 * t + (x & 1)] = store(dp[n, x])
 
             mma_ab(dv_acc, s, smem, buf + OFF_DO + c0, lane)  # dV_j += (P keep)^T dO_i
             mma_ab(dk_acc, dp, smem, buf + c0, lane)  # dK_j += dS^T Q_i
+            if ATOMIC:
+                cuda.syncthreads()  # dS^T of every key of the block written
+                if warp < RS * CQ:
+                    for part in range(SPW * (DQW // DQC)):
+                        m0 = (warp % RS + (part // (DQW // DQC)) * (NT // 32)) * WARP_ROWS  # the slab's first row
+                        cq0 = (warp // RS) * DQW + (part % (DQW // DQC)) * DQC  # and first column of dQ_i
+                        for n in range(NQ):
+                            for x in range(4):
+                                dqa[n, x] = 0.0
+                        mma_atb(dqa, smem, OFF_DS + m0, cq0, lane)  # dQ_i[m0 .. m0 + 15] += dS K_j
+                        for x in range(2):
+                            i = i0 + m0 + g + 8 * x
+                            if i < seqlen_q:
+                                for n in range(NQ):
+                                    c = cq0 + 8 * n + 2 * t
+                                    if D == DG or c < DG:
+                                        cuda.atomic.add(dq_acc, (bb, q0 + i, h, c), dqa[n, 2 * x])
+                                        cuda.atomic.add(dq_acc, (bb, q0 + i, h, c + 1), dqa[n, 2 * x + 1])
             cuda.syncthreads()  # every warp is done with these buffers before the next iteration refills them
         ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
@@ -448,3 +500,25 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                         dv[bb, k0 + j, hk, c + 1] = store(dv_acc[n, 2 * x + 1] * zscale)
 
     return backward_dkdv_tc
+
+
+@functools.lru_cache(maxsize=None)
+def make_dq_convert(D, dtype="float16", rows=4, threads=256):
+    """dq = scale * dq_acc in the inputs' dtype, after the atomic dK/dV kernel: grid (ceil(seqlen / rows), lead),
+    block (threads,); the threads of a block step through the nheads * D contiguous floats of each of its rows.
+    Arguments: (dq_acc, dq, scale), dq_acc float32 and dq 16-bit, both C-contiguous (lead, seqlen, nheads, D)."""
+    store = _store_bf16 if dtype == "bfloat16" else bf16.load_store(False)[1]
+
+    @cuda.jit
+    def dq_convert(dq_acc, dq, scale):
+        b = cuda.blockIdx.y
+        width = dq.shape[2] * D
+        for r in range(rows):
+            i = cuda.blockIdx.x * rows + r
+            if i < dq.shape[1]:
+                for e in range(cuda.threadIdx.x, width, threads):
+                    h = e // D
+                    c = e - h * D
+                    dq[b, i, h, c] = store(dq_acc[b, i, h, c] * scale)
+
+    return dq_convert

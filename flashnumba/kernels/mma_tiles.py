@@ -10,7 +10,8 @@ Every tensor-core kernel (:mod:`.mma_forward`, :mod:`.mma_backward`, :mod:`.mma_
   copies of tile j + 1 with the products on tile j);
 * :func:`make_load_a`: the A fragments of 16 rows (``ldmatrix``);
 * :func:`make_mma_abt`: acc = A X^T (S = Q K^T, dP = dO V^T), :func:`make_mma_ab`: acc += P X (O += P V,
-  dQ += dS K, ...), with :func:`make_mma_into` the one m16n8k16 product behind both;
+  dQ += dS K, ...), :func:`make_mma_atb`: acc += A X with A stored transposed (dQ += dS K from dS^T), with
+  :func:`make_mma_into` the one m16n8k16 product behind them;
 * :func:`make_load_a_rows`, :func:`make_mma_abt_rows`, :func:`make_mma_ab_rows`: the same for a warp of two
   blocks of 16 rows (the forward's larger tiles), each fragment of K_j or V_j loaded once for both blocks.
 
@@ -242,17 +243,32 @@ def make_mma_abt(D, N, dtype, a_in_smem=False):
 
 
 @functools.lru_cache(maxsize=None)
+def _make_b_rows_step(D, dtype, ld):
+    """b_rows_step(acc, c, a0, a1, a2, a3, smem, off, lane): acc += A X[16c .. 16c + 15, :] for one 16-row k-step
+    of X (rows of ``ld`` elements from ``off``), A's fragments given. B = X (row-major) is "row" layout for B:
+    transposing ldmatrix. Lane l points at row 16c + l % 16, column 16 n2 + 8 (l // 16): (b0, b1) of columns
+    16 n2 .. +7, then of columns 16 n2 + 8 .. +15."""
+    mma_into, _ = _kind(dtype)
+
+    @cuda.jit(device=True, inline=True)
+    def b_rows_step(acc, c, a0, a1, a2, a3, smem, off, lane):
+        for n2 in range(D // 16):
+            b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, off + (16 * c + lane % 16) * ld + 16 * n2 + 8 * (lane // 16))
+            mma_into(acc, 2 * n2, a0, a1, a2, a3, b0, b1)
+            mma_into(acc, 2 * n2 + 1, a0, a1, a2, a3, b2, b3)
+
+    return b_rows_step
+
+
+@functools.lru_cache(maxsize=None)
 def make_mma_ab(N, D, dtype, ld=None):
     """mma_ab(acc, p, smem, off, lane): acc += P X, P (16 x N) given as C fragments p[n, 0..3] (rounded to 16
     bits here; the module docstring of :mod:`.mma_forward` shows why a C fragment is already the A fragment),
     X (N x D) the N rows of smem starting at element ``off``; acc[n, 0..3] is the C fragment of columns
     8n .. 8n + 7 (D / 8 of them). ``ld``: the rows' stride in elements, D + PAD unless given (X the first D
-    columns from ``off`` of wider rows: a warp's share of a product split by columns).
-
-    B = X (N x D) row-major is "row" layout for B: transposing ldmatrix. Lane l points at row 16c + l % 16,
-    column 16 n2 + 8 (l // 16): (b0, b1) of columns 16 n2 .. +7, then of columns 16 n2 + 8 .. +15."""
-    LD = D + PAD if ld is None else ld
-    mma_into, pack = _kind(dtype)
+    columns from ``off`` of wider rows: a warp's share of a product split by columns)."""
+    _, pack = _kind(dtype)
+    step = _make_b_rows_step(D, dtype, D + PAD if ld is None else ld)
 
     @cuda.jit(device=True, inline=True)
     def mma_ab(acc, p, smem, off, lane):
@@ -261,13 +277,31 @@ def make_mma_ab(N, D, dtype, ld=None):
             a1 = pack(p[2 * c, 2], p[2 * c, 3])
             a2 = pack(p[2 * c + 1, 0], p[2 * c + 1, 1])
             a3 = pack(p[2 * c + 1, 2], p[2 * c + 1, 3])
-            for n2 in range(D // 16):
-                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, off + (16 * c + lane % 16) * LD + 16 * n2
-                                                       + 8 * (lane // 16))
-                mma_into(acc, 2 * n2, a0, a1, a2, a3, b0, b1)
-                mma_into(acc, 2 * n2 + 1, a0, a1, a2, a3, b2, b3)
+            step(acc, c, a0, a1, a2, a3, smem, off, lane)
 
     return mma_ab
+
+
+@functools.lru_cache(maxsize=None)
+def make_mma_atb(N, D, dtype, lda, ldx):
+    """mma_atb(acc, smem, a_off, off, lane): acc += A X with A (16 x N) stored transposed in shared memory (A^T:
+    N rows of ``lda`` elements from ``a_off``, the 16 columns of A's rows) and X (N x D, rows of ``ldx``
+    elements from ``off``); acc[n, 0..3] is the C fragment of columns 8n .. 8n + 7. (dQ_i += dS_ij K_j where the
+    kernel holds dS^T: the dK/dV kernel's atomic dQ.)
+
+    A's fragments come from A^T with the transposing ldmatrix: (a0, a1, a2, a3) are A[0:8, 0:8], A[8:16, 0:8],
+    A[0:8, 8:16], A[8:16, 8:16], that is the transposes of A^T[0:8, 0:8], A^T[0:8, 8:16], A^T[8:16, 0:8],
+    A^T[8:16, 8:16]: lane l points at row 16c + l % 8 + 8 (l // 16) of A^T, column 8 ((l // 8) % 2)."""
+    step = _make_b_rows_step(D, dtype, ldx)
+
+    @cuda.jit(device=True, inline=True)
+    def mma_atb(acc, smem, a_off, off, lane):
+        for c in range(N // 16):
+            a0, a1, a2, a3 = ptx.ldmatrix_x4_trans(smem, a_off + (16 * c + (lane & 7) + 8 * (lane >> 4)) * lda
+                                                   + 8 * ((lane >> 3) & 1))
+            step(acc, c, a0, a1, a2, a3, smem, off, lane)
+
+    return mma_atb
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -117,6 +117,22 @@ def _flashnumba_default_varlen(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, 
 _flashnumba_default.varlen = _flashnumba_default_varlen
 
 
+def _flashnumba_atomic(q, k, v, dout, causal, window_size=(-1, -1)):
+    """The plan's choice forward, and the backward with ``deterministic=False``: on the tensor cores, dQ added
+    with atomics by the dK/dV kernel (FlashAttention-2's backward); elsewhere the same as the default."""
+    opts = dict(causal=causal, window_size=window_size)
+    out, lse = flash_attn_forward(q, k, v, **opts)
+    return {
+        FWD: lambda: flash_attn_forward(q, k, v, **opts),
+        BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, deterministic=False, **opts),
+        FWDBWD: lambda: attention_with_grad(q, k, v, dout, deterministic=False, **opts),
+    }
+
+
+_flashnumba_atomic.features = True
+_flashnumba_atomic.dtypes = ALL_DTYPES
+
+
 def _flashnumba_tc(q, k, v, dout, causal):
     """The tensor-core kernels (``kernel="tc"``: float16 or bfloat16, head_dim a multiple of 8 up to 256), forward
     and backward."""
@@ -250,6 +266,7 @@ def available_implementations(include_peers=True):
     impls = {"flashnumba": _flashnumba_default}
     impls.update({f"flashnumba_{k}": _flashnumba(k) for k in ("v1", "v2", "v3")})
     impls["flashnumba_tc"] = _flashnumba_tc
+    impls["flashnumba_atomic"] = _flashnumba_atomic
     impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
     impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
     impls["standard_cupy"] = _standard
@@ -645,7 +662,7 @@ def main(argv=None):
     p.add_argument("--passes", nargs="+", default=[FWD, BWD], choices=[FWD, BWD, FWDBWD])
     p.add_argument("--impls", nargs="+", default=None,
                    help=f"names to run (default: {', '.join(DEFAULT_IMPLS)}, those available; also flashnumba_v1, "
-                        f"_v2, _v3 (the teaching kernels), flashnumba_tc, _tf32, _3xtf32, torch_sdpa_math)")
+                        f"_v2, _v3 (the teaching kernels), flashnumba_tc, _atomic, _tf32, _3xtf32, torch_sdpa_math)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     p.add_argument("--width", type=int, default=2048, help="nheads * head_dim")
     p.add_argument("--repeat", type=int, default=10)

@@ -12,7 +12,8 @@ blocks that fit on one SM (:func:`flashnumba.tools.resources.occupancy`), and wh
 Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``;
 backward ``bwd_v1``, ``bwd_v2`` (dQ and dK/dV together, one tile for both), ``tc_dq``, ``tc_dkdv`` (each tensor-core
 backward kernel with its own tiles; the API gives block_m and block_n to both backward kernels, so a configuration
-the other kernel cannot take is recorded as an error). Workload: batch = 16384 / seqlen, heads = 2048 / head_dim.
+the other kernel cannot take is recorded as an error), ``tc_dkdv_atomic`` (the dK/dV kernel that also adds dQ with
+atomics, ``deterministic=False``; its conversion of dQ not timed). Workload: batch = 16384 / seqlen, heads = 2048 / head_dim.
 
 Writes ``sweep-FAMILY.json`` and ``sweep-FAMILY.png`` (a heatmap per head dim: block_m x block_n, TFLOP/s, the
 best over threads) to ``--out``. Needs a GPU and CuPy (matplotlib for the heatmap, tqdm for a progress bar).
@@ -31,7 +32,7 @@ FAMILIES = {  # family: (pass, kernel= of the API, the tables of the launches ti
     "v1": ("forward", "v1"), "v2": ("forward", "v2"), "v3": ("forward", "v3"), "tc": ("forward", "tc"),
     "tf32": ("forward", "tf32"), "3xtf32": ("forward", "3xtf32"),
     "bwd_v1": ("backward", "v1"), "bwd_v2": ("backward", "v2"), "tc_dq": ("backward", "tc"),
-    "tc_dkdv": ("backward", "tc"),
+    "tc_dkdv": ("backward", "tc"), "tc_dkdv_atomic": ("backward", "tc"),
 }
 TILE_SIZES = (16, 32, 64, 128)
 THREADS = (64, 128, 256)  # for the families that take num_threads (v2, v3, bwd_v2)
@@ -82,6 +83,8 @@ def _plan(family, tiles, q, k, v, dout, causal):
     pass_, kernel = FAMILIES[family]
     m, n, nt = tiles
     kw = dict(causal=causal, kernel=kernel, block_m=m, block_n=n, num_threads=nt)
+    if family == "tc_dkdv_atomic":
+        kw["deterministic"] = False
     if pass_ == "forward":
         return flashnumba.plan(q, k, v, **kw), (q, k, v, None, None, None)
     out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal)
@@ -158,8 +161,8 @@ def sweep(family, head_dims, seqlen, causal, dtype, repeat=5, progress=True, wor
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     limits = planner.current_device()
     if dtype is None:
-        dtype = "float16" if family in ("tc", "tc_dq", "tc_dkdv") else "float32"
-    if family in ("tc", "tc_dq", "tc_dkdv", "tf32", "3xtf32"):
+        dtype = "float16" if family in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic") else "float32"
+    if family in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32"):
         allowed = mma_tf32.HEAD_DIMS if "tf32" in family else mma_forward.HEAD_DIMS
         head_dims = [d for d in head_dims if d in allowed] or list(allowed)
     jobs = [(d, t) for d in head_dims for t in candidates(family, d, limits)]
