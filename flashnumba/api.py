@@ -528,8 +528,8 @@ def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: A
 
     call = _varlen_call("vbwd", (dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k),
                         (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, dropout_p, block_m,
-                         block_n, num_threads, kernel, deterministic), (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                         max_seqlen_k), build)
+                         block_n, num_threads, kernel, deterministic),
+                        (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), build)
     seed, offset = _seed(dropout_p, dropout_seed, dropout_offset)
     dq, dk, dv = call.run((dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k), seed, offset,
                           _stream(stream, q))

@@ -593,7 +593,8 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     io_dq = ("dout", "q", "k", "v", "lse", "delta", "dq")
     io_kv = ("dout", "q", "k", "v", "lse", "delta", "dk", "dv")
     if family == "tc":
-        atomic = not deterministic
+        # the atomic dQ: on sm_90 and newer a lane's two columns in one vector reduction
+        atomic = False if deterministic else "v2" if tuple(limits.cc) >= (9, 0) else True
         kv_table = "tc_dkdv_atomic" if atomic else "tc_dkdv"
         tk_t, rk = tiling.resolve(kv_table, D, limits, block_m, block_n, num_threads)
         tail = ("scale_log2", "scale") + OPTION_PARAMS

@@ -68,5 +68,6 @@ for name in NAMES:
             bm = flashnumba.create_block_mask(mask_mod, b, 1, sq, sk, score_mod_args=dargs, like=hq)
             outbm = flashnumba.flex_attention(hq, hk_, hv, score_mod, mask_mod, block_mask=bm, **kw)
             errs.append(float(np.abs(_host(outbm).astype(np.float64) - truth).max()))
-        print(f"{name:24s} b{b} sq{sq} sk{sk} h{h}/{hk} d{d}: max err fp32 out/dq/dk/dv, fp16 out/dq/dk/dv (, block mask)",
+        print(f"{name:24s} b{b} sq{sq} sk{sk} h{h}/{hk} d{d}: max err fp32 out/dq/dk/dv, fp16 out/dq/dk/dv "
+              "(, block mask)",
               " ".join(f"{e:.1e}" for e in errs), flush=True)

@@ -331,6 +331,21 @@ def test_backward_tc_atomic_dq_matches_reference(case):
     check_backward(grads, dout, q, k, v, out, lse, **ref)
 
 
+def test_backward_tc_atomic_dq_before_hopper(monkeypatch):
+    """Planned for an A100 (sm_80, no vector reduction): two scalar atomic adds a lane's column pair."""
+    monkeypatch.setattr(flashnumba.planner, "current_device", lambda: tiling.ARCHS["sm_80"])
+    flashnumba.clear_plan_cache()
+    q = np.zeros((1, 20, 1, 24), np.float16)
+    lse = np.zeros((1, 1, 20), np.float32)
+    p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc", block_m=16, block_n=32, deterministic=False)
+    assert p.launches[1].factory_args[-1] is True  # (sm_90: "v2")
+    rng = np.random.default_rng(80)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 20, 37, 1, 24, np.float16, True, block_m=16,
+                                                     block_n=32, deterministic=False)
+    flashnumba.clear_plan_cache()
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+
+
 def test_backward_tc_atomic_dq_two_warps_a_key_block():
     """Above d = 160 two warps share each block of 16 keys in dK/dV: one of them writes dS^T for the atomic dQ."""
     rng = np.random.default_rng(176)
@@ -351,7 +366,7 @@ def test_deterministic_flag():
     p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc", device="sm_90", deterministic=False)
     assert [s.name for s in p.launches] == ["D_i preprocess", "dK/dV tc + dQ", "dQ convert"]
     assert (p.launches[1].tiles.block_m, p.launches[1].tiles.block_n) == (32, 128)
-    assert p.launches[1].table == "tc_dkdv_atomic"
+    assert p.launches[1].table == "tc_dkdv_atomic" and p.launches[1].factory_args[-1] == "v2"
     q32, lse32 = q.astype(np.float32), lse
     p = flashnumba.plan_backward(q32, q32, q32, q32, q32, lse32, device="sm_90", deterministic=False)
     assert [s.name for s in p.launches] == ["D_i preprocess", "dQ v2", "dK/dV v2"]

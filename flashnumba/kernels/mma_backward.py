@@ -302,7 +302,9 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     Arguments: (dout, q, k, v, lse, delta, dk, dv, dq_acc, scale_log2, scale, ...), as the dQ kernel's with dk, dv
     like k. ``atomic_dq``: the kernel also adds dQ_i += dS_ij K_j (unscaled) into dq_acc, float32 like q and zero
     at the start, with atomic adds (FlashAttention-2's backward: five products where the two deterministic kernels
-    take seven; the order of the adds, and so the last bits of dQ, vary from run to run). dS^T goes to shared
+    take seven; the order of the adds, and so the last bits of dQ, vary from run to run); ``atomic_dq="v2"``
+    (sm_90 and newer): each lane adds its two neighbouring columns with one vector reduction
+    (:func:`flashnumba.kernels.ptx.red_add_f32x2`), half the instructions and whole 32-byte sectors. dS^T goes to shared
     memory, and the block's warps split dQ_i by 16-row slabs and columns (:func:`dq_parts`), each reading dS
     through the transposing ldmatrix (:func:`flashnumba.kernels.mma_tiles.make_mma_atb`) over all the block's
     keys. Without it dq_acc is not touched (a dummy).
@@ -332,6 +334,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     mma_abt = make_mma_abt(D, B_R, dtype, CS > 1)  # S^T = K_j Q_i^T, dP^T = V_j dO_i^T
     mma_ab = make_mma_ab(B_R, DH, dtype, LD)  # dV_j += P^T dO_i, dK_j += dS^T Q_i (this warp's DH columns)
     ATOMIC = bool(atomic_dq)
+    VEC_RED = atomic_dq == "v2"  # (sm_90) one red.global.add.v2.f32 for a lane's two neighbouring columns
     LDS = B_R + PAD  # dS^T in shared memory: B_C key rows of B_R queries, after the Q, dO buffers
     OFF_DS = OFF_Q + 2 * BUF
     RS, CQ, SPW = dq_parts(DG, B_R, B_C)  # dQ_i's 16-row slabs, column parts, slabs a warp
@@ -482,8 +485,12 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                                 for n in range(NQ):
                                     c = cq0 + 8 * n + 2 * t
                                     if D == DG or c < DG:
-                                        cuda.atomic.add(dq_acc, (bb, q0 + i, h, c), dqa[n, 2 * x])
-                                        cuda.atomic.add(dq_acc, (bb, q0 + i, h, c + 1), dqa[n, 2 * x + 1])
+                                        if VEC_RED:
+                                            row = ((bb * dq_acc.shape[1] + q0 + i) * nheads + h) * DG
+                                            ptx.red_add_f32x2(dq_acc, row + c, dqa[n, 2 * x], dqa[n, 2 * x + 1])
+                                        else:
+                                            cuda.atomic.add(dq_acc, (bb, q0 + i, h, c), dqa[n, 2 * x])
+                                            cuda.atomic.add(dq_acc, (bb, q0 + i, h, c + 1), dqa[n, 2 * x + 1])
             cuda.syncthreads()  # every warp is done with these buffers before the next iteration refills them
         ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 

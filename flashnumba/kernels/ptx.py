@@ -28,6 +28,7 @@ gets is chosen once, at import, from ``flashnumba._backend.SIMULATOR``.
 | ``to_tf32(x)`` | ``cvt.rna.tf32.f32`` | float32 -> uint32: x rounded to tf32 (10 mantissa bits) |
 | ``split_tf32(x)`` | two ``cvt.rna.tf32.f32`` | float32 -> (big, small) tf32 with big + small = x to ~2^-22 |
 | ``exp2_ftz(x)`` | ``ex2.approx.ftz.f32`` | float32 -> 2^x, results below 2^-126 flushed to 0 |
+| ``red_add_f32x2(a, i, x, y)`` | ``red.global.add.v2.f32`` (sm_90) | a[i] += x, a[i + 1] += y, atomically |
 
 Registers. A "packed" uint32 holds two 16-bit values: the element with the smaller column (or row) index in
 bits 0-15, the other in bits 16-31, which is how two consecutive 16-bit elements lie in memory.
@@ -297,6 +298,25 @@ def _sim_cp_async_wait_all():
     """Wait for every copy this thread issued, committed or not."""
     _sim_cp_async_commit()
     _sim_cp_async_wait(0)
+
+
+_red_lock = threading.Lock()
+
+
+def _sim_red_add_f32x2(ary, index, x, y):
+    """Atomically add x to the float32 ``ary.flat[index]`` and y to ``ary.flat[index + 1]`` (C order; index
+    even: the two floats are one 8-byte aligned vector). One instruction for the two float32 sums of a lane's C
+    fragment pair, where two atomic adds would each touch the same 32-byte sector (Hopper's vector reduction;
+    sm_90 and newer)."""
+    a = _host_array(ary)
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise ValueError("red_add_f32x2: a C-contiguous float32 array")
+    if int(index) % 2:
+        raise ValueError(f"red_add_f32x2: element {index} is not 8-byte aligned")
+    flat = a.reshape(-1)
+    with _red_lock:
+        flat[int(index)] += np.float32(x)
+        flat[int(index) + 1] += np.float32(y)
 
 
 def _sim_pack_f16x2(lo, hi):
@@ -591,6 +611,20 @@ def _gpu_intrinsics():
         return sig, codegen
 
     @intrinsic
+    def red_add_f32x2(typingctx, ary, index, x, y):
+        check_address(ary, index, "red_add_f32x2")
+        sig = types.none(ary, index, x, y)
+
+        def codegen(context, builder, sig, args):
+            a = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            v = [context.cast(builder, w, ty, types.float32) for w, ty in zip(args[2:], sig.args[2:])]
+            asm(builder, ir.VoidType(), [a] + v, "{ .reg .u64 g; cvta.to.global.u64 g, $0; "
+                "red.global.add.v2.f32 [g], {$1, $2}; }", "l,f,f,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
     def shfl_xor_f32(typingctx, x, lane_mask):
         sig = types.float32(x, lane_mask)
 
@@ -611,7 +645,7 @@ def _gpu_intrinsics():
         cp_async_16=cp_async_16, cp_async_16_at=cp_async_16_at,
         cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
         cp_async_wait=cp_async_wait, cp_async_wait_all=statement("cp_async_wait_all", "cp.async.wait_all;"),
-        pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"),
+        pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"), red_add_f32x2=red_add_f32x2,
     )
     # each intrinsic carries the docstring of its stand-in, which states the semantics and the layout
     stand_ins = _simulator_stand_ins()
@@ -630,7 +664,7 @@ def _simulator_stand_ins():
         cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
         shfl_xor_f32=_sim_shfl_xor_f32, exp2_ftz=_sim_exp2_ftz,
         mma_m16n8k8_tf32=_sim_mma_tf32, to_tf32=_sim_to_tf32,
-        split_tf32=_sim_split_tf32,
+        split_tf32=_sim_split_tf32, red_add_f32x2=_sim_red_add_f32x2,
     )
 
 
@@ -642,4 +676,4 @@ else:
 __all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
            "cp_async_16_at", "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2",
            "shfl_xor_f32", "exp2_ftz",
-           "mma_m16n8k8_tf32", "to_tf32", "split_tf32"]
+           "mma_m16n8k8_tf32", "to_tf32", "split_tf32", "red_add_f32x2"]

@@ -13,7 +13,8 @@ Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3`
 backward ``bwd_v1``, ``bwd_v2`` (dQ and dK/dV together, one tile for both), ``tc_dq``, ``tc_dkdv`` (each tensor-core
 backward kernel with its own tiles; the API gives block_m and block_n to both backward kernels, so a configuration
 the other kernel cannot take is recorded as an error), ``tc_dkdv_atomic`` (the dK/dV kernel that also adds dQ with
-atomics, ``deterministic=False``; its conversion of dQ not timed). Workload: batch = 16384 / seqlen, heads = 2048 / head_dim.
+atomics, ``deterministic=False``; its conversion of dQ not timed). Workload: batch = 16384 / seqlen, heads =
+2048 / head_dim.
 
 Writes ``sweep-FAMILY.json`` and ``sweep-FAMILY.png`` (a heatmap per head dim: block_m x block_n, TFLOP/s, the
 best over threads) to ``--out``. Needs a GPU and CuPy (matplotlib for the heatmap, tqdm for a progress bar).
