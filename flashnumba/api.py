@@ -268,9 +268,10 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     (default): "tc" where it applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.
     precision: float32 only, "ieee" (None: the same); the backward has no TF32 kernels yet, and "tf32" or "3xtf32"
     raise. deterministic: True (default); False, on the tensor cores, has the dK/dV kernel add dQ into a float32
-    buffer with atomic adds (one kernel of five products instead of two of seven: faster, docs/benchmarks.md;
-    extra memory 4 bytes per element of q), so dq's last bits vary from run to run (dk and dv do not); the
-    SIMT kernels have no such variant and stay deterministic.
+    buffer with atomic adds (one kernel of five products instead of two of seven, FlashAttention-2's backward;
+    extra memory 4 bytes per element of q), so dq's last bits vary from run to run (dk and dv do not). On the
+    H200 it is not yet faster than the default (docs/benchmarks.md: the atomic adds cost what the second kernel
+    did). The SIMT kernels have no such variant and stay deterministic.
 
     Returns dq like q, dk and dv like k, in the input dtype (float32 accumulation).
     """

@@ -229,9 +229,10 @@ TABLES = {
     # the dK/dV kernel that also adds dQ with atomics (deterministic=False): dS^T in shared memory besides, and
     # dK_j, dV_j still in registers during the dQ product: 32-row Q_i tiles keep d = 128 within 255 registers
     "tc_dkdv_atomic": [
-        Candidate(64, Tiles(32, 64, _tc_threads(64)), "4 warps on 64 key rows, 32-row Q_i tiles"),
-        Candidate(128, Tiles(32, 128, _tc_threads(128)), "8 warps on 128 key rows, 32-row Q_i tiles: dK_j, dV_j and "
-                  "dQ's part within 255 registers at d = 128 (64-row Q_i tiles spill)"),
+        Candidate(64, Tiles(64, 128, _tc_threads(128)), "fastest of the H200 sweep at d = 64: 8 warps on 128 key "
+                  "rows, 64-row Q_i tiles (fewer atomic adds a key than 64-key blocks)"),
+        Candidate(128, Tiles(32, 128, _tc_threads(128)), "fastest of the H200 sweep at d = 128: 8 warps on 128 key "
+                  "rows, 32-row Q_i tiles (dK_j, dV_j and dQ's part within 255 registers; 64-row tiles spill)"),
         Candidate(128, Tiles(32, 64, _tc_threads(64)), "4 warps, 32-row Q_i tiles: fits 99 KB at d = 128"),
         Candidate(128, Tiles(32, 32, _tc_threads(32)), "2 warps: fits 64 KB"),
         Candidate(160, Tiles(16, 64, _tc_threads(64)), "16-row Q_i tiles: dK_j, dV_j of d = 160 within 255 registers"),

@@ -331,6 +331,7 @@ def test_backward_tc_atomic_dq_matches_reference(case):
     check_backward(grads, dout, q, k, v, out, lse, **ref)
 
 
+@pytest.mark.skipif(not flashnumba.SIMULATOR, reason="code for sm_80 does not load on a GPU of another major version")
 def test_backward_tc_atomic_dq_before_hopper(monkeypatch):
     """Planned for an A100 (sm_80, no vector reduction): two scalar atomic adds a lane's column pair."""
     monkeypatch.setattr(flashnumba.planner, "current_device", lambda: tiling.ARCHS["sm_80"])
