@@ -480,8 +480,8 @@ def test_tc_dropout_close_to_one_does_not_overflow():
 @pytest.mark.parametrize("D", [40, 64, 128, 176, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_backward_tc_atomic_dq_gpu(case, D, dtype):
-    """On the GPU, deterministic=False (the atomic dQ) at its default tiles, over several tiles each way: the
-    float64 reference's bar, dk and dv the deterministic kernels' bits, dq within the float32 sums' reordering."""
+    """On the GPU, deterministic=False (the atomic dQ) at its default tiles, over several tiles each way, with
+    each option: the float64 reference's bar (check_backward), as the deterministic kernels meet it."""
     if dtype == "bfloat16":
         dtype = pytest.importorskip("ml_dtypes").bfloat16
     rng = np.random.default_rng(D + 3 * len(case))
