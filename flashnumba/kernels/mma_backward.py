@@ -34,6 +34,11 @@ each block of 16 keys, both form its S^T and dP^T (their A fragments read per k-
 dK_j, dV_j columns of one half of the head dim (padded to 32: :func:`dkdv_dim`), so the first two products are
 computed twice. The dQ kernel keeps its warp's rows and reads their A fragments per k-step there.
 
+FlashAttention-2 itself runs one kernel of five products: its dK/dV kernel also adds dQ_i += dS_ij K_j into a
+float32 buffer with atomic adds. ``make_backward_dkdv_tc(..., atomic_dq=...)`` is that kernel (the API's
+``deterministic=False``), followed by :func:`make_dq_convert`; the order of the adds, and so dQ's last bits, then
+vary from run to run.
+
 P and dS are rounded to 16 bits as the A operand of their products, as in FlashAttention-2. The tiles a block loops
 over are copied with cp.async into two buffers in turn (the next in flight while the warps work on the current
 one); L_i and D_i of each query tile go to small float32 arrays in shared memory beside them, loaded into
