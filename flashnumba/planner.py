@@ -592,6 +592,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                            ("dout", "out", "delta"), (_cdiv(total_q, r), lead_n * nheads), (32 * r,), 0)
     io_dq = ("dout", "q", "k", "v", "lse", "delta", "dq")
     io_kv = ("dout", "q", "k", "v", "lse", "delta", "dk", "dv")
+    atomic = False  # dQ added by the dK/dV kernel (tensor cores, deterministic=False)
     if family == "tc":
         # the atomic dQ: on sm_90 and newer a lane's two columns in one vector reduction
         atomic = False if deterministic else "v2" if tuple(limits.cc) >= (9, 0) else True
@@ -639,7 +640,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     if bsz * nheads and (total_q or total_k):
         if total_q:
             launches.append(pre)
-        if family == "tc" and not deterministic:  # dQ by the dK/dV kernel, then converted
+        if atomic:  # dQ by the dK/dV kernel, then converted
             if max_k:
                 launches.append(kv)
             if total_q:

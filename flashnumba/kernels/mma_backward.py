@@ -345,7 +345,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     RS, CQ, SPW = dq_parts(DG, B_R, B_C)  # dQ_i's 16-row slabs, column parts, slabs a warp
     DQW = D // CQ  # dQ_i columns of one warp, taken DQC at a time (the dK_j, dV_j accumulators stay in registers)
     DQC = min(DQW, DQ_CHUNK)
-    NQ = DQC // 8
+    NQ, NCH = DQC // 8, DQW // DQC  # C fragments a chunk, chunks a slab
     mma_atb = make_mma_atb(B_C, DQC, dtype, LDS, LD)  # dQ_i += dS K_j
 
     SR = -(-B_R // NT)  # query rows of L_i and D_i a thread fetches (B_R may exceed the block's NT threads)
@@ -477,9 +477,9 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
             if ATOMIC:
                 cuda.syncthreads()  # dS^T of every key of the block written
                 if warp < RS * CQ:
-                    for part in range(SPW * (DQW // DQC)):
-                        m0 = (warp % RS + (part // (DQW // DQC)) * (NT // 32)) * WARP_ROWS  # the slab's first row
-                        cq0 = (warp // RS) * DQW + (part % (DQW // DQC)) * DQC  # and first column of dQ_i
+                    for part in range(SPW * NCH):
+                        m0 = (warp % RS + (part // NCH) * (NT // 32)) * WARP_ROWS  # the slab's first row
+                        cq0 = (warp // RS) * DQW + (part % NCH) * DQC  # and first column of dQ_i
                         for n in range(NQ):
                             for x in range(4):
                                 dqa[n, x] = 0.0
@@ -487,11 +487,11 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
                         for x in range(2):
                             i = i0 + m0 + g + 8 * x
                             if i < seqlen_q:
+                                row = ((bb * dq_acc.shape[1] + q0 + i) * nheads + h) * DG  # (VEC_RED) flat index
                                 for n in range(NQ):
                                     c = cq0 + 8 * n + 2 * t
                                     if D == DG or c < DG:
                                         if VEC_RED:
-                                            row = ((bb * dq_acc.shape[1] + q0 + i) * nheads + h) * DG
                                             ptx.red_add_f32x2(dq_acc, row + c, dqa[n, 2 * x], dqa[n, 2 * x + 1])
                                         else:
                                             cuda.atomic.add(dq_acc, (bb, q0 + i, h, c), dqa[n, 2 * x])
