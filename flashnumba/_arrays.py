@@ -219,6 +219,17 @@ def to_kernel(x, k: str):
     return x
 
 
+def bits(x):
+    """x as a kernel reads it: a bfloat16 NumPy array as a view of its uint16 bit patterns (the same memory)."""
+    return x.view(BITS) if isinstance(x, np.ndarray) and is_bfloat16(x.dtype) else x
+
+
+def copy_back(host, dev):
+    """The device copy ``dev`` of the NumPy array ``host`` copied back into it, in place (after kernels wrote
+    the copy)."""
+    bits(host)[...] = to_host(dev).reshape(host.shape).view(bits(host).dtype)
+
+
 def with_leading_axis(x, k: str):
     """x with a leading axis of length 1 (simulator only): a view of a NumPy array, a copy of a simulated one.
     The new axis gets a real stride, the span of the array (x[None] gives it stride 0, which Numba takes for a
@@ -247,10 +258,11 @@ def to_host(x):
 
 def empty(shape, dtype, like: str):
     """A new output buffer (simulator only): (what the caller gets, what the kernel writes); NaN-filled when
-    ``config.poison_outputs`` is set (tests). A bfloat16 buffer's kernel side is uint16 (NaN: 0x7FC0)."""
+    ``config.poison_outputs`` is set (tests; integers -1). A bfloat16 buffer's kernel side is uint16 (NaN: 0x7FC0)."""
     bits = is_bfloat16(np.dtype(dtype))
     if config.poison_outputs:
-        host = np.full(shape, np.nan, dtype)
+        # (integers: all bits set, as the GPU's poisoned scratch)
+        host = np.full(shape, -1 if np.dtype(dtype).kind == "i" else np.nan, dtype)
         dev = cuda.to_device(host.view(BITS) if bits else host)
     else:
         dev = cuda.device_array(shape, BITS if bits else dtype)

@@ -445,7 +445,7 @@ class Call:
         """What every call does the same way, decided once: the dummies' addresses, how each input's address is
         read, how each output is allocated, which stream the kernels go on."""
         self.base = {}
-        self.reads = []  # (position in the call's arrays, name, copied first, address getter)
+        self.reads = []  # (position in the call's arrays, name, copied first, address getter, copied back)
         for i, spec in enumerate(self.inputs):
             if spec.kind == "none":
                 d = dummy(spec.name, spec.dummy_shape, spec.dummy_dtype)
@@ -453,7 +453,7 @@ class Call:
             else:
                 moved = spec.to_device or spec.copy
                 kind = ("cupy" if _arrays.cupy is not None else "numba") if spec.to_device else spec.kind
-                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind]))
+                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind], moved and spec.written))
         self._byte = sys.modules["torch"].uint8 if self.torch else np.dtype(np.uint8)
         self.allocs = []  # (name, shape, kernel dtype) of the returned outputs
         self.scratch = []  # (name, byte offset) of the temporaries, which share one allocation of scratch_bytes
@@ -499,13 +499,15 @@ class Call:
 
     def _alloc(self, shape, dtype, ref):
         """(array, address) of a new output; NaN-filled when ``config.poison_outputs`` is set (bfloat16 bits:
-        0x7FC0; the bytes of the temporaries' scratch: 0xFF, a NaN in every float type)."""
+        0x7FC0; the bytes of the temporaries' scratch: 0xFF, a NaN in every float type; integers: -1)."""
         if self.torch:
-            arr = sys.modules["torch"].empty(shape, dtype=dtype, device=ref.device)
+            torch = sys.modules["torch"]
+            arr = torch.empty(shape, dtype=dtype, device=ref.device)
             if config.poison_outputs:
-                arr.fill_(255 if dtype == self._byte else float("nan"))
+                arr.fill_(255 if dtype == self._byte else -1 if dtype == torch.int32 else float("nan"))
             return arr, arr.data_ptr()
-        poison = 0x7FC0 if dtype == np.uint16 else 0xFF if dtype == np.uint8 else np.nan
+        poison = (0x7FC0 if dtype == np.uint16 else 0xFF if dtype == np.uint8 else -1 if np.dtype(dtype).kind == "i"
+                  else np.nan)
         if self.empty is not cuda.device_array:
             arr = self.empty(shape, dtype)
             if config.poison_outputs:
@@ -525,11 +527,11 @@ class Call:
         values["seed"] = int(seed)
         values["offset"] = int(offset)
         keep = []
-        for i, name, copy_from, address in self.reads:
+        for i, name, copy_from, address, back in self.reads:
             x = arrays[i]
             if copy_from:
                 x = _arrays.device_copy(x, copy_from)
-                keep.append(x)
+                keep.append((arrays[i], x) if back else x)  # (a written input: the user's array and its copy)
             values[name] = address(x)
         ref = arrays[0]
         outs = []
@@ -564,6 +566,9 @@ class Call:
                 values, outs, keep = self.prepare(arrays, seed, offset)
         for b in self.bound:
             b(values, stream)
+        for x in keep:  # what the kernels wrote into the copy of an input, into the input itself
+            if isinstance(x, tuple):
+                _arrays.copy_back(*x)
         if self.host_results is not None:
             return [_arrays.to_host_as(o, dt) for o, dt in zip(outs, self.host_results)]
         return outs
@@ -584,7 +589,8 @@ class Call:
                 continue
             if spec.lead:
                 x = _arrays.with_leading_axis(x, spec.kind)
-            values[spec.name] = _arrays.to_kernel(x, spec.kind)
+            # (an array the kernels write in place is handed over itself: the simulator copies it back)
+            values[spec.name] = _arrays.bits(x) if spec.written else _arrays.to_kernel(x, spec.kind)
         outs = []
         for spec in self.outputs:
             user, dev = _arrays.empty(self.plan.arrays[spec.name].shape, spec.dtype, self.like)

@@ -8,14 +8,19 @@ bfloat16 call on the SIMT kernels because the tensor-core ones do not apply (the
 
 ``check_device_values``: copy a varlen call's ``cu_seqlens`` to the host and check them at every call (one
 synchronisation). Unchecked offsets that break the rules (start at 0, non-decreasing, end at the number of rows,
-no sequence longer than max_seqlen) make the kernels read and write outside the arrays. The same for
-``flash_attn_with_kvcache``'s device ``cache_seqlens``, ``cache_batch_idx`` and ``block_table``; there unchecked
-values cannot take the split-KV kernel outside the arrays (lengths are clipped to the cache, a page outside the
-pool reads as zeros, a batch index outside the cache gives no keys), and a decoding step then makes no host
-round trip (flash-attn checks none of them). The append of new keys and values, though, writes where such values
-point (CuPy wraps indices outside an array): into other rows of the cache.
+no sequence longer than max_seqlen) make the kernels read and write outside the arrays.
+
+``check_cache_values``: copy ``flash_attn_with_kvcache``'s device ``cache_seqlens``, ``cache_batch_idx`` and
+``block_table`` to the host and check them at every call (ValueError before anything is written), at the cost of
+one synchronisation a call, which also keeps the call out of a CUDA graph. Off (the default, as in flash-attn,
+which checks none of them), the kernels keep such values inside the arrays: a new key whose position falls
+outside the cache, on a page outside the pool or in a cache entry outside the cache is not written; a sequence's
+keys are clipped to the cache's capacity, a page outside the pool reads as zeros, an entry outside the cache gives
+the sequence no keys (out 0, lse -inf); a rotation past the rotary tables takes their last row. Values given as
+ints or NumPy arrays are always checked (no synchronisation).
 """
 
 poison_outputs = False
 warn_slow_path = True
 check_device_values = True
+check_cache_values = False

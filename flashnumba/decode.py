@@ -2,10 +2,10 @@
 
 An inference step appends the new tokens' keys and values to a cache (contiguous per sequence, or in pages
 through a block table), rotates the new keys and the queries (rotary embedding), and attends from the queries to
-everything the cache holds. :func:`flash_attn_with_kvcache` appends and rotates with array operations (on the few
-new rows) and runs the attention on the split-KV kernel (:mod:`flashnumba.kernels.mma_decode`), which reads the
-cache in place: the query heads that share a key/value head together, the keys of each sequence split over
-several blocks, the parts combined exactly by a second kernel. The semantics are those of
+everything the cache holds. :func:`flash_attn_with_kvcache` runs one plan of three kernels
+(:mod:`flashnumba.kernels.mma_decode`): the append and rotations, the split-KV attention, which reads the cache in
+place (the query heads that share a key/value head together, the keys of each sequence split over several
+blocks), and the exact combination of the splits. The semantics are those of
 :func:`flashnumba.reference.kvcache_attention`, the float64 NumPy reference the tests compare with.
 
 float32 caches, GPUs without ``mma.sync`` (compute capability < 8.0) and ``kernel="gather"`` take the other path:
@@ -14,6 +14,7 @@ each sequence's keys and values gathered from the cache into one packed array, t
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -22,49 +23,47 @@ from . import _arrays, _launch, config, planner as _plan, tiling
 from ._backend import SIMULATOR
 from ._validate import check_options, inspect
 from .api import _cached, _key, flash_attn_varlen_forward
-from .reference import rotate_pairs
 
 MIN_PAGE_SIZE = 16  # rows per page of a paged cache: at least one tile of the kernels' smallest key tiles
 
 
-def _xp(x):
+def _side(x):
+    """'numpy' or 'device' (a CuPy array or a torch CUDA tensor): where a call's arrays live."""
     kind = _arrays.kind(x)
     if kind == "numpy":
-        return np
-    if kind == "cupy":
-        return _arrays.cupy
-    raise TypeError(f"flash_attn_with_kvcache takes NumPy or CuPy arrays, got {type(x).__name__} (torch tensors: "
-                    f"flashnumba.torch.flash_attn_with_kvcache)")
+        return "numpy"
+    if kind in ("cupy", "torch"):
+        return "device"
+    raise TypeError(f"flash_attn_with_kvcache takes NumPy arrays, CuPy arrays or torch CUDA tensors, got "
+                    f"{type(x).__name__}")
 
 
-def _ints(name, x, shape, xp, read):
-    """An integer array argument (NumPy, CuPy or a Python int for cache_seqlens): (on the device side as int32
-    C-contiguous, on the host as int64 or None). Shape and dtype are checked; a device array is copied to the
+def _ints(name, x, shape, read):
+    """An integer argument (NumPy, CuPy or torch, or a Python int for cache_seqlens): (the kernels' array, int32
+    and C-contiguous, its host copy as int64 or None). Shape and dtype are checked; a device array is copied to the
     host only where ``read`` (to check its values: one synchronisation)."""
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         host = np.full(shape, int(x), np.int64)
-        return xp.asarray(host.astype(np.int32)), host
-    kind = _arrays.kind(x) if hasattr(x, "__cuda_array_interface__") or isinstance(x, np.ndarray) else None
+        return host.astype(np.int32), host
+    kind = _arrays.kind(x) if hasattr(x, "__cuda_array_interface__") or hasattr(x, "data_ptr") or isinstance(
+        x, np.ndarray) else None
     a = x if kind is not None else np.asarray(x)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers (int32), got dtype {a.dtype}")
+    dtype = _arrays.shape_strides_dtype(a)[2]
+    if dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int32), got dtype {dtype}")
     if tuple(a.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
     if kind in (None, "numpy"):
         host = np.asarray(a).astype(np.int64)
-        return xp.asarray(host.astype(np.int32)), host
-    if kind != "cupy" or xp is np:
-        raise TypeError(f"{name} must be a NumPy or CuPy array on q's side, got {type(x).__name__}")
-    dev = a if (a.dtype == np.int32 and a.flags.c_contiguous) else xp.ascontiguousarray(a.astype(np.int32))
+        return host.astype(np.int32), host
+    if kind == "torch":
+        torch = sys.modules["torch"]
+        dev = a if (a.dtype == torch.int32 and a.is_contiguous()) else a.to(torch.int32).contiguous()
+    elif kind == "cupy":
+        dev = a if (a.dtype == np.int32 and a.flags.c_contiguous) else _arrays.cupy.ascontiguousarray(a.astype(np.int32))
+    else:
+        raise TypeError(f"{name} must be a NumPy array, a CuPy array or a torch tensor, got {type(x).__name__}")
     return dev, (_arrays.to_host(a).astype(np.int64) if read else None)
-
-
-def _rotate(x, cos, sin, pos, interleaved):
-    """x (n, heads, d) rotated at positions ``pos`` (n,) in float32 (as flash-attn), returned in x's dtype: the
-    reference's rotation (:func:`flashnumba.reference.rotate_pairs`) on x's array module."""
-    c = cos[pos].astype(np.float32)[:, None, :]
-    s = sin[pos].astype(np.float32)[:, None, :]
-    return rotate_pairs(x.astype(np.float32), c, s, interleaved).astype(x.dtype)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -85,16 +84,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     with a block table). causal (bottom-right aligned), window_size, softcap, alibi_slopes, softmax_scale as
     :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut into (0: chosen
     from the GPU's SM count and the work, :func:`flashnumba.planner.decode_splits`; 1: none). Returns out like
-    q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32.
+    q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32. The arrays are NumPy, CuPy or
+    torch CUDA tensors (all of one side; :mod:`flashnumba.torch` has the same function for torch code).
 
     ``kernel`` (flashnumba's own): None, "splitkv" (float16 / bfloat16, head_dim a multiple of 8 up to 256, a
     GPU of compute capability >= 8.0; the caches C-contiguous) or "gather" (any dtype: the keys each sequence
     attends to copied into a packed array for the varlen forward). None takes "splitkv" where it applies.
 
-    The integer arguments are checked on the host before anything is written (positions beyond the cache, pages
-    outside the pool, new keys that would not fit, rotary tables too short: ValueError); device arrays are copied
-    to the host for it, unless ``flashnumba.config.check_device_values`` is off (a decoding step then makes no
-    host round trip; see :mod:`flashnumba.config` for what unchecked values do).
+    The integer arguments given as ints or NumPy arrays are checked on the host before anything is written
+    (positions beyond the cache, pages outside the pool, new keys that would not fit, rotary tables too short:
+    ValueError). Device arrays are not read back (a decoding step makes no host round trip and can be captured in
+    a CUDA graph) unless ``flashnumba.config.check_cache_values`` is on; the kernels keep their values inside the
+    arrays (:func:`flashnumba.kernels.mma_decode.make_append` and :mod:`flashnumba.config` say with what
+    result). The gather path reads the lengths anyway, and checks them.
     """
     if cache_seqlens is None and k is not None:
         raise ValueError("new keys k need cache_seqlens (where to write them)")
@@ -107,79 +109,76 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 None if lens_array else type(cache_seqlens)))
     st = _cached(key, lambda: _Static(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx,
                                       block_table, causal, window_size, softcap, alibi_slopes, softmax_scale,
-                                      num_splits, kernel, bool(return_softmax_lse)))
-    xp, batch, seqlen_q, nheads, nheads_k, d = st.xp, st.batch, st.seqlen_q, st.nheads, st.nheads_k, st.d
-    capacity, seqlen_new, paged, page = st.capacity, st.seqlen_new, st.paged, st.page
-    read = config.check_device_values  # device integer arrays copied to the host and checked
-    bt = None
-    if paged:
-        table, bt = _ints("block_table", block_table, (batch, block_table.shape[1]), xp, read)
-    elif cache_batch_idx is None:
-        bidx = _arange(xp, batch)
-    else:
-        bidx, cbi = _ints("cache_batch_idx", cache_batch_idx, (batch,), xp, read)
+                                      num_splits, kernel, bool(return_softmax_lse), rotary_interleaved))
+    batch, seqlen_q, capacity, seqlen_new, page = st.batch, st.seqlen_q, st.capacity, st.seqlen_new, st.page
+    read = config.check_cache_values or not st.splitkv  # device integer arrays copied to the host and checked
+    table = bt = bidx = None
+    if st.paged:
+        table, bt = _ints("block_table", block_table, (batch, block_table.shape[1]), read)
+    elif cache_batch_idx is not None:
+        bidx, cbi = _ints("cache_batch_idx", cache_batch_idx, (batch,), read)
         if cbi is not None and batch and (cbi.min() < 0 or cbi.max() >= k_cache.shape[0]):
             raise ValueError(f"cache_batch_idx must lie in [0, {k_cache.shape[0]}), got "
                              f"{int(cbi.min())} .. {int(cbi.max())}")
     # (None: every sequence holds the whole cache, as in flash-attn)
-    lens_dev, lens = _ints("cache_seqlens", capacity if cache_seqlens is None else cache_seqlens, (batch,), xp, read)
+    lens_in, lens = _ints("cache_seqlens", capacity if cache_seqlens is None else cache_seqlens, (batch,), read)
     if lens is not None and (lens.min(initial=0) < 0 or lens.max(initial=0) + seqlen_new > capacity):
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache's capacity), got "
                          f"{int(lens.min())} .. {int(lens.max()) + seqlen_new}")
-    if paged and bt is not None and lens is not None:  # the pages the sequences use (a table may be padded past them)
+    if st.paged and bt is not None and lens is not None:  # the pages the sequences use (a table may be padded past)
         used = np.arange(bt.shape[1])[None, :] < -(-(lens + seqlen_new) // page)[:, None]
         bad = used & ((bt < 0) | (bt >= k_cache.shape[0]))
         if bad.any():
             raise ValueError(f"block_table holds pages outside the pool of {k_cache.shape[0]}: "
                              f"{bt[bad][:4].tolist()} among those the sequences use")
-    rotary, local = st.rotary, st.local
-    if rotary:
-        # q at positions L + t (causal or windowed) or L; the new keys at L .. L + seqlen_new - 1 (cache_seqlens
-        # unread: flash-attn's own rule, tables as long as the cache)
-        need = capacity if lens is None else int(lens.max(initial=0)) + max(seqlen_new, seqlen_q if local else 1)
+    if st.rotary:
+        # q at positions L + t (causal or windowed) or L; the new keys at L .. L + seqlen_new - 1 (lengths on the
+        # device unread: flash-attn's own rule, tables as long as the cache)
+        need = capacity if lens is None else int(lens.max(initial=0)) + max(seqlen_new, seqlen_q if st.local else 1)
         if rotary_cos.shape[0] < need:
             raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions; this call needs {need}")
-        cos, sin = xp.asarray(rotary_cos), xp.asarray(rotary_sin)
-    opts, splitkv = st.opts, st.splitkv
-
-    # where each position of each sequence lives: (cache row, position within it), on the arrays' side
-    def rows(b_idx, pos):
-        if paged:
-            return table[b_idx, pos // page], pos % page
-        return bidx[b_idx], pos
-
-    # 1. the new keys and values into the cache, in place (keys rotated at their positions)
-    if seqlen_new:
-        b_idx = xp.repeat(xp.arange(batch), seqlen_new)
-        pos = (lens_dev[:, None] + xp.arange(seqlen_new)[None, :]).reshape(-1)
-        knew = k.reshape(batch * seqlen_new, nheads_k, d)
-        if rotary:
-            knew = _rotate(knew, cos, sin, pos, rotary_interleaved)
-        r = rows(b_idx, pos)
-        k_cache[r] = knew
-        v_cache[r] = v.reshape(batch * seqlen_new, nheads_k, d)
-    # 2. q rotated (positions L + t when causal or windowed, else L for every row: one token)
-    seqlens_dev = lens_dev + seqlen_new if seqlen_new else lens_dev
-    qp = q
-    if rotary:
-        steps = xp.arange(seqlen_q)[None, :] if local else xp.zeros((1, seqlen_q), np.int64)
-        qpos = (lens_dev[:, None] + steps).reshape(-1)
-        qp = _rotate(q.reshape(batch * seqlen_q, nheads, d), cos, sin, qpos, rotary_interleaved).reshape(q.shape)
-    qp = xp.ascontiguousarray(qp)
-    if not _arrays.starts_aligned(qp):  # (a view that does not start on 16 bytes: the 16-byte copies need it)
-        qp = qp.copy()
-    if splitkv:
-        # 3. attention on the split-KV kernel, reading the cache in place
-        arrays = (qp, k_cache, v_cache, seqlens_dev, None if paged else bidx, table if paged else None,
-                  None if opts.alibi is None else alibi_slopes)
+    arrays = (q, k_cache, v_cache, lens_in, bidx, table, alibi_slopes if st.opts.alibi is not None else None, k, v,
+              rotary_cos, rotary_sin)
+    if st.splitkv:
+        # the new keys in, the rotations, the attention on the split-KV kernel reading the cache in place: one plan
         res = st.call(arrays).run(arrays)  # [out, lse], or [out] (lse then in the call's scratch)
         return tuple(res) if return_softmax_lse else res[0]
-    # 3. the keys and values each sequence attends to, packed, on the varlen forward kernels (the lengths read,
-    # and clipped to the cache as the split-KV kernel clips them)
-    seqlen_k = np.clip(_arrays.to_host(seqlens_dev).astype(np.int64), 0, capacity)
+    return _gather(st, arrays, lens_in, return_softmax_lse, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes)
+
+
+def _gather(st, arrays, lens_in, return_lse, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """The other path: the step's appends and rotations (:func:`flashnumba.planner.append_plan`), then the keys and
+    values each sequence attends to (the lengths read, and clipped to the cache as the split-KV kernel clips them)
+    copied into packed arrays for the varlen forward kernels. torch tensors go through CuPy views of the same
+    memory (so not bfloat16, which CuPy lacks)."""
+    q, k_cache, v_cache = arrays[:3]
+    torch_side = _arrays.kind(q) == "torch"
+    qp, seqlens = q, lens_in
+    if st.step_runs:
+        res = st.append_call(arrays).run(arrays)  # [seqlens_out] or [seqlens_out, q_rot]
+        seqlens = res[0]
+        qp = res[1] if st.rotary else q
+    if torch_side:
+        if q.dtype == sys.modules["torch"].bfloat16:
+            raise TypeError("bfloat16 torch tensors decode on the split-KV kernel only (head_dim a multiple of 8, "
+                            "C-contiguous caches, compute capability 8.0 or newer); this call takes the gather path")
+        cupy = _arrays.cupy
+        qp, k_cache, v_cache = (cupy.asarray(x.detach()) for x in (qp, k_cache, v_cache))
+        lens_in = cupy.asarray(seqlens) if _arrays.kind(seqlens) == "torch" else seqlens
+        seqlens, arrays = lens_in, (qp, k_cache, v_cache, None, *(
+            cupy.asarray(x) if _arrays.kind(x) == "torch" else x for x in arrays[4:6]))
+    xp = np if _arrays.kind(qp) == "numpy" else _arrays.cupy
+    batch, seqlen_q, nheads, d = st.batch, st.seqlen_q, st.nheads, st.d
+    seqlen_k = np.clip(_arrays.to_host(seqlens).astype(np.int64), 0, st.capacity)
     b_idx = np.repeat(np.arange(batch), seqlen_k)
     pos = np.concatenate([np.arange(n) for n in seqlen_k]) if batch else np.zeros(0, np.int64)
-    r = rows(xp.asarray(b_idx), xp.asarray(pos))
+    if st.paged:
+        table = xp.asarray(_arrays.to_host(arrays[5]))
+        r = table[xp.asarray(b_idx), xp.asarray(pos // st.page)], xp.asarray(pos % st.page)
+    else:
+        entry = b_idx if arrays[4] is None else _arrays.to_host(arrays[4]).astype(np.int64)[b_idx]
+        r = xp.asarray(entry), xp.asarray(pos)
     kp, vp = k_cache[r], v_cache[r]
     qp = qp.reshape(batch * seqlen_q, nheads, d)
     cu_q = (np.arange(batch + 1) * seqlen_q).astype(np.int32)
@@ -188,36 +187,39 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                          int(seqlen_k.max(initial=0)), softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     out = out.reshape(batch, seqlen_q, nheads, d)
-    if return_softmax_lse:
-        return out, lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2)
-    return out
+    lse = lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2)
+    if torch_side:
+        torch = sys.modules["torch"]
+        out, lse = (torch.as_tensor(x, device=q.device) for x in (out, lse))
+    return (out, lse) if return_lse else out
 
 
 class _Static:
     """What a call's shapes, dtypes, options and kernel choice decide, checked (ValueError / TypeError) once per
     kind of call and kept (:func:`flashnumba.api._cached`): the values of the integer arrays are checked at every
     call, these are not (they cannot change between calls of one key). ``call(arrays)``: the split-KV kernels'
-    launcher, planned at the first call that runs them."""
+    launcher, ``append_call(arrays)`` the gather path's first step, each planned at the first call that runs it."""
 
     def __init__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, block_table, causal,
-                 window_size, softcap, alibi_slopes, softmax_scale, num_splits, kernel, return_lse=True):
-        self.xp = xp = _xp(q)
+                 window_size, softcap, alibi_slopes, softmax_scale, num_splits, kernel, return_lse=True,
+                 interleaved=True):
         self.return_lse = return_lse
+        side = _side(q)
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-            if x is not None and _xp(x) is not xp:
-                raise TypeError(f"{name} must be the same kind of array as q ({type(q).__name__})")
-        if q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
-            raise ValueError(f"q must be 4-D and k_cache, v_cache 4-D of one shape, got {q.shape}, "
-                             f"{k_cache.shape}, {v_cache.shape}")
-        batch, self.seqlen_q, self.nheads, d = q.shape
+            if x is not None and _side(x) != side:
+                raise TypeError(f"{name} must be on q's side ({side}), got {type(x).__name__}")
+        if len(q.shape) != 4 or len(k_cache.shape) != 4 or tuple(v_cache.shape) != tuple(k_cache.shape):
+            raise ValueError(f"q must be 4-D and k_cache, v_cache 4-D of one shape, got {tuple(q.shape)}, "
+                             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        tq, tk, tv = (inspect(n, x, 4) for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+        batch, self.seqlen_q, self.nheads, d = tq.shape
         self.batch, self.d = batch, d
-        self.nheads_k = nheads_k = k_cache.shape[2]
-        if k_cache.shape[3] != d or self.nheads % nheads_k:
-            raise ValueError(f"k_cache {k_cache.shape} does not suit q {q.shape}: head_dim must match and nheads "
+        self.nheads_k = nheads_k = tk.shape[2]
+        if tk.shape[3] != d or self.nheads % nheads_k:
+            raise ValueError(f"k_cache {tk.shape} does not suit q {tq.shape}: head_dim must match and nheads "
                              f"be a multiple of nheads_k")
-        if not (q.dtype == k_cache.dtype == v_cache.dtype):
-            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, "
-                            f"{v_cache.dtype}")
+        if not (tq.dtype == tk.dtype == tv.dtype):
+            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {tq.dtype}, {tk.dtype}, {tv.dtype}")
         if (k is None) != (v is None):
             raise ValueError("give both k and v (the new keys and values), or neither")
         if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
@@ -228,78 +230,90 @@ class _Static:
         if self.paged:
             if cache_batch_idx is not None:
                 raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
-            self.page = page = k_cache.shape[1]
+            self.page = page = tk.shape[1]
             if page < MIN_PAGE_SIZE:
                 raise ValueError(f"the page size (k_cache.shape[1]) must be at least {MIN_PAGE_SIZE}, got {page}")
-            if getattr(block_table, "ndim", 0) != 2:
+            if len(getattr(block_table, "shape", ())) != 2:
                 raise ValueError(f"block_table must be (batch, max_pages), got shape "
                                  f"{getattr(block_table, 'shape', None)}")
             self.capacity = block_table.shape[1] * page
         else:
-            self.capacity = k_cache.shape[1]
-            if cache_batch_idx is None and k_cache.shape[0] < batch:
-                raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {batch}: pass cache_batch_idx")
+            self.capacity = tk.shape[1]
+            if cache_batch_idx is None and tk.shape[0] < batch:
+                raise ValueError(f"k_cache holds {tk.shape[0]} sequences, q {batch}: pass cache_batch_idx")
         self.seqlen_new = 0
+        tnew = (None, None)
         if k is not None:
-            if k.shape != (batch, k.shape[1], nheads_k, d) or v.shape != k.shape:
+            tnew = tuple(inspect(n, x, 4) if len(x.shape) == 4 else None for n, x in (("k", k), ("v", v)))
+            if None in tnew or tnew[0].shape != (batch, tnew[0].shape[1], nheads_k, d) or tnew[1].shape != tnew[0].shape:
                 raise ValueError(f"k and v must have shape (batch, seqlen_new, nheads_k, head_dim) = ({batch}, n, "
-                                 f"{nheads_k}, {d}), got {k.shape}, {v.shape}")
-            if k.dtype != q.dtype or v.dtype != q.dtype:
-                raise TypeError(f"k and v must have q's dtype {q.dtype}")
-            self.seqlen_new = k.shape[1]
+                                 f"{nheads_k}, {d}), got {tuple(k.shape)}, {tuple(v.shape)}")
+            if tnew[0].dtype != tq.dtype or tnew[1].dtype != tq.dtype:
+                raise TypeError(f"k and v must have q's dtype {tq.dtype}")
+            self.seqlen_new = tnew[0].shape[1]
         self.rotary = rotary_cos is not None
         self.local = causal or tuple(window_size) != (-1, -1)
+        trot = (None, None)
         if self.rotary:
-            if rotary_sin is None or rotary_cos.ndim != 2 or rotary_sin.shape != rotary_cos.shape:
+            if rotary_sin is None or len(rotary_cos.shape) != 2 or tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
                 raise ValueError("rotary_cos and rotary_sin must both be given, (seqlen_ro, rotary_dim / 2)")
-            if 2 * rotary_cos.shape[1] > d:
-                raise ValueError(f"rotary_dim {2 * rotary_cos.shape[1]} exceeds head_dim {d}")
+            trot = (inspect("rotary_cos", rotary_cos, 2), inspect("rotary_sin", rotary_sin, 2))
+            if trot[0].dtype != trot[1].dtype or not (trot[0].dtype.kind == "f" or _arrays.is_bfloat16(trot[0].dtype)):
+                raise TypeError(f"rotary_cos and rotary_sin must be floating point of one dtype, got {trot[0].dtype}, "
+                                f"{trot[1].dtype}")
+            if _side(rotary_cos) != side and side == "numpy":
+                raise TypeError("rotary_cos and rotary_sin must be NumPy arrays where q is one")
+            if 2 * trot[0].shape[1] > d:
+                raise ValueError(f"rotary_dim {2 * trot[0].shape[1]} exceeds head_dim {d}")
+        self.step = _plan.DecodeStep(*tnew, *trot, interleaved=bool(interleaved), local=self.local)
+        self.step_runs = self.step.runs
         # the options and the kernel
-        self.splitkv = _use_splitkv(kernel, q, k_cache, v_cache)
-        self.opts = check_options(inspect("q", q, 4), inspect("k_cache", k_cache, 4), causal, window_size, softcap,
-                                  alibi_slopes, 0.0, softmax_scale)  # (no array kept: a cache may be large)
-        self._call = None
+        self.splitkv = _use_splitkv(kernel, tq, tk, tv)
+        self.opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
+        self._call = self._append = None
+
+    def _tensors(self, arrays):
+        """The Tensors the planner takes: q, k_cache, v_cache, the lengths, the batch index, the block table."""
+        tq, tk, tv = (inspect(n, x, 4) for n, x in zip(("q", "k_cache", "v_cache"), arrays[:3]))
+        t = [None if x is None else inspect(n, x, len(x.shape)) for n, x in
+             zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
+        return tq, tk, tv, t
 
     def call(self, arrays) -> _launch.Call:
-        """The split-KV launcher for arrays (q rotated and contiguous, k_cache, v_cache, the lengths, the batch
-        index or the block table, the ALiBi slopes), planned at the first call."""
+        """The split-KV launcher (the step's appends and rotations, the attention, the combine) for arrays in
+        :func:`flash_attn_with_kvcache`'s order, planned at the first call."""
         if self._call is None:
-            tq, tk, tv = (inspect(n, x, 4) for n, x in zip(("q", "k_cache", "v_cache"), arrays[:3]))
-            t = [None if x is None else inspect(n, x, x.ndim) for n, x in
-                 zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
+            tq, tk, tv, t = self._tensors(arrays)
             p = _plan.decode_plan(tq, tk, tv, self.opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
                                   max_seqlen_k=self.capacity, num_splits=self.num_splits,
-                                  return_lse=self.return_lse)
+                                  return_lse=self.return_lse, step=self.step)
             self._call = _launch.Call(p)
         return self._call
 
-
-_aranges: dict = {}
-
-
-def _arange(xp, n):
-    """A device (or NumPy) arange(n) int32, made once per size and device."""
-    key = (xp.__name__, n, xp.cuda.Device().id if xp is not np else None)
-    if key not in _aranges:
-        _aranges[key] = xp.arange(n, dtype=np.int32)
-    return _aranges[key]
+    def append_call(self, arrays) -> _launch.Call:
+        """The gather path's first step (appends and rotations) alone, planned at the first call."""
+        if self._append is None:
+            tq, tk, tv, t = self._tensors(arrays)
+            p = _plan.append_plan(tq, tk, tv, self.opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
+                                  step=self.step)
+            self._append = _launch.Call(p)
+        return self._append
 
 
-def _use_splitkv(kernel, q, k_cache, v_cache) -> bool:
+def _use_splitkv(kernel, tq, tk, tv) -> bool:
     """Whether the call runs on the split-KV kernel (see :func:`flash_attn_with_kvcache`'s ``kernel``)."""
     if kernel not in (None, "splitkv", "gather"):
         raise ValueError(f"kernel must be None, 'splitkv' or 'gather', got {kernel!r}")
     if kernel == "gather":
         return False
     blocker = None
-    sixteen = q.dtype == np.float16 or _arrays.is_bfloat16(q.dtype)
-    if not sixteen:
-        blocker = f"it takes float16 or bfloat16, not {q.dtype}"
-    elif q.shape[-1] not in tiling.MMA_HEAD_DIMS:
-        blocker = f"it is built for head_dim a multiple of 8 up to 256, not {q.shape[-1]}"
-    elif not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+    if not (tq.dtype == np.float16 or tq.bf16):
+        blocker = f"it takes float16 or bfloat16, not {tq.dtype}"
+    elif tq.shape[-1] not in tiling.MMA_HEAD_DIMS:
+        blocker = f"it is built for head_dim a multiple of 8 up to 256, not {tq.shape[-1]}"
+    elif not all(_launch.is_c_layout(t.shape, t.strides, t.dtype.itemsize) for t in (tk, tv)):
         blocker = "it reads C-contiguous caches (k_cache, v_cache)"
-    elif not (_arrays.starts_aligned(k_cache) and _arrays.starts_aligned(v_cache)):
+    elif not (_arrays.starts_aligned(tk.array) and _arrays.starts_aligned(tv.array)):
         blocker = "its 16-byte copies need caches that start on 16 bytes"
     elif not SIMULATOR and tuple(_plan.current_device().cc) < tiling.MMA_MIN_CC:
         blocker = "it needs compute capability 8.0 or newer (mma.sync, cp.async)"

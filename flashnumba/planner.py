@@ -52,7 +52,7 @@ class InputSpec:
     """A user array a call reads: its name, kind, whether it is copied to the device (NumPy) or to a C-contiguous copy
     (an input of a tensor-core kernel that is strided in a way its row copies cannot read, or does not start on 16
     bytes: the start's alignment is part of a call's key), a leading axis added (varlen), a broadcast (ALiBi slopes
-    (nheads,) -> (batch, nheads)), and the dummy that stands in when it is absent."""
+    (nheads,) -> (batch, nheads)), the dummy that stands in when it is absent, and whether the kernels write it."""
 
     name: str
     kind: str
@@ -62,6 +62,7 @@ class InputSpec:
     broadcast: tuple | None = None
     dummy_shape: tuple = (1,)
     dummy_dtype: str = "float32"
+    written: bool = False  # the kernels write it in place (a KV cache): a NumPy array's copy is copied back
 
 
 @dataclass(frozen=True)
@@ -477,19 +478,109 @@ def decode_splits(blocks: int, n_tiles: int, limits: tiling.DeviceLimits, per_sm
     return min(range(1, min(n_tiles, MAX_SPLITS) + 1), key=lambda n: (cost(n), n))
 
 
-def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen_k, num_splits=0, return_lse=True,
-                stages=None, device=None) -> Plan:
-    """The plan of a decoding call (:func:`flashnumba.flash_attn_with_kvcache` on the split-KV kernel): tq (batch,
-    seqlen_q, nheads, D) the queries (rotated), tk, tv the cache (C-contiguous), seqlens the (batch,) int32 keys
-    per sequence, batch_idx or block_table (int32 Tensors, or None), ``max_seqlen_k`` a bound on seqlens (the
-    cache's capacity: the lengths themselves may live on the device, unread). ``num_splits`` above
-    :data:`MAX_SPLITS` counts as MAX_SPLITS (as in flash-attn). The call returns out, and lse with ``return_lse``
-    (else the kernels write it to the call's scratch). ``stages``: the kernel's K, V buffers (None: its default,
-    :data:`flashnumba.kernels.mma_decode.STAGES`)."""
+@dataclass(frozen=True)
+class DecodeStep:
+    """What a decoding call does before its attention (:func:`flashnumba.kernels.mma_decode.make_append`): the new
+    keys and values (Tensors, or None), the rotary tables (Tensors, or None), GPT-J pairs (``interleaved``) or
+    halves, and whether the queries sit at their own positions (``local``: causal or windowed) or all at the
+    cache's length."""
+
+    k_new: _validate.Tensor | None = None
+    v_new: _validate.Tensor | None = None
+    rotary_cos: _validate.Tensor | None = None
+    rotary_sin: _validate.Tensor | None = None
+    interleaved: bool = True
+    local: bool = False
+
+    @property
+    def runs(self) -> bool:
+        return self.k_new is not None or self.rotary_cos is not None
+
+
+def _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, *, copy_q=False):
+    """InputSpecs and kernel ArrayMetas of a decoding call's arrays, in the order the call takes them: q, k_cache,
+    v_cache (written in place where new keys come), seqlens_k, batch_idx, block_table, alibi, k_new, v_new,
+    rotary_cos, rotary_sin (dummies where absent)."""
+    inputs, arrays = [], {}
+    batch, _, nheads, _ = tq.shape
+    written = step.k_new is not None
+    for t in (tq, tk, tv):
+        copy = copy_q and t is tq and t.kind != "numpy"
+        inputs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, written=written and t is not tq))
+        arrays[t.name] = _kernel_meta(t, False, copy)
+    for name, t, shape in (("seqlens_k", seqlens, (batch,)), ("batch_idx", batch_idx, (1,)),
+                           ("block_table", block_table, (1, 1))):
+        spec, arrays[name] = _optional_input(name, t, shape, "int32")
+        inputs.append(spec)
+    spec, arrays["alibi"] = _alibi_input(opts.alibi, batch, nheads)
+    inputs.append(spec)
+    bits = "uint16" if _arrays.is_bfloat16(tq.dtype) else np.dtype(tq.dtype).name
+    for name, t, shape, dt in (("k_new", step.k_new, (1, 1, 1, 1), bits), ("v_new", step.v_new, (1, 1, 1, 1), bits),
+                               ("rotary_cos", step.rotary_cos, (1, 1), "float32"),
+                               ("rotary_sin", step.rotary_sin, (1, 1), "float32")):
+        spec, arrays[name] = _optional_input(name, t, shape, dt)
+        inputs.append(spec)
+    return inputs, arrays
+
+
+def _append_launch(tq, step, paged, indexed, arrays, seqlens_name):
+    """The append kernel's launch (:func:`flashnumba.kernels.mma_decode.make_append`), its outputs, seqlens_out
+    (the key counts after the step) and q_rot (q rotated, where rotary tables come), and the InputSpec of q_rot's
+    dummy where none come."""
+    batch, seqlen_q, _, _ = tq.shape
+    rotary = step.rotary_cos is not None
+    outs, extra = [], []
+    spec, arrays["seqlens_out"] = _output("seqlens_out", (batch,), np.dtype(np.int32), False, returned=False)
+    outs.append(spec)
+    if rotary:
+        spec, arrays["q_rot"] = _output("q_rot", tq.shape, tq.dtype, False, returned=False)
+        outs.append(spec)
+    else:  # (a dummy, after the call's own arrays)
+        kd = np.dtype(np.uint16) if tq.bf16 else tq.dtype
+        extra.append(InputSpec("q_rot", "none", dummy_shape=(1, 1, 1, 1), dummy_dtype=kd.name))
+        arrays["q_rot"] = array_meta((1, 1, 1, 1), c_strides((1, 1, 1, 1), kd.itemsize), kd, "A")
+    seqlen_new = step.k_new.shape[1] if step.k_new is not None else 0
+    cos_dt = _dtype_name(step.rotary_cos.dtype) if rotary else "float32"
+    launch = KernelLaunch("decode append", "decode", mma_decode.make_append,
+                          (_dtype_name(tq.dtype), step.k_new is not None, rotary, step.interleaved, step.local, paged,
+                           indexed, cos_dt),
+                          ("q", "k_new", "v_new", "rotary_cos", "rotary_sin", "k_cache", "v_cache", "q_rot",
+                           seqlens_name, "seqlens_out", "batch_idx", "block_table"),
+                          (max(seqlen_new, seqlen_q if rotary else 0, 1), batch),
+                          (32 if SIMULATOR else mma_decode.APPEND_THREADS,), 0, None,
+                          "the new keys and values into the cache, the rotations")
+    return launch, outs, extra
+
+
+def append_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, step: DecodeStep, device=None) -> Plan:
+    """The plan of a decoding call's first step alone (:class:`DecodeStep`), for the gather path: the call
+    returns q_rot (q rotated; q itself where no tables come) and seqlens_out."""
     limits = resolve_device(device, (tq, tk, tv))
+    inputs, arrays = _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step)
+    launch, outs, extra = _append_launch(tq, step, block_table is not None, batch_idx is not None, arrays,
+                                         "seqlens_k")
+    outs = [replace(o, returned=True) for o in outs]
+    return Plan("decode", "append", _dtype_name(tq.dtype), tq.shape[3], opts.describe(), limits,
+                "the append and rotation kernel", None, (launch,) if tq.shape[0] else (), arrays, {},
+                tuple(inputs + extra), tuple(outs), tq.kind)
+
+
+def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen_k, num_splits=0, return_lse=True,
+                stages=None, device=None, step: DecodeStep | None = None) -> Plan:
+    """The plan of a decoding call (:func:`flashnumba.flash_attn_with_kvcache` on the split-KV kernel): tq (batch,
+    seqlen_q, nheads, D) the queries, tk, tv the cache (C-contiguous), seqlens the (batch,) int32 keys per
+    sequence before the step, batch_idx or block_table (int32 Tensors, or None: sequence b reads cache entry b),
+    ``max_seqlen_k`` a bound on the keys after the step (the cache's capacity: the lengths themselves may live on
+    the device, unread), ``step`` what runs first (new keys, rotations; :class:`DecodeStep`). ``num_splits`` above
+    :data:`MAX_SPLITS` counts as MAX_SPLITS (as in flash-attn). The call takes the arrays in the order of
+    :func:`_decode_inputs` and returns out, and lse with ``return_lse`` (else the kernels write it to the call's
+    scratch). ``stages``: the kernel's K, V buffers (None: its default, :data:`flashnumba.kernels.mma_decode.STAGES`)."""
+    limits = resolve_device(device, (tq, tk, tv))
+    step = step or DecodeStep()
     batch, seqlen_q, nheads, D = tq.shape
     nheads_k = tk.shape[2]
     paged = block_table is not None
+    indexed = batch_idx is not None
     dt = tq.dtype
     W, KW, S = DECODE_WARPS, DECODE_KW, stages or mma_decode.STAGES
     smem = mma_decode.shared_bytes(D, W, KW, S)
@@ -505,16 +596,15 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     n_tiles = _cdiv(max_seqlen_k, W * KW)
     splits = min(num_splits, MAX_SPLITS) or decode_splits(batch * nheads_k * zrows, n_tiles, limits, per_sm)
     split = splits > 1
-    inputs, arrays = [], {}
-    for t in (tq, tk, tv):
-        inputs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy"))
-        arrays[t.name] = _kernel_meta(t, False, False)
-    for name, t, shape in (("seqlens_k", seqlens, (batch,)), ("batch_idx", batch_idx, (1,)),
-                           ("block_table", block_table, (1, 1))):
-        spec, arrays[name] = _optional_input(name, t, shape, "int32")
-        inputs.append(spec)
-    spec, arrays["alibi"] = _alibi_input(opts.alibi, batch, nheads)
-    inputs.append(spec)
+    rotary = step.rotary_cos is not None
+    # the kernel's cp.async copies read q as C-contiguous rows from a 16-byte start (a rotated q is the call's own)
+    copy_q = not rotary and (not _c_layout(tq) or not _arrays.starts_aligned(tq.array))
+    inputs, arrays = _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, copy_q=copy_q)
+    launches, pre_outs = [], []
+    if step.runs:
+        launch, pre_outs, extra = _append_launch(tq, step, paged, indexed, arrays, "seqlens_k")
+        launches.append(launch)
+        inputs += extra
     out_spec, arrays["out"] = _output("out", tq.shape, dt, False)
     lse_spec, arrays["lse"] = _output("lse", (batch, nheads, seqlen_q), np.dtype(np.float32), False,
                                       returned=return_lse)
@@ -528,20 +618,22 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     dname = _dtype_name(dt)
     why = (f"the split-KV kernel: the {nheads // nheads_k} query heads of a key/value head as rows of one tile, "
            f"the keys in {splits} part{'s' if split else ''} (num_splits={num_splits})")
-    launches = [KernelLaunch("decode split-KV", "decode", mma_decode.make_decode_tc,
-                             (D, W, KW, dname, has_left, has_right, softcap, alibi, paged, split, S),
-                             ("q", "k_cache", "v_cache", "out", "lse", "o_part", "lse_part", "seqlens_k", "batch_idx",
-                              "block_table", "alibi", "scale_q", "softcap", "left", "right"),
-                             (splits, batch * nheads_k, zrows), (32 * W,), smem, None,
-                             f"{W} warps of {KW} keys a tile, {S} buffers; {per_sm} blocks an SM by shared "
-                             f"memory, threads and registers")]
+    launches.append(KernelLaunch("decode split-KV", "decode", mma_decode.make_decode_tc,
+                                 (D, W, KW, dname, has_left, has_right, softcap, alibi, paged, split, S, indexed),
+                                 ("q_rot" if rotary else "q", "k_cache", "v_cache", "out", "lse", "o_part", "lse_part",
+                                  "seqlens_out" if step.runs else "seqlens_k", "batch_idx", "block_table", "alibi",
+                                  "scale_q", "softcap", "left", "right"),
+                                 (splits, batch * nheads_k, zrows), (32 * W,), smem, None,
+                                 f"{W} warps of {KW} keys a tile, {S} buffers; {per_sm} blocks an SM by shared "
+                                 f"memory, threads and registers"))
     if split:
         launches.append(KernelLaunch("decode combine", "decode", mma_decode.make_combine, (dname,),
                                      ("o_part", "lse_part", "out", "lse"), (seqlen_q, batch * nheads),
                                      (min(256, 32 * _cdiv(D, 32)),), 0, None, "the splits' exact combination"))
-    empty = batch * seqlen_q * nheads == 0
-    return Plan("decode", "splitkv", dname, D, opts.describe(), limits, why, None, () if empty else tuple(launches),
-                arrays, scalars, tuple(inputs), (out_spec, lse_spec, opart_spec, lpart_spec), tq.kind)
+    if batch * seqlen_q * nheads == 0:  # (nothing to attend; new keys of an empty query batch: none either)
+        launches = [x for x in launches if x.name == "decode append" and batch]
+    return Plan("decode", "splitkv", dname, D, opts.describe(), limits, why, None, tuple(launches), arrays, scalars,
+                tuple(inputs), (out_spec, lse_spec, opart_spec, lpart_spec, *pre_outs), tq.kind)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -434,15 +434,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn's ``flash_attn_with_kvcache`` on torch CUDA tensors: forward only (as flash-attn's), no autograd.
 
     The arguments and semantics of :func:`flashnumba.flash_attn_with_kvcache` (k_cache and v_cache updated in
-    place when k and v are given), on float16 or float32 tensors: the tensors are handed to it as CuPy views of
-    the same memory (no copy), on torch's current stream. Not supported: ``cache_leftpad`` (ValueError), bfloat16
-    (TypeError: the array operations that append and rotate run in CuPy, which has no bfloat16).
+    place when k and v are given), on float16, bfloat16 or float32 tensors, on torch's current stream, with no
+    host round trip (so it can be captured in a CUDA graph; cache_seqlens then as a tensor). Not supported:
+    ``cache_leftpad`` (ValueError); bfloat16 where the call takes the gather path (TypeError, see
+    :func:`flashnumba.flash_attn_with_kvcache`'s ``kernel``).
     """
-    try:
-        import cupy
-    except ImportError:
-        raise ImportError("flashnumba.torch.flash_attn_with_kvcache needs CuPy (it appends and rotates with CuPy "
-                          "views of the tensors)") from None
     from .decode import flash_attn_with_kvcache as core
 
     if cache_leftpad is not None:
@@ -453,18 +449,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     for name, x in tensors.items():
         if isinstance(x, Tensor) and not x.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got one on {x.device}")
-    if q.dtype == torch.bfloat16:
-        raise TypeError("flashnumba.torch.flash_attn_with_kvcache takes float16 or float32 tensors, not bfloat16")
-    views = {n: cupy.asarray(x.detach()) if isinstance(x, Tensor) else x for n, x in tensors.items()}
-    stream = torch.cuda.current_stream(q.device)
-    with cupy.cuda.Device(q.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        result = core(views.pop("q"), views.pop("k_cache"), views.pop("v_cache"), **views,
-                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                      rotary_interleaved=rotary_interleaved, num_splits=num_splits,
-                      return_softmax_lse=return_softmax_lse)
-    if return_softmax_lse:
-        return tuple(torch.as_tensor(x, device=q.device) for x in result)
-    return torch.as_tensor(result, device=q.device)
+    views = {n: x.detach() if isinstance(x, Tensor) else x for n, x in tensors.items()}
+    return core(views.pop("q"), views.pop("k_cache"), views.pop("v_cache"), **views, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved,
+                num_splits=num_splits, return_softmax_lse=return_softmax_lse)
 
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",

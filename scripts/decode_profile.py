@@ -8,6 +8,7 @@
     python scripts/decode_profile.py latency [batch] [seqlen_k] [page]  # host and device time of a call, with torch's
     python scripts/decode_profile.py splits [batch] [seqlen_k] [page]  # num_splits 0 (the plan's) and others, timed
     python scripts/decode_profile.py tiles [batch] [seqlen_k] [page]  # keys a warp, buffers and splits: GPU time
+    python scripts/decode_profile.py deep [batch] [seqlen_k] [page]  # fewer blocks, more buffers, with torch's
 
 Workload as in ``python -m flashnumba bench --decode``: float16, head_dim 128, 32 query heads on 8 key/value
 heads, one query token per sequence, every sequence holding seqlen_k keys (defaults: batch 32, seqlen_k 8192);
@@ -56,7 +57,7 @@ def kernel_inputs():
     from flashnumba import _validate
 
     kk, vv = (pool_k, pool_v) if page else (kc, vc)
-    arrays = (q, kk, vv, lens, None if page else cupy.arange(batch, dtype=np.int32), table, None)
+    arrays = (q, kk, vv, lens, None, table, None)  # (no batch index: sequence b reads cache entry b)
     names = ("q", "k_cache", "v_cache", "seqlens_k", "batch_idx", "block_table")
     t = [None if x is None else _validate.inspect(nm, x, x.ndim) for nm, x in zip(names, arrays)]
     return arrays, t, _validate.check_options(t[0], t[1], False, (-1, -1), 0.0, None, 0.0, None)
@@ -103,7 +104,7 @@ def graph_ms(fn, calls=50, on_torch=False):
 
 if mode == "host":
     for checked in (True, False):
-        flashnumba.config.check_device_values = checked
+        flashnumba.config.check_cache_values = checked
         for _ in range(50):
             step()
         cupy.cuda.Device().synchronize()
@@ -113,7 +114,7 @@ if mode == "host":
             step()
         prof.disable()
         cupy.cuda.Device().synchronize()
-        print(f"=== check_device_values={checked}: batch {batch}, seqlen_k {n}, 2000 calls")
+        print(f"=== check_cache_values={checked}: batch {batch}, seqlen_k {n}, 2000 calls")
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 elif mode == "ncu":
     import torch
@@ -176,6 +177,40 @@ elif mode == "tiles":  # the kernel's tile (KW keys a warp), buffers and splits:
                 print(f"KW {kw:2d} stages {stages} num_splits {splits:2d}: {us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s; "
                       f"grid {p.launches[0].grid}, {p.launches[0].shared_bytes} B shared, "
                       f"{len(p.launches)} kernels", flush=True)
+elif mode == "deep":  # fewer, longer blocks with more K, V buffers (warps, keys a warp, buffers, splits), beside
+    # torch flash and cuDNN: the GPU's time from CUDA graphs
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashnumba import _launch, planner
+
+    arrays, t, opts = kernel_inputs()
+    nbytes = 2 * kc.nbytes
+    tq = torch.as_tensor(q, device="cuda").transpose(1, 2)
+    tk, tv = (torch.as_tensor(x, device="cuda").transpose(1, 2) for x in (kc, vc))
+    print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}: us a call from a CUDA graph of 50 calls (min of 5)")
+    for name, backend in (("torch flash", SDPBackend.FLASH_ATTENTION), ("torch cuDNN", SDPBackend.CUDNN_ATTENTION)):
+        def peer(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+        peer()
+        us = graph_ms(peer, on_torch=True) * 1e3
+        print(f"{name:12s} {us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s", flush=True)
+    for warps, kw, stages, splits in ((4, 16, 2, (0, 24, 48)), (4, 16, 4, (16, 24, 32)), (4, 16, 6, (16, 32)),
+                                      (8, 16, 2, (0, 16, 24)), (8, 16, 3, (16, 24)), (4, 32, 3, (16, 24))):
+        planner.DECODE_WARPS, planner.DECODE_KW = warps, kw
+        for s in splits:
+            try:
+                p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5],
+                                        max_seqlen_k=n, return_lse=False, stages=stages, num_splits=s)
+            except ValueError as err:
+                print(f"warps {warps} KW {kw} stages {stages}: {err}")
+                break
+            call = _launch.Call(p)
+            us = graph_ms(lambda: call.run(arrays)) * 1e3
+            print(f"warps {warps} KW {kw:2d} stages {stages} num_splits {s:2d}: {us:7.1f} us "
+                  f"{nbytes / us / 1e6:5.2f} TB/s; grid {p.launches[0].grid}, {p.launches[0].shared_bytes} B shared",
+                  flush=True)
 elif mode == "latency":  # a call's host time, its GPU time alone (calls replayed from a CUDA graph), and the two modes
     import time
 
@@ -191,12 +226,12 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
                 return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
         return fn
 
-    def unchecked():
-        saved, flashnumba.config.check_device_values = flashnumba.config.check_device_values, False
+    def checked():
+        saved, flashnumba.config.check_cache_values = flashnumba.config.check_cache_values, True
         try:
             return step()
         finally:
-            flashnumba.config.check_device_values = saved
+            flashnumba.config.check_cache_values = saved
 
     def host_us(fn, calls=25, rounds=20):
         times = []
@@ -214,7 +249,7 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
     print(f"batch {batch}, seqlen_k {n}, page {page or 'none'} (torch: the contiguous cache): host us a call "
           f"(median of 20 x 25 calls); GPU us a "
           f"call from a CUDA graph of 50 calls (host-timed, min of 5); back to back and one call a pair (events)")
-    impls = (("flashnumba unchecked", unchecked), ("flashnumba checked", step),
+    impls = (("flashnumba", step), ("flashnumba checked", checked),
              ("torch flash", peer(SDPBackend.FLASH_ATTENTION)), ("torch cuDNN", peer(SDPBackend.CUDNN_ATTENTION)))
     for name, fn in impls:
         for _ in range(20):
@@ -222,7 +257,7 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
         torch.cuda.synchronize()
         host = host_us(fn)
         try:
-            gpu = f"{graph_ms(fn, on_torch=fn is not unchecked) * 1e3:7.1f}" if fn is not step else "  (syncs)"
+            gpu = f"{graph_ms(fn, on_torch=fn is not step) * 1e3:7.1f}" if fn is not checked else "  (syncs)"
         except Exception as err:  # noqa: BLE001  (a call that cannot be captured: say so)
             gpu = f"not captured ({type(err).__name__}: {str(err)[:80]})"
         back, _, k = cuda_time_calls_ms(fn, warmup=3, repeat=10, group_ms=20.0)
@@ -232,7 +267,6 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
 elif mode == "splits":
     from flashnumba.tools.timing import cuda_time_calls_ms
 
-    flashnumba.config.check_device_values = False
     nbytes = 2 * kc.nbytes
     kk, vv = (pool_k, pool_v) if page else (kc, vc)
     print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}")
@@ -246,4 +280,4 @@ elif mode == "splits":
         print(f"num_splits {s:3d}: back to back {nbytes / back / 1e9:.2f} TB/s, pair {nbytes / pair / 1e9:.2f} TB/s, "
               f"grid {grids[-1] if grids else '?'}")
 else:
-    raise SystemExit(f"mode must be host, ncu, stages, tiles, latency or splits, got {mode!r}")
+    raise SystemExit(f"mode must be host, ncu, stages, tiles, deep, latency or splits, got {mode!r}")

@@ -240,6 +240,31 @@ def test_split_kv_on_cupy_arrays_appends_in_place():
     np.testing.assert_array_equal(cupy.asnumpy(dvc), truth_vc)
 
 
+def test_device_values_are_read_back_only_when_asked():
+    """On the GPU with CuPy arrays: lengths beyond the cache given as a device array are not read back by default
+    (no synchronisation; the kernels keep them inside the arrays: nothing is written outside the cache), and with
+    config.check_cache_values on they are read and refused before anything is written."""
+    cupy = pytest.importorskip("cupy") if not flashnumba.SIMULATOR else pytest.skip("a GPU test")
+    rng = np.random.default_rng(10)
+    q, k, v, kc, vc, kw = _problem(rng, 2, 1, 1, 2, 2, 64, [3, 5], False, 16, np.float16, 0)
+    capacity = kc.shape[1]
+    dkc, dvc = cupy.asarray(kc), cupy.asarray(vc)
+    dev = dict(cache_seqlens=cupy.asarray(np.array([3, capacity + 4], np.int32)),
+               cache_batch_idx=cupy.asarray(kw["cache_batch_idx"]))
+    out = flash_attn_with_kvcache(cupy.asarray(q), dkc, dvc, cupy.asarray(k), cupy.asarray(v), **dev)
+    assert np.isfinite(cupy.asnumpy(out)).all()
+    want = kc.copy()
+    want[kw["cache_batch_idx"][0], 3] = k[0, 0]  # sequence 0's key; sequence 1's falls outside: not written
+    np.testing.assert_array_equal(cupy.asnumpy(dkc), want)
+    flashnumba.config.check_cache_values = True
+    try:
+        with pytest.raises(ValueError, match="capacity"):
+            flash_attn_with_kvcache(cupy.asarray(q), dkc, dvc, cupy.asarray(k), cupy.asarray(v), **dev)
+    finally:
+        flashnumba.config.check_cache_values = False
+    np.testing.assert_array_equal(cupy.asnumpy(dkc), want)
+
+
 DECODE_COMPILE_SCRIPT = r"""
 import itertools
 import numpy as np
@@ -326,6 +351,47 @@ def test_unchecked_device_values_stay_inside_the_arrays():
     o1, l1 = ref.attention_forward(q[:1], keys, vals)
     np.testing.assert_allclose(out, o1, atol=2e-3)
     np.testing.assert_allclose(lse, l1, atol=1e-3)
+
+
+def test_unchecked_values_write_nothing_outside_the_cache():
+    """The append kernel on values the host did not read (run through the plan directly, as above): a new key whose
+    position falls outside the cache (past its capacity, or negative), on a page outside the pool or in a cache
+    entry outside the cache is not written, and every other array element is left as it was; a key whose rotation
+    position lies past the rotary tables is rotated by their last row; the attention then sees the keys the cache
+    holds (clipped to its capacity)."""
+    from flashnumba import _launch, _validate, planner
+
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((4, 1, 2, 16)).astype(np.float16)
+    kc, vc = (rng.standard_normal((3, 32, 1, 16)).astype(np.float16) for _ in range(2))
+    knew, vnew = (rng.standard_normal((4, 2, 1, 16)).astype(np.float16) for _ in range(2))
+    cos, sin = (x.astype(np.float32) for x in _rotary_tables(20, 8))  # positions 0 .. 19
+    lens = np.array([31, -1, 3, 25], np.int32)  # sequence 0: its second key past the capacity; 1: first negative
+    bidx = np.array([0, 1, 5, 2], np.int32)  # sequence 2: outside the cache; 3: rotated past the tables
+    names = ("q", "k_cache", "v_cache", "seqlens_k", "batch_idx", "k", "v", "rotary_cos", "rotary_sin")
+    t = dict(zip(names, (_validate.inspect(n, x, x.ndim) for n, x in
+                         zip(names, (q, kc, vc, lens, bidx, knew, vnew, cos, sin)))))
+    opts = _validate.check_options(t["q"], t["k_cache"], False, (-1, -1), 0.0, None, 0.0, None)
+    step = planner.DecodeStep(t["k"], t["v"], t["rotary_cos"], t["rotary_sin"], interleaved=True)
+    p = planner.decode_plan(t["q"], t["k_cache"], t["v_cache"], opts, seqlens=t["seqlens_k"],
+                            batch_idx=t["batch_idx"], block_table=None, max_seqlen_k=32, num_splits=2, step=step)
+    kc1, vc1 = kc.copy(), vc.copy()
+    out, lse = (to_numpy(x) for x in _launch.Call(p).run((q, kc1, vc1, lens, bidx, None, None, knew, vnew, cos,
+                                                           sin)))
+    want_k, want_v = kc.copy(), vc.copy()
+    for b, (first, entry) in enumerate(zip(lens, bidx)):
+        for t_new in range(2):
+            pos = first + t_new
+            if 0 <= pos < 32 and 0 <= entry < 3:
+                row = ref.apply_rotary(knew[b, t_new][None].astype(np.float64), cos, sin, np.array([min(pos, 19)]),
+                                       interleaved=True)[0]
+                want_k[entry, pos] = row.astype(np.float16)
+                want_v[entry, pos] = vnew[b, t_new]
+    np.testing.assert_array_equal(vc1, want_v)
+    ulp = eps(np.float16)  # (rotated in float32, the reference in float64: a few units in the last place)
+    np.testing.assert_allclose(kc1.astype(np.float64), want_k.astype(np.float64), rtol=4 * ulp, atol=4 * ulp)
+    assert not out[2].any() and np.isneginf(lse[2]).all()  # entry 5: no keys
+    assert np.isfinite(out).all()
 
 
 # (a minute each in the simulator: per push 3 only, the odd count; the default, 2, runs in every other test here;

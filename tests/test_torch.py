@@ -537,3 +537,56 @@ def test_flash_attn_with_kvcache_on_tensors_appends_in_place():
     np.testing.assert_array_equal(t["vc"].cpu().numpy(), truth_vc)
     with pytest.raises(ValueError, match="cache_leftpad"):
         ft.flash_attn_with_kvcache(t["q"], t["kc"], t["vc"], cache_leftpad=t["lens"])
+
+
+@on_gpu
+def test_flash_attn_with_kvcache_bfloat16_steps_replayed_from_a_cuda_graph():
+    """A decoding step on bfloat16 tensors (new keys appended, rotary, GQA, a paged cache) makes no host round trip:
+    it is captured once in a CUDA graph, and each replay, with new tokens and lengths copied into the captured
+    tensors, gives what the reference gives for that step (out, lse, the cache)."""
+    pytest.importorskip("ml_dtypes")
+    from flashnumba import reference as ref
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b, h, hk, d, page, per, rd = 3, 8, 2, 128, 32, 4, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    q, kn, vn = rand(b, 1, h, d), rand(b, 1, hk, d), rand(b, 1, hk, d)
+    kc, vc = rand(b * per, page, hk, d), rand(b * per, page, hk, d)
+    table = torch.randperm(b * per, device="cuda", generator=gen).reshape(b, per).to(torch.int32)
+    theta = torch.outer(torch.arange(page * per + 1.0), 1.0 / 10000 ** (torch.arange(rd // 2) / (rd // 2)))
+    cos, sin = theta.cos().cuda(), theta.sin().cuda()
+    lens = torch.tensor([5, 0, 100], dtype=torch.int32, device="cuda")
+
+    def step():
+        return ft.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                          block_table=table, causal=True, rotary_interleaved=False,
+                                          return_softmax_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # (compiled and planned before the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for new_lens in ([6, 1, 101], [60, 127, 0]):
+        for x in (q, kn, vn):
+            x.copy_(rand(*x.shape))
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        args = [to_numpy(x) for x in (q, kc, vc, kn, vn)]
+        kw = dict(rotary_cos=to_numpy(cos), rotary_sin=to_numpy(sin), cache_seqlens=np.array(new_lens, np.int32),
+                  block_table=to_numpy(table), causal=True, rotary_interleaved=False)
+        truth_o, truth_l, truth_kc, truth_vc = ref.kvcache_attention(*args, **kw)
+        base_o, base_l, _, _ = ref.kvcache_attention(*args, dtype=args[0].dtype, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_truth("out", to_numpy(out), truth_o, base_o.astype(args[0].dtype), reduction=page * per)
+        assert_close_to_truth("lse", to_numpy(lse), truth_l, base_l.astype(np.float32), reduction=page * per)
+        np.testing.assert_array_equal(to_numpy(vc), truth_vc)
+        ulp = 2.0 ** -7  # (keys rotated in float32, the reference in float64: a unit in the last place apart)
+        np.testing.assert_allclose(to_numpy(kc).astype(np.float64), truth_kc.astype(np.float64), rtol=2 * ulp,
+                                   atol=2 * ulp)

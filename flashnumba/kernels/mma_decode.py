@@ -34,6 +34,9 @@ past seqlens_k are zeros, and nothing past them is read. The rest is the tensor-
 V_j tiles (here :data:`STAGES` buffers by default: one tile in flight while the warps use the other), the
 masks (query row t sees key j iff t + diag - left <= j <= t + diag + right, diag = seqlen_k - seqlen_q) and the
 score modifications (softcap, ALiBi by query head).
+
+A decoding step's new keys and values, and the rotary embedding of them and of the queries, come first, from a
+small kernel of the same plan (:func:`make_append`): a row of elements a block, so that a step is three launches.
 """
 
 from __future__ import annotations
@@ -70,11 +73,12 @@ def shared_bytes(D, warps, KW, stages=STAGES):
 
 @functools.lru_cache(maxsize=None)
 def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=False, softcap=False, alibi=False,
-                   paged=False, split=False, stages=STAGES):
+                   paged=False, split=False, stages=STAGES, indexed=True):
     """The split-KV decoding kernel for head_dim D (a multiple of 8 up to 256), ``warps`` warps of ``KW`` keys each
     per tile (a multiple of 16), ``dtype`` "float16" or "bfloat16", options compiled in as flagged; ``paged``: the
     cache in pages (block_table); ``split``: several splits, written to o_part / lse_part for :func:`make_combine`
-    (else to out / lse); ``stages`` K_j, V_j buffers (2 or more: stages - 1 tiles in flight).
+    (else to out / lse); ``stages`` K_j, V_j buffers (2 or more: stages - 1 tiles in flight); ``indexed``: (not
+    paged) sequence b reads cache entry batch_idx[b], else entry b.
 
     Arguments: (q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens_k, batch_idx, block_table, alibi,
     scale_q, softcap, left, right). q (batch, seqlen_q, nheads, D), out like it, lse (batch, nheads, seqlen_q)
@@ -98,7 +102,7 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
     elem = uint16 if is_bf16 else float16
     SCORE_MOD = softcap or alibi
     score_mod = make_score_mod(softcap, alibi)
-    HAS_LEFT, HAS_RIGHT, PAGED, SPLIT, ALIBI = has_left, has_right, paged, split, alibi
+    HAS_LEFT, HAS_RIGHT, PAGED, SPLIT, ALIBI, INDEXED = has_left, has_right, paged, split, alibi, indexed
     DG, D = D, padded(D)
     LD = D + PAD
     BC = warps * KW  # keys per tile of the block
@@ -194,13 +198,13 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
         hk = cuda.blockIdx.y % HK
         ri0 = cuda.blockIdx.z * ROWS
         # this sequence's keys, clipped to the cache's capacity, and its cache row; values the host did not check
-        # (device arrays, config.check_device_values off) cannot make the kernel read outside the arrays: a
+        # (device arrays, config.check_cache_values off) cannot make the kernel read outside the arrays: a
         # cache_batch_idx outside the cache gives the sequence no keys
         cap = block_table.shape[1] * k_cache.shape[1] if PAGED else k_cache.shape[1]
         seqlen_k = min(max(seqlens_k[b], 0), cap)
         bb = 0
         if not PAGED:
-            bb = batch_idx[b]
+            bb = batch_idx[b] if INDEXED else b
             if bb < 0 or bb >= k_cache.shape[0]:
                 bb = 0
                 seqlen_k = 0
@@ -430,3 +434,103 @@ def make_combine(dtype="float16"):
             lse[b, h, t] = total[0]
 
     return combine
+
+
+APPEND_THREADS = 128  # threads of the append kernel: a row of new keys or queries is nheads x D elements
+
+
+@functools.lru_cache(maxsize=None)
+def make_append(dtype="float16", new=True, rotary=False, interleaved=True, local=False, paged=False, indexed=False,
+                cos_dtype="float32"):
+    """The kernel that runs before the attention of a decoding step: the new keys and values written into the
+    cache at their positions (the keys rotated), the queries rotated, each sequence's key count after the step.
+
+    Block (t, b) takes row t of sequence b, its threads the nheads x D elements of the row. With L = seqlens_k[b]
+    (the keys the cache held before the step): new key t goes to position p = L + t of the cache (row p of cache
+    entry batch_idx[b], b without ``indexed``, or with ``paged`` row p % P of page block_table[b, p // P]), rotated
+    at angle row p; query t is rotated at row L + t (``local``: causal or windowed) or L, into q_rot; and
+    seqlens_out[b] = L + seqlen_new. The rotation (``rotary``; rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2))
+    turns each pair (x1, x2) of the first rotary_dim columns, the columns 2i and 2i + 1 (``interleaved``, GPT-J) or
+    i and i + rotary_dim / 2 (GPT-NeoX), into (x1 c - x2 s, x1 s + x2 c) in float32, rounded once to the dtype, as
+    :func:`flashnumba.reference.rotate_pairs`; the other columns are copied as they are.
+
+    Values the host did not check (device arrays) cannot take the kernel outside the arrays: a position outside
+    the cache, a page outside the pool or a cache entry outside the cache is not written (the attention then
+    clips the sequence to the cache, reads that page as zeros, gives that entry no keys), and a rotation
+    position past the tables takes their last row.
+
+    Arguments: (q, k_new, v_new, rotary_cos, rotary_sin, k_cache, v_cache, q_rot, seqlens_k, seqlens_out,
+    batch_idx, block_table); arrays of the dtype are float16, float32 or uint16 holding bfloat16 bits, the tables
+    of ``cos_dtype``; the integers int32 (dummies where not used). Launch: grid (max(seqlen_new, seqlen_q) or 1,
+    batch), any block size (:data:`APPEND_THREADS`)."""
+    load, store = bf16.load_store(dtype == "bfloat16")
+    cload = bf16.load_store(cos_dtype == "bfloat16")[0]
+    NEW, ROTARY, INTERLEAVED, LOCAL, PAGED, INDEXED = new, rotary, interleaved, local, paged, indexed
+
+    @cuda.jit(device=True, inline=True)
+    def rotated(x, b, t, h, c, pos, rcos, rsin):
+        """Element c of row (b, t, h) of x after the rotation at table row pos (c below rotary_dim)."""
+        half = rcos.shape[1]
+        if INTERLEAVED:
+            i = c >> 1
+            lead = (c & 1) == 0  # x1 of its pair
+            mate = c ^ 1
+        else:
+            lead = c < half
+            i = c if lead else c - half
+            mate = c + half if lead else c - half
+        pos = min(max(pos, 0), rcos.shape[0] - 1)
+        cs = cload(rcos[pos, i])
+        sn = cload(rsin[pos, i])
+        xv = load(x[b, t, h, c])
+        xm = load(x[b, t, h, mate])
+        if lead:
+            return xv * cs - xm * sn
+        return xm * sn + xv * cs
+
+    @cuda.jit
+    def append(q, k_new, v_new, rotary_cos, rotary_sin, k_cache, v_cache, q_rot, seqlens_k, seqlens_out, batch_idx,
+               block_table):
+        t = cuda.blockIdx.x
+        b = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        NT = cuda.blockDim.x
+        D = q.shape[3]
+        RD = 2 * rotary_cos.shape[1] if ROTARY else 0
+        L = seqlens_k[b]
+        SN = k_new.shape[1] if NEW else 0
+        if t == 0 and tid == 0:
+            seqlens_out[b] = L + SN
+        if NEW and t < SN:
+            p = L + t
+            P = k_cache.shape[1]
+            ok = p >= 0 and p < (block_table.shape[1] * P if PAGED else P)
+            entry = b
+            row = p
+            if PAGED:
+                entry = block_table[b, p // P] if ok else 0
+                row = p - (p // P) * P
+            elif INDEXED:
+                entry = batch_idx[b]
+            if ok and entry >= 0 and entry < k_cache.shape[0]:
+                HK = k_new.shape[2]
+                for e in range(tid, HK * D, NT):
+                    h = e // D
+                    c = e - h * D
+                    if ROTARY and c < RD:
+                        k_cache[entry, row, h, c] = store(rotated(k_new, b, t, h, c, p, rotary_cos, rotary_sin))
+                    else:
+                        k_cache[entry, row, h, c] = k_new[b, t, h, c]
+                    v_cache[entry, row, h, c] = v_new[b, t, h, c]
+        if ROTARY and t < q.shape[1]:
+            pos = L + t if LOCAL else L
+            H = q.shape[2]
+            for e in range(tid, H * D, NT):
+                h = e // D
+                c = e - h * D
+                if c < RD:
+                    q_rot[b, t, h, c] = store(rotated(q, b, t, h, c, pos, rotary_cos, rotary_sin))
+                else:
+                    q_rot[b, t, h, c] = q[b, t, h, c]
+
+    return append

@@ -11,8 +11,9 @@ call per pair of events, beside torch's scaled_dot_product_attention with its fl
 backends on the same keys (``enable_gqa``; a backend that refuses it is recorded as such). The figure is the bytes
 of K and V the attention must read (each sequence's keys once) divided by the time, and its fraction of the
 device-to-device copy bandwidth measured in the same run (a copy reads and writes: its rate counts both).
-flashnumba is timed as called by default (device cache_seqlens read back and checked at each call) and with
-``flashnumba.config.check_device_values`` off (no host round trip, as flash-attn's call).
+flashnumba is timed as called by default (device cache_seqlens not read back: no host round trip, as flash-attn's
+call) and with ``flashnumba.config.check_cache_values`` on (read back and checked at each call); at batch 32 also
+a decoding step with one new key and value appended (rotated, with the query, by rotary tables).
 """
 
 from __future__ import annotations
@@ -92,14 +93,14 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
              copy_fraction=kv_bytes / (back * 1e-3) / copy_bps, **extra)
 
     def both(workload, fn, kv_bytes, **extra):
-        """The default call, then again with config.check_device_values off (no host round trip for the
-        lengths and pages)."""
+        """The default call, then again with config.check_cache_values on (the lengths and pages read back and
+        checked at each call)."""
         measure(workload, "flashnumba (num_splits=0)", fn, kv_bytes, num_splits=0, **extra)
-        flashnumba.config.check_device_values = False
+        flashnumba.config.check_cache_values = True
         try:
-            measure(workload, "flashnumba (unchecked device values)", fn, kv_bytes, num_splits=0, **extra)
+            measure(workload, "flashnumba (device values checked)", fn, kv_bytes, num_splits=0, **extra)
         finally:
-            flashnumba.config.check_device_values = True
+            flashnumba.config.check_cache_values = False
 
     def cache(batch, n):
         return [cupy.asarray(rng.standard_normal((batch, n, NHEADS_K, HEAD_DIM), np.float32).astype(np.float16))
@@ -123,6 +124,15 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
                 else:
                     emit(workload=name, impl=peer, error=fn)
             if batch == 32:
+                # a whole decoding step: the new token's key and value written at position n - 1 (the same each
+                # call), rotated with the query (rotary_dim = head_dim), then the attention over the n keys
+                knew, vnew = (cupy.asarray(rng.standard_normal((batch, 1, NHEADS_K, HEAD_DIM), np.float32)
+                                           .astype(np.float16)) for _ in range(2))
+                angle = np.arange(n)[:, None] * (10000.0 ** (-np.arange(HEAD_DIM // 2) / (HEAD_DIM // 2)))[None]
+                cos, sin = (cupy.asarray(f(angle).astype(np.float16)) for f in (np.cos, np.sin))
+                before = cupy.full(batch, n - 1, np.int32)
+                measure(name, "flashnumba (append + rotary)", lambda: flashnumba.flash_attn_with_kvcache(
+                    q, kc, vc, knew, vnew, rotary_cos=cos, rotary_sin=sin, cache_seqlens=before), kv, num_splits=0)
                 for page in pages:
                     per = n // page
                     order = cupy.asarray(rng.permutation(batch * per).astype(np.int32))
