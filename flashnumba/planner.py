@@ -449,7 +449,9 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
 # decoding against a KV cache (split-KV)
 # ---------------------------------------------------------------------------------------------------------------
 
-DECODE_WARPS = 4  # warps of a decoding block, each KW keys of every tile
+# warps of a decoding block the plan weighs, each KW keys of every tile (:func:`decode_warps`): 4 (tiles of 64 keys)
+# where the work fills the SMs with blocks, 8 (tiles of 128 keys, one block an SM) where the sequences are few
+DECODE_WARPS = (4, 8)
 DECODE_KW = 16  # keys a warp takes of each tile: tiles of 64 keys, two K, V buffers of 70 KB at head_dim 128
 MAX_SPLITS = mma_decode.MAX_SPLITS
 # registers a thread of the decoding kernel is taken to hold when the plan counts blocks an SM: the most it may use
@@ -565,6 +567,42 @@ def append_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, step: Deco
                 tuple(inputs + extra), tuple(outs), tq.kind)
 
 
+def decode_warps(D, blocks, max_seqlen_k, limits, num_splits=0, stages=None, page=0) -> tuple:
+    """(warps, shared bytes, blocks an SM, splits) of the decoding kernel: of :data:`DECODE_WARPS` (fewer where
+    a GPU's shared memory holds none of them), the one whose call streams the fewest keys an SM, taken as the
+    waves of blocks times the tiles a block reads (plus :data:`DECODE_FIXED_TILES`) times the keys an SM's blocks
+    read a tile; on a tie the larger tile (fewer blocks, fewer splits to combine). So at batch 1 (eight key/value
+    heads) 8 warps in 16 splits and 4 warps in 32 stream alike and 8 are taken; at batch 32 one wave of 4-warp
+    blocks beats two of 8-warp ones. A paged cache (``page`` keys a page) takes only tiles that its pages hold
+    whole where there are such (one block-table read a tile instead of one a row)."""
+    S = stages or mma_decode.STAGES
+    options = [w for w in DECODE_WARPS if mma_decode.shared_bytes(D, w, DECODE_KW, S) <= limits.max_shared_per_block]
+    w = min(DECODE_WARPS)
+    while not options and w > 1:  # (large head dims on GPUs of 99 or 64 KB a block)
+        w //= 2
+        if mma_decode.shared_bytes(D, w, DECODE_KW, S) <= limits.max_shared_per_block:
+            options.append(w)
+    if not options:
+        raise ValueError(f"the split-KV kernel at head_dim {D} needs {mma_decode.shared_bytes(D, 1, DECODE_KW, S)} "
+                         f"bytes of shared memory, more than this GPU's {limits.max_shared_per_block}; pass "
+                         f"kernel='gather'")
+    whole = [w for w in options if page % (w * DECODE_KW) == 0]
+    if page and whole:
+        options = whole
+    best = None
+    for W in options:
+        smem = mma_decode.shared_bytes(D, W, DECODE_KW, S)
+        per_sm = max(1, min(limits.blocks_per_sm, limits.shared_per_sm // smem, limits.threads_per_sm // (32 * W),
+                            limits.registers_per_sm // (DECODE_REGISTERS * 32 * W)))
+        n_tiles = _cdiv(max_seqlen_k, W * DECODE_KW)
+        splits = min(num_splits, MAX_SPLITS) or decode_splits(blocks, n_tiles, limits, per_sm)
+        waves = _cdiv(blocks * splits, max(1, (limits.sm_count or 108) * per_sm))
+        keys = waves * (_cdiv(n_tiles, splits) + DECODE_FIXED_TILES) * W * per_sm
+        if best is None or (keys, -W) < best[0]:
+            best = ((keys, -W), (W, smem, per_sm, splits))
+    return best[1]
+
+
 def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen_k, num_splits=0, return_lse=True,
                 stages=None, device=None, step: DecodeStep | None = None) -> Plan:
     """The plan of a decoding call (:func:`flashnumba.flash_attn_with_kvcache` on the split-KV kernel): tq (batch,
@@ -582,19 +620,10 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     paged = block_table is not None
     indexed = batch_idx is not None
     dt = tq.dtype
-    W, KW, S = DECODE_WARPS, DECODE_KW, stages or mma_decode.STAGES
-    smem = mma_decode.shared_bytes(D, W, KW, S)
-    while smem > limits.max_shared_per_block and W > 1:  # (large head dims on GPUs of 99 or 64 KB a block)
-        W //= 2
-        smem = mma_decode.shared_bytes(D, W, KW, S)
-    if smem > limits.max_shared_per_block:
-        raise ValueError(f"the split-KV kernel at head_dim {D} needs {smem} bytes of shared memory, more than this "
-                         f"GPU's {limits.max_shared_per_block}; pass kernel='gather'")
-    per_sm = max(1, min(limits.blocks_per_sm, limits.shared_per_sm // smem, limits.threads_per_sm // (32 * W),
-                        limits.registers_per_sm // (DECODE_REGISTERS * 32 * W)))
+    KW, S = DECODE_KW, stages or mma_decode.STAGES
     zrows = _cdiv(seqlen_q * (nheads // nheads_k), mma_decode.ROWS)
-    n_tiles = _cdiv(max_seqlen_k, W * KW)
-    splits = min(num_splits, MAX_SPLITS) or decode_splits(batch * nheads_k * zrows, n_tiles, limits, per_sm)
+    W, smem, per_sm, splits = decode_warps(D, batch * nheads_k * zrows, max_seqlen_k, limits, num_splits, S,
+                                           tk.shape[1] if paged else 0)
     split = splits > 1
     rotary = step.rotary_cos is not None
     # the kernel's cp.async copies read q as C-contiguous rows from a 16-byte start (a rotated q is the call's own)
