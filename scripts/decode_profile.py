@@ -9,6 +9,7 @@
     python scripts/decode_profile.py splits [batch] [seqlen_k] [page]  # num_splits 0 (the plan's) and others, timed
     python scripts/decode_profile.py tiles [batch] [seqlen_k] [page]  # keys a warp, buffers and splits: GPU time
     python scripts/decode_profile.py deep [batch] [seqlen_k] [page]  # fewer blocks, more buffers, with torch's
+                                                 # (DEEP_QUICK=1: 4 and 8 warps, the plan's split counts)
 
 Workload as in ``python -m flashnumba bench --decode``: float16, head_dim 128, 32 query heads on 8 key/value
 heads, one query token per sequence, every sequence holding seqlen_k keys (defaults: batch 32, seqlen_k 8192);
@@ -16,6 +17,7 @@ with ``page``, flashnumba reads the same keys from a paged cache of that page si
 """
 
 import cProfile
+import os
 import pstats
 import sys
 
@@ -196,8 +198,11 @@ elif mode == "deep":  # fewer, longer blocks with more K, V buffers (warps, keys
         peer()
         us = graph_ms(peer, on_torch=True) * 1e3
         print(f"{name:12s} {us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s", flush=True)
-    for warps, kw, stages, splits in ((4, 16, 2, (0, 24, 48)), (4, 16, 4, (16, 24, 32)), (4, 16, 6, (16, 32)),
-                                      (8, 16, 2, (0, 16, 24)), (8, 16, 3, (16, 24)), (4, 32, 3, (16, 24))):
+    configs = ((4, 16, 2, (0, 24, 48)), (4, 16, 4, (16, 24, 32)), (4, 16, 6, (16, 32)), (8, 16, 2, (0, 16, 24)),
+               (8, 16, 3, (16, 24)), (4, 32, 3, (16, 24)))
+    if os.environ.get("DEEP_QUICK"):  # the two the plan chooses between, each with the plan's split count
+        configs = ((4, 16, 2, (0,)), (8, 16, 2, (0,)))
+    for warps, kw, stages, splits in configs:
         planner.DECODE_WARPS, planner.DECODE_KW = warps, kw
         for s in splits:
             try:
