@@ -203,7 +203,7 @@ elif mode == "deep":  # fewer, longer blocks with more K, V buffers (warps, keys
     if os.environ.get("DEEP_QUICK"):  # the two the plan chooses between, each with the plan's split count
         configs = ((4, 16, 2, (0,)), (8, 16, 2, (0,)))
     for warps, kw, stages, splits in configs:
-        planner.DECODE_WARPS, planner.DECODE_KW = warps, kw
+        planner.DECODE_WARPS, planner.DECODE_KW = (warps,), kw
         for s in splits:
             try:
                 p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5],
