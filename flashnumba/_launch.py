@@ -157,7 +157,8 @@ def assemble(ptx: str, cc) -> tuple[bytes, str]:
     from cuda.bindings import nvjitlink
 
     data = ptx.encode()
-    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"])
+    arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"  # (9, 0, "a"): sm_90a, Hopper's own instructions
+    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
     try:
         nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
         try:
@@ -165,7 +166,7 @@ def assemble(ptx: str, cc) -> tuple[bytes, str]:
         except Exception as err:  # noqa: BLE001  (nvJitLinkError: show the assembler's own words)
             log = bytearray(nvjitlink.get_error_log_size(handle))
             nvjitlink.get_error_log(handle, log)
-            raise RuntimeError(f"nvJitLink could not assemble the kernel for sm_{cc[0]}{cc[1]}: "
+            raise RuntimeError(f"nvJitLink could not assemble the kernel for {arch}: "
                                f"{log.decode(errors='replace')}") from err
         log = bytearray(nvjitlink.get_info_log_size(handle))
         nvjitlink.get_info_log(handle, log)

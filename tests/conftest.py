@@ -224,6 +224,22 @@ def assert_reference_gradient_matches_finite_differences(q, k, v, dout, **opts):
         np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
 
 
+def compile_offline(script, *args):
+    """Run ``script`` (Python that compiles kernels and prints one JSON line last) with the real numba.cuda and no
+    GPU needed; its JSON. Skips where NVVM is not installed."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0")
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def pytest_runtest_logreport(report):
     """With FLASHNUMBA_FAILURE_LOG set, append each failure to that file as it happens (pytest prints its summary
     only at the end, which a run stopped at a time limit never reaches; each xdist worker appends too)."""

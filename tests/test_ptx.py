@@ -8,8 +8,6 @@ compiles these kernels for sm_90 without a GPU and checks that the PTX holds the
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -478,15 +476,9 @@ print(json.dumps(out))
 
 def test_kernels_compile_for_sm90():
     pytest.importorskip("cuda.bindings.nvjitlink")
-    import json
+    from conftest import compile_offline
 
-    env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE, os.path.dirname(__file__)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    kernels = compile_offline(COMPILE, os.path.dirname(__file__))
     expected = {
         "mma_f16_kernel": ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"],
         "mma_bf16_kernel": ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"],

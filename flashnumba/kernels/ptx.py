@@ -125,43 +125,50 @@ _WARP = 32
 _BARRIER_TIMEOUT_S = 300.0  # the simulator is slow; a lane that never arrives fails the kernel after this
 
 
-class _WarpRendezvous:
-    """Where the 32 simulated lanes of one warp exchange their registers for a warp-collective instruction."""
+class _Rendezvous:
+    """Where the simulated threads of one warp (32) or warpgroup (128) exchange their registers for a collective
+    instruction."""
 
-    def __init__(self):
-        self.barrier = threading.Barrier(_WARP, timeout=_BARRIER_TIMEOUT_S)
-        self.slots = [None] * _WARP
+    def __init__(self, size):
+        self.barrier = threading.Barrier(size, timeout=_BARRIER_TIMEOUT_S)
+        self.slots = [None] * size
 
     def exchange(self, lane, value):
-        """Put this lane's value in, return all 32 lanes' values once every lane has put its own."""
+        """Put this thread's value in, return all the threads' values once every one has put its own."""
         self.slots[lane] = value
-        self.barrier.wait()  # every lane has written its slot
+        self.barrier.wait()  # every thread has written its slot
         values = list(self.slots)
-        self.barrier.wait()  # every lane has read the slots: they may be reused
+        self.barrier.wait()  # every thread has read the slots: they may be reused
         return values
 
 
 _rendezvous_lock = threading.Lock()
 
 
-def _warp_exchange(value):
-    """(lane, values of all 32 lanes) for the calling simulated CUDA thread."""
+def _group_exchange(value, size, what):
+    """(rank in the group, values of all ``size`` threads of the group) for the calling simulated CUDA thread,
+    the groups being threads size * i .. size * i + size - 1 of its block (a warp, a warpgroup)."""
     thread = threading.current_thread()
     manager = thread._manager  # the simulator's BlockManager: one per launch, runs the blocks one by one
     tid = thread.thread_id  # threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
     nthreads = int(np.prod(manager._block_dim))
-    warp = tid // _WARP
-    if (warp + 1) * _WARP > nthreads:
-        raise RuntimeError(f"a warp-collective instruction needs all 32 lanes; warp {warp} of a block of "
-                           f"{nthreads} threads is partial")
+    group = tid // size
+    if (group + 1) * size > nthreads:
+        raise RuntimeError(f"a {what}-collective instruction needs all {size} threads; {what} {group} of a block "
+                           f"of {nthreads} threads is partial")
     with _rendezvous_lock:
-        warps = manager.__dict__.setdefault("_flashnumba_warps", {})
-        key = (tuple(thread.blockIdx), warp)
-        if key not in warps:
-            warps[key] = _WarpRendezvous()
-        rendezvous = warps[key]
-    lane = tid % _WARP
-    return lane, rendezvous.exchange(lane, value)
+        groups = manager.__dict__.setdefault("_flashnumba_groups", {})
+        key = (tuple(thread.blockIdx), size, group)
+        if key not in groups:
+            groups[key] = _Rendezvous(size)
+        rendezvous = groups[key]
+    rank = tid % size
+    return rank, rendezvous.exchange(rank, value)
+
+
+def _warp_exchange(value):
+    """(lane, values of all 32 lanes) for the calling simulated CUDA thread."""
+    return _group_exchange(value, _WARP, "warp")
 
 
 def _host_array(ary):
@@ -409,15 +416,16 @@ def _sim_pack_bf16x2(lo, hi):
 # The GPU: one inline PTX instruction per intrinsic
 # ---------------------------------------------------------------------------------------------------------------
 
-def _gpu_intrinsics():
-    """Build the intrinsics (only with the real numba.cuda: the simulator has no code generator)."""
+def _codegen():
+    """The pieces every inline-PTX intrinsic is built from (only with the real numba.cuda): ``asm`` (one inline
+    PTX statement), ``address`` (the generic address of ary.flat[idx]), ``shared_address`` (its 32-bit shared
+    window address), ``check_address`` (typing: a C-contiguous array and an integer index) and ``statement`` (an
+    intrinsic of one operand-less PTX statement)."""
     from llvmlite import ir
     from numba import types
-    from numba.core import cgutils
     from numba.core.errors import TypingError
-    from numba.cuda.extending import intrinsic
 
-    i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+    i32, i64 = ir.IntType(32), ir.IntType(64)
 
     def asm(builder, ret, args, text, constraints, side_effect):
         fnty = ir.FunctionType(ret, [a.type for a in args])
@@ -444,6 +452,34 @@ def _gpu_intrinsics():
             raise TypingError(f"{what}: expected (array, integer element index), got ({aryty}, {idxty})")
         if aryty.layout != "C":  # the address is data + index: only right for a C-contiguous array
             raise TypingError(f"{what}: the array must be C-contiguous (layout 'C'), got layout {aryty.layout!r}")
+
+    def statement(name, text):
+        """An intrinsic of no operand: the one PTX statement ``text``, ordered with memory accesses."""
+        from numba.cuda.extending import intrinsic
+
+        def stmt(typingctx):
+            def codegen(context, builder, sig, args):
+                asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+                return context.get_dummy_value()
+
+            return types.none(), codegen
+
+        stmt.__name__ = name
+        return intrinsic(stmt)
+
+    return asm, address, shared_address, check_address, statement
+
+
+def _gpu_intrinsics():
+    """Build the intrinsics (only with the real numba.cuda: the simulator has no code generator)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.core.errors import TypingError
+    from numba.cuda.extending import intrinsic
+
+    i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+    asm, address, shared_address, check_address, statement = _codegen()
 
     # cp.async of 16 bytes: $0 the 32-bit shared address, $1 the generic address of the source
     CP_ASYNC = ("{ .reg .u64 src_addr; cvta.to.global.u64 src_addr, $1; "
@@ -523,17 +559,6 @@ def _gpu_intrinsics():
             return context.get_dummy_value()
 
         return sig, codegen
-
-    def statement(name, text):
-        def stmt(typingctx):
-            def codegen(context, builder, sig, args):
-                asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
-                return context.get_dummy_value()
-
-            return types.none(), codegen
-
-        stmt.__name__ = name
-        return intrinsic(stmt)
 
     @intrinsic
     def cp_async_wait(typingctx, n):

@@ -1,0 +1,194 @@
+"""flashnumba.kernels.ptx_hopper: the warpgroup matrix multiply against NumPy and against the layouts its docstring
+draws (the descriptor's fields, the core matrices of a K-major operand, the accumulator's fragment).
+
+The same kernels run in the simulator (where they check the stand-ins) and on a GPU of compute capability 9.0
+(where they check the real instructions, compiled for sm_90a); elsewhere the GPU tests skip.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from numba import float32, uint16
+from numba.cuda.types import float16
+
+from flashnumba._backend import SIMULATOR, cuda
+from flashnumba.kernels import ptx_hopper as hop
+
+LBO, SBO = 128, 256  # bytes: the second 8 columns of K; the next 8 rows (a densely packed K-major tile of K = 16)
+
+
+def needs_hopper():
+    if not SIMULATOR and cuda.get_current_device().compute_capability < (9, 0):
+        pytest.skip("wgmma needs compute capability 9.0 (Hopper)")
+
+
+def test_descriptor_fields():
+    """Bits 0-13 the address, 16-29 the leading and 32-45 the stride byte offset, each in 16-byte units; no
+    swizzle in bits 62-63."""
+    d = hop.desc_bits(0x1230, LBO, SBO)
+    assert d & 0x3FFF == 0x123 and (d >> 16) & 0x3FFF == LBO // 16 and (d >> 32) & 0x3FFF == SBO // 16
+    assert d >> 62 == 0 and hop._decode(d) == (0x1230, LBO, SBO, 0)
+    assert hop._decode(hop.desc_bits(0x3FFF0, 16, 2048)) == (0x3FFF0, 16, 2048, 0)
+
+
+def core_index(r, k):
+    """Element (r, k) of a K-major tile laid out in core matrices (LBO, SBO above), as an element index."""
+    return ((r // 8) * SBO + (k // 8) * LBO + (r % 8) * 16 + (k % 8) * 2) // 2
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_kernel(kind, N):
+    """One warpgroup: A (64 x 16) and B (N x 16) into shared memory in core matrices, D = A B^T issued, then
+    D += A B^T chained on the same accumulator, one commit, one wait; D written from the fragments."""
+    mma, fence, wait = hop.wgmma_ops(kind, N)
+    NA, NB, NR = 64 * 16, N * 16, N // 2
+    NS = NA + NB  # (a shared array's size must be one constant)
+    elem = float16 if kind == "f16" else uint16
+
+    @cuda.jit
+    def kernel(a, b, d):
+        smem = cuda.shared.array(NS, elem)
+        tid = cuda.threadIdx.x
+        for e in range(tid, NA, 128):
+            r = e // 16
+            k = e - 16 * r
+            smem[((r // 8) * SBO + (k // 8) * LBO + (r % 8) * 16 + (k % 8) * 2) // 2] = a[r, k]
+        for e in range(tid, NB, 128):
+            r = e // 16
+            k = e - 16 * r
+            smem[NA + ((r // 8) * SBO + (k // 8) * LBO + (r % 8) * 16 + (k % 8) * 2) // 2] = b[r, k]
+        hop.fence_proxy_async()
+        cuda.syncthreads()
+        acc = cuda.local.array(NR, float32)
+        for i in range(NR):
+            acc[i] = 0.0
+        da = hop.make_desc(hop.smem_address(smem, 0), LBO, SBO)
+        db = hop.make_desc(hop.smem_address(smem, NA), LBO, SBO)
+        fence(acc)
+        mma(acc, da, db, 0)
+        mma(acc, da, db, 1)
+        hop.wgmma_commit()
+        wait(0, acc)
+        w = tid // 32
+        g = (tid % 32) >> 2
+        t = tid & 3
+        for j in range(N // 8):
+            d[16 * w + g, 8 * j + 2 * t] = acc[4 * j]
+            d[16 * w + g, 8 * j + 2 * t + 1] = acc[4 * j + 1]
+            d[16 * w + g + 8, 8 * j + 2 * t] = acc[4 * j + 2]
+            d[16 * w + g + 8, 8 * j + 2 * t + 1] = acc[4 * j + 3]
+
+    return kernel
+
+
+def _bits(x, kind):
+    """(what the kernel reads, the values as float64): float16, or bfloat16 as uint16 bits (x exact in it)."""
+    if kind == "f16":
+        h = x.astype(np.float16)
+        return h, h.astype(np.float64)
+    f = x.astype(np.float32)
+    bits = (f.view(np.uint32) >> 16).astype(np.uint16)
+    return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def run_wgmma(kind, N, A, B):
+    needs_hopper()
+    a, a64 = _bits(A, kind)
+    b, b64 = _bits(B, kind)
+    d = cuda.to_device(np.full((64, N), np.nan, np.float32))
+    wgmma_kernel(kind, N)[1, 128](cuda.to_device(a), cuda.to_device(b), d)
+    return d.copy_to_host(), 2 * (a64 @ b64.T)
+
+
+@pytest.mark.parametrize("kind,N", [("f16", 8), ("f16", 64), ("bf16", 64), ("f16", 256)])
+def test_wgmma_integer_inputs_exact(kind, N):
+    """Small integers: every product and sum is exact, so D must equal 2 A B^T bit for bit, which checks the
+    operands' core-matrix layout, the descriptor and the accumulator fragment all at once."""
+    rng = np.random.default_rng(N)
+    D, truth = run_wgmma(kind, N, rng.integers(-4, 5, (64, 16)), rng.integers(-4, 5, (N, 16)))
+    np.testing.assert_array_equal(D, truth)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_wgmma_random_inputs(kind):
+    rng = np.random.default_rng(3)
+    A, B = rng.standard_normal((64, 16)), rng.standard_normal((128, 16))
+    D, truth = run_wgmma(kind, 128, A, B)
+    a64, b64 = _bits(A, kind)[1], _bits(B, kind)[1]
+    # float32 accumulation of 2 x 16 products: a few float32 ulps of the sum of magnitudes
+    tol = 33 * np.finfo(np.float32).eps * 2 * (np.abs(a64) @ np.abs(b64).T)
+    assert (np.abs(D - truth) <= tol).all(), np.abs(D - truth).max()
+
+
+def test_the_operand_layout_is_the_documented_one():
+    """The stand-in reads element (r, k) of an operand where core_index puts it (the layout the kernels write)."""
+    assert [core_index(r, k) for r, k in ((0, 0), (0, 7), (0, 8), (1, 0), (7, 15), (8, 0), (9, 9))] == [
+        0, 7, 64, 8, 56 + 64 + 7, 128, 128 + 8 + 64 + 1]
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the stand-in's own behaviour")
+def test_the_accumulator_reads_nan_until_the_wait():
+    """In the simulator a thread that reads its accumulator between the wgmma and the wait reads NaN (on the GPU
+    the registers are being written asynchronously: what it reads is undefined)."""
+    mma, fence, wait = hop.wgmma_ops("f16", 8)
+
+    @cuda.jit
+    def early(a, out):
+        smem = cuda.shared.array(64 * 16 + 8 * 16, float16)
+        tid = cuda.threadIdx.x
+        for e in range(tid, 64 * 16 + 8 * 16, 128):
+            smem[e] = 1.0
+        cuda.syncthreads()
+        acc = cuda.local.array(4, float32)
+        for i in range(4):
+            acc[i] = 0.0
+        da = hop.make_desc(hop.smem_address(smem, 0), LBO, SBO)
+        db = hop.make_desc(hop.smem_address(smem, 64 * 16), LBO, SBO)
+        fence(acc)
+        mma(acc, da, db, 0)
+        out[tid, 0] = acc[0]
+        hop.wgmma_commit()
+        wait(0, acc)
+        out[tid, 1] = acc[0]
+
+    out = np.zeros((128, 2), np.float32)
+    early[1, 128](np.zeros(1, np.float32), out)
+    assert np.isnan(out[:, 0]).all() and (out[:, 1] == 16).all()
+
+
+COMPILE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_ptx_hopper as t
+from flashnumba import _launch
+out = {}
+for kind, N in (("f16", 64), ("bf16", 256)):
+    el = "float16" if kind == "f16" else "uint16"
+    ptx = _launch.compile_ptx(t.wgmma_kernel(kind, N).py_func, f"void({el}[:, ::1], {el}[:, ::1], float32[:, ::1])",
+                              (9, 0, "a"))
+    out[f"{kind}-{N}"] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
+print(json.dumps(out))
+"""
+
+
+def test_wgmma_compiles_for_sm90a():
+    """The kernels above compile for the architecture-specific target without a GPU (the simulator runs them as
+    Python, where a construct NVVM or ptxas refuses would pass unnoticed): the PTX holds the instructions, and the
+    assembler keeps the accumulators in registers (no local memory, no spills) and does not serialise the wgmma."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    import os
+
+    from conftest import compile_offline
+
+    for name, r in compile_offline(COMPILE, os.path.dirname(__file__)).items():
+        kind, N = name.split("-")
+        assert ".target sm_90a" in r["ptx"]
+        for needle in (f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{kind}.{kind}", "wgmma.fence.sync.aligned",
+                       "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned 0",
+                       "fence.proxy.async.shared::cta"):
+            assert needle in r["ptx"], f"{name}: no {needle!r} in its PTX"
+        assert "0 bytes spill stores" in r["log"] and "0 bytes lmem" in r["log"], r["log"][-800:]
+        assert "serialized" not in r["log"], r["log"][-800:]
