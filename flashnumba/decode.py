@@ -45,10 +45,13 @@ def _ints(name, x, shape, read):
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         host = np.full(shape, int(x), np.int64)
         return host.astype(np.int32), host
-    kind = _arrays.kind(x) if hasattr(x, "__cuda_array_interface__") or hasattr(x, "data_ptr") or isinstance(
-        x, np.ndarray) else None
+    try:
+        kind = _arrays.kind(x)  # (isinstance checks first: no CuPy array interface built at every call)
+    except TypeError:  # (a list, say)
+        kind = None
     a = x if kind is not None else np.asarray(x)
-    dtype = _arrays.shape_strides_dtype(a)[2]
+    # (a torch tensor's dtype as NumPy's; CuPy's and NumPy's as they are: no array interface built at every call)
+    dtype = _arrays.shape_strides_dtype(a)[2] if kind == "torch" else np.dtype(a.dtype)
     if dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers (int32), got dtype {dtype}")
     if tuple(a.shape) != shape:
