@@ -63,7 +63,8 @@ def _ints(name, x, shape, read):
         torch = sys.modules["torch"]
         dev = a if (a.dtype == torch.int32 and a.is_contiguous()) else a.to(torch.int32).contiguous()
     elif kind == "cupy":
-        dev = a if (a.dtype == np.int32 and a.flags.c_contiguous) else _arrays.cupy.ascontiguousarray(a.astype(np.int32))
+        cp = _arrays.cupy
+        dev = a if (a.dtype == np.int32 and a.flags.c_contiguous) else cp.ascontiguousarray(a.astype(np.int32))
     else:
         raise TypeError(f"{name} must be a NumPy array, a CuPy array or a torch tensor, got {type(x).__name__}")
     return dev, (_arrays.to_host(a).astype(np.int64) if read else None)
@@ -248,7 +249,8 @@ class _Static:
         tnew = (None, None)
         if k is not None:
             tnew = tuple(inspect(n, x, 4) if len(x.shape) == 4 else None for n, x in (("k", k), ("v", v)))
-            if None in tnew or tnew[0].shape != (batch, tnew[0].shape[1], nheads_k, d) or tnew[1].shape != tnew[0].shape:
+            if None in tnew or tnew[0].shape != (batch, tnew[0].shape[1], nheads_k, d) or (
+                    tnew[1].shape != tnew[0].shape):
                 raise ValueError(f"k and v must have shape (batch, seqlen_new, nheads_k, head_dim) = ({batch}, n, "
                                  f"{nheads_k}, {d}), got {tuple(k.shape)}, {tuple(v.shape)}")
             if tnew[0].dtype != tq.dtype or tnew[1].dtype != tq.dtype:

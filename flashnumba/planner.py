@@ -508,7 +508,8 @@ def _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, *, c
     written = step.k_new is not None
     for t in (tq, tk, tv):
         copy = copy_q and t is tq and t.kind != "numpy"
-        inputs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, written=written and t is not tq))
+        inputs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy,
+                                written=written and t is not tq))
         arrays[t.name] = _kernel_meta(t, False, copy)
     for name, t, shape in (("seqlens_k", seqlens, (batch,)), ("batch_idx", batch_idx, (1,)),
                            ("block_table", block_table, (1, 1))):
@@ -612,7 +613,8 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     the device, unread), ``step`` what runs first (new keys, rotations; :class:`DecodeStep`). ``num_splits`` above
     :data:`MAX_SPLITS` counts as MAX_SPLITS (as in flash-attn). The call takes the arrays in the order of
     :func:`_decode_inputs` and returns out, and lse with ``return_lse`` (else the kernels write it to the call's
-    scratch). ``stages``: the kernel's K, V buffers (None: its default, :data:`flashnumba.kernels.mma_decode.STAGES`)."""
+    scratch). ``stages``: the kernel's K, V buffers (None: its default,
+    :data:`flashnumba.kernels.mma_decode.STAGES`)."""
     limits = resolve_device(device, (tq, tk, tv))
     step = step or DecodeStep()
     batch, seqlen_q, nheads, D = tq.shape

@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 import pytest
-from numba import float32, uint16
+from numba import float32, uint16, uint64
 from numba.cuda.types import float16
 
 from flashnumba._backend import SIMULATOR, cuda
@@ -159,12 +159,27 @@ def test_the_accumulator_reads_nan_until_the_wait():
     assert np.isnan(out[:, 0]).all() and (out[:, 1] == 16).all()
 
 
+@cuda.jit
+def setmaxnreg_kernel(out):
+    """(Compiled only.) Warpgroup 0 gives registers back, warpgroup 1 takes more: a producer and a consumer."""
+    if cuda.threadIdx.x < 128:
+        hop.setmaxnreg_dec(40)
+    else:
+        hop.setmaxnreg_inc(232)
+    out[cuda.threadIdx.x] = 1.0
+
+
 COMPILE = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import test_ptx_hopper as t
 from flashnumba import _launch
+from numba import cuda
 out = {}
+for name, sig in (("bulk_copy_kernel", "void(float32[:, ::1], float32[:, ::1])"), ("elect_kernel", "void(uint32[::1])"),
+                  ("setmaxnreg_kernel", "void(float32[::1])")):
+    ptx = _launch.compile_ptx(getattr(t, name).py_func, sig, (9, 0, "a"))
+    out[name] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
 for kind, N in (("f16", 64), ("bf16", 256)):
     el = "float16" if kind == "f16" else "uint16"
     ptx = _launch.compile_ptx(t.wgmma_kernel(kind, N).py_func, f"void({el}[:, ::1], {el}[:, ::1], float32[:, ::1])",
@@ -183,7 +198,18 @@ def test_wgmma_compiles_for_sm90a():
 
     from conftest import compile_offline
 
-    for name, r in compile_offline(COMPILE, os.path.dirname(__file__)).items():
+    compiled = compile_offline(COMPILE, os.path.dirname(__file__))
+    for name, needles in (("bulk_copy_kernel", ["mbarrier.init.shared::cta.b64", "mbarrier.arrive.expect_tx",
+                                                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                                                "mbarrier.try_wait.parity.shared::cta.b64"]),
+                          ("elect_kernel", ["elect.sync"]),
+                          ("setmaxnreg_kernel", ["setmaxnreg.dec.sync.aligned.u32 40",
+                                                 "setmaxnreg.inc.sync.aligned.u32 232"])):
+        for needle in needles:
+            assert needle in compiled[name]["ptx"], f"{name}: no {needle!r} in its PTX"
+    for name, r in compiled.items():
+        if "-" not in name:
+            continue
         kind, N = name.split("-")
         assert ".target sm_90a" in r["ptx"]
         for needle in (f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{kind}.{kind}", "wgmma.fence.sync.aligned",
@@ -192,3 +218,75 @@ def test_wgmma_compiles_for_sm90a():
             assert needle in r["ptx"], f"{name}: no {needle!r} in its PTX"
         assert "0 bytes spill stores" in r["log"] and "0 bytes lmem" in r["log"], r["log"][-800:]
         assert "serialized" not in r["log"], r["log"][-800:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mbarrier, the bulk copy, elect, setmaxnreg
+# ---------------------------------------------------------------------------------------------------------------
+
+@cuda.jit
+def bulk_copy_kernel(src, out):
+    """Two phases of one mbarrier: an elected thread expects 1 KB and issues the bulk copy of one row of src into
+    shared memory; every thread waits for the phase (parity 0, then 1) and copies the row out."""
+    data = cuda.shared.array(256, float32)
+    bar = cuda.shared.array(1, uint64)
+    tid = cuda.threadIdx.x
+    b = hop.smem_address(bar, 0)
+    d = hop.smem_address(data, 0)
+    if tid == 0:
+        hop.mbarrier_init(b, 1)
+    cuda.syncthreads()
+    for phase in range(2):
+        if tid == 0:
+            hop.fence_proxy_async()  # (the reads of the phase before, then the copy's writes)
+            hop.mbarrier_arrive_expect_tx(b, 1024)
+            hop.cp_async_bulk(d, src, 256 * phase, 1024, b)
+        while hop.mbarrier_try_wait(b, phase) == 0:
+            pass
+        for e in range(tid, 256, cuda.blockDim.x):
+            out[phase, e] = data[e]
+        cuda.syncthreads()
+
+
+def test_bulk_copies_land_in_the_phase_they_complete():
+    needs_hopper()
+    src = np.arange(512, dtype=np.float32).reshape(2, 256)
+    out = cuda.to_device(np.full((2, 256), np.nan, np.float32))
+    bulk_copy_kernel[1, 64](cuda.to_device(src), out)
+    np.testing.assert_array_equal(out.copy_to_host(), src)
+
+
+@cuda.jit
+def elect_kernel(out):
+    out[cuda.threadIdx.x] = hop.elect_one()
+
+
+def test_elect_one_picks_one_lane_a_warp():
+    needs_hopper()
+    out = cuda.to_device(np.zeros(128, np.uint32))
+    elect_kernel[1, 128](out)
+    got = out.copy_to_host().reshape(4, 32)
+    assert (got.sum(axis=1) == 1).all(), got
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the stand-in's own behaviour")
+def test_a_phase_waits_for_every_expected_byte():
+    """The stand-in's barrier: an arrival that expects bytes not yet copied leaves the phase open (try_wait 0),
+    and the copy that brings them completes it (try_wait 1 for parity 0, then 0 for parity 1)."""
+
+    @cuda.jit
+    def phases(src, out):
+        data = cuda.shared.array(8, float32)
+        bar = cuda.shared.array(1, uint64)
+        b = hop.smem_address(bar, 0)
+        hop.mbarrier_init(b, 1)
+        hop.mbarrier_arrive_expect_tx(b, 32)
+        out[0] = hop.mbarrier_try_wait(b, 0)
+        hop.cp_async_bulk(hop.smem_address(data, 0), src, 0, 32, b)
+        out[1] = hop.mbarrier_try_wait(b, 0)
+        out[2] = hop.mbarrier_try_wait(b, 1)
+        out[3] = data[7]
+
+    out = np.zeros(4, np.float32)
+    phases[1, 1](np.arange(8, dtype=np.float32), out)
+    assert out.tolist() == [0, 1, 0, 7]

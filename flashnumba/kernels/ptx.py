@@ -420,7 +420,7 @@ def _codegen():
     """The pieces every inline-PTX intrinsic is built from (only with the real numba.cuda): ``asm`` (one inline
     PTX statement), ``address`` (the generic address of ary.flat[idx]), ``shared_address`` (its 32-bit shared
     window address), ``check_address`` (typing: a C-contiguous array and an integer index) and ``statement`` (an
-    intrinsic of one operand-less PTX statement)."""
+    intrinsic of one operand-less PTX statement; ``literal_statement`` of one with a compile-time integer)."""
     from llvmlite import ir
     from numba import types
     from numba.core.errors import TypingError
@@ -467,7 +467,25 @@ def _codegen():
         stmt.__name__ = name
         return intrinsic(stmt)
 
-    return asm, address, shared_address, check_address, statement
+    def literal_statement(name, template):
+        """An intrinsic of one compile-time integer n: the PTX statement ``template.format(n=n)``."""
+        from numba.cuda.extending import intrinsic
+
+        def stmt(typingctx, n):
+            if not isinstance(n, types.IntegerLiteral):
+                raise TypingError(f"{name}(n): n must be a compile-time integer constant")
+            text = template.format(n=n.literal_value)
+
+            def codegen(context, builder, sig, args):
+                asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+                return context.get_dummy_value()
+
+            return types.none(n), codegen
+
+        stmt.__name__ = name
+        return intrinsic(stmt)
+
+    return asm, address, shared_address, check_address, statement, literal_statement
 
 
 def _gpu_intrinsics():
@@ -479,7 +497,7 @@ def _gpu_intrinsics():
     from numba.cuda.extending import intrinsic
 
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-    asm, address, shared_address, check_address, statement = _codegen()
+    asm, address, shared_address, check_address, statement, literal_statement = _codegen()
 
     # cp.async of 16 bytes: $0 the 32-bit shared address, $1 the generic address of the source
     CP_ASYNC = ("{ .reg .u64 src_addr; cvta.to.global.u64 src_addr, $1; "
@@ -560,17 +578,7 @@ def _gpu_intrinsics():
 
         return sig, codegen
 
-    @intrinsic
-    def cp_async_wait(typingctx, n):
-        if not isinstance(n, types.IntegerLiteral):
-            raise TypingError("cp_async_wait(n): n must be a compile-time integer constant")
-        text = f"cp.async.wait_group {n.literal_value};"
-
-        def codegen(context, builder, sig, args):
-            asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
-            return context.get_dummy_value()
-
-        return types.none(n), codegen
+    cp_async_wait = literal_statement("cp_async_wait", "cp.async.wait_group {n};")
 
     def make_pack(kind):
         text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"  # the first source goes to the upper half

@@ -23,6 +23,19 @@ to the instruction's ("async proxy") reads with ``fence_proxy_async()`` and then
 | ``fence_proxy_async()`` | ``fence.proxy.async.shared::cta`` | stores before it seen by wgmma after a barrier |
 | ``wgmma_ops(kind, N)`` | ``wgmma.*`` for m64nNk16, f32 += kind x kind | (mma, fence, wait) for N / 2 registers |
 | ``wgmma_commit()`` | ``wgmma.commit_group.sync.aligned`` | |
+| ``mbarrier_init(bar, n)`` | ``mbarrier.init.shared::cta.b64`` | 8 bytes of shared memory become a barrier |
+| ``mbarrier_arrive(bar)`` | ``mbarrier.arrive.shared::cta.b64`` | one arrival |
+| ``mbarrier_arrive_expect_tx(bar, b)`` | ``mbarrier.arrive.expect_tx.shared::cta.b64`` | and b bytes to come |
+| ``mbarrier_try_wait(bar, parity)`` | ``mbarrier.try_wait.parity.shared::cta.b64`` | 1 once that phase is done |
+| ``cp_async_bulk(dst, src, i, b, bar)`` | ``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes`` | |
+| ``elect_one()`` | ``elect.sync`` | uint32: 1 in one lane of the warp |
+| ``setmaxnreg_inc(n)``, ``_dec(n)`` | ``setmaxnreg.{inc,dec}.sync.aligned.u32 n`` | a warpgroup's register budget |
+
+**The pipeline's synchronisation.** A Hopper kernel's producer fills shared memory with bulk copies (one thread
+issues them) and its consumers wait for them on an *mbarrier*: 8 bytes of shared memory counting the arrivals a
+phase expects and the bytes of copies it waits for. A phase completes when every arrival and every byte is in;
+the next phase then begins, and waiters name the phase they wait for by its parity (0, 1, 0, ...), as
+``while mbarrier_try_wait(bar, phase & 1) == 0: pass``.
 
 **The descriptor** (bits of the uint64): 0-13 the operand's shared address >> 4; 16-29 the *leading* byte
 offset >> 4; 32-45 the *stride* byte offset >> 4; 49-51 a base offset (0 here); 62-63 the swizzle mode (0: none;
@@ -234,6 +247,109 @@ def _sim_fence_proxy_async():
     asynchronous reads (wgmma) issued after it (and, for other threads' reads, after a barrier)."""
 
 
+class _MBarrier:
+    """The state of one simulated mbarrier: the arrivals a phase expects, those still missing, the bytes of
+    transactions still pending, the phases completed so far, and the bulk copies not yet landed."""
+
+    def __init__(self, count):
+        self.count, self.left, self.tx, self.phases, self.copies = count, count, 0, 0, []
+
+    def settle(self):
+        """Land the copies in flight, and complete the phase where every arrival and every byte is in."""
+        for target, data in self.copies:
+            target[:] = data
+            self.tx -= data.size
+        self.copies.clear()
+        if self.left == 0 and self.tx == 0:
+            self.phases += 1
+            self.left = self.count
+        elif self.tx < 0:
+            raise RuntimeError("an mbarrier received more transaction bytes than its phase expected")
+
+
+_mbar_lock = threading.Lock()
+
+
+def _mbarrier(bar):
+    table, block = _smem_table()
+    if int(bar) % 8:
+        raise ValueError(f"an mbarrier must lie on 8 bytes, got address {bar}")
+    _sim_smem_bytes(int(bar), 8)  # (it must lie in this block's shared memory)
+    return table.setdefault(("mbarrier", block), {})
+
+
+def _sim_mbarrier_init(bar, count):
+    """``mbarrier.init.shared::cta.b64 [bar], count``: the 8 bytes of shared memory at ``bar`` become a barrier
+    whose phases complete when ``count`` arrivals (and every byte of transactions expected) are in. One thread
+    initialises it; the others use it after a ``syncthreads``."""
+    with _mbar_lock:
+        _mbarrier(bar)[int(bar)] = _MBarrier(int(count))
+
+
+def _sim_mbarrier_arrive(bar):
+    """``mbarrier.arrive.shared::cta.b64``: one arrival on the barrier's current phase."""
+    with _mbar_lock:
+        m = _mbarrier(bar)[int(bar)]
+        m.left -= 1
+        m.settle()
+
+
+def _sim_mbarrier_arrive_expect_tx(bar, nbytes):
+    """``mbarrier.arrive.expect_tx.shared::cta.b64``: the current phase also waits for ``nbytes`` bytes of bulk
+    copies (:func:`cp_async_bulk` naming this barrier), and one arrival."""
+    with _mbar_lock:
+        m = _mbarrier(bar)[int(bar)]
+        m.tx += int(nbytes)
+        m.left -= 1
+        m.settle()
+
+
+def _sim_mbarrier_try_wait(bar, parity):
+    """``mbarrier.try_wait.parity.shared::cta.b64``: 1 once the phase of parity ``parity`` (0 for the first, 1
+    for the second, 0 again ...) has completed, else 0 (call it in a loop). Phases complete in order; the
+    copies of a phase land before it completes."""
+    with _mbar_lock:
+        m = _mbarrier(bar)[int(bar)]
+        m.settle()
+        return np.uint32(m.phases % 2 != int(parity) % 2)
+
+
+def _sim_cp_async_bulk(dst, src, src_index, nbytes, bar):
+    """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes``: ``nbytes`` (a multiple of 16)
+    contiguous bytes from global ``src.flat[src_index:]`` to shared address ``dst`` (16-byte aligned), issued by
+    one thread; the copy counts its bytes against the expected transactions of the barrier ``bar``, and is seen
+    in shared memory by the threads that waited for the barrier's phase. (The stand-in reads the source now and
+    writes the destination when the phase is settled.)"""
+    if int(nbytes) % 16 or int(dst) % 16:
+        raise ValueError(f"cp.async.bulk copies multiples of 16 bytes to 16-byte aligned addresses, got {nbytes} "
+                         f"bytes to {dst}")
+    data = ptx._bytes_at(src, src_index, int(nbytes)).copy()
+    target = _sim_smem_bytes(int(dst), int(nbytes))
+    with _mbar_lock:
+        _mbarrier(bar)[int(bar)].copies.append((target, data))
+
+
+def _sim_elect_one():
+    """``elect.sync``: 1 in one lane of the warp (the stand-in elects lane 0, as the hardware elects the
+    lowest-numbered active lane), 0 in the others; all 32 lanes call it."""
+    lane, _ = ptx._warp_exchange(None)
+    return np.uint32(lane == 0)
+
+
+def _make_sim_setmaxnreg(inc):
+    def setmaxnreg(n):
+        if int(n) % 8 or not 24 <= int(n) <= 256:
+            raise ValueError(f"setmaxnreg takes a multiple of 8 in 24 .. 256, got {n}")
+        ptx._group_exchange(None, WARPGROUP, "warpgroup")
+
+    what = "ask for up to" if inc else "give back all but"
+    setmaxnreg.__doc__ = (f"``setmaxnreg.{'inc' if inc else 'dec'}.sync.aligned.u32 n`` (n a constant, a multiple "
+                          f"of 8 in 24 .. 256): the warpgroup's threads {what} n registers each, so that a producer "
+                          f"warpgroup gives registers to the consumers (a whole warpgroup calls it; the stand-in "
+                          f"only meets there).")
+    return setmaxnreg
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The GPU
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,7 +360,7 @@ def _gpu_intrinsics():
     from numba.core.errors import TypingError
     from numba.cuda.extending import intrinsic
 
-    asm, _, shared_address, check_address, statement = ptx._codegen()
+    asm, address, shared_address, check_address, statement, literal_statement = ptx._codegen()
     f32 = ir.FloatType()
 
     @intrinsic
@@ -320,7 +436,75 @@ def _gpu_intrinsics():
         mma.__name__, fence.__name__, wait.__name__ = f"wgmma_m64n{N}k16_{kind}", "wgmma_fence", "wgmma_wait"
         return intrinsic(mma), intrinsic(fence), intrinsic(wait)
 
+    i32 = ir.IntType(32)
+
+    def u32(context, builder, v, t):
+        return context.cast(builder, v, t, types.uint32)
+
+    def bar_codegen(text, nargs):
+        def codegen(context, builder, sig, vals):
+            ops = [u32(context, builder, v, t) for v, t in zip(vals, sig.args)]
+            asm(builder, ir.VoidType(), ops, text, ",".join(["r"] * nargs + ["~{memory}"]), side_effect=True)
+            return context.get_dummy_value()
+
+        return codegen
+
+    def make_bar(name, text, nargs):
+        """An intrinsic of ``nargs`` (1 or 2) uint32 operands ($0: the barrier's address) and no result."""
+        if nargs == 1:
+            def bar_op(typingctx, bar):
+                return types.none(bar), bar_codegen(text, 1)
+        else:
+            def bar_op(typingctx, bar, value):
+                return types.none(bar, value), bar_codegen(text, 2)
+
+        bar_op.__name__ = name
+        return intrinsic(bar_op)
+
+    @intrinsic
+    def mbarrier_try_wait(typingctx, bar, parity):
+        text = ("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }")
+
+        def codegen(context, builder, sig, vals):
+            ops = [u32(context, builder, v, t) for v, t in zip(vals, sig.args)]
+            return asm(builder, i32, ops, text, "=r,r,r,~{memory}", side_effect=True)
+
+        return types.uint32(bar, parity), codegen
+
+    @intrinsic
+    def cp_async_bulk(typingctx, dst, src, src_index, nbytes, bar):
+        check_address(src, src_index, "cp_async_bulk source")
+        text = ("{ .reg .u64 g; cvta.to.global.u64 g, $1; "
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [g], $2, [$3]; }")
+
+        def codegen(context, builder, sig, vals):
+            g = address(context, builder, sig.args[1], vals[1], sig.args[2], vals[2])
+            ops = [u32(context, builder, vals[0], sig.args[0]), g, u32(context, builder, vals[3], sig.args[3]),
+                   u32(context, builder, vals[4], sig.args[4])]
+            asm(builder, ir.VoidType(), ops, text, "r,l,r,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(dst, src, src_index, nbytes, bar), codegen
+
+    @intrinsic
+    def elect_one(typingctx):
+        text = "{ .reg .pred p; elect.sync _|p, 0xffffffff; selp.u32 $0, 1, 0, p; }"
+
+        def codegen(context, builder, sig, vals):
+            return asm(builder, i32, [], text, "=r", side_effect=True)
+
+        return types.uint32(), codegen
+
     return dict(smem_address=smem_address, make_ops=make_ops,
+                mbarrier_init=make_bar("mbarrier_init", "mbarrier.init.shared::cta.b64 [$0], $1;", 2),
+                mbarrier_arrive=make_bar("mbarrier_arrive",
+                                         "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }", 1),
+                mbarrier_arrive_expect_tx=make_bar(
+                    "mbarrier_arrive_expect_tx",
+                    "{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1; }", 2),
+                mbarrier_try_wait=mbarrier_try_wait, cp_async_bulk=cp_async_bulk, elect_one=elect_one,
+                setmaxnreg_inc=literal_statement("setmaxnreg_inc", "setmaxnreg.inc.sync.aligned.u32 {n};"),
+                setmaxnreg_dec=literal_statement("setmaxnreg_dec", "setmaxnreg.dec.sync.aligned.u32 {n};"),
                 wgmma_commit=statement("wgmma_commit", "wgmma.commit_group.sync.aligned;"),
                 fence_proxy_async=statement("fence_proxy_async", "fence.proxy.async.shared::cta;"))
 
@@ -340,14 +524,17 @@ def wgmma_ops(kind, N):
     return _ops_cache[key]
 
 
+_STAND_INS = dict(smem_address=_sim_smem_address, wgmma_commit=_sim_commit, fence_proxy_async=_sim_fence_proxy_async,
+                  mbarrier_init=_sim_mbarrier_init, mbarrier_arrive=_sim_mbarrier_arrive,
+                  mbarrier_arrive_expect_tx=_sim_mbarrier_arrive_expect_tx, mbarrier_try_wait=_sim_mbarrier_try_wait,
+                  cp_async_bulk=_sim_cp_async_bulk, elect_one=_sim_elect_one,
+                  setmaxnreg_inc=_make_sim_setmaxnreg(True), setmaxnreg_dec=_make_sim_setmaxnreg(False))
 if SIMULATOR:
-    smem_address, wgmma_commit, fence_proxy_async = _sim_smem_address, _sim_commit, _sim_fence_proxy_async
+    globals().update(_STAND_INS)
 else:
     _GPU = _gpu_intrinsics()
-    smem_address, wgmma_commit, fence_proxy_async = (_GPU[n] for n in ("smem_address", "wgmma_commit",
-                                                                       "fence_proxy_async"))
-    for _name, _stand_in in (("smem_address", _sim_smem_address), ("wgmma_commit", _sim_commit),
-                             ("fence_proxy_async", _sim_fence_proxy_async)):
-        globals()[_name].__doc__ = _stand_in.__doc__
+    for _name, _stand_in in _STAND_INS.items():  # each intrinsic carries its stand-in's docstring
+        globals()[_name] = _GPU[_name]
+        _GPU[_name].__doc__ = _stand_in.__doc__
 
-__all__ = ["desc_bits", "make_desc", "smem_address", "fence_proxy_async", "wgmma_ops", "wgmma_commit"]
+__all__ = ["desc_bits", "make_desc", "wgmma_ops", *_STAND_INS]
