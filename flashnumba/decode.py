@@ -50,7 +50,7 @@ def _ints(name, x, shape, read):
     except TypeError:  # (a list, say)
         kind = None
     a = x if kind is not None else np.asarray(x)
-    # (a torch tensor's dtype as NumPy's; CuPy's and NumPy's as they are: no array interface built at every call)
+    # (a torch tensor's dtype as NumPy's; CuPy's and NumPy's as they are)
     dtype = _arrays.shape_strides_dtype(a)[2] if kind == "torch" else np.dtype(a.dtype)
     if dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers (int32), got dtype {dtype}")
@@ -147,31 +147,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # the new keys in, the rotations, the attention on the split-KV kernel reading the cache in place: one plan
         res = st.call(arrays).run(arrays)  # [out, lse], or [out] (lse then in the call's scratch)
         return tuple(res) if return_softmax_lse else res[0]
-    return _gather(st, arrays, lens_in, return_softmax_lse, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes)
+    return _gather(st, arrays, return_softmax_lse, softmax_scale, causal, window_size, softcap, alibi_slopes)
 
 
-def _gather(st, arrays, lens_in, return_lse, softmax_scale, causal, window_size, softcap, alibi_slopes):
+def _gather(st, arrays, return_lse, softmax_scale, causal, window_size, softcap, alibi_slopes):
     """The other path: the step's appends and rotations (:func:`flashnumba.planner.append_plan`), then the keys and
     values each sequence attends to (the lengths read, and clipped to the cache as the split-KV kernel clips them)
     copied into packed arrays for the varlen forward kernels. torch tensors go through CuPy views of the same
-    memory (so not bfloat16, which CuPy lacks)."""
+    memory (so not bfloat16, which CuPy lacks: :class:`_Static` refuses it)."""
     q, k_cache, v_cache = arrays[:3]
     torch_side = _arrays.kind(q) == "torch"
-    qp, seqlens = q, lens_in
-    if st.step_runs:
+    qp, seqlens = q, arrays[3]
+    if st.step.runs:
         res = st.append_call(arrays).run(arrays)  # [seqlens_out] or [seqlens_out, q_rot]
         seqlens = res[0]
         qp = res[1] if st.rotary else q
-    if torch_side:
-        if q.dtype == sys.modules["torch"].bfloat16:
-            raise TypeError("bfloat16 torch tensors decode on the split-KV kernel only (head_dim a multiple of 8, "
-                            "C-contiguous caches, compute capability 8.0 or newer); this call takes the gather path")
+    if torch_side:  # (the integer arrays are read on the host below, whatever their kind)
         cupy = _arrays.cupy
         qp, k_cache, v_cache = (cupy.asarray(x.detach()) for x in (qp, k_cache, v_cache))
-        lens_in = cupy.asarray(seqlens) if _arrays.kind(seqlens) == "torch" else seqlens
-        seqlens, arrays = lens_in, (qp, k_cache, v_cache, None, *(
-            cupy.asarray(x) if _arrays.kind(x) == "torch" else x for x in arrays[4:6]))
+        if alibi_slopes is not None and _arrays.kind(alibi_slopes) == "torch":
+            alibi_slopes = cupy.asarray(alibi_slopes.detach())
     xp = np if _arrays.kind(qp) == "numpy" else _arrays.cupy
     batch, seqlen_q, nheads, d = st.batch, st.seqlen_q, st.nheads, st.d
     seqlen_k = np.clip(_arrays.to_host(seqlens).astype(np.int64), 0, st.capacity)
@@ -271,9 +266,15 @@ class _Static:
             if 2 * trot[0].shape[1] > d:
                 raise ValueError(f"rotary_dim {2 * trot[0].shape[1]} exceeds head_dim {d}")
         self.step = _plan.DecodeStep(*tnew, *trot, interleaved=bool(interleaved), local=self.local)
-        self.step_runs = self.step.runs
         # the options and the kernel
         self.splitkv = _use_splitkv(kernel, tq, tk, tv)
+        if not self.splitkv and tq.kind == "torch":  # (the gather path runs on CuPy views of the tensors)
+            if tq.bf16:
+                raise TypeError("bfloat16 torch tensors decode on the split-KV kernel only (head_dim a multiple of "
+                                "8, C-contiguous caches, compute capability 8.0 or newer); this call takes the "
+                                "gather path")
+            if _arrays.cupy is None:
+                raise ImportError("torch tensors on the gather path (float32, or kernel='gather') need CuPy")
         self.opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
         self._call = self._append = None
 

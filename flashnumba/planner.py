@@ -526,7 +526,7 @@ def _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, *, c
     return inputs, arrays
 
 
-def _append_launch(tq, step, paged, indexed, arrays, seqlens_name):
+def _append_launch(tq, step, paged, indexed, arrays):
     """The append kernel's launch (:func:`flashnumba.kernels.mma_decode.make_append`), its outputs, seqlens_out
     (the key counts after the step) and q_rot (q rotated, where rotary tables come), and the InputSpec of q_rot's
     dummy where none come."""
@@ -548,7 +548,7 @@ def _append_launch(tq, step, paged, indexed, arrays, seqlens_name):
                           (_dtype_name(tq.dtype), step.k_new is not None, rotary, step.interleaved, step.local, paged,
                            indexed, cos_dt),
                           ("q", "k_new", "v_new", "rotary_cos", "rotary_sin", "k_cache", "v_cache", "q_rot",
-                           seqlens_name, "seqlens_out", "batch_idx", "block_table"),
+                           "seqlens_k", "seqlens_out", "batch_idx", "block_table"),
                           (max(seqlen_new, seqlen_q if rotary else 0, 1), batch),
                           (32 if SIMULATOR else mma_decode.APPEND_THREADS,), 0, None,
                           "the new keys and values into the cache, the rotations")
@@ -557,11 +557,10 @@ def _append_launch(tq, step, paged, indexed, arrays, seqlens_name):
 
 def append_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, step: DecodeStep, device=None) -> Plan:
     """The plan of a decoding call's first step alone (:class:`DecodeStep`), for the gather path: the call
-    returns q_rot (q rotated; q itself where no tables come) and seqlens_out."""
+    returns seqlens_out, and q_rot (q rotated) where rotary tables come."""
     limits = resolve_device(device, (tq, tk, tv))
     inputs, arrays = _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step)
-    launch, outs, extra = _append_launch(tq, step, block_table is not None, batch_idx is not None, arrays,
-                                         "seqlens_k")
+    launch, outs, extra = _append_launch(tq, step, block_table is not None, batch_idx is not None, arrays)
     outs = [replace(o, returned=True) for o in outs]
     return Plan("decode", "append", _dtype_name(tq.dtype), tq.shape[3], opts.describe(), limits,
                 "the append and rotation kernel", None, (launch,) if tq.shape[0] else (), arrays, {},
@@ -636,7 +635,7 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     inputs, arrays = _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, copy_q=copy_q)
     launches, pre_outs = [], []
     if step.runs:
-        launch, pre_outs, extra = _append_launch(tq, step, paged, indexed, arrays, "seqlens_k")
+        launch, pre_outs, extra = _append_launch(tq, step, paged, indexed, arrays)
         launches.append(launch)
         inputs += extra
     out_spec, arrays["out"] = _output("out", tq.shape, dt, False)

@@ -104,6 +104,25 @@ def graph_ms(fn, calls=50, on_torch=False):
     return min(best)
 
 
+def time_plans(label, t, opts, arrays, stages, splits_list):
+    """The decoding plan with ``stages`` buffers (and the planner's warps and keys a warp as they are set) at each
+    split count, timed from a CUDA graph, a line each; stops at a plan this GPU cannot hold."""
+    from flashnumba import _launch, planner
+
+    nbytes = 2 * kc.nbytes
+    for splits in splits_list:
+        try:
+            p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5], max_seqlen_k=n,
+                                    return_lse=False, stages=stages, num_splits=splits)
+        except ValueError as err:
+            print(f"{label}: {err}")
+            return
+        call = _launch.Call(p)
+        us = graph_ms(lambda: call.run(arrays)) * 1e3
+        print(f"{label} num_splits {splits:2d}: {us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s; grid {p.launches[0].grid}, "
+              f"{p.launches[0].shared_bytes} B shared, {len(p.launches)} kernels", flush=True)
+
+
 if mode == "host":
     for checked in (True, False):
         flashnumba.config.check_cache_values = checked
@@ -159,32 +178,20 @@ elif mode == "stages":  # the kernel's K, V buffers (the plan's ``stages``): eac
         print(f"stages {stages}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s; {p.launches[0].grid} grid, "
               f"{p.launches[0].shared_bytes} B shared ({p.launches[0].reason})")
 elif mode == "tiles":  # the kernel's tile (KW keys a warp), buffers and splits: the GPU's time from a CUDA graph
-    from flashnumba import _launch, planner
+    from flashnumba import planner
 
     arrays, t, opts = kernel_inputs()
-    nbytes = 2 * kc.nbytes
     print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}: us a call from a CUDA graph of 50 calls (min of 5)")
     for kw in (16, 32):
         planner.DECODE_KW = kw
         for stages in (2, 3):
-            for splits in (0, 8, 16, 32, 48):
-                try:
-                    p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5],
-                                            max_seqlen_k=n, return_lse=False, stages=stages, num_splits=splits)
-                except ValueError as err:
-                    print(f"KW {kw} stages {stages}: {err}")
-                    break
-                call = _launch.Call(p)
-                us = graph_ms(lambda: call.run(arrays)) * 1e3
-                print(f"KW {kw:2d} stages {stages} num_splits {splits:2d}: {us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s; "
-                      f"grid {p.launches[0].grid}, {p.launches[0].shared_bytes} B shared, "
-                      f"{len(p.launches)} kernels", flush=True)
+            time_plans(f"KW {kw:2d} stages {stages}", t, opts, arrays, stages, (0, 8, 16, 32, 48))
 elif mode == "deep":  # fewer, longer blocks with more K, V buffers (warps, keys a warp, buffers, splits), beside
     # torch flash and cuDNN: the GPU's time from CUDA graphs
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashnumba import _launch, planner
+    from flashnumba import planner
 
     arrays, t, opts = kernel_inputs()
     nbytes = 2 * kc.nbytes
@@ -204,18 +211,7 @@ elif mode == "deep":  # fewer, longer blocks with more K, V buffers (warps, keys
         configs = ((4, 16, 2, (0,)), (8, 16, 2, (0,)))
     for warps, kw, stages, splits in configs:
         planner.DECODE_WARPS, planner.DECODE_KW = (warps,), kw
-        for s in splits:
-            try:
-                p = planner.decode_plan(*t[:3], opts, seqlens=t[3], batch_idx=t[4], block_table=t[5],
-                                        max_seqlen_k=n, return_lse=False, stages=stages, num_splits=s)
-            except ValueError as err:
-                print(f"warps {warps} KW {kw} stages {stages}: {err}")
-                break
-            call = _launch.Call(p)
-            us = graph_ms(lambda: call.run(arrays)) * 1e3
-            print(f"warps {warps} KW {kw:2d} stages {stages} num_splits {s:2d}: {us:7.1f} us "
-                  f"{nbytes / us / 1e6:5.2f} TB/s; grid {p.launches[0].grid}, {p.launches[0].shared_bytes} B shared",
-                  flush=True)
+        time_plans(f"warps {warps} KW {kw:2d} stages {stages}", t, opts, arrays, stages, splits)
 elif mode == "latency":  # a call's host time, its GPU time alone (calls replayed from a CUDA graph), and the two modes
     import time
 

@@ -256,13 +256,20 @@ def _make_sim_ldmatrix(trans):
     return ldmatrix
 
 
+def _thread_state(name, make):
+    """What the calling simulated CUDA thread keeps under ``name`` between instructions, made by ``make()`` at its
+    first use (the instructions in flight that belong to one thread)."""
+    thread = threading.current_thread()
+    state = getattr(thread, name, None)
+    if state is None:
+        state = make()
+        setattr(thread, name, state)
+    return state
+
+
 def _cp_async_state():
     """This simulated thread's copies: (issued but not committed, committed groups oldest first)."""
-    thread = threading.current_thread()
-    state = getattr(thread, "_flashnumba_cp_async", None)
-    if state is None:
-        state = thread._flashnumba_cp_async = ([], [])
-    return state
+    return _thread_state("_flashnumba_cp_async", lambda: ([], []))
 
 
 def _sim_cp_async_16(dst, dst_index, src, src_index):

@@ -173,21 +173,13 @@ def _fragment_index(N):
 
 def _wgmma_state():
     """This simulated thread's wgmma: (issued, not committed; committed groups, oldest first)."""
-    thread = threading.current_thread()
-    state = getattr(thread, "_flashnumba_wgmma", None)
-    if state is None:
-        state = thread._flashnumba_wgmma = ([], [])
-    return state
+    return ptx._thread_state("_flashnumba_wgmma", lambda: ([], []))
 
 
 def _wgmma_results():
     """The full D (64 x N, float64) that each of this simulated thread's accumulators last received, by id: what
     a wgmma chained on it (issued before that result was retired) starts from."""
-    thread = threading.current_thread()
-    results = getattr(thread, "_flashnumba_wgmma_d", None)
-    if results is None:
-        results = thread._flashnumba_wgmma_d = {}
-    return results
+    return ptx._thread_state("_flashnumba_wgmma_d", dict)
 
 
 def _make_sim_ops(kind, N):
