@@ -6,6 +6,7 @@
         python scripts/decode_profile.py ncu [batch] [seqlen_k] [page]  # flashnumba's kernels, then cuDNN's
     python scripts/decode_profile.py stages [batch] [seqlen_k] [page]  # the kernel with 2 and 3 K, V buffers
     python scripts/decode_profile.py latency [batch] [seqlen_k] [page]  # host and device time of a call, with torch's
+    python scripts/decode_profile.py prelaunch [batch] [seqlen_k] [page]  # host time from a call to its first launch
     python scripts/decode_profile.py splits [batch] [seqlen_k] [page]  # num_splits 0 (the plan's) and others, timed
     python scripts/decode_profile.py tiles [batch] [seqlen_k] [page]  # keys a warp, buffers and splits: GPU time
     python scripts/decode_profile.py deep [batch] [seqlen_k] [page]  # fewer blocks, more buffers, with torch's
@@ -137,6 +138,35 @@ if mode == "host":
         cupy.cuda.Device().synchronize()
         print(f"=== check_cache_values={checked}: batch {batch}, seqlen_k {n}, 2000 calls")
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+elif mode == "prelaunch":  # what one call a pair of events adds to the GPU's time: the host's time before the first
+    # kernel is launched (each kernel launch wrapped to note the time it is reached)
+    import time
+
+    from flashnumba import _launch
+
+    marks = []
+    launch = _launch.Bound.__call__
+
+    def noted(self, values, stream):
+        marks.append(time.perf_counter_ns())
+        return launch(self, values, stream)
+
+    _launch.Bound.__call__ = noted
+    for checked in (False, True):
+        flashnumba.config.check_cache_values = checked
+        first, whole = [], []
+        for _ in range(2000):
+            marks.clear()
+            cupy.cuda.Device().synchronize()
+            t = time.perf_counter_ns()
+            step()
+            end = time.perf_counter_ns()
+            first.append((marks[0] - t) / 1e3)
+            whole.append((end - t) / 1e3)
+        print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}, check_cache_values={checked}: host us from the "
+              f"call to its first launch, median {np.median(first):.1f} (10th percentile {np.percentile(first, 10):.1f});"
+              f" the whole call {np.median(whole):.1f}; {len(marks)} launches")
+    _launch.Bound.__call__ = launch
 elif mode == "ncu":
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -271,7 +301,7 @@ elif mode == "splits":
     nbytes = 2 * kc.nbytes
     kk, vv = (pool_k, pool_v) if page else (kc, vc)
     print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}")
-    for s in (0, 16, 32, 42, 48, 64, 96, 128):
+    for s in ((0, 1, 2, 3, 4, 8) if batch >= 8 else (0, 16, 32, 42, 48, 64, 96, 128)):
         def fn(s=s):
             return flashnumba.flash_attn_with_kvcache(q, kk, vv, cache_seqlens=lens, block_table=table, num_splits=s)
         back, _, _ = cuda_time_calls_ms(fn, warmup=3, repeat=10, group_ms=20.0)
@@ -281,4 +311,4 @@ elif mode == "splits":
         print(f"num_splits {s:3d}: back to back {nbytes / back / 1e9:.2f} TB/s, pair {nbytes / pair / 1e9:.2f} TB/s, "
               f"grid {grids[-1] if grids else '?'}")
 else:
-    raise SystemExit(f"mode must be host, ncu, stages, tiles, deep, latency or splits, got {mode!r}")
+    raise SystemExit(f"mode must be host, prelaunch, ncu, stages, tiles, deep, latency or splits, got {mode!r}")

@@ -590,3 +590,54 @@ def test_flash_attn_with_kvcache_bfloat16_steps_replayed_from_a_cuda_graph():
         ulp = 2.0 ** -7  # (keys rotated in float32, the reference in float64: a unit in the last place apart)
         np.testing.assert_allclose(to_numpy(kc).astype(np.float64), truth_kc.astype(np.float64), rtol=2 * ulp,
                                    atol=2 * ulp)
+
+
+@on_gpu
+def test_flash_attn_with_kvcache_float32_tensors_take_the_gather_path():
+    """float32 tensors decode on the gather path (CuPy views of the tensors, the varlen forward): new keys appended
+    in place, ALiBi slopes given as a tensor, the result as the reference's and returned as tensors."""
+    pytest.importorskip("cupy")
+    from flashnumba import reference as ref
+
+    rng = np.random.default_rng(5)
+    b, h, hk, d, cap = 3, 4, 2, 64, 48
+    q = rng.standard_normal((b, 2, h, d)).astype(np.float32)
+    kn, vn = (rng.standard_normal((b, 2, hk, d)).astype(np.float32) for _ in range(2))
+    kc, vc = (rng.standard_normal((b, cap, hk, d)).astype(np.float32) for _ in range(2))
+    lens = np.array([10, 0, 46], np.int32)
+    slopes = (0.5 ** np.arange(1, h + 1)).astype(np.float32)
+    kw = dict(cache_seqlens=lens, causal=True, alibi_slopes=slopes)
+    truth_o, truth_l, truth_kc, truth_vc = ref.kvcache_attention(q, kc, vc, kn, vn, **kw)
+    base_o, base_l, _, _ = ref.kvcache_attention(q, kc, vc, kn, vn, dtype=np.float32, **kw)
+    t = {n: torch.as_tensor(x, device="cuda") for n, x in dict(q=q, k=kn, v=vn, kc=kc, vc=vc, lens=lens,
+                                                                 slopes=slopes).items()}
+    out, lse = ft.flash_attn_with_kvcache(t["q"], t["kc"], t["vc"], t["k"], t["v"], cache_seqlens=t["lens"],
+                                         causal=True, alibi_slopes=t["slopes"], return_softmax_lse=True)
+    torch.cuda.synchronize()
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor) and out.dtype == torch.float32
+    assert_close_to_truth("out", out.cpu().numpy(), truth_o, base_o, reduction=cap)
+    assert_close_to_truth("lse", lse.cpu().numpy(), truth_l, base_l.astype(np.float32), reduction=cap)
+    np.testing.assert_array_equal(t["kc"].cpu().numpy(), truth_kc)
+    np.testing.assert_array_equal(t["vc"].cpu().numpy(), truth_vc)
+
+
+@on_gpu
+def test_flash_attn_with_kvcache_bfloat16_on_the_gather_path_is_refused_before_any_write():
+    """bfloat16 tensors cannot take the gather path (it runs on CuPy views, and CuPy has no bfloat16): the call is
+    refused before the new keys are written, so the cache is unchanged."""
+    pytest.importorskip("cupy")
+    b, h, d, cap = 2, 2, 64, 32
+    q = torch.randn(b, 1, h, d, device="cuda").to(torch.bfloat16)
+    kn, vn = (torch.randn(b, 1, h, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+    kc, vc = (torch.randn(b, cap, h, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+    before = kc.clone(), vc.clone()
+    lens = torch.tensor([3, 9], dtype=torch.int32, device="cuda")
+    with pytest.raises(TypeError, match="bfloat16"):
+        flashnumba.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, kernel="gather")
+    # (caches that are views of a longer buffer are not C-contiguous: the split-KV kernel does not apply)
+    kbig, vbig = (torch.cat([x, x], dim=1) for x in (kc, vc))
+    with pytest.raises(TypeError, match="bfloat16"):
+        ft.flash_attn_with_kvcache(q, kbig[:, :cap], vbig[:, :cap], kn, vn, cache_seqlens=lens)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert torch.equal(kbig[:, :cap], before[0]) and torch.equal(vbig[:, :cap], before[1])
