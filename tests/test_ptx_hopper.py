@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 import pytest
-from numba import float32, uint16, uint64
+from numba import float32, uint16, uint32, uint64
 from numba.cuda.types import float16
 
 from flashnumba._backend import SIMULATOR, cuda
@@ -40,41 +40,56 @@ def core_index(r, k):
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_kernel(kind, N):
-    """One warpgroup: A (64 x 16) and B (N x 16) into shared memory in core matrices, D = A B^T issued, then
-    D += A B^T chained on the same accumulator, one commit, one wait; D written from the fragments."""
-    mma, fence, wait = hop.wgmma_ops(kind, N)
+def wgmma_kernel(kind, N, regs_a=False, trans_b=False):
+    """One warpgroup: A (64 x 16) and B (N x 16) into shared memory in core matrices (B MN-major with
+    ``trans_b``; with ``regs_a`` A goes to registers instead, from its bits), D = A B^T issued, then D += A B^T
+    chained on the same accumulator, one commit, one wait; D written from the fragments."""
+    mma, fence, wait = hop.wgmma_ops(kind, N, regs_a, trans_b)
     NA, NB, NR = 64 * 16, N * 16, N // 2
     NS = NA + NB  # (a shared array's size must be one constant)
     elem = float16 if kind == "f16" else uint16
+    LBO_B, SBO_B = (128, 256) if trans_b else (LBO, SBO)  # (MN-major: 8 keys by 8 rows a core matrix)
 
     @cuda.jit
     def kernel(a, b, d):
         smem = cuda.shared.array(NS, elem)
         tid = cuda.threadIdx.x
-        for e in range(tid, NA, 128):
-            r = e // 16
-            k = e - 16 * r
-            smem[((r // 8) * SBO + (k // 8) * LBO + (r % 8) * 16 + (k % 8) * 2) // 2] = a[r, k]
+        w = tid // 32
+        g = (tid % 32) >> 2
+        t = tid & 3
+        if not regs_a:
+            for e in range(tid, NA, 128):
+                r = e // 16
+                k = e - 16 * r
+                smem[((r // 8) * SBO + (k // 8) * LBO + (r % 8) * 16 + (k % 8) * 2) // 2] = a[r, k]
         for e in range(tid, NB, 128):
             r = e // 16
             k = e - 16 * r
-            smem[NA + ((r // 8) * SBO + (k // 8) * LBO + (r % 8) * 16 + (k % 8) * 2) // 2] = b[r, k]
+            if trans_b:
+                smem[NA + ((r // 8) * SBO_B + (k // 8) * LBO_B + (k % 8) * 16 + (r % 8) * 2) // 2] = b[r, k]
+            else:
+                smem[NA + ((r // 8) * SBO + (k // 8) * LBO + (r % 8) * 16 + (k % 8) * 2) // 2] = b[r, k]
         hop.fence_proxy_async()
         cuda.syncthreads()
         acc = cuda.local.array(NR, float32)
         for i in range(NR):
             acc[i] = 0.0
-        da = hop.make_desc(hop.smem_address(smem, 0), LBO, SBO)
-        db = hop.make_desc(hop.smem_address(smem, NA), LBO, SBO)
+        db = hop.make_desc(hop.smem_address(smem, NA), LBO_B, SBO_B)
         fence(acc)
-        mma(acc, da, db, 0)
-        mma(acc, da, db, 1)
+        if regs_a:  # (a holds the elements' bits: two to a register, the lower column in the lower half)
+            r0 = 16 * w + g
+            a0 = uint32(a[r0, 2 * t]) | (uint32(a[r0, 2 * t + 1]) << 16)
+            a1 = uint32(a[r0 + 8, 2 * t]) | (uint32(a[r0 + 8, 2 * t + 1]) << 16)
+            a2 = uint32(a[r0, 2 * t + 8]) | (uint32(a[r0, 2 * t + 9]) << 16)
+            a3 = uint32(a[r0 + 8, 2 * t + 8]) | (uint32(a[r0 + 8, 2 * t + 9]) << 16)
+            mma(acc, a0, a1, a2, a3, db, 0)
+            mma(acc, a0, a1, a2, a3, db, 1)
+        else:
+            da = hop.make_desc(hop.smem_address(smem, 0), LBO, SBO)
+            mma(acc, da, db, 0)
+            mma(acc, da, db, 1)
         hop.wgmma_commit()
         wait(0, acc)
-        w = tid // 32
-        g = (tid % 32) >> 2
-        t = tid & 3
         for j in range(N // 8):
             d[16 * w + g, 8 * j + 2 * t] = acc[4 * j]
             d[16 * w + g, 8 * j + 2 * t + 1] = acc[4 * j + 1]
@@ -94,12 +109,14 @@ def _bits(x, kind):
     return bits, (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def run_wgmma(kind, N, A, B):
+def run_wgmma(kind, N, A, B, regs_a=False, trans_b=False):
     needs_hopper()
     a, a64 = _bits(A, kind)
     b, b64 = _bits(B, kind)
+    if regs_a:
+        a = a.view(np.uint16)
     d = cuda.to_device(np.full((64, N), np.nan, np.float32))
-    wgmma_kernel(kind, N)[1, 128](cuda.to_device(a), cuda.to_device(b), d)
+    wgmma_kernel(kind, N, regs_a, trans_b)[1, 128](cuda.to_device(a), cuda.to_device(b), d)
     return d.copy_to_host(), 2 * (a64 @ b64.T)
 
 
@@ -109,6 +126,16 @@ def test_wgmma_integer_inputs_exact(kind, N):
     operands' core-matrix layout, the descriptor and the accumulator fragment all at once."""
     rng = np.random.default_rng(N)
     D, truth = run_wgmma(kind, N, rng.integers(-4, 5, (64, 16)), rng.integers(-4, 5, (N, 16)))
+    np.testing.assert_array_equal(D, truth)
+
+
+@pytest.mark.parametrize("kind,N,regs_a,trans_b", [("f16", 64, True, False), ("bf16", 64, False, True),
+                                                    ("f16", 128, True, True), ("bf16", 32, True, True)])
+def test_wgmma_a_from_registers_and_mn_major_b_exact(kind, N, regs_a, trans_b):
+    """The two forms O += P V takes: A from the threads' registers (the fragment drawn in the module docstring)
+    and B MN-major (8 rows of one K column a 16-byte line); exact on small integers, as above."""
+    rng = np.random.default_rng(N + 7)
+    D, truth = run_wgmma(kind, N, rng.integers(-4, 5, (64, 16)), rng.integers(-4, 5, (N, 16)), regs_a, trans_b)
     np.testing.assert_array_equal(D, truth)
 
 
@@ -180,11 +207,11 @@ for name, sig in (("bulk_copy_kernel", "void(float32[:, ::1], float32[:, ::1])")
                   ("setmaxnreg_kernel", "void(float32[::1])")):
     ptx = _launch.compile_ptx(getattr(t, name).py_func, sig, (9, 0, "a"))
     out[name] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
-for kind, N in (("f16", 64), ("bf16", 256)):
+for kind, N, ra, tb in (("f16", 64, False, False), ("bf16", 256, False, False), ("f16", 128, True, True)):
     el = "float16" if kind == "f16" else "uint16"
-    ptx = _launch.compile_ptx(t.wgmma_kernel(kind, N).py_func, f"void({el}[:, ::1], {el}[:, ::1], float32[:, ::1])",
-                              (9, 0, "a"))
-    out[f"{kind}-{N}"] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
+    sig = f"void({'uint16' if ra else el}[:, ::1], {el}[:, ::1], float32[:, ::1])"
+    ptx = _launch.compile_ptx(t.wgmma_kernel(kind, N, ra, tb).py_func, sig, (9, 0, "a"))
+    out[f"{kind}-{N}-{int(ra)}{int(tb)}"] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
 print(json.dumps(out))
 """
 
@@ -210,7 +237,7 @@ def test_wgmma_compiles_for_sm90a():
     for name, r in compiled.items():
         if "-" not in name:
             continue
-        kind, N = name.split("-")
+        kind, N, _ = name.split("-")
         assert ".target sm_90a" in r["ptx"]
         for needle in (f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{kind}.{kind}", "wgmma.fence.sync.aligned",
                        "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned 0",

@@ -21,7 +21,7 @@ to the instruction's ("async proxy") reads with ``fence_proxy_async()`` and then
 | ``smem_address(ary, i)`` | ``cvta`` of ary.flat[i] to the shared window | uint32 byte address |
 | ``make_desc(addr, lbo, sbo)`` | (arithmetic; ``desc_bits`` on the host) | uint64 matrix descriptor, no swizzle |
 | ``fence_proxy_async()`` | ``fence.proxy.async.shared::cta`` | stores before it seen by wgmma after a barrier |
-| ``wgmma_ops(kind, N)`` | ``wgmma.*`` for m64nNk16, f32 += kind x kind | (mma, fence, wait) for N / 2 registers |
+| ``wgmma_ops(kind, N, regs_a, trans_b)`` | ``wgmma.*`` for m64nNk16, f32 += kind x kind | (mma, fence, wait) |
 | ``wgmma_commit()`` | ``wgmma.commit_group.sync.aligned`` | |
 | ``mbarrier_init(bar, n)`` | ``mbarrier.init.shared::cta.b64`` | 8 bytes of shared memory become a barrier |
 | ``mbarrier_arrive(bar)`` | ``mbarrier.arrive.shared::cta.b64`` | one arrival |
@@ -48,6 +48,25 @@ of the operand lies at::
 
 so LBO steps to the next 8 columns of K (the second core matrix of a row of them) and SBO to the next 8 rows
 (M for A, N for B). Packed densely, a 64 x 16 A tile has LBO = 128 and SBO = 256.
+
+B may also be *MN-major* (``trans_b``: the instruction's imm-trans-b 1), as V is in O += P V: there B's rows
+(N, the head dim) run along memory and its K (the keys) across, so each 16 bytes hold 8 consecutive rows of one
+column of K, and element (r, k) lies at::
+
+    start + (r // 8) * SBO + (k // 8) * LBO + (k % 8) * 16 + (r % 8) * 2        bytes
+
+(LBO still steps K by 8 and SBO the rows by 8). A tile of keys x head dim stored as core matrices of 8 keys x 8
+head dims, 128 bytes each, serves both products: read K-major it is K_j for S = Q K_j^T, read MN-major V_j for
+P V_j, with LBO and SBO exchanged.
+
+**A from registers** (``regs_a``), as P is in O += P V: thread (warp w, lane with g = lane >> 2, t = lane & 3)
+holds four uint32 of two 16-bit elements each (the lower half first), in ``mma.sync``'s A layout::
+
+    a0 = A[16w + g, 2t : 2t + 2]        a1 = A[16w + g + 8, 2t : 2t + 2]
+    a2 = A[16w + g, 2t + 8 : 2t + 10]   a3 = A[16w + g + 8, 2t + 8 : 2t + 10]
+
+the same places the accumulator below holds D's columns 2t, 2t + 1 of two adjacent 8-column tiles: so S's
+accumulator, exponentiated and packed in pairs, is P's A operand with no data moved between threads.
 
 **The accumulator** (float32, N / 2 registers a thread, ``acc`` a local array of that length): warp w of the
 warpgroup holds rows 16 w .. 16 w + 15 of D (64 x N), in the layout of ``mma.sync``'s C fragment repeated along
@@ -139,18 +158,39 @@ def _sim_smem_bytes(address, nbytes):
     raise ValueError(f"address {address} ({nbytes} bytes) lies in no shared array of this block")
 
 
-def _sim_operand(desc, rows, halves):
-    """The K-major operand (rows x 16, float64) a descriptor names, read from shared memory now."""
+def _sim_operand(desc, rows, halves, mn_major=False):
+    """The operand (rows x 16, float64: row r, column k) a descriptor names, read from shared memory now; K-major,
+    or MN-major (``mn_major``: 8 consecutive rows of one column of K in each 16 bytes)."""
     addr, lbo, sbo, swizzle = _decode(desc)
     if swizzle:
         raise NotImplementedError("the stand-in reads unswizzled operands only (swizzle mode 0)")
     if addr % 16:
         raise ValueError(f"an operand's address must be 16-byte aligned, got {addr}")
     out = np.empty((rows, K))
+    if mn_major:
+        for k in range(K):
+            for rc in range(rows // 8):
+                start = addr + rc * sbo + (k // 8) * lbo + (k % 8) * 16
+                out[8 * rc:8 * rc + 8, k] = halves(_sim_smem_bytes(start, 16).view(np.uint16))
+        return out
     for r in range(rows):
         for kc in range(K // 8):
             start = addr + (r // 8) * sbo + kc * lbo + (r % 8) * 16
             out[r, 8 * kc:8 * kc + 8] = halves(_sim_smem_bytes(start, 16).view(np.uint16))
+    return out
+
+
+def _sim_register_operand(everyone_regs, halves):
+    """The A operand (64 x 16, float64) held in the 128 threads' registers: thread r's four uint32 (two 16-bit
+    elements each, the lower half first) at the places the module docstring draws."""
+    out = np.empty((M, K))
+    for r, regs in enumerate(everyone_regs):
+        warp, lane = r // 32, r % 32
+        g, t = lane >> 2, lane & 3
+        for i, reg in enumerate(regs):
+            row = 16 * warp + g + 8 * (i & 1)
+            col = 2 * t + 8 * (i >> 1)
+            out[row, col:col + 2] = halves(np.array([reg & 0xFFFF, (reg >> 16) & 0xFFFF], np.uint16))
     return out
 
 
@@ -182,18 +222,25 @@ def _wgmma_results():
     return ptx._thread_state("_flashnumba_wgmma_d", dict)
 
 
-def _make_sim_ops(kind, N):
+def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
     halves = _f16_values if kind == "f16" else _bf16_values
     rows, cols = _fragment_index(N)
 
-    def mma(acc, desc_a, desc_b, scale_d):
+    def issue(acc, operand_a, desc_b, scale_d):
         a = ptx._host_array(acc)
         if a.shape[0] != N // 2:
             raise ValueError(f"wgmma m64n{N}k16: the accumulator holds {N // 2} float32 a thread, got {a.shape}")
         issued = _wgmma_state()[0] + [op for group in _wgmma_state()[1] for op in group]
         chained = any(op[0] is a for op in issued)  # reads what an earlier wgmma in flight writes
-        _wgmma_state()[0].append((a, None if chained else a.copy(), int(desc_a), int(desc_b), bool(scale_d)))
+        _wgmma_state()[0].append((a, None if chained else a.copy(), operand_a, int(desc_b), bool(scale_d)))
         a[:] = np.nan  # in flight: the registers hold nothing a thread may read
+
+    if regs_a:
+        def mma(acc, a0, a1, a2, a3, desc_b, scale_d):
+            issue(acc, tuple(ptx._u32(x) for x in (a0, a1, a2, a3)), desc_b, scale_d)
+    else:
+        def mma(acc, desc_a, desc_b, scale_d):
+            issue(acc, int(desc_a), desc_b, scale_d)
 
     def fence(acc):
         pass  # (orders register accesses before the wgmma that follow: nothing to do in the simulator)
@@ -212,15 +259,21 @@ def _make_sim_ops(kind, N):
             else:
                 d = np.zeros((M, N))
                 d[rows, cols] = np.array([everyone[r][i][0] for r in range(WARPGROUP)], np.float64)
-            A = _sim_operand(da, M, halves)
-            B = _sim_operand(db, N, halves)
+            if regs_a:
+                A = _sim_register_operand([everyone[r][i][1] for r in range(WARPGROUP)], halves)
+            else:
+                A = _sim_operand(da, M, halves)
+            B = _sim_operand(db, N, halves, mn_major=trans_b)
             results[id(a)] = A @ B.T + (d if s else 0.0)
         for a, *_ in retired:
             a[:] = results[id(a)][rows[rank], cols[rank]].astype(np.float32)
 
+    a_from = ("A from this thread's registers a0 .. a3 (four uint32 of two elements each)" if regs_a
+              else "A read through the descriptor desc_a (64 x 16, K-major)")
     mma.__doc__ = (f"acc (this thread's {N // 2} float32 of D, 64 x {N}) = A B^T (+ acc where scale_d != 0), "
-                   f"A and B {kind} read through the descriptors desc_a (64 x 16) and desc_b ({N} x 16): issued, "
-                   f"the result there after the wait that retires it (module docstring).")
+                   f"{kind} operands: {a_from}, B through desc_b ({N} x 16, "
+                   f"{'MN-major' if trans_b else 'K-major'}): issued, the result there after the wait that "
+                   f"retires it (module docstring).")
     fence.__doc__ = "``wgmma.fence.sync.aligned``: before the first wgmma that reads or writes acc's registers."
     wait.__doc__ = ("``wgmma.wait_group.sync.aligned n`` (n a constant): until at most n committed groups are in "
                     "flight; acc holds the results of those retired.")
@@ -384,23 +437,43 @@ def _gpu_intrinsics():
         if not isinstance(acc, types.Array) or acc.dtype != types.float32 or acc.ndim != 1:
             raise TypingError(f"{what}: the accumulator must be a 1-D float32 (local) array, got {acc}")
 
-    def make_ops(kind, N):
+    def make_ops(kind, N, regs_a=False, trans_b=False):
         n = N // 2
         regs = ", ".join(f"${i}" for i in range(n))
-        text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
-                "$%d, $%d, p, 1, 1, 0, 0; }" % (2 * n + 2, N, kind, kind, regs, 2 * n, 2 * n + 1))
+        tb = int(trans_b)
+        if regs_a:  # {a0, a1, a2, a3}, desc_b, scale_d, scale_a, scale_b, trans_b
+            text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
+                    "{$%d, $%d, $%d, $%d}, $%d, p, 1, 1, %d; }"
+                    % (2 * n + 5, N, kind, kind, regs, *range(2 * n, 2 * n + 5), tb))
+        else:  # desc_a, desc_b, scale_d, scale_a, scale_b, trans_a, trans_b
+            text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
+                    "$%d, $%d, p, 1, 1, 0, %d; }" % (2 * n + 2, N, kind, kind, regs, 2 * n, 2 * n + 1, tb))
 
-        def mma(typingctx, acc, desc_a, desc_b, scale_d):
-            check_acc(acc, "wgmma")
+        if regs_a:
+            def mma(typingctx, acc, a0, a1, a2, a3, desc_b, scale_d):
+                check_acc(acc, "wgmma")
 
-            def codegen(context, builder, sig, args):
-                ptrs, vals = registers(context, builder, sig.args[0], args[0], n)
-                da, db = (context.cast(builder, v, t, types.uint64) for v, t in zip(args[1:3], sig.args[1:3]))
-                s = context.cast(builder, args[3], sig.args[3], types.int32)
-                through(builder, ptrs, vals, text, [da, db, s], ["l", "l", "r"])
-                return context.get_dummy_value()
+                def codegen(context, builder, sig, args):
+                    ptrs, vals = registers(context, builder, sig.args[0], args[0], n)
+                    a = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[1:5], sig.args[1:5])]
+                    db = context.cast(builder, args[5], sig.args[5], types.uint64)
+                    s = context.cast(builder, args[6], sig.args[6], types.int32)
+                    through(builder, ptrs, vals, text, a + [db, s], ["r"] * 4 + ["l", "r"])
+                    return context.get_dummy_value()
 
-            return types.none(acc, desc_a, desc_b, scale_d), codegen
+                return types.none(acc, a0, a1, a2, a3, desc_b, scale_d), codegen
+        else:
+            def mma(typingctx, acc, desc_a, desc_b, scale_d):
+                check_acc(acc, "wgmma")
+
+                def codegen(context, builder, sig, args):
+                    ptrs, vals = registers(context, builder, sig.args[0], args[0], n)
+                    da, db = (context.cast(builder, v, t, types.uint64) for v, t in zip(args[1:3], sig.args[1:3]))
+                    s = context.cast(builder, args[3], sig.args[3], types.int32)
+                    through(builder, ptrs, vals, text, [da, db, s], ["l", "l", "r"])
+                    return context.get_dummy_value()
+
+                return types.none(acc, desc_a, desc_b, scale_d), codegen
 
         def fence(typingctx, acc):
             check_acc(acc, "wgmma_fence")
@@ -425,7 +498,8 @@ def _gpu_intrinsics():
 
             return types.none(count, acc), codegen
 
-        mma.__name__, fence.__name__, wait.__name__ = f"wgmma_m64n{N}k16_{kind}", "wgmma_fence", "wgmma_wait"
+        mma.__name__ = f"wgmma_m64n{N}k16_{kind}" + ("_rs" if regs_a else "") + ("_tb" if trans_b else "")
+        fence.__name__, wait.__name__ = "wgmma_fence", "wgmma_wait"
         return intrinsic(mma), intrinsic(fence), intrinsic(wait)
 
     i32 = ir.IntType(32)
@@ -504,15 +578,18 @@ def _gpu_intrinsics():
 _ops_cache: dict = {}
 
 
-def wgmma_ops(kind, N):
+def wgmma_ops(kind, N, regs_a=False, trans_b=False):
     """(mma, fence, wait) of ``wgmma.mma_async.sync.aligned.m64nNk16.f32.kind.kind`` for kind "f16" or "bf16" and
-    N a multiple of 8 up to 256, both operands K-major in shared memory (module docstring)."""
+    N a multiple of 8 up to 256 (module docstring). A is read from shared memory, K-major, through a descriptor
+    (``mma(acc, desc_a, desc_b, scale_d)``), or with ``regs_a`` from each thread's registers
+    (``mma(acc, a0, a1, a2, a3, desc_b, scale_d)``); B from shared memory, K-major, or MN-major with
+    ``trans_b``."""
     if kind not in ("f16", "bf16") or N % 8 or not 8 <= N <= 256:
         raise ValueError(f"wgmma m64nNk16 takes kind 'f16' or 'bf16' and N a multiple of 8 up to 256, got "
                          f"{kind!r}, {N}")
-    key = (kind, N)
+    key = (kind, N, bool(regs_a), bool(trans_b))
     if key not in _ops_cache:
-        _ops_cache[key] = _make_sim_ops(kind, N) if SIMULATOR else _GPU["make_ops"](kind, N)
+        _ops_cache[key] = (_make_sim_ops if SIMULATOR else _GPU["make_ops"])(kind, N, bool(regs_a), bool(trans_b))
     return _ops_cache[key]
 
 
