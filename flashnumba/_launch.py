@@ -107,6 +107,7 @@ class KernelLaunch:
     shared_bytes: int
     tiles: object = None
     reason: str = ""
+    arch_specific: bool = False  # compiled for the architecture-specific target (sm_90a: wgmma, setmaxnreg)
 
     def signature(self, arrays: dict, scalars: dict) -> tuple:
         sig = []
@@ -228,7 +229,7 @@ def compile_kernel(spec: KernelLaunch, sig: tuple, cc) -> Compiled:
     disk cache, or compiled (and then stored in the cache)."""
     import time
 
-    cc = tuple(cc)[:2]
+    cc = tuple(cc)[:2] + (("a",) if spec.arch_specific else ())
     key = _cache_key(spec, sig, cc)
     hit = _compiled.get(key)
     if hit is not None:

@@ -35,7 +35,7 @@ import numpy as np
 from . import _arrays, _validate, config, tiling
 from ._backend import SIMULATOR, cuda
 from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel, is_c_layout
-from .kernels import mma_backward, mma_decode, mma_forward, mma_tf32, simt_backward, simt_forward
+from .kernels import mma_backward, mma_decode, mma_forward, mma_tf32, simt_backward, simt_forward, wgmma_forward
 from .kernels.common import MOD_ARGS
 from .kernels.simt_forward import LOG2E
 
@@ -275,6 +275,17 @@ def _check_family(kernel, tq, opts, limits, pass_):
         if tq.shape[-1] not in built:
             raise ValueError(f"the tensor-core {pass_} supports head_dim a multiple of 8 up to {built[-1]}, got "
                              f"{tq.shape[-1]}")
+    if kernel == "wgmma":
+        if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
+            raise TypeError(f"the wgmma kernel takes float16 or bfloat16; q has dtype {tq.dtype}")
+        if tq.shape[-1] not in wgmma_forward.HEAD_DIMS:
+            raise ValueError(f"the wgmma forward supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
+                             f"{tq.shape[-1]}")
+        if opts.mods is not None or opts.block_mask is not None:
+            raise ValueError("the wgmma forward takes no score_mod, mask_mod or block mask (kernel='tc' does)")
+        if not SIMULATOR and tuple(limits.cc) != (9, 0):
+            raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "
+                             f"sm_90a); this is {limits.name}")
     if kernel in mma_tf32.PRECISIONS:
         if tq.dtype != np.float32:
             raise TypeError(f"the TF32 kernel takes float32; q has dtype {tq.dtype}")
@@ -321,7 +332,7 @@ def _inputs(tensors, family, lead, opts, batch, cu):
     """InputSpecs and kernel ArrayMetas of the call's arrays (q, k, v, ... then alibi, cu_q, cu_k, then the
     arrays a user's score_mod / mask_mod read, a0 .. a3)."""
     specs, metas = [], {}
-    mma = family in ("tc",) + mma_tf32.PRECISIONS
+    mma = family in ("tc", "wgmma") + mma_tf32.PRECISIONS
     for t in tensors:
         copy = mma and t.kind != "numpy" and (not _arrays.starts_aligned(t.array) or (
             not _c_layout(t) and not (family == "tc" and _rows_in_place(t))))
@@ -435,6 +446,12 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                                None if opts.block_mask is None else opts.block_mask[:2]),
                               io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS + BLOCK_MASK_PARAMS, grid,
                               (t.num_threads,), smem, t, reason)
+    elif family == "wgmma":
+        smem, _ = tiling.shared_bytes(table, D, t)
+        launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
+                              (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,
+                               opts.scale > 0), io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t,
+                              reason, arch_specific=True)
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

@@ -23,6 +23,7 @@ family         kernel module                                        threads
 ``tc_dkdv``    :mod:`flashnumba.kernels.mma_backward`               32 per 16 key rows (d > 160: twice)
 ``tf32``,      :mod:`flashnumba.kernels.mma_tf32`                   32 per 16 query rows
 ``3xtf32``
+``wgmma``      :mod:`flashnumba.kernels.wgmma_forward` (Hopper)     128 per 64 query rows (a warpgroup)
 =============  ===================================================  ============================================
 
 ``tc_dkdv_atomic`` is the table of the dK/dV kernel when it also adds dQ with atomics (``deterministic=False``).
@@ -39,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ._launch import STATIC_SHARED_LIMIT
-from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward
+from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward, wgmma_forward
 
 MAX_REGISTERS_PER_THREAD = 255
 MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core forward is built for (kernel="tc")
@@ -252,10 +253,17 @@ TABLES = {
         Candidate(128, Tiles(64, 16, _tc_threads(64)), "4 warps: fits 99 KB at d = 128, 64 KB at d = 64"),
         Candidate(128, Tiles(32, 16, _tc_threads(32)), "2 warps: fits 64 KB at d = 128"),
     ],
+    # Hopper's warpgroup MMA (sm_90a only)
+    "wgmma": [
+        Candidate(128, Tiles(128, 128, 256), "two warpgroups of 64 query rows sharing each K_j, V_j of 128 keys "
+                  "(170 KB of shared memory at d = 128)", min_cc=(9, 0)),
+        Candidate(128, Tiles(128, 64, 256), "two warpgroups, B_c 64", min_cc=(9, 0)),
+        Candidate(128, Tiles(64, 64, 128), "one warpgroup, B_c 64", min_cc=(9, 0)),
+    ],
 }
 TABLES["v3"] = TABLES["v2"]
 
-FORWARD_FAMILIES = ("v1", "v2", "v3", "tc", "tf32", "3xtf32")
+FORWARD_FAMILIES = ("v1", "v2", "v3", "tc", "tf32", "3xtf32", "wgmma")
 BACKWARD_FAMILIES = ("v1", "v2", "tc")
 BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkdv")}
 
@@ -304,6 +312,8 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
         return mma_backward.shared_bytes_dkdv(D, m, n, table == "tc_dkdv_atomic"), False
     if table in ("tf32", "3xtf32"):
         return mma_tf32.shared_bytes(D, n, m // mma_tf32.WARP_ROWS), False
+    if table == "wgmma":
+        return wgmma_forward.shared_bytes(D, n, m), False
     raise ValueError(f"unknown tile table {table!r}")
 
 
@@ -312,7 +322,8 @@ KERNEL_NAMES = {"bwd_v1_dq": "the backward dQ kernel v1", "bwd_v1_dkdv": "the ba
                 "tc_dq": "the tensor-core dQ kernel", "tc_dkdv": "the tensor-core dK/dV kernel",
                 "tc_dkdv_atomic": "the tensor-core dK/dV kernel with the atomic dQ",
                 "tc": "the tensor-core forward kernel", "v1": "the forward kernel v1", "v2": "the forward kernel v2",
-                "v3": "the forward kernel v3", "tf32": "the TF32 forward kernel", "3xtf32": "the 3xTF32 forward kernel"}
+                "v3": "the forward kernel v3", "tf32": "the TF32 forward kernel", "3xtf32": "the 3xTF32 forward kernel",
+                "wgmma": "the Hopper (wgmma) forward kernel"}
 
 
 def _parts(table):
@@ -348,6 +359,12 @@ def check(table: str, D: int, t: Tiles):
         for name, value in (("block_m", m), ("block_n", n)):
             if value not in mma_backward.TILES:
                 raise ValueError(f"the tensor-core backward takes {name} in {mma_backward.TILES}, got {value}")
+    elif table == "wgmma":
+        if D not in wgmma_forward.HEAD_DIMS:
+            raise ValueError(f"the wgmma forward supports head_dim in {wgmma_forward.HEAD_DIMS}, got {D}")
+        if m not in tuple(64 * w for w in wgmma_forward.WARPGROUPS) or n not in wgmma_forward.BLOCK_NS:
+            raise ValueError(f"the wgmma forward takes block_m 64 or 128 (one or two warpgroups of 64 rows) and "
+                             f"block_n in {wgmma_forward.BLOCK_NS}, got {m}, {n}")
     elif table in ("tf32", "3xtf32"):
         if D not in mma_tf32.HEAD_DIMS:
             raise ValueError(f"the TF32 kernel supports head_dim in {mma_tf32.HEAD_DIMS}, got {D}")
@@ -373,6 +390,8 @@ def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
         return t._replace(num_threads=t.block_m)
     if table in ("tc_dq", "tf32", "3xtf32"):
         return t._replace(num_threads=_tc_threads(t.block_m))
+    if table == "wgmma":
+        return t._replace(num_threads=2 * t.block_m)
     if table in ("tc_dkdv", "tc_dkdv_atomic"):
         return t._replace(num_threads=mma_backward.dkdv_threads(D, t.block_n))
     return t
@@ -419,7 +438,7 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
         base = TABLES[table][0].tiles
     t = Tiles(base.block_m if block_m is None else block_m, base.block_n if block_n is None else block_n,
               base.num_threads if num_threads is None else num_threads)
-    if table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32") and num_threads is not None:
+    if table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32", "wgmma") and num_threads is not None:
         raise ValueError(f"kernel {table.split('_')[0]!r} takes no num_threads: its threads follow from its tiles "
                          f"(32 per 16 rows)")
     if table == "tc" and num_threads is None:  # a warp per 16 rows unless the caller says otherwise

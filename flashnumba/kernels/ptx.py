@@ -28,6 +28,7 @@ gets is chosen once, at import, from ``flashnumba._backend.SIMULATOR``.
 | ``to_tf32(x)`` | ``cvt.rna.tf32.f32`` | float32 -> uint32: x rounded to tf32 (10 mantissa bits) |
 | ``split_tf32(x)`` | two ``cvt.rna.tf32.f32`` | float32 -> (big, small) tf32 with big + small = x to ~2^-22 |
 | ``exp2_ftz(x)`` | ``ex2.approx.ftz.f32`` | float32 -> 2^x, results below 2^-126 flushed to 0 |
+| ``rcp_approx(x)`` | ``rcp.approx.ftz.f32`` | float32 -> 1 / x within an ulp, with no subroutine |
 | ``red_add_f32x2(a, i, x, y)`` | ``red.global.add.v2.f32`` (sm_90) | a[i] += x, a[i + 1] += y, atomically |
 
 Registers. A "packed" uint32 holds two 16-bit values: the element with the smaller column (or row) index in
@@ -350,6 +351,15 @@ def _sim_shfl_xor_f32(x, lane_mask):
     return values[lane ^ int(lane_mask)]
 
 
+def _sim_rcp_approx(x):
+    """1 / x in float32 as ``rcp.approx.ftz.f32``: one instruction of the special-function unit, within an ulp
+    (here rounded exactly). A float32 division ``1 / x`` compiles to ``rcp.rn.f32``, whose slow path for
+    subnormals is a subroutine call, and the assembler serialises the wgmma of a kernel that makes any call: the
+    Hopper kernels' 1 / l takes this one (l >= 1 there: no subnormal to lose)."""
+    with np.errstate(divide="ignore"):
+        return np.float32(np.float32(1.0) / np.float32(x))
+
+
 def _sim_exp2_ftz(x):
     """2**x in float32 as ``ex2.approx.ftz.f32``: one instruction of the special-function unit (relative error
     about 2^-22), -inf -> 0, and a result below 2^-126 (a subnormal) flushed to 0. ``math.exp2`` compiles to the
@@ -636,6 +646,7 @@ def _gpu_intrinsics():
 
     to_tf32 = make_unary("to_tf32", "cvt.rna.tf32.f32 $0, $1;", "r")
     exp2_ftz = make_unary("exp2_ftz", "ex2.approx.ftz.f32 $0, $1;", "f")
+    rcp_approx = make_unary("rcp_approx", "rcp.approx.ftz.f32 $0, $1;", "f")
 
     @intrinsic
     def split_tf32(typingctx, x):
@@ -678,7 +689,7 @@ def _gpu_intrinsics():
         return sig, codegen
 
     found = dict(
-        shfl_xor_f32=shfl_xor_f32, exp2_ftz=exp2_ftz,
+        shfl_xor_f32=shfl_xor_f32, exp2_ftz=exp2_ftz, rcp_approx=rcp_approx,
         mma_m16n8k8_tf32=mma_m16n8k8_tf32, to_tf32=to_tf32, split_tf32=split_tf32,
         mma_m16n8k16_f16=make_mma("f16"), mma_m16n8k16_bf16=make_mma("bf16"),
         ldmatrix_x4=make_ldmatrix(False), ldmatrix_x4_trans=make_ldmatrix(True),
@@ -702,7 +713,7 @@ def _simulator_stand_ins():
         cp_async_16=_sim_cp_async_16, cp_async_16_at=_sim_cp_async_16_at, cp_async_commit=_sim_cp_async_commit,
         cp_async_wait=_sim_cp_async_wait,
         cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
-        shfl_xor_f32=_sim_shfl_xor_f32, exp2_ftz=_sim_exp2_ftz,
+        shfl_xor_f32=_sim_shfl_xor_f32, exp2_ftz=_sim_exp2_ftz, rcp_approx=_sim_rcp_approx,
         mma_m16n8k8_tf32=_sim_mma_tf32, to_tf32=_sim_to_tf32,
         split_tf32=_sim_split_tf32, red_add_f32x2=_sim_red_add_f32x2,
     )
@@ -715,5 +726,5 @@ else:
 
 __all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
            "cp_async_16_at", "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2",
-           "shfl_xor_f32", "exp2_ftz",
+           "shfl_xor_f32", "exp2_ftz", "rcp_approx",
            "mma_m16n8k8_tf32", "to_tf32", "split_tf32", "red_add_f32x2"]

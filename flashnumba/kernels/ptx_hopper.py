@@ -135,16 +135,18 @@ def _sim_smem_address(ary, index):
     """The shared-window byte address of ary.flat[index] (ary a shared array; C order)."""
     a = ptx._host_array(ary)
     base = a.base if a.base is not None and isinstance(a.base, np.ndarray) else a
+    # (by where its memory lies: each thread's view of the dynamic shared memory is an array object of its own)
+    key = (base.__array_interface__["data"][0], base.nbytes)
     table, block = _smem_table()
     with _smem_lock:
         arrays = table.setdefault(block, {})
-        if id(base) not in arrays:
+        if key not in arrays:
             end = max((addr + arr.nbytes for addr, arr in arrays.values()), default=0)
             addr = -(-end // 1024) * 1024
             if addr + base.nbytes > SMEM_WINDOW:
                 raise ValueError("the shared arrays of a block exceed the 256 KB a descriptor can address")
-            arrays[id(base)] = (addr, base)
-        addr, _ = arrays[id(base)]
+            arrays[key] = (addr, base)
+        addr, _ = arrays[key]
     offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
     return np.uint32(addr + offset + int(index) * a.itemsize)
 

@@ -1,0 +1,299 @@
+"""Forward kernel on Hopper's warpgroup MMA: FlashAttention-2's Algorithm 1 with S = Q K^T and O += P V as ``wgmma``.
+
+The algorithm, the masking and the online softmax are those of :mod:`flashnumba.kernels.mma_forward` (read it
+first); what changes is who multiplies and where the operands live. There each warp loads its fragments of K_j and
+V_j from shared memory into registers (``ldmatrix``) and issues one ``mma.sync`` per 16 x 8 x 16 piece. Here a
+*warpgroup* (four warps, 128 threads) owns 64 query rows and issues one ``wgmma`` per 16 columns of K: the tensor
+cores read Q_i and K_j from shared memory themselves, through matrix descriptors
+(:mod:`flashnumba.kernels.ptx_hopper`), and write S_ij (64 x B_c) into the warpgroup's registers; for O += P V the
+A operand, P, comes from the same registers (the S accumulator, exponentiated and packed in pairs, sits where
+wgmma's register A operand wants it) and V_j is read from shared memory, MN-major. Per key tile::
+
+    S_ij = Q_i K_j^T         D / 16 wgmma m64nB_ck16 (A = Q_i, B = K_j, both from shared memory), one commit
+    ...wait, then the online softmax of mma_forward on the S registers...
+    O_i += P_ij V_j          B_c / 16 wgmma m64nDk16 (A = P_ij from registers, B = V_j MN-major), one commit
+
+Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 128 WG threads, B_r = 64 WG (WG = 1 or 2
+warpgroups); block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest causal rows first).
+Warpgroup gw owns rows 64 gw .. 64 gw + 63 of Q_i; inside it warp w owns 16 rows and lane (g = lane >> 2,
+t = lane & 3) rows g and g + 8 of them, and of S's and O's accumulators the columns 8 n + 2 t, 8 n + 2 t + 1:
+register 4 n + x holds row g + 8 (x >> 1), column 8 n + 2 t + (x & 1) (the layout mma_forward's fragments have,
+repeated along the columns).
+
+Shared memory, dynamic: Q_i | K_j | V_j | K_j+1 | V_j+1, each tile stored as *core matrices* of 8 rows x 8 head
+dims (128 contiguous bytes), column-block after column-block: head dims 8 c .. 8 c + 7 of rows 8 r .. 8 r + 7 lie
+at (c rows / 8 + r) 128 bytes. Read K-major (LBO = rows x 16 bytes steps 8 head dims, SBO = 128 bytes 8 rows) the
+tile is Q_i or K_j; read MN-major (LBO = 128 bytes steps 8 keys, SBO = B_c x 16 bytes 8 head dims) it is V_j. No
+padding is needed: each core matrix is one 128-byte line of the 32 banks. The copies (``cp.async``, 16 bytes a
+thread) go 8 rows x 4 column blocks a warp, so that each quarter-warp writes one whole core matrix (no bank
+conflict) and each row is read 64 bytes at a time. Double-buffered as in mma_forward: the copies of K_j+1, V_j+1
+are in flight while the warpgroups compute on K_j, V_j; the copies land, each thread makes its writes visible to
+the tensor cores' ("async proxy") reads with ``fence.proxy.async``, and a barrier.
+
+Two warpgroups share each K_j, V_j tile (half the shared-memory traffic a query row of one warpgroup alone), and
+while one is in its softmax the other's wgmma keep the tensor cores busy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import float32, uint16, uint32
+
+from . import bf16, ptx, ptx_hopper as hop
+from .._backend import cuda
+from .common import LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry
+from numba.cuda.types import float16
+
+HEAD_DIMS = (64, 96, 128)  # head dims a multiple of 32 (the copies' 4 column blocks a warp) with S and O in registers
+BLOCK_NS = (64, 128)  # keys a tile (N of S's wgmma)
+WARPGROUPS = (1, 2)
+CORE = 64  # elements (16-bit) of a core matrix: 8 rows x 8 head dims, 128 bytes
+
+
+def shared_bytes(D, B_c, B_r):
+    """Q_i (B_r rows) and two K_j, V_j buffers (B_c rows each), 16-bit elements, unpadded."""
+    return (B_r + 4 * B_c) * D * 2
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_core(D, NT):
+    """load_core(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` (a multiple of 8)
+    rows of src[b, row0 + r, h, :] (C-contiguous (batch, seqlen, nheads, D)) into the core-matrix layout of the
+    module docstring at element ``off``; rows at or past ``row_end`` become zeros (a row of garbage could hold a
+    NaN, and 0 * NaN is NaN). Each warp copies 8 rows x 4 blocks of 8 head dims at a time: lane l the row
+    8 r + (l % 8) and the block 4 c + l // 8, so lanes 8 q .. 8 q + 7 fill one core matrix."""
+    CB = D // 32  # groups of 4 column blocks per row
+
+    @cuda.jit(device=True, inline=True)
+    def load_core(smem, off, src, b, row0, row_end, h, rows, tid):
+        lane = tid % 32
+        rl = lane % 8
+        cl = lane // 8
+        for it in range((rows // 8 * CB * 32 + NT - 1) // NT):
+            wc = (tid + it * NT) // 32  # this warp's 8-row x 4-block piece
+            if wc < rows // 8 * CB:
+                rb = wc // CB
+                c = 4 * (wc - rb * CB) + cl  # block of 8 head dims
+                r = 8 * rb + rl
+                dst = off + (c * (rows // 8) + rb) * CORE + rl * 8
+                if row0 + r < row_end:
+                    ptx.cp_async_16(smem, dst, src, ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + 8 * c)
+                else:
+                    for e in range(8):
+                        smem[dst + e] = 0
+
+    return load_core
+
+
+@cuda.jit(device=True, inline=True)
+def tile_landed_async():
+    """As :func:`flashnumba.kernels.mma_tiles.tile_landed` (close the copies just issued as one group, wait for
+    every group but that newest, a barrier), with each thread's landed copies and zero stores made visible to the
+    tensor cores' reads (``fence.proxy.async``) before the barrier."""
+    ptx.cp_async_commit()
+    ptx.cp_async_wait(1)
+    hop.fence_proxy_async()
+    cuda.syncthreads()
+
+
+@functools.lru_cache(maxsize=None)
+def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True):
+    """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`),
+    ``warpgroups`` warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the
+    options of ``variant`` (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen,
+    dropout) compiled in as in :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes
+    (without a user's score_mod or block mask): (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q,
+    cu_k, p_drop, rp_keep, seed, offset); q, k, v, out C-contiguous. Compiled for sm_90a (wgmma). Launch: grid
+    (ceil(max_seqlen_q / B_r), batch * nheads), block (128 warpgroups,), dynamic shared memory
+    :func:`shared_bytes`."""
+    if D not in HEAD_DIMS:
+        raise ValueError(f"the wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
+    if B_c not in BLOCK_NS:
+        raise ValueError(f"the wgmma forward takes B_c in {BLOCK_NS}, got {B_c}")
+    if warpgroups not in WARPGROUPS:
+        raise ValueError(f"the wgmma forward takes {WARPGROUPS} warpgroups, got {warpgroups}")
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    SCORE_MOD = SOFTCAP or ALIBI
+    FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (mma_forward's docstring)
+    score_mod = make_score_mod(SOFTCAP, ALIBI)
+    GQA = bool(gqa)
+    sequence = make_sequence_geometry(VARLEN)
+    is_bf16 = dtype == "bfloat16"
+    kind = "bf16" if is_bf16 else "f16"
+    store = bf16.load_store(is_bf16)[1]
+    pack = ptx.pack_bf16x2 if is_bf16 else ptx.pack_f16x2
+    elem = uint16 if is_bf16 else float16
+    B_R = 64 * warpgroups
+    NT = 128 * warpgroups
+    NS = B_c // 2  # S accumulator registers a thread: 64 x B_c over 128 threads
+    NO = D // 2  # O accumulator registers a thread
+    KD = D // 16  # k-steps of S = Q K^T
+    KC = B_c // 16  # k-steps of O += P V
+    OFF_K = B_R * D  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
+    OFF_V = B_c * D
+    BUF = 2 * B_c * D
+    # descriptor strides, bytes (module docstring): Q_i and K_j K-major, V_j MN-major
+    LBO_Q, LBO_K, SBO_V = 16 * B_R, 16 * B_c, 16 * B_c
+    mma_s, fence_s, wait_s = hop.wgmma_ops(kind, B_c)
+    mma_o, fence_o, wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
+    load_core = make_load_core(D, NT)
+    key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
+
+    @cuda.jit
+    def forward_wgmma(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
+                      offset):
+        nheads = q.shape[2]
+        tid = cuda.threadIdx.x
+        gw = tid >> 7  # warpgroup: rows 64 gw .. 64 gw + 63 of Q_i
+        lane = tid & 31
+        g = lane >> 2
+        t = lane & 3
+        # (32-bit unsigned divisions: a 64-bit one is a subroutine call, and the assembler serialises the wgmma of
+        # a kernel that makes calls)
+        b = uint32(cuda.blockIdx.y) // uint32(nheads)
+        h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))
+        hk = h
+        if GQA:
+            hk = h // uint32(uint32(nheads) // uint32(k.shape[2]))
+        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R
+        r0 = 64 * gw + 16 * ((tid >> 5) & 3) + g  # this lane's first row in Q_i; its second is r0 + 8
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
+        diag = seqlen_k - seqlen_q
+        slope = alibi[b, h] if ALIBI else float32(0.0)
+        if i0 >= seqlen_q:
+            return
+
+        smem = cuda.shared.array(0, elem)  # Q_i | K, V buffer 0 | K, V buffer 1 (dynamic), core matrices
+        s = cuda.local.array(NS, float32)  # S_ij, then P_ij: this thread's part of the warpgroup's 64 x B_c
+        o = cuda.local.array(NO, float32)  # O_i: its part of the warpgroup's 64 x D
+        m = cuda.local.array(2, float32)  # rows g, g + 8: m_i (base 2), this lane's partial l_i, alpha
+        l = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        m_use = cuda.local.array(2, float32)
+        for r in range(2):
+            m[r] = NEG_INF
+            l[r] = 0.0
+        for n in range(NO):
+            o[n] = 0.0
+        q_addr = hop.smem_address(smem, 0) + gw * 64 * 16  # this warpgroup's 64 rows: 8 core matrices further
+        kv_addr = hop.smem_address(smem, OFF_K)
+
+        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
+        load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
+        if n_tiles > 0:
+            load_core(smem, OFF_K, k, bb, k0 + n_start, k0 + seqlen_k, hk, B_c, tid)
+            load_core(smem, OFF_K + OFF_V, v, bb, k0 + n_start, k0 + seqlen_k, hk, B_c, tid)
+        ptx.cp_async_commit()
+
+        for jt in range(n_tiles):
+            j0 = n_start + jt * B_c
+            buf = (jt & 1) * BUF
+            if jt + 1 < n_tiles:  # tile j + 1 into the other buffer (freed by the barrier ending iteration j - 1)
+                nb = OFF_K + ((jt + 1) & 1) * BUF
+                load_core(smem, nb, k, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, B_c, tid)
+                load_core(smem, nb + OFF_V, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, B_c, tid)
+            tile_landed_async()
+
+            # S_ij = Q_i K_j^T: D / 16 wgmma on the warpgroup's accumulator, one group
+            k_addr = kv_addr + buf * 2
+            fence_s(s)
+            for ks in range(KD):
+                mma_s(s, hop.make_desc(q_addr + ks * 2 * LBO_Q, LBO_Q, 128),
+                      hop.make_desc(k_addr + ks * 2 * LBO_K, LBO_K, 128), ks)
+            hop.wgmma_commit()
+            wait_s(0, s)
+
+            # the online softmax of mma_forward, on this lane's rows g and g + 8
+            masked = (j0 + B_c > seqlen_k or (HAS_RIGHT and j0 + B_c - 1 > i0 + diag + right)
+                      or (HAS_LEFT and j0 < last_row + diag - left))
+            if not FOLD:
+                for n in range(NS // 4):
+                    for x in range(4):
+                        val = s[4 * n + x] * scale_q
+                        if SCORE_MOD:
+                            i = i0 + r0 + 8 * (x >> 1)
+                            val, _ = score_mod(val, softcap, slope, i, j0 + 8 * n + 2 * t + (x & 1), diag)
+                            val *= LOG2E
+                        s[4 * n + x] = val
+            if masked:
+                for n in range(NS // 4):
+                    for x in range(4):
+                        i = i0 + r0 + 8 * (x >> 1)
+                        j = j0 + 8 * n + 2 * t + (x & 1)
+                        if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
+                                or (HAS_RIGHT and j > i + diag + right)):
+                            s[4 * n + x] = NEG_INF
+            mx0 = NEG_INF
+            mx1 = NEG_INF
+            for n in range(NS // 4):
+                mx0 = max(mx0, max(s[4 * n], s[4 * n + 1]))
+                mx1 = max(mx1, max(s[4 * n + 2], s[4 * n + 3]))
+            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
+            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
+            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
+            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
+            for x in range(2):
+                mx = mx0 if x == 0 else mx1
+                if FOLD:
+                    mx *= scale_q
+                mx = max(m[x], mx)
+                m_use[x] = mx if mx != NEG_INF else float32(0.0)
+                alpha[x] = ptx.exp2_ftz(m[x] - m_use[x])
+                m[x] = mx
+            ps0 = float32(0.0)
+            ps1 = float32(0.0)
+            for n in range(NS // 4):
+                for x in range(4):
+                    if FOLD:
+                        p = ptx.exp2_ftz(cuda.fma(s[4 * n + x], scale_q, -m_use[x >> 1]))
+                    else:
+                        p = ptx.exp2_ftz(s[4 * n + x] - m_use[x >> 1])
+                    if x < 2:
+                        ps0 += p
+                    else:
+                        ps1 += p
+                    if DROPOUT:
+                        u = dropout_uniform(seed, offset, b * nheads + h, i0 + r0 + 8 * (x >> 1),
+                                            j0 + 8 * n + 2 * t + (x & 1))
+                        if u < p_drop:
+                            p = float32(0.0)
+                    s[4 * n + x] = p
+            l[0] = alpha[0] * l[0] + ps0
+            l[1] = alpha[1] * l[1] + ps1
+            for n in range(NO // 4):
+                o[4 * n] *= alpha[0]
+                o[4 * n + 1] *= alpha[0]
+                o[4 * n + 2] *= alpha[1]
+                o[4 * n + 3] *= alpha[1]
+
+            # O_i += P_ij V_j: B_c / 16 wgmma, A = P_ij packed from the S registers (16 keys a step), one group
+            v_addr = k_addr + OFF_V * 2
+            fence_o(o)
+            for kc in range(KC):
+                mma_o(o, pack(s[8 * kc], s[8 * kc + 1]), pack(s[8 * kc + 2], s[8 * kc + 3]),
+                      pack(s[8 * kc + 4], s[8 * kc + 5]), pack(s[8 * kc + 6], s[8 * kc + 7]),
+                      hop.make_desc(v_addr + kc * 256, 128, SBO_V), 1)
+            hop.wgmma_commit()
+            wait_o(0, o)
+            cuda.syncthreads()  # both warpgroups are done with this buffer before tile j + 2 is copied into it
+        ptx.cp_async_wait_all()
+
+        for r in range(2):
+            l[r] += ptx.shfl_xor_f32(l[r], 1)
+            l[r] += ptx.shfl_xor_f32(l[r], 2)
+        for x in range(2):
+            i = i0 + r0 + 8 * x
+            if i < seqlen_q:
+                # (1 / l as rcp.approx: a division's slow path would be a call, which serialises the wgmma)
+                inv_l = (rp_keep if DROPOUT else float32(1.0)) * ptx.rcp_approx(l[x]) if l[x] != 0 else float32(0.0)
+                for n in range(NO // 4):
+                    out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[4 * n + 2 * x] * inv_l)
+                    out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[4 * n + 2 * x + 1] * inv_l)
+                if t == 0:
+                    lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
+
+    return forward_wgmma

@@ -1,0 +1,188 @@
+"""The Hopper forward (kernel="wgmma", :mod:`flashnumba.kernels.wgmma_forward`) against the float64 reference.
+
+In the simulator: one and two warpgroups, causal and not, every option, varlen, bfloat16 (each wgmma there is 128
+Python threads meeting at a barrier: tiny shapes), and the sm_90a compile without a GPU (registers, no spills, no
+serialised wgmma). On an H200: awkward and long shapes at the default tiles, and a Hypothesis property over shapes,
+head dims, dtypes and options; tolerances as in conftest.check_forward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import flashnumba
+from conftest import FULL_COMPILE, check_forward, compile_offline, random_qkv, shard
+from flashnumba import reference
+from flashnumba._backend import cuda
+
+
+def on_hopper():
+    return not flashnumba.SIMULATOR and tuple(cuda.get_current_device().compute_capability) == (9, 0)
+
+
+gpu_only = pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+
+
+@pytest.fixture(autouse=True)
+def _hopper_or_simulator():
+    if not flashnumba.SIMULATOR and not on_hopper():
+        pytest.skip("kernel 'wgmma' runs on compute capability 9.0 (sm_90a) only")
+
+
+def wgmma(q, k, v, warpgroups=1, block_n=64, **kw):
+    return flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=64 * warpgroups, block_n=block_n, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_warpgroup_matches_reference(causal):
+    """Two query tiles (the second partial), keys over two tiles (the second partial): the pipeline, the masks."""
+    rng = np.random.default_rng(1)
+    q, k, v = random_qkv(rng, 1, 70, 90, 1, 64, np.float16)
+    out, lse = wgmma(q, k, v, causal=causal)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+def test_two_warpgroups_every_option():
+    """Two warpgroups sharing each K_j, V_j tile, GQA, a two-sided window, softcap, ALiBi and dropout at once."""
+    rng = np.random.default_rng(5)
+    nheads, nheads_k, sq, sk = 2, 1, 20, 70
+    q, k, v = random_qkv(rng, 1, sq, sk, nheads, 64, np.float16)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    opts = dict(window_size=(30, 9), softcap=2.5, alibi_slopes=np.array([0.3, 0.7], np.float32), dropout_p=0.3,
+                dropout_seed=9, dropout_offset=4)
+    ref = {n: x for n, x in opts.items() if not n.startswith("dropout")}
+    ref["dropout_z"] = reference.dropout_z(9, 4, 1, nheads, sq, sk, 0.3)
+    out, lse = wgmma(q, k, v, warpgroups=2, **opts)
+    check_forward(out, lse, q, k, v, **ref)
+
+
+def test_varlen_bfloat16_and_scale():
+    """Packed sequences (one empty), bfloat16, a negative scale (no exponent folding), head_dim 96."""
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(3)
+    lens_q, lens_k = [5, 0, 70], [9, 3, 66]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 1, 96)).astype(bf16)
+    k, v = (rng.standard_normal((cu_k[-1], 1, 96)).astype(bf16) for _ in range(2))
+    out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                    softmax_scale=-0.2, kernel="wgmma", block_m=64, block_n=64)
+    for b in range(3):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rq.stop > rq.start:
+            check_forward(out[None, rq], lse[None, :, rq], q[None, rq], k[None, rk], v[None, rk], causal=True,
+                          softmax_scale=-0.2)
+
+
+def test_what_it_does_not_take_is_refused():
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 80, np.float16)
+    with pytest.raises(ValueError, match="head_dim"):
+        flashnumba.flash_attn_forward(q, k, v, kernel="wgmma")
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 64, np.float16)
+    with pytest.raises(ValueError, match="block_m 64 or 128"):
+        flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=32)
+    with pytest.raises(ValueError, match="num_threads"):
+        flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", num_threads=128)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        flashnumba.flash_attn_forward(*(x.astype(np.float32) for x in (q, k, v)), kernel="wgmma")
+    out, lse = flashnumba.flash_attn_forward(q, k, v)
+    with pytest.raises(ValueError, match="for the backward"):
+        flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma")
+
+
+COMPILE = r"""
+import json
+from flashnumba import _launch
+from flashnumba.kernels import wgmma_forward
+from flashnumba.kernels.common import Variant
+cases = [(128, 128, 2, "float16", Variant(), False), (64, 128, 2, "bfloat16", Variant(), False)]
+if FULL:
+    cases += [(128, 64, 2, "float16", Variant(True, True, True, True, True, True), True),
+              (128, 64, 2, "float16", Variant(False, False, False, False, True, False), False),
+              (128, 64, 2, "float16", Variant(False, False, False, False, False, True), False),
+              (128, 64, 2, "float16", Variant(True, True, True, True, False, False), False),
+              (96, 64, 2, "bfloat16", Variant(False, True), False), (128, 128, 2, "bfloat16", Variant(False, True), True)]
+out = {}
+for D, n, wg, dt, var, gqa in cases:
+    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa)
+    el = "uint16" if dt == "bfloat16" else "float16"
+    a4 = f"{el}[:, :, :, ::1]"
+    sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, ::1], "
+           f"int32[::1], int32[::1], float32, float32, uint64, uint64)")
+    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"))
+    log = _launch.assemble(ptx, (9, 0, "a"))[1]
+    out[f"{dt} D={D} B_c={n} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+print(json.dumps(out))
+"""
+
+
+def test_wgmma_forward_compiles_for_sm90a():
+    """Without a GPU: the kernels assemble for sm_90a with S and O in registers (no local memory, no spills) and
+    the wgmma not serialised by the assembler (which it does where it cannot keep an in-flight operand's
+    registers apart)."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
+    assert len(compiled) == (5 if FULL_COMPILE else 2)
+    for name, r in compiled.items():
+        assert ".target sm_90a" in r["ptx"]
+        for needle in ("wgmma.mma_async.sync.aligned", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
+                       "fence.proxy.async.shared::cta", "cp.async.cg.shared.global"):
+            assert needle in r["ptx"], f"{name}: no {needle!r}"
+        print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: {r['log'][-600:]}"
+        assert "serialized" not in r["log"], f"{name}: {r['log'][-600:]}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# on the H200
+# ---------------------------------------------------------------------------------------------------------------
+
+@gpu_only
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (1, 300, True), (63, 65, True),
+                                                        (97, 1000, False), (1000, 97, True), (513, 2047, True),
+                                                        (2048, 2048, False)])
+@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype):
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(seqlen_q + seqlen_k + D)
+    q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D, dtype)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="wgmma")
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+SHARDS = 8
+
+
+@gpu_only
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
+@given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+       seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from([64, 96, 128]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), tiles=st.sampled_from([None, (128, 128), (128, 64), (64, 64)]),
+       causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
+       alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
+                                      window, softcap, alibi, dropout, seed):
+    """Hypothesis over shapes (GQA groups, lengths 1 .. 600 each way), head dims, dtypes, tiles and every option;
+    the compiled specialisations are few (the options' set, D, dtype, tiles), so the examples are many."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(seed)
+    nheads = nheads_k * group
+    q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, D, dtype)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    opts = dict(causal=causal, softcap=softcap)
+    if window is not None:
+        opts["window_size"] = window
+    if alibi:
+        opts["alibi_slopes"] = rng.uniform(0.01, 1.0, nheads).astype(np.float32)
+    ref = dict(opts)
+    if dropout:
+        opts.update(dropout_p=dropout, dropout_seed=seed % 1000, dropout_offset=3)
+        ref["dropout_z"] = reference.dropout_z(seed % 1000, 3, batch, nheads, seqlen_q, seqlen_k, dropout)
+    blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1])
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **blocks, **opts)
+    check_forward(out, lse, q, k, v, **ref)
