@@ -148,6 +148,18 @@ def _flashnumba_tc(q, k, v, dout, causal):
 _flashnumba_tc.dtypes = ("float16", "bfloat16")
 
 
+def _flashnumba_wgmma(q, k, v, dout, causal, window_size=(-1, -1)):
+    """The Hopper forward (``kernel="wgmma"``: compute capability 9.0, float16 or bfloat16, head_dim 64, 96 or 128;
+    forward only)."""
+    opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
+    flash_attn_forward(q, k, v, **opts)  # unsupported GPUs, dtypes and head dims raise here, before timing
+    return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
+
+
+_flashnumba_wgmma.features = True
+_flashnumba_wgmma.dtypes = ("float16", "bfloat16")
+
+
 def _flashnumba_tf32(precision):
     """The float32 forward on tensor cores (``kernel="tf32"`` or ``"3xtf32"``, head_dim 64 or 128)."""
 
@@ -267,6 +279,7 @@ def available_implementations(include_peers=True):
     impls.update({f"flashnumba_{k}": _flashnumba(k) for k in ("v1", "v2", "v3")})
     impls["flashnumba_tc"] = _flashnumba_tc
     impls["flashnumba_atomic"] = _flashnumba_atomic
+    impls["flashnumba_wgmma"] = _flashnumba_wgmma
     impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
     impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
     impls["standard_cupy"] = _standard

@@ -1,0 +1,40 @@
+"""The Hopper forward (kernel="wgmma") on a few awkward shapes, for compute-sanitizer (memcheck, racecheck,
+synccheck):
+
+    compute-sanitizer --tool racecheck python scripts/sanitize_wgmma.py
+
+sequences not a multiple of the tiles, causal on and off, float16 and bfloat16, one and two warpgroups, B_c 64 and
+128, GQA with a window, varlen with an empty sequence; each result's largest error against the float64 reference
+is printed.
+"""
+
+import ml_dtypes
+import numpy as np
+
+import flashnumba
+
+rng = np.random.default_rng(0)
+cases = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dtype, block_m, block_n, window)
+    (1, 77, 91, 2, 2, 64, True, np.float16, None, None, None),
+    (2, 65, 40, 1, 1, 128, False, np.float16, None, None, None),
+    (1, 200, 333, 4, 2, 128, True, ml_dtypes.bfloat16, 64, 64, None),
+    (1, 130, 270, 2, 1, 96, False, np.float16, 128, 64, (40, 7)),
+    (1, 300, 129, 1, 1, 128, True, np.float16, 128, 128, None),
+]
+for b, sq, sk, h, hk, d, causal, dtype, bm, bn, window in cases:
+    q = rng.standard_normal((b, sq, h, d)).astype(dtype)
+    k, v = (rng.standard_normal((b, sk, hk, d)).astype(dtype) for _ in range(2))
+    opts = dict(causal=causal) | (dict(window_size=window) if window else {})
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=bm, block_n=bn, **opts)
+    rep = h // hk
+    ref, _ = flashnumba.reference.attention_forward(q.astype(np.float32), np.repeat(k, rep, 2).astype(np.float32),
+                                                    np.repeat(v, rep, 2).astype(np.float32), **opts)
+    print(f"wgmma b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {np.dtype(dtype).name} tiles=({bm}, {bn}) "
+          f"window={window}: max error {float(np.abs(out.astype(np.float64) - ref).max()):.2e}")
+lens_q, lens_k = [5, 0, 70], [9, 3, 166]
+cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+q = rng.standard_normal((cu_q[-1], 2, 64)).astype(np.float16)
+k, v = (rng.standard_normal((cu_k[-1], 2, 64)).astype(np.float16) for _ in range(2))
+out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                kernel="wgmma")
+print(f"wgmma varlen {lens_q} x {lens_k}: finite {bool(np.isfinite(out.astype(np.float32)).all())}")
