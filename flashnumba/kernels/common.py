@@ -27,7 +27,7 @@ import functools
 import math
 import types
 
-from . import philox
+from . import philox, ptx
 from .._backend import cuda
 from numba import float32
 
@@ -67,7 +67,7 @@ def make_sequence_geometry(varlen):
     return sequence
 
 
-def make_score_mod(softcap_on, alibi_on):
+def make_score_mod(softcap_on, alibi_on, no_calls=False):
     """The device function that modifies a score before the softmax, as every kernel does it (and as
     ``flashnumba.reference._scores``):
 
@@ -75,12 +75,21 @@ def make_score_mod(softcap_on, alibi_on):
 
     x = scale q_i . k_j becomes softcap * tanh(x / softcap) (``softcap_on``), then x - slope |i + diag - j| (the
     ALiBi bias, ``alibi_on``); dcap = d(new x) / d(x) = 1 - tanh^2 (1 without a softcap), which the backward
-    multiplies into dS. The forward ignores dcap and the compiler drops it."""
+    multiplies into dS. The forward ignores dcap and the compiler drops it.
+
+    ``no_calls``: the tanh as 1 - 2 / (exp(2 y) + 1) from ``ex2.approx`` and ``rcp.approx`` (within a few float32
+    ulps of 1 in absolute terms), for the Hopper kernels: a float32 division and libdevice's tanhf have slow paths
+    that are subroutine calls, and the assembler serialises the wgmma of a kernel that makes any call."""
 
     @cuda.jit(device=True, inline=True)
     def score_mod(x, softcap, slope, i, j, diag):
         dcap = float32(1.0)
-        if softcap_on:
+        if softcap_on and no_calls:
+            e = ptx.exp2_ftz(x * ptx.rcp_approx(softcap) * float32(2.0 * LOG2E))  # exp(2 x / softcap)
+            th = float32(1.0) - float32(2.0) * ptx.rcp_approx(e + float32(1.0))
+            x = softcap * th
+            dcap = float32(1.0) - th * th
+        elif softcap_on:
             th = float32(math.tanh(x / softcap))
             x = softcap * th
             dcap = float32(1.0) - th * th

@@ -26,12 +26,23 @@ at (c rows / 8 + r) 128 bytes. Read K-major (LBO = rows x 16 bytes steps 8 head 
 tile is Q_i or K_j; read MN-major (LBO = 128 bytes steps 8 keys, SBO = B_c x 16 bytes 8 head dims) it is V_j. No
 padding is needed: each core matrix is one 128-byte line of the 32 banks. The copies (``cp.async``, 16 bytes a
 thread) go 8 rows x 4 column blocks a warp, so that each quarter-warp writes one whole core matrix (no bank
-conflict) and each row is read 64 bytes at a time. Double-buffered as in mma_forward: the copies of K_j+1, V_j+1
-are in flight while the warpgroups compute on K_j, V_j; the copies land, each thread makes its writes visible to
-the tensor cores' ("async proxy") reads with ``fence.proxy.async``, and a barrier.
+conflict) and each row is read 64 bytes at a time; each thread makes its landed copies visible to the tensor
+cores' ("async proxy") reads with ``fence.proxy.async`` before the barrier that publishes a tile.
 
-Two warpgroups share each K_j, V_j tile (half the shared-memory traffic a query row of one warpgroup alone), and
-while one is in its softmax the other's wgmma keep the tensor cores busy.
+The pipeline. A wgmma is issued and runs on its own; the warpgroup waits only when it needs the result. So the
+softmax of tile j runs while the tensor cores multiply P of tile j - 1 by V_j-1 (FlashAttention-3's overlap within
+a warpgroup), and the copies of tile j + 1 fly meanwhile; three K, V buffers hold tiles j - 1 (its V still being
+read), j and j + 1. Iteration j, one barrier::
+
+    wait for tile j's copies; fence.proxy.async; barrier       (all done with j - 1: tile j - 2's buffer is free)
+    copy tile j + 1 into that buffer                              cp.async, in flight until iteration j + 1
+    issue S_ij = Q_i K_j^T                                        group 1 (tensor cores)
+    issue O_i += P_i,j-1 V_j-1                                    group 2 (tensor cores, after group 1)
+    wait for group 1; softmax of S_ij -> alpha, P_ij (float32)    (CUDA cores, while group 2 runs)
+    wait for group 2; O_i *= alpha; P_ij packed to 16 bits        (the A operand of the next iteration's group 2)
+
+and one more iteration after the last tile issues its P V alone. Two warpgroups share each K_j, V_j tile (half the
+shared-memory traffic a query row of one warpgroup alone would cost).
 """
 
 from __future__ import annotations
@@ -52,9 +63,12 @@ WARPGROUPS = (1, 2)
 CORE = 64  # elements (16-bit) of a core matrix: 8 rows x 8 head dims, 128 bytes
 
 
+STAGES = 3  # K_j, V_j buffers: tile j + 1 in flight while tile j's S and tile j - 1's P V are computed
+
+
 def shared_bytes(D, B_c, B_r):
-    """Q_i (B_r rows) and two K_j, V_j buffers (B_c rows each), 16-bit elements, unpadded."""
-    return (B_r + 4 * B_c) * D * 2
+    """Q_i (B_r rows) and :data:`STAGES` K_j, V_j buffers (B_c rows each), 16-bit elements, unpadded."""
+    return (B_r + 2 * STAGES * B_c) * D * 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,17 +101,6 @@ def make_load_core(D, NT):
     return load_core
 
 
-@cuda.jit(device=True, inline=True)
-def tile_landed_async():
-    """As :func:`flashnumba.kernels.mma_tiles.tile_landed` (close the copies just issued as one group, wait for
-    every group but that newest, a barrier), with each thread's landed copies and zero stores made visible to the
-    tensor cores' reads (``fence.proxy.async``) before the barrier."""
-    ptx.cp_async_commit()
-    ptx.cp_async_wait(1)
-    hop.fence_proxy_async()
-    cuda.syncthreads()
-
-
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True):
     """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`),
@@ -119,7 +122,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     SCORE_MOD = SOFTCAP or ALIBI
     FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (mma_forward's docstring)
-    score_mod = make_score_mod(SOFTCAP, ALIBI)
+    score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls=True)
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     is_bf16 = dtype == "bfloat16"
@@ -142,6 +145,120 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     mma_o, fence_o, wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
     load_core = make_load_core(D, NT)
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
+
+    @cuda.jit(device=True, inline=True)
+    def softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_k, diag, last_row, scale_q, softcap,
+                     slope, left, right, p_drop, seed, offset):
+        """The online softmax of mma_forward on this lane's rows g and g + 8 of S_ij (registers s): scores in
+        base 2 (softcap and ALiBi in natural units first), masked where the tile reaches past the sequence or out
+        of a row's band, m_i, alpha = exp2(m_old - m_new), P_ij = exp2(S_ij - m_new) into s (0 where masked;
+        dropout applied after l_i has summed it), l_i."""
+        masked = (j0 + B_c > seqlen_k or (HAS_RIGHT and j0 + B_c - 1 > i0 + diag + right)
+                  or (HAS_LEFT and j0 < last_row + diag - left))
+        if not FOLD:
+            for n in range(NS // 4):
+                for x in range(4):
+                    val = s[4 * n + x] * scale_q
+                    if SCORE_MOD:
+                        i = i0 + r0 + 8 * (x >> 1)
+                        val, _ = score_mod(val, softcap, slope, i, j0 + 8 * n + 2 * t + (x & 1), diag)
+                        val *= LOG2E
+                    s[4 * n + x] = val
+        if masked:
+            for n in range(NS // 4):
+                for x in range(4):
+                    i = i0 + r0 + 8 * (x >> 1)
+                    j = j0 + 8 * n + 2 * t + (x & 1)
+                    if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
+                            or (HAS_RIGHT and j > i + diag + right)):
+                        s[4 * n + x] = NEG_INF
+        mx0 = NEG_INF
+        mx1 = NEG_INF
+        for n in range(NS // 4):
+            mx0 = max(mx0, max(s[4 * n], s[4 * n + 1]))
+            mx1 = max(mx1, max(s[4 * n + 2], s[4 * n + 3]))
+        mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
+        mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
+        mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
+        mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
+        for x in range(2):
+            mx = mx0 if x == 0 else mx1
+            if FOLD:
+                mx *= scale_q
+            mx = max(m[x], mx)
+            m_use[x] = mx if mx != NEG_INF else float32(0.0)
+            alpha[x] = ptx.exp2_ftz(m[x] - m_use[x])
+            m[x] = mx
+        ps0 = float32(0.0)
+        ps1 = float32(0.0)
+        for n in range(NS // 4):
+            for x in range(4):
+                if FOLD:
+                    p = ptx.exp2_ftz(cuda.fma(s[4 * n + x], scale_q, -m_use[x >> 1]))
+                else:
+                    p = ptx.exp2_ftz(s[4 * n + x] - m_use[x >> 1])
+                if x < 2:
+                    ps0 += p
+                else:
+                    ps1 += p
+                if DROPOUT:
+                    u = dropout_uniform(seed, offset, b * nheads + h, i0 + r0 + 8 * (x >> 1),
+                                        j0 + 8 * n + 2 * t + (x & 1))
+                    if u < p_drop:
+                        p = float32(0.0)
+                s[4 * n + x] = p
+        l[0] = alpha[0] * l[0] + ps0
+        l[1] = alpha[1] * l[1] + ps1
+
+    @cuda.jit(device=True, inline=True)
+    def rescale_and_pack(o, pa, s, alpha):
+        """O_i *= alpha (rows g, g + 8), and P_ij (s) packed in pairs into pa, the A operand of O += P V: the
+        16 keys of step c are s[8 c .. 8 c + 7] (module docstring of ptx_hopper)."""
+        for n in range(NO // 4):
+            o[4 * n] *= alpha[0]
+            o[4 * n + 1] *= alpha[0]
+            o[4 * n + 2] *= alpha[1]
+            o[4 * n + 3] *= alpha[1]
+        for c in range(KC):
+            for r in range(4):
+                pa[c, r] = pack(s[8 * c + 2 * r], s[8 * c + 2 * r + 1])
+
+    @cuda.jit(device=True, inline=True)
+    def publish_tile():
+        """The copies of the tile (and of Q_i) landed, seen by the tensor cores (fence.proxy.async), and every
+        thread past the barrier: every warpgroup is done with the tile before, so the buffer of the one before
+        that is free."""
+        ptx.cp_async_wait_all()
+        hop.fence_proxy_async()
+        cuda.syncthreads()
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(smem, jt, k, v, bb, row0, row_end, hk, tid):
+        """Start the copies of K_j, V_j (tile jt, keys from row0) into buffer jt % STAGES, one commit group."""
+        nb = OFF_K + (jt % STAGES) * BUF
+        load_core(smem, nb, k, bb, row0, row_end, hk, B_c, tid)
+        load_core(smem, nb + OFF_V, v, bb, row0, row_end, hk, B_c, tid)
+        ptx.cp_async_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def issue_s(s, q_addr, kv_addr, jt):
+        """Issue S_ij = Q_i K_j^T (K_j in buffer jt % STAGES): D / 16 wgmma on the accumulator s, one group."""
+        k_addr = kv_addr + (jt % STAGES) * BUF * 2
+        fence_s(s)
+        for ks in range(KD):
+            mma_s(s, hop.make_desc(q_addr + ks * 2 * LBO_Q, LBO_Q, 128),
+                  hop.make_desc(k_addr + ks * 2 * LBO_K, LBO_K, 128), ks)
+        hop.wgmma_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def issue_pv(o, pa, kv_addr, jt):
+        """Issue O_i += P V_j (V_j in buffer jt % STAGES, MN-major; P from the registers pa): B_c / 16 wgmma,
+        one group."""
+        v_addr = kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2
+        fence_o(o)
+        for kc in range(KC):
+            mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], hop.make_desc(v_addr + kc * 256, 128, SBO_V), 1)
+        hop.wgmma_commit()
 
     @cuda.jit
     def forward_wgmma(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
@@ -167,9 +284,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         if i0 >= seqlen_q:
             return
 
-        smem = cuda.shared.array(0, elem)  # Q_i | K, V buffer 0 | K, V buffer 1 (dynamic), core matrices
+        smem = cuda.shared.array(0, elem)  # Q_i | K, V buffers 0, 1, 2 (dynamic), core matrices
         s = cuda.local.array(NS, float32)  # S_ij, then P_ij: this thread's part of the warpgroup's 64 x B_c
         o = cuda.local.array(NO, float32)  # O_i: its part of the warpgroup's 64 x D
+        pa = cuda.local.array((KC, 4), uint32)  # P_ij packed: the A operand of O += P_ij V_j, step by step
         m = cuda.local.array(2, float32)  # rows g, g + 8: m_i (base 2), this lane's partial l_i, alpha
         l = cuda.local.array(2, float32)
         alpha = cuda.local.array(2, float32)
@@ -185,102 +303,37 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
         load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
         if n_tiles > 0:
-            load_core(smem, OFF_K, k, bb, k0 + n_start, k0 + seqlen_k, hk, B_c, tid)
-            load_core(smem, OFF_K + OFF_V, v, bb, k0 + n_start, k0 + seqlen_k, hk, B_c, tid)
+            load_tile(smem, 0, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
         ptx.cp_async_commit()
 
-        for jt in range(n_tiles):
-            j0 = n_start + jt * B_c
-            buf = (jt & 1) * BUF
-            if jt + 1 < n_tiles:  # tile j + 1 into the other buffer (freed by the barrier ending iteration j - 1)
-                nb = OFF_K + ((jt + 1) & 1) * BUF
-                load_core(smem, nb, k, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, B_c, tid)
-                load_core(smem, nb + OFF_V, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, B_c, tid)
-            tile_landed_async()
-
-            # S_ij = Q_i K_j^T: D / 16 wgmma on the warpgroup's accumulator, one group
-            k_addr = kv_addr + buf * 2
-            fence_s(s)
-            for ks in range(KD):
-                mma_s(s, hop.make_desc(q_addr + ks * 2 * LBO_Q, LBO_Q, 128),
-                      hop.make_desc(k_addr + ks * 2 * LBO_K, LBO_K, 128), ks)
-            hop.wgmma_commit()
+        # The first tile: S_i0 alone, its softmax, P_i0 packed (module docstring: the pipeline)
+        if n_tiles > 0:
+            publish_tile()
+            if n_tiles > 1:
+                load_tile(smem, 1, k, v, bb, k0 + n_start + B_c, k0 + seqlen_k, hk, tid)
+            issue_s(s, q_addr, kv_addr, 0)
             wait_s(0, s)
-
-            # the online softmax of mma_forward, on this lane's rows g and g + 8
-            masked = (j0 + B_c > seqlen_k or (HAS_RIGHT and j0 + B_c - 1 > i0 + diag + right)
-                      or (HAS_LEFT and j0 < last_row + diag - left))
-            if not FOLD:
-                for n in range(NS // 4):
-                    for x in range(4):
-                        val = s[4 * n + x] * scale_q
-                        if SCORE_MOD:
-                            i = i0 + r0 + 8 * (x >> 1)
-                            val, _ = score_mod(val, softcap, slope, i, j0 + 8 * n + 2 * t + (x & 1), diag)
-                            val *= LOG2E
-                        s[4 * n + x] = val
-            if masked:
-                for n in range(NS // 4):
-                    for x in range(4):
-                        i = i0 + r0 + 8 * (x >> 1)
-                        j = j0 + 8 * n + 2 * t + (x & 1)
-                        if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
-                                or (HAS_RIGHT and j > i + diag + right)):
-                            s[4 * n + x] = NEG_INF
-            mx0 = NEG_INF
-            mx1 = NEG_INF
-            for n in range(NS // 4):
-                mx0 = max(mx0, max(s[4 * n], s[4 * n + 1]))
-                mx1 = max(mx1, max(s[4 * n + 2], s[4 * n + 3]))
-            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
-            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
-            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
-            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
-            for x in range(2):
-                mx = mx0 if x == 0 else mx1
-                if FOLD:
-                    mx *= scale_q
-                mx = max(m[x], mx)
-                m_use[x] = mx if mx != NEG_INF else float32(0.0)
-                alpha[x] = ptx.exp2_ftz(m[x] - m_use[x])
-                m[x] = mx
-            ps0 = float32(0.0)
-            ps1 = float32(0.0)
-            for n in range(NS // 4):
-                for x in range(4):
-                    if FOLD:
-                        p = ptx.exp2_ftz(cuda.fma(s[4 * n + x], scale_q, -m_use[x >> 1]))
-                    else:
-                        p = ptx.exp2_ftz(s[4 * n + x] - m_use[x >> 1])
-                    if x < 2:
-                        ps0 += p
-                    else:
-                        ps1 += p
-                    if DROPOUT:
-                        u = dropout_uniform(seed, offset, b * nheads + h, i0 + r0 + 8 * (x >> 1),
-                                            j0 + 8 * n + 2 * t + (x & 1))
-                        if u < p_drop:
-                            p = float32(0.0)
-                    s[4 * n + x] = p
-            l[0] = alpha[0] * l[0] + ps0
-            l[1] = alpha[1] * l[1] + ps1
-            for n in range(NO // 4):
-                o[4 * n] *= alpha[0]
-                o[4 * n + 1] *= alpha[0]
-                o[4 * n + 2] *= alpha[1]
-                o[4 * n + 3] *= alpha[1]
-
-            # O_i += P_ij V_j: B_c / 16 wgmma, A = P_ij packed from the S registers (16 keys a step), one group
-            v_addr = k_addr + OFF_V * 2
-            fence_o(o)
-            for kc in range(KC):
-                mma_o(o, pack(s[8 * kc], s[8 * kc + 1]), pack(s[8 * kc + 2], s[8 * kc + 3]),
-                      pack(s[8 * kc + 4], s[8 * kc + 5]), pack(s[8 * kc + 6], s[8 * kc + 7]),
-                      hop.make_desc(v_addr + kc * 256, 128, SBO_V), 1)
-            hop.wgmma_commit()
+            softmax_tile(s, m, l, alpha, m_use, i0, r0, t, n_start, b, h, nheads, seqlen_k, diag, last_row,
+                         scale_q, softcap, slope, left, right, p_drop, seed, offset)
+            rescale_and_pack(o, pa, s, alpha)
+        # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs
+        for jt in range(1, n_tiles):
+            j0 = n_start + jt * B_c
+            publish_tile()
+            if jt + 1 < n_tiles:
+                load_tile(smem, jt + 1, k, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, tid)
+            issue_s(s, q_addr, kv_addr, jt)
+            issue_pv(o, pa, kv_addr, jt - 1)
+            wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
+            softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_k, diag, last_row,
+                         scale_q, softcap, slope, left, right, p_drop, seed, offset)
             wait_o(0, o)
-            cuda.syncthreads()  # both warpgroups are done with this buffer before tile j + 2 is copied into it
-        ptx.cp_async_wait_all()
+            rescale_and_pack(o, pa, s, alpha)
+        # The last tile's P V
+        if n_tiles > 0:
+            issue_pv(o, pa, kv_addr, n_tiles - 1)
+            wait_o(0, o)
+        ptx.cp_async_wait_all()  # (with no tile, the prologue's copy of Q_i is still in flight)
 
         for r in range(2):
             l[r] += ptx.shfl_xor_f32(l[r], 1)
