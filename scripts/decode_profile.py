@@ -166,6 +166,32 @@ elif mode == "prelaunch":  # what one call a pair of events adds to the GPU's ti
         print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}, check_cache_values={checked}: host us from the "
               f"call to its first launch, median {np.median(first):.1f} (10th percentile {np.percentile(first, 10):.1f});"
               f" the whole call {np.median(whole):.1f}; {len(marks)} launches")
+    # the same on the GPU's clock: one call between two events (as the bench's one-call-a-pair mode times it),
+    # with a third recorded just before the first kernel's launch
+    first_event = []
+
+    def evented(self, values, stream):
+        if not first_event:
+            ev = cupy.cuda.Event()
+            ev.record(cupy.cuda.ExternalStream(stream))
+            first_event.append(ev)
+        return launch(self, values, stream)
+
+    _launch.Bound.__call__ = evented
+    flashnumba.config.check_cache_values = False
+    before, after = [], []
+    for _ in range(200):
+        first_event.clear()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        cupy.cuda.Device().synchronize()
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        before.append(cupy.cuda.get_elapsed_time(start, first_event[0]) * 1e3)
+        after.append(cupy.cuda.get_elapsed_time(first_event[0], end) * 1e3)
+    print(f"one call a pair of events: start -> before the first launch {np.median(before):.1f} us, from there to "
+          f"the end {np.median(after):.1f} us (medians of 200; the kernels alone from a CUDA graph: mode latency)")
     _launch.Bound.__call__ = launch
 elif mode == "ncu":
     import torch
