@@ -11,7 +11,7 @@ for d in (64, 128):
     q, k, v = (cupy.asarray(rng.standard_normal((b, n, h, d), np.float32).astype(np.float16)) for _ in range(3))
     for causal in (False, True):
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
-        for tiles in ((128, 128), (128, 64), (64, 64), (64, 128)):
+        for tiles in ((128, 128), (128, 64)):
             try:
                 fn = lambda: flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="wgmma",  # noqa: E731
                                                            block_m=tiles[0], block_n=tiles[1])
