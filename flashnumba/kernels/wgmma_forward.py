@@ -77,26 +77,53 @@ def make_load_core(D, NT):
     rows of src[b, row0 + r, h, :] (C-contiguous (batch, seqlen, nheads, D)) into the core-matrix layout of the
     module docstring at element ``off``; rows at or past ``row_end`` become zeros (a row of garbage could hold a
     NaN, and 0 * NaN is NaN). Each warp copies 8 rows x 4 blocks of 8 head dims at a time: lane l the row
-    8 r + (l % 8) and the block 4 c + l // 8, so lanes 8 q .. 8 q + 7 fill one core matrix."""
+    8 r + (l % 8) and the block 4 c + l // 8, so lanes 8 q .. 8 q + 7 fill one core matrix. Where the warps of
+    the block are a multiple of D / 32 (the 4-block groups of a row), each thread keeps one column block and steps
+    its row, its source and its destination by constants (no division a copy)."""
     CB = D // 32  # groups of 4 column blocks per row
+    NW = NT // 32
 
-    @cuda.jit(device=True, inline=True)
-    def load_core(smem, off, src, b, row0, row_end, h, rows, tid):
-        lane = tid % 32
-        rl = lane % 8
-        cl = lane // 8
-        for it in range((rows // 8 * CB * 32 + NT - 1) // NT):
-            wc = (tid + it * NT) // 32  # this warp's 8-row x 4-block piece
-            if wc < rows // 8 * CB:
-                rb = wc // CB
-                c = 4 * (wc - rb * CB) + cl  # block of 8 head dims
-                r = 8 * rb + rl
-                dst = off + (c * (rows // 8) + rb) * CORE + rl * 8
+    if NW % CB == 0:
+        RB = NW // CB  # 8-row blocks the warps cover at a time
+
+        @cuda.jit(device=True, inline=True)
+        def load_core(smem, off, src, b, row0, row_end, h, rows, tid):
+            lane = tid & 31
+            w = tid >> 5
+            rl = lane & 7
+            c = 4 * (w % CB) + (lane >> 3)  # (CB a constant: a shift or a multiply, once a call)
+            r = 8 * (w // CB) + rl
+            dst = off + (c * (rows // 8) + w // CB) * CORE + rl * 8
+            g = ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + 8 * c  # src[b, row0 + r, h, 8 c], flat
+            step = 8 * RB * src.shape[2] * D
+            for it in range(rows // (8 * RB)):
                 if row0 + r < row_end:
-                    ptx.cp_async_16(smem, dst, src, ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + 8 * c)
+                    ptx.cp_async_16(smem, dst, src, g)
                 else:
                     for e in range(8):
                         smem[dst + e] = 0
+                r += 8 * RB
+                dst += RB * CORE
+                g += step
+    else:
+        @cuda.jit(device=True, inline=True)
+        def load_core(smem, off, src, b, row0, row_end, h, rows, tid):
+            lane = tid % 32
+            rl = lane % 8
+            cl = lane // 8
+            for it in range((rows // 8 * CB * 32 + NT - 1) // NT):
+                wc = (tid + it * NT) // 32  # this warp's 8-row x 4-block piece
+                if wc < rows // 8 * CB:
+                    rb = wc // CB
+                    c = 4 * (wc - rb * CB) + cl  # block of 8 head dims
+                    r = 8 * rb + rl
+                    dst = off + (c * (rows // 8) + rb) * CORE + rl * 8
+                    if row0 + r < row_end:
+                        ptx.cp_async_16(smem, dst, src,
+                                        ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + 8 * c)
+                    else:
+                        for e in range(8):
+                            smem[dst + e] = 0
 
     return load_core
 
@@ -243,21 +270,21 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     @cuda.jit(device=True, inline=True)
     def issue_s(s, q_addr, kv_addr, jt):
         """Issue S_ij = Q_i K_j^T (K_j in buffer jt % STAGES): D / 16 wgmma on the accumulator s, one group."""
-        k_addr = kv_addr + (jt % STAGES) * BUF * 2
+        dq = hop.make_desc(q_addr, LBO_Q, 128)
+        dk = hop.make_desc(kv_addr + (jt % STAGES) * BUF * 2, LBO_K, 128)
         fence_s(s)
-        for ks in range(KD):
-            mma_s(s, hop.make_desc(q_addr + ks * 2 * LBO_Q, LBO_Q, 128),
-                  hop.make_desc(k_addr + ks * 2 * LBO_K, LBO_K, 128), ks)
+        for ks in range(KD):  # (the next 16 head dims: 2 LBO further on, in the descriptor's 16-byte units)
+            mma_s(s, dq + ks * (LBO_Q // 8), dk + ks * (LBO_K // 8), ks)
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
     def issue_pv(o, pa, kv_addr, jt):
         """Issue O_i += P V_j (V_j in buffer jt % STAGES, MN-major; P from the registers pa): B_c / 16 wgmma,
         one group."""
-        v_addr = kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2
+        dv = hop.make_desc(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, 128, SBO_V)
         fence_o(o)
-        for kc in range(KC):
-            mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], hop.make_desc(v_addr + kc * 256, 128, SBO_V), 1)
+        for kc in range(KC):  # (the next 16 keys: 256 bytes further on)
+            mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], dv + kc * 16, 1)
         hop.wgmma_commit()
 
     @cuda.jit
