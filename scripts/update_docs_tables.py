@@ -90,10 +90,10 @@ PEER_NAMES = {"torch_sdpa_flash": "FlashAttention-2 (torch)", "torch_sdpa_cudnn"
               "torch_sdpa_efficient": "mem-efficient (torch)", "standard_cupy": "standard (CuPy)"}
 
 
-def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096):
-    """One dtype's headline: flashnumba's default kernels beside the peers, TFLOP/s at one seqlen."""
+def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096, ours=None):
+    """One dtype's headline: flashnumba's default kernels (or ``ours``) beside the peers, TFLOP/s at one seqlen."""
     rows = [r for r in d["rows"] if "ms" in r and r["seqlen"] == seqlen and r["dtype"] == dtype]
-    ours = next(i for i in DEFAULT_PATH[dtype] if any(r["impl"] == i for r in rows))
+    ours = ours or next(i for i in DEFAULT_PATH[dtype] if any(r["impl"] == i for r in rows))
     peers = [p for p in PEERS[dtype] if any(r["impl"] == p for r in rows)]
     tf = {(r["impl"], r["head_dim"], r["causal"], r["pass_"]): r["tflops"] for r in rows}
     single = {(r["impl"], r["head_dim"], r["causal"], r["pass_"]): r["tflops_single"] for r in rows
@@ -105,7 +105,8 @@ def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096):
         timing += "; after the slash, one call per pair of CUDA events"
     batch = 16384 // seqlen
     out = [f"{dtype}, seqlen {seqlen}, batch x heads = {batch} x 32 (d=64) or {batch} x 16 (d=128), TFLOP/s; flashnumba's "
-           f"default kernels (`{ours}`). {e['device']}, {e['date'][:10]}, {timing}; source: "
+           f"{'kernels' if ours.startswith('flashnumba_') and ours not in DEFAULT_PATH[dtype] else 'default kernels'} "
+           f"(`{ours}`). {e['device']}, {e['date'][:10]}, {timing}; source: "
            f"[`{prefix}{source}`]({prefix}{source}).", "",
            "| head_dim | causal | pass | flashnumba | " + " | ".join(PEER_NAMES[p] for p in peers) +
            " | flashnumba / " + PEER_NAMES[peers[0]].split(" (")[0] + " |",
@@ -179,6 +180,14 @@ def numerics(_data=None, prefix="results/latest/"):
     return out + [f"Reports: {files}."]
 
 
+def hopper(d, prefix="results/latest/"):
+    """The Hopper forward (kernel="wgmma") beside FlashAttention-2 and cuDNN (bench-wgmma.json)."""
+    out = []
+    for seqlen in (4096, 16384):
+        out += headline(d, "float16", "bench-wgmma.json", prefix, seqlen, ours="flashnumba_wgmma") + [""]
+    return out[:-1]
+
+
 def decode(d, prefix="results/latest/"):
     """bench --decode: TB/s of K and V read per implementation and workload, both timing modes."""
     w = d["workload"]
@@ -219,13 +228,13 @@ def flex(d, prefix="results/latest/"):
 TARGETS = {  # file: (marker name, table function, its arguments)
     "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}),
                            ("headline", headlines, {"prefix": "results/latest/"}), ("decode", decode, {}),
-                           ("flex", flex, {})],
+                           ("flex", flex, {}), ("hopper", hopper, {})],
     "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {})],
 }
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
            "headline": ("bench.json", "bench-tc.json"), "numerics": None, "decode": "bench-decode.json",
-           "flex": "flex-bench.json"}
+           "flex": "flex-bench.json", "hopper": "bench-wgmma.json"}
 
 
 def main():
