@@ -208,7 +208,10 @@ def flash_attn_forward(
         of 16; compute capability >= 8.0), flashnumba.kernels.mma_forward; "tf32",
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
-        float32's precision), flashnumba.kernels.mma_tf32.
+        float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (opt-in;
+        compute capability 9.0 only, float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's
+        score_mod / mask_mod and block masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128; no
+        num_threads), flashnumba.kernels.wgmma_forward; not yet faster than "tc" (docs/benchmarks.md).
 
     stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'
         current stream (torch's for torch tensors, CuPy's for CuPy arrays). The outputs (and any temporary or

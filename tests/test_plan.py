@@ -21,12 +21,12 @@ def _no_shared_cap(monkeypatch):
 
 def _dims(table):
     """The head dims a family is built for."""
-    from flashnumba.kernels import mma_tf32
+    from flashnumba.kernels import mma_tf32, wgmma_forward
 
     return {"tc": tiling.MMA_HEAD_DIMS, "tc_dq": tiling.MMA_BACKWARD_HEAD_DIMS,
             "tc_dkdv": tiling.MMA_BACKWARD_HEAD_DIMS, "tc_dkdv_atomic": tiling.MMA_BACKWARD_HEAD_DIMS,
             "tf32": mma_tf32.HEAD_DIMS,
-            "3xtf32": mma_tf32.HEAD_DIMS}.get(table, range(1, 257))
+            "3xtf32": mma_tf32.HEAD_DIMS, "wgmma": wgmma_forward.HEAD_DIMS}.get(table, range(1, 257))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -40,6 +40,9 @@ def test_every_family_has_a_fitting_default_at_every_head_dim(arch):
         for table in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32"):
             for d in _dims(table):
                 assert tiling.fits(table, d, tiling.default(table, d, lim).tiles, lim)
+    if tuple(lim.cc) == (9, 0):  # (the Hopper kernel: sm_90a only)
+        for d in _dims("wgmma"):
+            assert tiling.fits("wgmma", d, tiling.default("wgmma", d, lim).tiles, lim)
 
 
 @pytest.mark.parametrize("cap", [65536, 101376, 166912])
@@ -48,6 +51,8 @@ def test_defaults_fit_under_a_shared_memory_cap(cap, monkeypatch):
     lim = tiling.capped(tiling.ARCHS["sm_90"])
     assert lim.max_shared_per_block == cap
     for table in tiling.TABLES:
+        if table == "wgmma":  # (Hopper's kernel, opt-in: the caps stand for smaller GPUs, which have no wgmma)
+            continue
         for d in _dims(table):
             t = tiling.default(table, d, lim).tiles
             for part in tiling._parts(table):
