@@ -15,7 +15,7 @@ from numba import float32, uint16, uint32, uint64
 from numba.cuda.types import float16
 
 from flashnumba._backend import SIMULATOR, cuda
-from flashnumba.kernels import ptx_hopper as hop
+from flashnumba.kernels import ptx, ptx_hopper as hop
 
 LBO, SBO = 128, 256  # bytes: the second 8 columns of K; the next 8 rows (a densely packed K-major tile of K = 16)
 
@@ -204,7 +204,9 @@ from flashnumba import _launch
 from numba import cuda
 out = {}
 for name, sig in (("bulk_copy_kernel", "void(float32[:, ::1], float32[:, ::1])"), ("elect_kernel", "void(uint32[::1])"),
-                  ("setmaxnreg_kernel", "void(float32[::1])")):
+                  ("setmaxnreg_kernel", "void(float32[::1])"),
+                  ("producer_consumer_kernel", "void(float32[::1], float32[:, ::1])"),
+                  ("ping_pong_kernel", "void(uint32[::1])")):
     ptx = _launch.compile_ptx(getattr(t, name).py_func, sig, (9, 0, "a"))
     out[name] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
 for kind, N, ra, tb in (("f16", 64, False, False), ("bf16", 256, False, False), ("f16", 128, True, True)):
@@ -231,7 +233,9 @@ def test_wgmma_compiles_for_sm90a():
                                                 "mbarrier.try_wait.parity.shared::cta.b64"]),
                           ("elect_kernel", ["elect.sync"]),
                           ("setmaxnreg_kernel", ["setmaxnreg.dec.sync.aligned.u32 40",
-                                                 "setmaxnreg.inc.sync.aligned.u32 232"])):
+                                                 "setmaxnreg.inc.sync.aligned.u32 232"]),
+                          ("producer_consumer_kernel", ["cp.async.mbarrier.arrive.noinc.shared::cta.b64"]),
+                          ("ping_pong_kernel", ["bar.sync", "bar.arrive"])):
         for needle in needles:
             assert needle in compiled[name]["ptx"], f"{name}: no {needle!r} in its PTX"
     for name, r in compiled.items():
@@ -317,3 +321,79 @@ def test_a_phase_waits_for_every_expected_byte():
     out = np.zeros(4, np.float32)
     phases[1, 1](np.arange(8, dtype=np.float32), out)
     assert out.tolist() == [0, 1, 0, 7]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a producer warp's cp.async completing on an mbarrier; two warpgroups taking turns on named barriers
+# ---------------------------------------------------------------------------------------------------------------
+
+@cuda.jit
+def producer_consumer_kernel(src, out):
+    """Warp 0 copies each 128-float row of src into one shared buffer with cp.async and arrives on ``full`` when
+    its copies land; warps 1-3 wait for that phase, copy the buffer out, and arrive on ``empty``, which the
+    producer waits for before the next row: four rounds through one buffer, no syncthreads in the loop."""
+    data = cuda.shared.array(128, float32)
+    bars = cuda.shared.array(2, uint64)
+    tid = cuda.threadIdx.x
+    full = hop.smem_address(bars, 0)
+    empty = hop.smem_address(bars, 1)
+    if tid == 0:
+        hop.mbarrier_init(full, 32)  # the producer warp's 32 threads
+        hop.mbarrier_init(empty, 96)  # the consumers
+    cuda.syncthreads()
+    for it in range(4):
+        if tid < 32:
+            if it > 0:
+                while hop.mbarrier_try_wait(empty, (it - 1) & 1) == 0:
+                    pass
+            ptx.cp_async_16(data, 4 * tid, src, 128 * it + 4 * tid)
+            hop.cp_async_mbarrier_arrive(full)
+        else:
+            while hop.mbarrier_try_wait(full, it & 1) == 0:
+                pass
+            for e in range(tid - 32, 128, 96):
+                out[it, e] = data[e]
+            hop.mbarrier_arrive(empty)
+
+
+def test_cp_async_arrives_on_an_mbarrier_when_its_copies_land():
+    needs_hopper()
+    src = np.arange(512, dtype=np.float32)
+    out = cuda.to_device(np.full((4, 128), np.nan, np.float32))
+    producer_consumer_kernel[1, 128](cuda.to_device(src), out)
+    np.testing.assert_array_equal(out.copy_to_host(), src.reshape(4, 128))
+
+
+@cuda.jit
+def ping_pong_kernel(out):
+    """Two warpgroups take turns on named barriers 1 and 2: warpgroup 0 writes turn 0, lets warpgroup 1 go
+    (arrive on 2) and waits for its own turn (sync on 1), and so on; the shared log must read 0, 1, 2, ..."""
+    log = cuda.shared.array(8, uint32)
+    n = cuda.shared.array(1, uint32)
+    tid = cuda.threadIdx.x
+    wg = tid // 128
+    if tid == 0:
+        n[0] = 0
+    cuda.syncthreads()
+    for turn in range(4):
+        if wg == 1:
+            hop.named_barrier_sync(2, 256)  # warpgroup 0's turn before this one is done
+        if tid % 128 == 0:
+            log[n[0]] = 2 * turn + wg
+            n[0] += 1
+        cuda.threadfence_block()
+        if wg == 0:
+            hop.named_barrier_arrive(2, 256)  # warpgroup 1's turn
+            hop.named_barrier_sync(1, 256)  # and back
+        else:
+            hop.named_barrier_arrive(1, 256)
+    cuda.syncthreads()
+    if tid < 8:
+        out[tid] = log[tid]
+
+
+def test_two_warpgroups_take_turns_on_named_barriers():
+    needs_hopper()
+    out = cuda.to_device(np.zeros(8, np.uint32))
+    ping_pong_kernel[1, 256](out)
+    assert out.copy_to_host().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]

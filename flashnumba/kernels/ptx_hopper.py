@@ -28,6 +28,9 @@ to the instruction's ("async proxy") reads with ``fence_proxy_async()`` and then
 | ``mbarrier_arrive_expect_tx(bar, b)`` | ``mbarrier.arrive.expect_tx.shared::cta.b64`` | and b bytes to come |
 | ``mbarrier_try_wait(bar, parity)`` | ``mbarrier.try_wait.parity.shared::cta.b64`` | 1 once that phase is done |
 | ``cp_async_bulk(dst, src, i, b, bar)`` | ``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes`` | |
+| ``cp_async_mbarrier_arrive(bar)`` | ``cp.async.mbarrier.arrive.noinc.shared::cta.b64`` | arrive once cp.async landed |
+| ``named_barrier_sync(id, n)`` | ``bar.sync id, n`` | barrier ``id`` (1 .. 15) of ``n`` threads: arrive and wait |
+| ``named_barrier_arrive(id, n)`` | ``bar.arrive id, n`` | arrive without waiting |
 | ``elect_one()`` | ``elect.sync`` | uint32: 1 in one lane of the warp |
 | ``setmaxnreg_inc(n)``, ``_dec(n)`` | ``setmaxnreg.{inc,dec}.sync.aligned.u32 n`` | a warpgroup's register budget |
 
@@ -300,6 +303,7 @@ class _MBarrier:
 
     def __init__(self, count):
         self.count, self.left, self.tx, self.phases, self.copies = count, count, 0, 0, []
+        self.deferred = []  # cp.async copies whose thread arrived on this barrier: they land with the phase
 
     def settle(self):
         """Land the copies in flight, and complete the phase where every arrival and every byte is in."""
@@ -308,6 +312,9 @@ class _MBarrier:
             self.tx -= data.size
         self.copies.clear()
         if self.left == 0 and self.tx == 0:
+            for target, data in self.deferred:
+                target[:] = data
+            self.deferred.clear()
             self.phases += 1
             self.left = self.count
         elif self.tx < 0:
@@ -374,6 +381,72 @@ def _sim_cp_async_bulk(dst, src, src_index, nbytes, bar):
     target = _sim_smem_bytes(int(dst), int(nbytes))
     with _mbar_lock:
         _mbarrier(bar)[int(bar)].copies.append((target, data))
+
+
+def _sim_cp_async_mbarrier_arrive(bar):
+    """``cp.async.mbarrier.arrive.noinc.shared::cta.b64``: one arrival on the barrier's current phase, made when
+    every ``cp.async`` this thread issued before it has landed (committed or not; ``.noinc``: the arrival is one of
+    the count the barrier was initialised with). So a producer's threads copy a tile with cp.async and arrive, and
+    the consumers that waited for the phase see the tile, with no cp.async wait in the producer. (The stand-in
+    lands those copies when the phase completes, the latest the hardware may.)"""
+    pending, groups = ptx._cp_async_state()
+    copies = list(pending) + [c for group in groups for c in group]
+    pending.clear()
+    groups.clear()
+    with _mbar_lock:
+        m = _mbarrier(bar)[int(bar)]
+        m.deferred += copies
+        m.left -= 1
+        m.settle()
+
+
+class _NamedBarrier:
+    """One of a block's 16 hardware barriers in the simulator: the threads a phase expects, those arrived, and
+    the phases completed (each ``named_barrier_sync`` waits for the phase it arrived in)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.arrived, self.phases, self.count = 0, 0, None
+
+    def arrive(self, count, wait):
+        with self.cond:
+            if self.count is not None and self.count != count:
+                raise RuntimeError(f"threads arrive at one named barrier expecting {self.count} and {count}")
+            self.count = count
+            phase = self.phases
+            self.arrived += 1
+            if self.arrived == count:
+                self.arrived, self.phases, self.count = 0, self.phases + 1, None
+                self.cond.notify_all()
+            elif wait:
+                while self.phases == phase:
+                    self.cond.wait()
+
+
+_named_lock = threading.Lock()
+
+
+def _named_barrier(bar_id, count):
+    if not 0 < int(bar_id) < 16 or int(count) % 32 or int(count) <= 0:
+        raise ValueError(f"a named barrier takes an id in 1 .. 15 (0 is syncthreads') and a thread count that is a "
+                         f"positive multiple of 32, got {bar_id}, {count}")
+    table, block = _smem_table()
+    with _named_lock:
+        return table.setdefault(("named", block, int(bar_id)), _NamedBarrier())
+
+
+def _sim_named_barrier_sync(bar_id, count):
+    """``bar.sync id, count``: this thread arrives at hardware barrier ``id`` (1 .. 15) and waits until ``count``
+    threads (a multiple of 32: whole warps) have arrived in this phase, by ``named_barrier_sync`` or
+    ``named_barrier_arrive``. Two warpgroups take turns with two of them (FlashAttention-3's ping-pong): each
+    syncs on its own before its matrix products and arrives on the other's after them."""
+    _named_barrier(bar_id, count).arrive(int(count), wait=True)
+
+
+def _sim_named_barrier_arrive(bar_id, count):
+    """``bar.arrive id, count``: this thread arrives at hardware barrier ``id`` without waiting (it lets the
+    threads that sync there go on once ``count`` have arrived)."""
+    _named_barrier(bar_id, count).arrive(int(count), wait=False)
 
 
 def _sim_elect_one():
@@ -554,6 +627,13 @@ def _gpu_intrinsics():
 
         return types.none(dst, src, src_index, nbytes, bar), codegen
 
+    def make_named(name, text):
+        def named(typingctx, bar_id, count):
+            return types.none(bar_id, count), bar_codegen(text, 2)
+
+        named.__name__ = name
+        return intrinsic(named)
+
     @intrinsic
     def elect_one(typingctx):
         text = "{ .reg .pred p; elect.sync _|p, 0xffffffff; selp.u32 $0, 1, 0, p; }"
@@ -571,6 +651,10 @@ def _gpu_intrinsics():
                     "mbarrier_arrive_expect_tx",
                     "{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1; }", 2),
                 mbarrier_try_wait=mbarrier_try_wait, cp_async_bulk=cp_async_bulk, elect_one=elect_one,
+                cp_async_mbarrier_arrive=make_bar("cp_async_mbarrier_arrive",
+                                                  "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 1),
+                named_barrier_sync=make_named("named_barrier_sync", "bar.sync $0, $1;"),
+                named_barrier_arrive=make_named("named_barrier_arrive", "bar.arrive $0, $1;"),
                 setmaxnreg_inc=literal_statement("setmaxnreg_inc", "setmaxnreg.inc.sync.aligned.u32 {n};"),
                 setmaxnreg_dec=literal_statement("setmaxnreg_dec", "setmaxnreg.dec.sync.aligned.u32 {n};"),
                 wgmma_commit=statement("wgmma_commit", "wgmma.commit_group.sync.aligned;"),
@@ -599,6 +683,8 @@ _STAND_INS = dict(smem_address=_sim_smem_address, wgmma_commit=_sim_commit, fenc
                   mbarrier_init=_sim_mbarrier_init, mbarrier_arrive=_sim_mbarrier_arrive,
                   mbarrier_arrive_expect_tx=_sim_mbarrier_arrive_expect_tx, mbarrier_try_wait=_sim_mbarrier_try_wait,
                   cp_async_bulk=_sim_cp_async_bulk, elect_one=_sim_elect_one,
+                  cp_async_mbarrier_arrive=_sim_cp_async_mbarrier_arrive,
+                  named_barrier_sync=_sim_named_barrier_sync, named_barrier_arrive=_sim_named_barrier_arrive,
                   setmaxnreg_inc=_make_sim_setmaxnreg(True), setmaxnreg_dec=_make_sim_setmaxnreg(False))
 if SIMULATOR:
     globals().update(_STAND_INS)
