@@ -44,6 +44,14 @@ def test_one_warpgroup_matches_reference(causal):
     check_forward(out, lse, q, k, v, causal=causal)
 
 
+def test_key_tiles_through_all_three_buffers():
+    """Five key tiles of 64: the copies of tile j + 1 issued in the loop, every buffer used twice over."""
+    rng = np.random.default_rng(2)
+    q, k, v = random_qkv(rng, 1, 40, 300, 1, 64, np.float16)
+    out, lse = wgmma(q, k, v)
+    check_forward(out, lse, q, k, v)
+
+
 def test_two_warpgroups_every_option():
     """Two warpgroups sharing each K_j, V_j tile, GQA, a two-sided window, softcap, ALiBi and dropout at once."""
     rng = np.random.default_rng(5)
@@ -108,8 +116,9 @@ for D, n, wg, dt, var, gqa in cases:
     fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa)
     el = "uint16" if dt == "bfloat16" else "float16"
     a4 = f"{el}[:, :, :, ::1]"
-    sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, ::1], "
-           f"int32[::1], int32[::1], float32, float32, uint64, uint64)")
+    # (the layouts the planner gives: ALiBi's slopes broadcast over the batch, the dummies of absent arrays)
+    sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
+           f"int32[:], int32[:], float32, float32, uint64, uint64)")
     ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"))
     log = _launch.assemble(ptx, (9, 0, "a"))[1]
     out[f"{dt} D={D} B_c={n} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
@@ -186,3 +195,24 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
     blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1])
     out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **blocks, **opts)
     check_forward(out, lse, q, k, v, **ref)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_varlen_gpu(dtype):
+    """Packed sequences of awkward lengths (one empty, one longer than several tiles), GQA, causal and a window:
+    each sequence checked as a batch of one against the float64 reference."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(11)
+    lens_q, lens_k = [5, 0, 700, 129], [9, 3, 650, 300]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 4, 128)).astype(dtype)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 128)).astype(dtype) for _ in range(2))
+    for opts in (dict(causal=True), dict(window_size=(100, 20))):
+        out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                        kernel="wgmma", **opts)
+        for b in range(len(lens_q)):
+            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if rq.stop > rq.start:
+                check_forward(out[None, rq], lse[None, :, rq], q[None, rq], k[None, rk], v[None, rk], **opts)

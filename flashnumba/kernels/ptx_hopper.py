@@ -1,7 +1,8 @@
 """Hopper's warpgroup matrix multiply (``wgmma``) as inline PTX, with simulator stand-ins.
 
 On Hopper (sm_90a) a *warpgroup*, four consecutive warps of a block (threads 128 i .. 128 i + 127), multiplies a
-64 x N tile of A by an N x 16 tile of B (transposed: D = A B^T, K = 16) in one asynchronous instruction that reads
+64 x 16 tile of A by the transpose of an N x 16 tile of B (D = A B^T, 64 x N, K = 16) in one asynchronous
+instruction that reads
 both operands straight from shared memory, where ``mma.sync`` (:mod:`.ptx`) needs each warp to load its fragments
 into registers first. The operands are named by 64-bit *matrix descriptors*; the instruction is issued, the
 warpgroup goes on, and its results are in the accumulator registers only after a wait:
@@ -237,7 +238,11 @@ def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
             raise ValueError(f"wgmma m64n{N}k16: the accumulator holds {N // 2} float32 a thread, got {a.shape}")
         issued = _wgmma_state()[0] + [op for group in _wgmma_state()[1] for op in group]
         chained = any(op[0] is a for op in issued)  # reads what an earlier wgmma in flight writes
-        _wgmma_state()[0].append((a, None if chained else a.copy(), operand_a, int(desc_b), bool(scale_d)))
+        # the operands as they are at the issue: the hardware may read them any time until the wait, so they must
+        # be in place now and stay so (checked at the wait)
+        seen = (None if regs_a else _sim_operand(operand_a, M, halves),
+                _sim_operand(int(desc_b), N, halves, mn_major=trans_b))
+        _wgmma_state()[0].append((a, None if chained else a.copy(), operand_a, int(desc_b), bool(scale_d), seen))
         a[:] = np.nan  # in flight: the registers hold nothing a thread may read
 
     if regs_a:
@@ -255,10 +260,10 @@ def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
         retired = []
         while len(groups) > int(n):
             retired += groups.pop(0)
-        mine = [(c, da, db, s) for _, c, da, db, s in retired]
+        mine = [(c, da, db, s) for _, c, da, db, s, _ in retired]
         rank, everyone = ptx._group_exchange(mine, WARPGROUP, "warpgroup")
         results = _wgmma_results()  # the full D each accumulator last received, by this thread's array
-        for i, (a, c, da, db, s) in enumerate(retired):
+        for i, (a, c, da, db, s, seen) in enumerate(retired):
             if c is None:
                 d = results[id(a)].copy()
             else:
@@ -269,6 +274,10 @@ def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
             else:
                 A = _sim_operand(da, M, halves)
             B = _sim_operand(db, N, halves, mn_major=trans_b)
+            if not ((regs_a or np.array_equal(A, seen[0], equal_nan=True)) and np.array_equal(B, seen[1],
+                                                                                              equal_nan=True)):
+                raise RuntimeError("the shared memory a wgmma reads changed between its issue and its wait (or was "
+                                   "not yet written, by every thread, at the issue: a missing barrier)")
             results[id(a)] = A @ B.T + (d if s else 0.0)
         for a, *_ in retired:
             a[:] = results[id(a)][rows[rank], cols[rank]].astype(np.float32)
@@ -317,7 +326,7 @@ class _MBarrier:
             self.deferred.clear()
             self.phases += 1
             self.left = self.count
-        elif self.tx < 0:
+        elif self.left == 0 and self.tx < 0:  # (bytes may land before their expect_tx: not an error until then)
             raise RuntimeError("an mbarrier received more transaction bytes than its phase expected")
 
 

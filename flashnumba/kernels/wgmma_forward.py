@@ -20,7 +20,7 @@ t = lane & 3) rows g and g + 8 of them, and of S's and O's accumulators the colu
 register 4 n + x holds row g + 8 (x >> 1), column 8 n + 2 t + (x & 1) (the layout mma_forward's fragments have,
 repeated along the columns).
 
-Shared memory, dynamic: Q_i | K_j | V_j | K_j+1 | V_j+1, each tile stored as *core matrices* of 8 rows x 8 head
+Shared memory, dynamic: Q_i | K, V buffer 0 | 1 | 2, each tile stored as *core matrices* of 8 rows x 8 head
 dims (128 contiguous bytes), column-block after column-block: head dims 8 c .. 8 c + 7 of rows 8 r .. 8 r + 7 lie
 at (c rows / 8 + r) 128 bytes. Read K-major (LBO = rows x 16 bytes steps 8 head dims, SBO = 128 bytes 8 rows) the
 tile is Q_i or K_j; read MN-major (LBO = 128 bytes steps 8 keys, SBO = B_c x 16 bytes 8 head dims) it is V_j. No
@@ -34,7 +34,7 @@ softmax of tile j runs while the tensor cores multiply P of tile j - 1 by V_j-1 
 a warpgroup), and the copies of tile j + 1 fly meanwhile; three K, V buffers hold tiles j - 1 (its V still being
 read), j and j + 1. Iteration j, one barrier::
 
-    wait for tile j's copies; fence.proxy.async; barrier       (all done with j - 1: tile j - 2's buffer is free)
+    wait for tile j's copies; fence.proxy.async; barrier       (iteration j - 1 done: tile j - 2's buffer free)
     copy tile j + 1 into that buffer                              cp.async, in flight until iteration j + 1
     issue S_ij = Q_i K_j^T                                        group 1 (tensor cores)
     issue O_i += P_i,j-1 V_j-1                                    group 2 (tensor cores, after group 1)
@@ -73,7 +73,7 @@ def shared_bytes(D, B_c, B_r):
 
 @functools.lru_cache(maxsize=None)
 def make_load_core(D, NT):
-    """load_core(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` (a multiple of 8)
+    """load_core(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` (a multiple of 32)
     rows of src[b, row0 + r, h, :] (C-contiguous (batch, seqlen, nheads, D)) into the core-matrix layout of the
     module docstring at element ``off``; rows at or past ``row_end`` become zeros (a row of garbage could hold a
     NaN, and 0 * NaN is NaN). Each warp copies 8 rows x 4 blocks of 8 head dims at a time: lane l the row
@@ -144,6 +144,9 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         raise ValueError(f"the wgmma forward takes B_c in {BLOCK_NS}, got {B_c}")
     if warpgroups not in WARPGROUPS:
         raise ValueError(f"the wgmma forward takes {WARPGROUPS} warpgroups, got {warpgroups}")
+    # (load_core's constant-stepped copies take rows in passes of 8 NW / (D / 32) rows, at most 32)
+    if (64 * warpgroups) % 32 or B_c % 32:
+        raise ValueError(f"the wgmma forward's tiles must be multiples of 32 rows, got {64 * warpgroups}, {B_c}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
