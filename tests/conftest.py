@@ -59,6 +59,11 @@ def shard(n):
     return settings(max_examples=max(1, -(-settings().max_examples // n)))
 
 
+# (seqlen_q, seqlen_k, causal) of the GPU-only size tests of the tensor-core and Hopper forwards: one query or one
+# key, lengths off the tiles, long sequences, more queries than keys and the reverse
+GPU_SHAPES = [(1, 1, False), (1, 300, True), (63, 65, True), (97, 1000, False), (1000, 97, True), (513, 2047, True),
+              (2048, 2048, False)]
+
 requires_gpu = pytest.mark.skipif(flashnumba.SIMULATOR, reason="needs a CUDA GPU")
 
 

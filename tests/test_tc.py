@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import flashnumba
-from conftest import check_backward, check_forward, random_qkv
+from conftest import GPU_SHAPES, check_backward, check_forward, random_qkv
 from flashnumba import reference, tiling
 from flashnumba._backend import cuda  # (module level: the simulator swaps a kernel's global cuda for its own)
 
@@ -119,9 +119,7 @@ def test_flash_attn_forward_kernel_tc():
 
 def gpu_sizes(test):
     """GPU only: float16 and bfloat16, d 64 and 128, awkward and long sequences, causal and not."""
-    for mark in (pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [
-                     (1, 1, False), (1, 300, True), (63, 65, True), (97, 1000, False), (1000, 97, True),
-                     (513, 2047, True), (2048, 2048, False)]),
+    for mark in (pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES),
                  pytest.mark.parametrize("D", [64, 128]),
                  pytest.mark.parametrize("dtype", ["float16", "bfloat16"]),
                  pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import flashnumba
-from conftest import FULL_COMPILE, check_forward, compile_offline, random_qkv, shard
+from conftest import FULL_COMPILE, GPU_SHAPES, check_forward, compile_offline, random_qkv, shard
 from flashnumba import reference
 from flashnumba._backend import cuda
 
@@ -148,9 +148,7 @@ def test_wgmma_forward_compiles_for_sm90a():
 # ---------------------------------------------------------------------------------------------------------------
 
 @gpu_only
-@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (1, 300, True), (63, 65, True),
-                                                        (97, 1000, False), (1000, 97, True), (513, 2047, True),
-                                                        (2048, 2048, False)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES)
 @pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype):
