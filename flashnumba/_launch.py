@@ -133,21 +133,23 @@ class _OfflineDevice:
         self.compute_capability = cc
 
 
-def compile_ptx(pyfunc, signature: str, cc) -> str:
+def compile_ptx(pyfunc, signature: str, cc, launch_bounds=None) -> str:
     """``numba.cuda.compile_ptx``, also without a GPU: numba-cuda compiles the device functions a kernel calls
     (the dropout generator) for the *current* device's compute capability, so where there is no device the
-    target's is supplied for the duration of the call."""
+    target's is supplied for the duration of the call. ``launch_bounds``: the block's threads, where the
+    assembler must keep the registers a thread within what that many threads may have (``.maxntid``)."""
     if SIMULATOR:
         raise RuntimeError("compiling needs the real numba.cuda: start Python with FLASHNUMBA_SIMULATOR=0 "
                            "(no GPU is needed)")
     from numba.cuda import dispatcher
 
+    kw = {} if launch_bounds is None else {"launch_bounds": launch_bounds}
     if cuda.is_available():
-        return cuda.compile_ptx(pyfunc, signature, cc=cc)[0]
+        return cuda.compile_ptx(pyfunc, signature, cc=cc, **kw)[0]
     saved = dispatcher.get_current_device
     dispatcher.get_current_device = lambda: _OfflineDevice(cc)
     try:
-        return cuda.compile_ptx(pyfunc, signature, cc=cc)[0]
+        return cuda.compile_ptx(pyfunc, signature, cc=cc, **kw)[0]
     finally:
         dispatcher.get_current_device = saved
 
@@ -213,11 +215,20 @@ class Compiled:
     seconds: float = 0.0  # compile time (0 when loaded)
 
 
+def launch_bounds(spec: KernelLaunch):
+    """The threads of a block larger than 256 (``.maxntid``): at up to 255 registers a thread, more threads than
+    that would not fit the 64K registers of an SM, and the launch would fail; None for the others."""
+    n = int(np.prod(spec.block))
+    return n if n > 256 else None
+
+
 def _cache_key(spec: KernelLaunch, sig: tuple, cc) -> str:
     f = spec.factory
     name = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
-    return _cache.key_text({"factory": name, "args": repr(spec.factory_args), "signature": list(sig),
-                            "cc": list(cc)})
+    key = {"factory": name, "args": repr(spec.factory_args), "signature": list(sig), "cc": list(cc)}
+    if launch_bounds(spec) is not None:
+        key["launch_bounds"] = launch_bounds(spec)
+    return _cache.key_text(key)
 
 
 _compiled: dict = {}
@@ -247,7 +258,7 @@ def compile_kernel(spec: KernelLaunch, sig: tuple, cc) -> Compiled:
         else:
             t0 = time.perf_counter()
             fn = spec.factory(*spec.factory_args)
-            ptx = compile_ptx(fn.py_func, f"void({', '.join(sig)})", cc)
+            ptx = compile_ptx(fn.py_func, f"void({', '.join(sig)})", cc, launch_bounds(spec))
             cubin, log = assemble(ptx, cc)
             name, sizes = entry_and_params(ptx)
             result = Compiled(cubin, name, sizes, resources_from_log(log), seconds=time.perf_counter() - t0)

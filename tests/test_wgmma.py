@@ -31,8 +31,9 @@ def _hopper_or_simulator():
         pytest.skip("kernel 'wgmma' runs on compute capability 9.0 (sm_90a) only")
 
 
-def wgmma(q, k, v, warpgroups=1, block_n=64, **kw):
-    return flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=64 * warpgroups, block_n=block_n, **kw)
+def wgmma(q, k, v, warpgroups=1, block_n=64, producer=False, **kw):
+    return flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=64 * warpgroups, block_n=block_n,
+                                         num_threads=128 * warpgroups + 32 * producer, **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -52,7 +53,19 @@ def test_key_tiles_through_all_three_buffers():
     check_forward(out, lse, q, k, v)
 
 
-def test_two_warpgroups_every_option():
+@pytest.mark.parametrize("warpgroups, causal", [(1, False), (2, True)])
+def test_producer_warp_and_ping_pong(warpgroups, causal):
+    """Warp specialisation: the producer warp's copies through the three buffers on mbarriers (five key tiles,
+    each buffer filled twice after its release), and with two warpgroups their turns on the named barriers; the
+    wgmma stand-in fails where a buffer is overwritten before the products reading it retired."""
+    rng = np.random.default_rng(6 + warpgroups)
+    q, k, v = random_qkv(rng, 1, 40 if warpgroups == 1 else 100, 300, 1, 64, np.float16)
+    out, lse = wgmma(q, k, v, warpgroups=warpgroups, producer=True, causal=causal)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("producer", [False, True])
+def test_two_warpgroups_every_option(producer):
     """Two warpgroups sharing each K_j, V_j tile, GQA, a two-sided window, softcap, ALiBi and dropout at once."""
     rng = np.random.default_rng(5)
     nheads, nheads_k, sq, sk = 2, 1, 20, 70
@@ -62,7 +75,7 @@ def test_two_warpgroups_every_option():
                 dropout_seed=9, dropout_offset=4)
     ref = {n: x for n, x in opts.items() if not n.startswith("dropout")}
     ref["dropout_z"] = reference.dropout_z(9, 4, 1, nheads, sq, sk, 0.3)
-    out, lse = wgmma(q, k, v, warpgroups=2, **opts)
+    out, lse = wgmma(q, k, v, warpgroups=2, producer=producer, **opts)
     check_forward(out, lse, q, k, v, **ref)
 
 
@@ -92,6 +105,8 @@ def test_what_it_does_not_take_is_refused():
         flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=32)
     with pytest.raises(ValueError, match="num_threads"):
         flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", num_threads=128)
+    with pytest.raises(ValueError, match="num_threads"):
+        flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=64, num_threads=288)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         flashnumba.flash_attn_forward(*(x.astype(np.float32) for x in (q, k, v)), kernel="wgmma")
     out, lse = flashnumba.flash_attn_forward(q, k, v)
@@ -104,24 +119,30 @@ import json
 from flashnumba import _launch
 from flashnumba.kernels import wgmma_forward
 from flashnumba.kernels.common import Variant
-cases = [(128, 128, 2, "float16", Variant(), False), (64, 128, 2, "bfloat16", Variant(), False)]
+cases = [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat16", Variant(), False, False),
+         (128, 64, 2, "float16", Variant(), False, True)]
 if FULL:
-    cases += [(128, 64, 2, "float16", Variant(True, True, True, True, True, True), True),
-              (128, 64, 2, "float16", Variant(False, False, False, False, True, False), False),
-              (128, 64, 2, "float16", Variant(False, False, False, False, False, True), False),
-              (128, 64, 2, "float16", Variant(True, True, True, True, False, False), False),
-              (96, 64, 2, "bfloat16", Variant(False, True), False), (128, 128, 2, "bfloat16", Variant(False, True), True)]
+    cases += [(128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, False),
+              (128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, True),
+              (128, 64, 2, "float16", Variant(False, False, False, False, True, False), False, False),
+              (128, 64, 2, "float16", Variant(False, False, False, False, False, True), False, False),
+              (128, 64, 2, "float16", Variant(True, True, True, True, False, False), False, False),
+              (96, 64, 2, "bfloat16", Variant(False, True), False, False),
+              (96, 64, 2, "bfloat16", Variant(False, True), False, True),
+              (128, 128, 2, "bfloat16", Variant(False, True), True, False)]
 out = {}
-for D, n, wg, dt, var, gqa in cases:
-    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa)
+for D, n, wg, dt, var, gqa, producer in cases:
+    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, producer)
+    nt = wgmma_forward.threads(wg, producer)
     el = "uint16" if dt == "bfloat16" else "float16"
     a4 = f"{el}[:, :, :, ::1]"
     # (the layouts the planner gives: ALiBi's slopes broadcast over the batch, the dummies of absent arrays)
     sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
            f"int32[:], int32[:], float32, float32, uint64, uint64)")
-    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"))
+    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"), nt if nt > 256 else None)
     log = _launch.assemble(ptx, (9, 0, "a"))[1]
-    out[f"{dt} D={D} B_c={n} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer}"] = dict(ptx=ptx, log=log,
+                                                                       **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 
@@ -132,7 +153,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     registers apart)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (8 if FULL_COMPILE else 2)
+    assert len(compiled) == (11 if FULL_COMPILE else 3)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         for needle in ("wgmma.mma_async.sync.aligned", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
@@ -151,12 +172,15 @@ def test_wgmma_forward_compiles_for_sm90a():
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES)
 @pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype):
+@pytest.mark.parametrize("threads", [None, 288])
+def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, threads):
+    """At the default tiles, and with the producer warp (288 threads: two warpgroups and the producer)."""
     if dtype == "bfloat16":
         dtype = pytest.importorskip("ml_dtypes").bfloat16
     rng = np.random.default_rng(seqlen_q + seqlen_k + D)
     q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D, dtype)
-    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="wgmma")
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="wgmma", num_threads=threads,
+                                             block_m=None if threads is None else 128)
     check_forward(out, lse, q, k, v, causal=causal)
 
 
@@ -168,7 +192,8 @@ SHARDS = 8
 @shard(SHARDS)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
        seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from([64, 96, 128]),
-       dtype=st.sampled_from(["float16", "bfloat16"]), tiles=st.sampled_from([None, (128, 128), (128, 64), (64, 64)]),
+       dtype=st.sampled_from(["float16", "bfloat16"]),
+       tiles=st.sampled_from([None, (128, 128, 256), (128, 64, 256), (64, 64, 128), (128, 64, 288), (64, 64, 160)]),
        causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
        alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
 def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
@@ -190,14 +215,15 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
     if dropout:
         opts.update(dropout_p=dropout, dropout_seed=seed % 1000, dropout_offset=3)
         ref["dropout_z"] = reference.dropout_z(seed % 1000, 3, batch, nheads, seqlen_q, seqlen_k, dropout)
-    blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1])
+    blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1], num_threads=tiles[2])
     out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **blocks, **opts)
     check_forward(out, lse, q, k, v, **ref)
 
 
 @gpu_only
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_varlen_gpu(dtype):
+@pytest.mark.parametrize("threads", [None, 288])
+def test_varlen_gpu(dtype, threads):
     """Packed sequences of awkward lengths (one empty, one longer than several tiles), GQA, causal and a window:
     each sequence checked as a batch of one against the float64 reference."""
     if dtype == "bfloat16":
@@ -209,7 +235,7 @@ def test_varlen_gpu(dtype):
     k, v = (rng.standard_normal((cu_k[-1], 2, 128)).astype(dtype) for _ in range(2))
     for opts in (dict(causal=True), dict(window_size=(100, 20))):
         out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                        kernel="wgmma", **opts)
+                                                        kernel="wgmma", block_m=128, num_threads=threads, **opts)
         for b in range(len(lens_q)):
             rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
             if rq.stop > rq.start:

@@ -43,6 +43,23 @@ read), j and j + 1. Iteration j, one barrier::
 
 and one more iteration after the last tile issues its P V alone. Two warpgroups share each K_j, V_j tile (half the
 shared-memory traffic a query row of one warpgroup alone would cost).
+
+**Warp specialisation** (``producer``). Above, every thread copies and a block-wide barrier a tile keeps the
+warpgroups in step: both run their softmax at the same time, and the tensor cores wait meanwhile. With one more
+warp, the *producer*, the copies leave the warpgroups: it copies tile j into buffer j % 3 as soon as both
+warpgroups have released the tile that was there, and each thread of it arrives on that buffer's ``full``
+mbarrier when its copies land (``cp.async.mbarrier.arrive``); a warpgroup waits for ``full`` instead of the
+barrier, and arrives on the buffer's ``empty`` mbarrier once its P V of the tile retired. With no block-wide
+barrier left, the two warpgroups take turns at the tensor cores (FlashAttention-3's ping-pong): each waits on
+its own named barrier before issuing its products and lets the other go after, so that one's softmax runs while
+the other's products do::
+
+    producer      copy 0  copy 1  copy 2  (wait for tile 0 released) copy 3 ...
+    warpgroup 0   [S_0] softmax          [S_1 PV_0] softmax          [S_2 PV_1] softmax ...
+    warpgroup 1          [S_0] softmax             [S_1 PV_0] softmax           [S_2 PV_1] ...
+
+([...]: issued in that warpgroup's turn.) The loop is the one above with the barrier and the copies replaced
+(``tile_ready``, ``tile_done``, ``my_turn``, ``their_turn``).
 """
 
 from __future__ import annotations
@@ -50,7 +67,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import float32, uint16, uint32
+from numba import float32, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
@@ -66,6 +83,11 @@ CORE = 64  # elements (16-bit) of a core matrix: 8 rows x 8 head dims, 128 bytes
 STAGES = 3  # K_j, V_j buffers: tile j + 1 in flight while tile j's S and tile j - 1's P V are computed
 
 
+def threads(warpgroups, producer=False):
+    """Threads of a block: 128 a warpgroup, and 32 of the producer warp (warp specialisation)."""
+    return 128 * warpgroups + (32 if producer else 0)
+
+
 def shared_bytes(D, B_c, B_r):
     """Q_i (B_r rows) and :data:`STAGES` K_j, V_j buffers (B_c rows each), 16-bit elements, unpadded."""
     return (B_r + 2 * STAGES * B_c) * D * 2
@@ -73,38 +95,41 @@ def shared_bytes(D, B_c, B_r):
 
 @functools.lru_cache(maxsize=None)
 def make_load_core(D, NT):
-    """load_core(smem, off, src, b, row0, row_end, h, rows, tid): start the copy of ``rows`` (a multiple of 32)
-    rows of src[b, row0 + r, h, :] (C-contiguous (batch, seqlen, nheads, D)) into the core-matrix layout of the
-    module docstring at element ``off``; rows at or past ``row_end`` become zeros (a row of garbage could hold a
-    NaN, and 0 * NaN is NaN). Each warp copies 8 rows x 4 blocks of 8 head dims at a time: lane l the row
-    8 r + (l % 8) and the block 4 c + l // 8, so lanes 8 q .. 8 q + 7 fill one core matrix. Where the warps of
-    the block are a multiple of D / 32 (the 4-block groups of a row), each thread keeps one column block and steps
-    its row, its source and its destination by constants (no division a copy)."""
+    """load_core(smem, off, src, b, row0, row_end, h, rows, tid): start the copy, by threads tid = 0 .. NT - 1, of
+    ``rows`` (a multiple of 32) rows of src[b, row0 + r, h, :] (C-contiguous (batch, seqlen, nheads, D)) into the
+    core-matrix layout of the module docstring at element ``off``; rows at or past ``row_end`` become zeros (a row
+    of garbage could hold a NaN, and 0 * NaN is NaN). Each warp copies 8 rows x 4 blocks of 8 head dims at a time:
+    lane l the row 8 r + (l % 8) and the block 4 c + l // 8, so lanes 8 q .. 8 q + 7 fill one core matrix. Where
+    the warps are a multiple of D / 32 (the 4-block groups of a row), or D / 32 a multiple of the warps (a single
+    producer warp), each thread keeps its column blocks and steps its row, its source and its destination by
+    constants (no division a copy)."""
     CB = D // 32  # groups of 4 column blocks per row
     NW = NT // 32
 
-    if NW % CB == 0:
-        RB = NW // CB  # 8-row blocks the warps cover at a time
+    if NW % CB == 0 or CB % NW == 0:
+        RB = max(NW // CB, 1)  # 8-row blocks the warps cover at a time
+        CG = max(CB // NW, 1)  # column groups each warp takes, NW apart
 
         @cuda.jit(device=True, inline=True)
         def load_core(smem, off, src, b, row0, row_end, h, rows, tid):
             lane = tid & 31
             w = tid >> 5
             rl = lane & 7
-            c = 4 * (w % CB) + (lane >> 3)  # (CB a constant: a shift or a multiply, once a call)
-            r = 8 * (w // CB) + rl
-            dst = off + (c * (rows // 8) + w // CB) * CORE + rl * 8
-            g = ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + 8 * c  # src[b, row0 + r, h, 8 c], flat
-            step = 8 * RB * src.shape[2] * D
-            for it in range(rows // (8 * RB)):
-                if row0 + r < row_end:
-                    ptx.cp_async_16(smem, dst, src, g)
-                else:
-                    for e in range(8):
-                        smem[dst + e] = 0
-                r += 8 * RB
-                dst += RB * CORE
-                g += step
+            for cg in range(CG):
+                c = 4 * (w % CB + cg * NW) + (lane >> 3)  # (CB a constant: a shift or a multiply, once a call)
+                r = 8 * (w // CB) + rl
+                dst = off + (c * (rows // 8) + w // CB) * CORE + rl * 8
+                g = ((b * src.shape[1] + row0 + r) * src.shape[2] + h) * D + 8 * c  # src[b, row0 + r, h, 8 c], flat
+                step = 8 * RB * src.shape[2] * D
+                for it in range(rows // (8 * RB)):
+                    if row0 + r < row_end:
+                        ptx.cp_async_16(smem, dst, src, g)
+                    else:
+                        for e in range(8):
+                            smem[dst + e] = 0
+                    r += 8 * RB
+                    dst += RB * CORE
+                    g += step
     else:
         @cuda.jit(device=True, inline=True)
         def load_core(smem, off, src, b, row0, row_end, h, rows, tid):
@@ -129,14 +154,16 @@ def make_load_core(D, NT):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True):
+def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=False):
     """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`),
     ``warpgroups`` warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the
     options of ``variant`` (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen,
     dropout) compiled in as in :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes
     (without a user's score_mod or block mask): (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q,
-    cu_k, p_drop, rp_keep, seed, offset); q, k, v, out C-contiguous. Compiled for sm_90a (wgmma). Launch: grid
-    (ceil(max_seqlen_q / B_r), batch * nheads), block (128 warpgroups,), dynamic shared memory
+    cu_k, p_drop, rp_keep, seed, offset); q, k, v, out C-contiguous. With ``producer`` one more warp of
+    the block makes every copy and the warpgroups wait for tiles on mbarriers and, two of them, take turns at the
+    tensor cores (module docstring: warp specialisation). Compiled for sm_90a (wgmma). Launch: grid
+    (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory
     :func:`shared_bytes`."""
     if D not in HEAD_DIMS:
         raise ValueError(f"the wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
@@ -161,7 +188,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     pack = ptx.pack_bf16x2 if is_bf16 else ptx.pack_f16x2
     elem = uint16 if is_bf16 else float16
     B_R = 64 * warpgroups
-    NT = 128 * warpgroups
+    NC = 128 * warpgroups  # the warpgroups' threads (with a producer warp, the consumers)
+    PRODUCER = bool(producer)
+    PINGPONG = PRODUCER and warpgroups == 2  # (without a producer a block-wide barrier a tile keeps them in step)
+    NBARS = 2 * STAGES if PRODUCER else 1
     NS = B_c // 2  # S accumulator registers a thread: 64 x B_c over 128 threads
     NO = D // 2  # O accumulator registers a thread
     KD = D // 16  # k-steps of S = Q K^T
@@ -173,7 +203,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     LBO_Q, LBO_K, SBO_V = 16 * B_R, 16 * B_c, 16 * B_c
     mma_s, fence_s, wait_s = hop.wgmma_ops(kind, B_c)
     mma_o, fence_o, wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
-    load_core = make_load_core(D, NT)
+    load_core = make_load_core(D, NC)
+    load_core_p = make_load_core(D, 32)  # the producer warp's
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
 
     @cuda.jit(device=True, inline=True)
@@ -271,6 +302,61 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         ptx.cp_async_commit()
 
     @cuda.jit(device=True, inline=True)
+    def wait_phase(bars, i, parity):
+        """Until the phase of parity ``parity`` of mbarrier bars[i] has completed."""
+        addr = hop.smem_address(bars, i)
+        while hop.mbarrier_try_wait(addr, parity) == 0:
+            pass
+
+    @cuda.jit(device=True, inline=True)
+    def produce(smem, bars, q, k, v, bb, q_row0, q_end, h, k_row0, k_end, hk, n_tiles, lane):
+        """The producer warp: Q_i with the first tile, then K_j, V_j of tile jt into buffer jt % STAGES once the
+        warpgroups have released the tile that was there (bars[STAGES + jt % STAGES], ``empty``), arriving on
+        bars[jt % STAGES] (``full``) when its copies land. It never waits for a copy itself."""
+        load_core_p(smem, 0, q, bb, q_row0, q_end, h, B_R, lane)
+        for jt in range(n_tiles):
+            st = jt % STAGES
+            if jt >= STAGES:
+                wait_phase(bars, STAGES + st, (jt // STAGES + 1) & 1)  # tile jt - STAGES released
+            nb = OFF_K + st * BUF
+            load_core_p(smem, nb, k, bb, k_row0 + jt * B_c, k_end, hk, B_c, lane)
+            load_core_p(smem, nb + OFF_V, v, bb, k_row0 + jt * B_c, k_end, hk, B_c, lane)
+            hop.fence_proxy_async()  # (the zeros it stored past the sequence's end, seen by the tensor cores)
+            hop.cp_async_mbarrier_arrive(hop.smem_address(bars, st))
+        ptx.cp_async_wait_all()  # (no copy in flight when the warp exits)
+
+    @cuda.jit(device=True, inline=True)
+    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, row0, row_end, hk, tid):
+        """Tile jt's K_j, V_j are in their buffer, seen by the tensor cores. With a producer: wait for its phase of
+        ``full`` (fence.proxy.async: the landed copies seen by the tensor cores). Without: :func:`publish_tile`,
+        then start the copies of tile jt + 1 (keys from row0 + B_c) into the buffer that barrier freed."""
+        if PRODUCER:
+            wait_phase(bars, jt % STAGES, (jt // STAGES) & 1)
+            hop.fence_proxy_async()
+        else:
+            publish_tile()
+            if jt + 1 < n_tiles:
+                load_tile(smem, jt + 1, k, v, bb, row0 + B_c, row_end, hk, tid)
+
+    @cuda.jit(device=True, inline=True)
+    def tile_done(bars, jt):
+        """This thread is done with tile jt (its S and P V retired): with a producer, one arrival on ``empty``."""
+        if PRODUCER:
+            hop.mbarrier_arrive(hop.smem_address(bars, STAGES + jt % STAGES))
+
+    @cuda.jit(device=True, inline=True)
+    def my_turn(gw):
+        """Ping-pong: wait until the other warpgroup has issued its products (named barrier 1 + gw)."""
+        if PINGPONG:
+            hop.named_barrier_sync(1 + gw, 2 * 128)
+
+    @cuda.jit(device=True, inline=True)
+    def their_turn(gw):
+        """Ping-pong: this warpgroup's products are issued; the other's turn (named barrier 2 - gw)."""
+        if PINGPONG:
+            hop.named_barrier_arrive(2 - gw, 2 * 128)
+
+    @cuda.jit(device=True, inline=True)
     def issue_s(s, q_addr, kv_addr, jt):
         """Issue S_ij = Q_i K_j^T (K_j in buffer jt % STAGES): D / 16 wgmma on the accumulator s, one group."""
         dq = hop.make_desc(q_addr, LBO_Q, 128)
@@ -315,6 +401,19 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             return
 
         smem = cuda.shared.array(0, elem)  # Q_i | K, V buffers 0, 1, 2 (dynamic), core matrices
+        bars = cuda.shared.array(NBARS, uint64)  # full[0 .. 2], empty[0 .. 2]: mbarriers
+        if PRODUCER:
+            if tid == 0:
+                for st in range(STAGES):
+                    hop.mbarrier_init(hop.smem_address(bars, st), 32)  # the producer warp's copies landed
+                    hop.mbarrier_init(hop.smem_address(bars, STAGES + st), NC)  # every consumer thread done
+            cuda.syncthreads()
+        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
+        if PRODUCER and tid >= NC:
+            produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0 + n_start, k0 + seqlen_k, hk, n_tiles,
+                    tid - NC)
+            return
+
         s = cuda.local.array(NS, float32)  # S_ij, then P_ij: this thread's part of the warpgroup's 64 x B_c
         o = cuda.local.array(NO, float32)  # O_i: its part of the warpgroup's 64 x D
         pa = cuda.local.array((KC, 4), uint32)  # P_ij packed: the A operand of O += P_ij V_j, step by step
@@ -330,18 +429,20 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         q_addr = hop.smem_address(smem, 0) + gw * 64 * 16  # this warpgroup's 64 rows: 8 core matrices further
         kv_addr = hop.smem_address(smem, OFF_K)
 
-        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
-        load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
-        if n_tiles > 0:
-            load_tile(smem, 0, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
-        ptx.cp_async_commit()
+        if not PRODUCER:
+            load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
+            if n_tiles > 0:
+                load_tile(smem, 0, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+            ptx.cp_async_commit()
+        if PINGPONG and gw == 1:
+            their_turn(gw)  # warpgroup 0 takes the first turn
 
         # The first tile: S_i0 alone, its softmax, P_i0 packed (module docstring: the pipeline)
         if n_tiles > 0:
-            publish_tile()
-            if n_tiles > 1:
-                load_tile(smem, 1, k, v, bb, k0 + n_start + B_c, k0 + seqlen_k, hk, tid)
+            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+            my_turn(gw)
             issue_s(s, q_addr, kv_addr, 0)
+            their_turn(gw)
             wait_s(0, s)
             softmax_tile(s, m, l, alpha, m_use, i0, r0, t, n_start, b, h, nheads, seqlen_k, diag, last_row,
                          scale_q, softcap, slope, left, right, p_drop, seed, offset)
@@ -349,21 +450,27 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs
         for jt in range(1, n_tiles):
             j0 = n_start + jt * B_c
-            publish_tile()
-            if jt + 1 < n_tiles:
-                load_tile(smem, jt + 1, k, v, bb, k0 + j0 + B_c, k0 + seqlen_k, hk, tid)
+            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0 + j0, k0 + seqlen_k, hk, tid)
+            my_turn(gw)
             issue_s(s, q_addr, kv_addr, jt)
             issue_pv(o, pa, kv_addr, jt - 1)
+            their_turn(gw)
             wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
             softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_k, diag, last_row,
                          scale_q, softcap, slope, left, right, p_drop, seed, offset)
             wait_o(0, o)
+            tile_done(bars, jt - 1)
             rescale_and_pack(o, pa, s, alpha)
         # The last tile's P V
         if n_tiles > 0:
+            my_turn(gw)
             issue_pv(o, pa, kv_addr, n_tiles - 1)
+            their_turn(gw)
             wait_o(0, o)
-        ptx.cp_async_wait_all()  # (with no tile, the prologue's copy of Q_i is still in flight)
+        if PINGPONG and gw == 0:
+            my_turn(gw)  # (warpgroup 1's last arrival: every named barrier phase completed)
+        if not PRODUCER:
+            ptx.cp_async_wait_all()  # (with no tile, the prologue's copy of Q_i is still in flight)
 
         for r in range(2):
             l[r] += ptx.shfl_xor_f32(l[r], 1)
