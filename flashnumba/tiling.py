@@ -24,7 +24,7 @@ family         kernel module                                        threads
 ``tf32``,      :mod:`flashnumba.kernels.mma_tf32`                   32 per 16 query rows
 ``3xtf32``
 ``wgmma``      :mod:`flashnumba.kernels.wgmma_forward` (Hopper)     128 per 64 query rows (a warpgroup), + 32
-                                                                   with a producer warp (given; else none)
+                                                                   a producer warp, 1 or 4 (given; else none)
 =============  ===================================================  ============================================
 
 ``tc_dkdv_atomic`` is the table of the dK/dV kernel when it also adds dQ with atomics (``deterministic=False``).
@@ -367,9 +367,10 @@ def check(table: str, D: int, t: Tiles):
         if m not in tuple(64 * w for w in wgmma_forward.WARPGROUPS) or n not in wgmma_forward.BLOCK_NS:
             raise ValueError(f"the wgmma forward takes block_m 64 or 128 (one or two warpgroups of 64 rows) and "
                              f"block_n in {wgmma_forward.BLOCK_NS}, got {m}, {n}")
-        if t.num_threads not in (2 * m, 2 * m + 32):
-            raise ValueError(f"the wgmma forward takes num_threads {2 * m} (128 a warpgroup of 64 rows) or "
-                             f"{2 * m + 32} (and a producer warp) at block_m {m}, got {t.num_threads}")
+        allowed = tuple(2 * m + 32 * p for p in wgmma_forward.PRODUCER_WARPS)
+        if t.num_threads not in allowed:
+            raise ValueError(f"the wgmma forward takes num_threads in {allowed} at block_m {m} (128 a warpgroup of "
+                             f"64 rows, and 32 a warp of the producer), got {t.num_threads}")
     elif table in ("tf32", "3xtf32"):
         if D not in mma_tf32.HEAD_DIMS:
             raise ValueError(f"the TF32 kernel supports head_dim in {mma_tf32.HEAD_DIMS}, got {D}")
@@ -395,8 +396,10 @@ def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
         return t._replace(num_threads=t.block_m)
     if table in ("tc_dq", "tf32", "3xtf32"):
         return t._replace(num_threads=_tc_threads(t.block_m))
-    if table == "wgmma":  # (a producer warp where the threads given say so)
-        return t._replace(num_threads=2 * t.block_m + (32 if t.num_threads == 2 * t.block_m + 32 else 0))
+    if table == "wgmma":  # (the producer's warps where the threads given say so)
+        extra = t.num_threads - 2 * t.block_m
+        return t._replace(num_threads=2 * t.block_m + (extra if extra // 32 in wgmma_forward.PRODUCER_WARPS[1:]
+                                                       and extra % 32 == 0 else 0))
     if table in ("tc_dkdv", "tc_dkdv_atomic"):
         return t._replace(num_threads=mma_backward.dkdv_threads(D, t.block_n))
     return t
@@ -446,9 +449,9 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
     if table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32") and num_threads is not None:
         raise ValueError(f"kernel {table.split('_')[0]!r} takes no num_threads: its threads follow from its tiles "
                          f"(32 per 16 rows)")
-    if table == "wgmma":  # a producer warp where the default has one, or the caller gives its 32 threads
+    if table == "wgmma":  # the default's producer warps, or those the caller gives (32 threads each)
         if num_threads is None:
-            t = t._replace(num_threads=2 * t.block_m + (32 if base.num_threads % 64 == 32 else 0))
+            t = t._replace(num_threads=2 * t.block_m + base.num_threads - 2 * base.block_m)
         else:
             check(table, D, t)
     if table == "tc" and num_threads is None:  # a warp per 16 rows unless the caller says otherwise

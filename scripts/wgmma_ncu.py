@@ -1,5 +1,8 @@
-"""One call of the Hopper forward and one of the mma.sync forward (d 128, seqlen 4096, batch 4, 16 heads, float16)
-between profiler start and stop, for Nsight Compute (--profile-from-start off)."""
+"""One call each of Hopper forward configurations (and of the mma.sync forward) between profiler start and stop,
+for Nsight Compute (--profile-from-start off): d 128, seqlen 4096, batch 4, 16 heads, float16.
+Arguments: block_m:block_n:num_threads of the wgmma configurations (default: the planner's), e.g. 128:64:288."""
+import sys
+
 import cupy
 import numpy as np
 
@@ -7,11 +10,14 @@ import flashnumba
 
 rng = np.random.default_rng(0)
 q, k, v = (cupy.asarray(rng.standard_normal((4, 4096, 16, 128), np.float32).astype(np.float16)) for _ in range(3))
-for kernel in ("wgmma", "tc"):
-    flashnumba.flash_attn_forward(q, k, v, kernel=kernel)
+configs = [dict(kernel="wgmma", **dict(zip(("block_m", "block_n", "num_threads"), map(int, a.split(":")))))
+           for a in sys.argv[1:]] or [dict(kernel="wgmma")]
+configs.append(dict(kernel="tc"))
+for c in configs:
+    flashnumba.flash_attn_forward(q, k, v, **c)
 cupy.cuda.Device().synchronize()
 cupy.cuda.profiler.start()
-for kernel in ("wgmma", "tc"):
-    flashnumba.flash_attn_forward(q, k, v, kernel=kernel)
+for c in configs:
+    flashnumba.flash_attn_forward(q, k, v, **c)
 cupy.cuda.Device().synchronize()
 cupy.cuda.profiler.stop()

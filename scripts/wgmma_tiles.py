@@ -1,5 +1,6 @@
 """Tiles of the Hopper forward at seqlen 4096 (batch 4, heads 2048 / d), float16: TFLOP/s back to back.
-(block_m, block_n, num_threads): num_threads 2 block_m + 32 adds the producer warp (warp specialisation)."""
+(block_m, block_n, num_threads): num_threads 2 block_m + 32 or + 128 adds a producer of one warp or four (warp
+specialisation)."""
 import cupy
 import numpy as np
 
@@ -12,7 +13,7 @@ for d in (64, 128):
     q, k, v = (cupy.asarray(rng.standard_normal((b, n, h, d), np.float32).astype(np.float16)) for _ in range(3))
     for causal in (False, True):
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
-        for tiles in ((128, 64, 256), (128, 64, 288), (128, 128, 288), (64, 64, 160)):
+        for tiles in ((128, 64, 256), (128, 64, 288), (128, 64, 384), (64, 64, 128), (64, 64, 160), (64, 64, 256)):
             try:
                 fn = lambda: flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="wgmma",  # noqa: E731
                                                            block_m=tiles[0], block_n=tiles[1],

@@ -31,7 +31,7 @@ def _hopper_or_simulator():
         pytest.skip("kernel 'wgmma' runs on compute capability 9.0 (sm_90a) only")
 
 
-def wgmma(q, k, v, warpgroups=1, block_n=64, producer=False, **kw):
+def wgmma(q, k, v, warpgroups=1, block_n=64, producer=0, **kw):
     return flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=64 * warpgroups, block_n=block_n,
                                          num_threads=128 * warpgroups + 32 * producer, **kw)
 
@@ -53,14 +53,14 @@ def test_key_tiles_through_all_three_buffers():
     check_forward(out, lse, q, k, v)
 
 
-@pytest.mark.parametrize("warpgroups, causal", [(1, False), (2, True)])
-def test_producer_warp_and_ping_pong(warpgroups, causal):
-    """Warp specialisation: the producer warp's copies through the three buffers on mbarriers (five key tiles,
-    each buffer filled twice after its release), and with two warpgroups their turns on the named barriers; the
-    wgmma stand-in fails where a buffer is overwritten before the products reading it retired."""
-    rng = np.random.default_rng(6 + warpgroups)
+@pytest.mark.parametrize("warpgroups, producer, causal", [(1, 1, False), (2, 1, True), (2, 4, False)])
+def test_producer_warp_and_ping_pong(warpgroups, producer, causal):
+    """Warp specialisation: the producer's copies (one warp, or four) through the three buffers on mbarriers (five
+    key tiles, each buffer filled twice after its release), and with two warpgroups their turns on the named
+    barriers; the wgmma stand-in fails where a buffer is overwritten before the products reading it retired."""
+    rng = np.random.default_rng(6 + warpgroups + producer)
     q, k, v = random_qkv(rng, 1, 40 if warpgroups == 1 else 100, 300, 1, 64, np.float16)
-    out, lse = wgmma(q, k, v, warpgroups=warpgroups, producer=True, causal=causal)
+    out, lse = wgmma(q, k, v, warpgroups=warpgroups, producer=producer, causal=causal)
     check_forward(out, lse, q, k, v, causal=causal)
 
 
@@ -75,7 +75,7 @@ def test_two_warpgroups_every_option(producer):
                 dropout_seed=9, dropout_offset=4)
     ref = {n: x for n, x in opts.items() if not n.startswith("dropout")}
     ref["dropout_z"] = reference.dropout_z(9, 4, 1, nheads, sq, sk, 0.3)
-    out, lse = wgmma(q, k, v, warpgroups=2, producer=producer, **opts)
+    out, lse = wgmma(q, k, v, warpgroups=2, producer=int(producer), **opts)
     check_forward(out, lse, q, k, v, **ref)
 
 
@@ -107,6 +107,8 @@ def test_what_it_does_not_take_is_refused():
         flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", num_threads=128)
     with pytest.raises(ValueError, match="num_threads"):
         flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", block_m=64, num_threads=288)
+    with pytest.raises(ValueError, match="producer"):
+        flashnumba.kernels.wgmma_forward.make_forward_wgmma(64, (False,) * 6, 64, 2, producer=2)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         flashnumba.flash_attn_forward(*(x.astype(np.float32) for x in (q, k, v)), kernel="wgmma")
     out, lse = flashnumba.flash_attn_forward(q, k, v)
@@ -120,7 +122,7 @@ from flashnumba import _launch
 from flashnumba.kernels import wgmma_forward
 from flashnumba.kernels.common import Variant
 cases = [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat16", Variant(), False, False),
-         (128, 64, 2, "float16", Variant(), False, True)]
+         (128, 64, 2, "float16", Variant(), False, 4)]
 if FULL:
     cases += [(128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, False),
               (128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, True),
@@ -132,7 +134,7 @@ if FULL:
               (128, 128, 2, "bfloat16", Variant(False, True), True, False)]
 out = {}
 for D, n, wg, dt, var, gqa, producer in cases:
-    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, producer)
+    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, int(producer))
     nt = wgmma_forward.threads(wg, producer)
     el = "uint16" if dt == "bfloat16" else "float16"
     a4 = f"{el}[:, :, :, ::1]"
@@ -172,9 +174,9 @@ def test_wgmma_forward_compiles_for_sm90a():
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES)
 @pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("threads", [None, 288])
+@pytest.mark.parametrize("threads", [None, 288, 384])
 def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, threads):
-    """At the default tiles, and with the producer warp (288 threads: two warpgroups and the producer)."""
+    """At the default tiles, and with a producer of one warp or four (288, 384 threads with two warpgroups)."""
     if dtype == "bfloat16":
         dtype = pytest.importorskip("ml_dtypes").bfloat16
     rng = np.random.default_rng(seqlen_q + seqlen_k + D)
@@ -193,7 +195,8 @@ SHARDS = 8
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
        seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from([64, 96, 128]),
        dtype=st.sampled_from(["float16", "bfloat16"]),
-       tiles=st.sampled_from([None, (128, 128, 256), (128, 64, 256), (64, 64, 128), (128, 64, 288), (64, 64, 160)]),
+       tiles=st.sampled_from([None, (128, 128, 256), (128, 64, 256), (64, 64, 128), (128, 64, 288), (64, 64, 160),
+                              (128, 64, 384)]),
        causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
        alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
 def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
@@ -222,7 +225,7 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
 
 @gpu_only
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("threads", [None, 288])
+@pytest.mark.parametrize("threads", [None, 288, 384])
 def test_varlen_gpu(dtype, threads):
     """Packed sequences of awkward lengths (one empty, one longer than several tiles), GQA, causal and a window:
     each sequence checked as a batch of one against the float64 reference."""

@@ -83,9 +83,12 @@ CORE = 64  # elements (16-bit) of a core matrix: 8 rows x 8 head dims, 128 bytes
 STAGES = 3  # K_j, V_j buffers: tile j + 1 in flight while tile j's S and tile j - 1's P V are computed
 
 
-def threads(warpgroups, producer=False):
-    """Threads of a block: 128 a warpgroup, and 32 of the producer warp (warp specialisation)."""
-    return 128 * warpgroups + (32 if producer else 0)
+PRODUCER_WARPS = (0, 1, 4)  # warps of the producer: none, one, or a warpgroup (one warp on each scheduler)
+
+
+def threads(warpgroups, producer=0):
+    """Threads of a block: 128 a warpgroup, and 32 a warp of the producer (warp specialisation)."""
+    return 128 * warpgroups + 32 * int(producer)
 
 
 def shared_bytes(D, B_c, B_r):
@@ -154,14 +157,14 @@ def make_load_core(D, NT):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=False):
+def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0):
     """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`),
     ``warpgroups`` warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the
     options of ``variant`` (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen,
     dropout) compiled in as in :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes
     (without a user's score_mod or block mask): (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q,
-    cu_k, p_drop, rp_keep, seed, offset); q, k, v, out C-contiguous. With ``producer`` one more warp of
-    the block makes every copy and the warpgroups wait for tiles on mbarriers and, two of them, take turns at the
+    cu_k, p_drop, rp_keep, seed, offset); q, k, v, out C-contiguous. With ``producer`` (warps, one of
+    :data:`PRODUCER_WARPS`) more warps of the block make every copy and the warpgroups wait for tiles on mbarriers and, two of them, take turns at the
     tensor cores (module docstring: warp specialisation). Compiled for sm_90a (wgmma). Launch: grid
     (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory
     :func:`shared_bytes`."""
@@ -189,7 +192,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     elem = uint16 if is_bf16 else float16
     B_R = 64 * warpgroups
     NC = 128 * warpgroups  # the warpgroups' threads (with a producer warp, the consumers)
-    PRODUCER = bool(producer)
+    if int(producer) not in PRODUCER_WARPS:
+        raise ValueError(f"the wgmma forward's producer has {PRODUCER_WARPS} warps, got {producer}")
+    PW = int(producer)
+    PRODUCER = PW > 0
     PINGPONG = PRODUCER and warpgroups == 2  # (without a producer a block-wide barrier a tile keeps them in step)
     NBARS = 2 * STAGES if PRODUCER else 1
     NS = B_c // 2  # S accumulator registers a thread: 64 x B_c over 128 threads
@@ -204,7 +210,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     mma_s, fence_s, wait_s = hop.wgmma_ops(kind, B_c)
     mma_o, fence_o, wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
     load_core = make_load_core(D, NC)
-    load_core_p = make_load_core(D, 32)  # the producer warp's
+    load_core_p = make_load_core(D, 32 * max(PW, 1))  # the producer's
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
 
     @cuda.jit(device=True, inline=True)
@@ -310,18 +316,22 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
 
     @cuda.jit(device=True, inline=True)
     def produce(smem, bars, q, k, v, bb, q_row0, q_end, h, k_row0, k_end, hk, n_tiles, lane):
-        """The producer warp: Q_i with the first tile, then K_j, V_j of tile jt into buffer jt % STAGES once the
-        warpgroups have released the tile that was there (bars[STAGES + jt % STAGES], ``empty``), arriving on
-        bars[jt % STAGES] (``full``) when its copies land. It never waits for a copy itself."""
+        """The producer (thread ``lane`` of its warps): Q_i with the first tile, then K_j, V_j of tile jt into
+        buffer jt % STAGES once the warpgroups have released the tile that was there (bars[STAGES + jt % STAGES],
+        ``empty``), arriving on bars[jt % STAGES] (``full``) when its copies land. It never waits for a copy
+        itself; where a tile reaches past the sequence's end, the zeros it stored are made visible to the tensor
+        cores first (fence.proxy.async: only there, a fence may wait for the copies in flight)."""
         load_core_p(smem, 0, q, bb, q_row0, q_end, h, B_R, lane)
         for jt in range(n_tiles):
             st = jt % STAGES
             if jt >= STAGES:
                 wait_phase(bars, STAGES + st, (jt // STAGES + 1) & 1)  # tile jt - STAGES released
             nb = OFF_K + st * BUF
-            load_core_p(smem, nb, k, bb, k_row0 + jt * B_c, k_end, hk, B_c, lane)
-            load_core_p(smem, nb + OFF_V, v, bb, k_row0 + jt * B_c, k_end, hk, B_c, lane)
-            hop.fence_proxy_async()  # (the zeros it stored past the sequence's end, seen by the tensor cores)
+            row0 = k_row0 + jt * B_c
+            load_core_p(smem, nb, k, bb, row0, k_end, hk, B_c, lane)
+            load_core_p(smem, nb + OFF_V, v, bb, row0, k_end, hk, B_c, lane)
+            if row0 + B_c > k_end or (jt == 0 and q_row0 + B_R > q_end):
+                hop.fence_proxy_async()
             hop.cp_async_mbarrier_arrive(hop.smem_address(bars, st))
         ptx.cp_async_wait_all()  # (no copy in flight when the warp exits)
 
@@ -405,7 +415,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         if PRODUCER:
             if tid == 0:
                 for st in range(STAGES):
-                    hop.mbarrier_init(hop.smem_address(bars, st), 32)  # the producer warp's copies landed
+                    hop.mbarrier_init(hop.smem_address(bars, st), 32 * PW)  # the producer's copies landed
                     hop.mbarrier_init(hop.smem_address(bars, STAGES + st), NC)  # every consumer thread done
             cuda.syncthreads()
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
