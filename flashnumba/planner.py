@@ -447,6 +447,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS + BLOCK_MASK_PARAMS, grid,
                               (t.num_threads,), smem, t, reason)
     elif family == "wgmma":
+        if reason != "given by the caller":
+            t = tiling.wgmma_without_producer(t, opts.variant)
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,

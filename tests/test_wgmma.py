@@ -125,12 +125,13 @@ cases = [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat
          (128, 64, 2, "float16", Variant(), False, 4)]
 if FULL:
     cases += [(128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, False),
-              (128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, True),
+              (128, 64, 2, "float16", Variant(True, False, False, True, False, False), True, 4),
+              (128, 64, 2, "bfloat16", Variant(False, True, False, False, False, True), True, 4),
               (128, 64, 2, "float16", Variant(False, False, False, False, True, False), False, False),
               (128, 64, 2, "float16", Variant(False, False, False, False, False, True), False, False),
               (128, 64, 2, "float16", Variant(True, True, True, True, False, False), False, False),
               (96, 64, 2, "bfloat16", Variant(False, True), False, False),
-              (96, 64, 2, "bfloat16", Variant(False, True), False, True),
+              (96, 64, 2, "bfloat16", Variant(False, True), False, 4),
               (128, 128, 2, "bfloat16", Variant(False, True), True, False)]
 out = {}
 for D, n, wg, dt, var, gqa, producer in cases:
@@ -155,7 +156,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     registers apart)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (11 if FULL_COMPILE else 3)
+    assert len(compiled) == (12 if FULL_COMPILE else 3)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         for needle in ("wgmma.mma_async.sync.aligned", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",

@@ -45,8 +45,10 @@ and one more iteration after the last tile issues its P V alone. Two warpgroups 
 shared-memory traffic a query row of one warpgroup alone would cost).
 
 **Warp specialisation** (``producer``). Above, every thread copies and a block-wide barrier a tile keeps the
-warpgroups in step: both run their softmax at the same time, and the tensor cores wait meanwhile. With one more
-warp, the *producer*, the copies leave the warpgroups: it copies tile j into buffer j % 3 as soon as both
+warpgroups in step: both run their softmax at the same time, and the tensor cores wait meanwhile. With a
+*producer*, four more warps (one warp is offered too, but a single warp's copies, each thread's address arithmetic
+and ``cp.async`` issued from one of the SM's four schedulers, fall behind the tensor cores), the copies leave the
+warpgroups: it copies tile j into buffer j % 3 as soon as both
 warpgroups have released the tile that was there, and each thread of it arrives on that buffer's ``full``
 mbarrier when its copies land (``cp.async.mbarrier.arrive``); a warpgroup waits for ``full`` instead of the
 barrier, and arrives on the buffer's ``empty`` mbarrier once its P V of the tile retired. With no block-wide
