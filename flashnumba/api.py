@@ -210,8 +210,9 @@ def flash_attn_forward(
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
         float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (opt-in;
         compute capability 9.0 only, float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's
-        score_mod / mask_mod and block masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128; no
-        num_threads), flashnumba.kernels.wgmma_forward; not yet faster than "tc" (docs/benchmarks.md).
+        score_mod / mask_mod and block masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128;
+        num_threads 2 block_m, or + 32 or + 128 for a producer of one warp or four, the default),
+        flashnumba.kernels.wgmma_forward; not yet clearly faster than "tc" (docs/benchmarks.md).
 
     stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'
         current stream (torch's for torch tensors, CuPy's for CuPy arrays). The outputs (and any temporary or

@@ -166,10 +166,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     dropout) compiled in as in :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes
     (without a user's score_mod or block mask): (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q,
     cu_k, p_drop, rp_keep, seed, offset); q, k, v, out C-contiguous. With ``producer`` (warps, one of
-    :data:`PRODUCER_WARPS`) more warps of the block make every copy and the warpgroups wait for tiles on mbarriers and, two of them, take turns at the
-    tensor cores (module docstring: warp specialisation). Compiled for sm_90a (wgmma). Launch: grid
-    (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory
-    :func:`shared_bytes`."""
+    :data:`PRODUCER_WARPS`) more warps of the block make every copy, the warpgroups wait for tiles on mbarriers
+    and, two of them, take turns at the tensor cores (module docstring: warp specialisation). Compiled for sm_90a
+    (wgmma). Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared
+    memory :func:`shared_bytes`."""
     if D not in HEAD_DIMS:
         raise ValueError(f"the wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
     if B_c not in BLOCK_NS:
