@@ -242,7 +242,10 @@ def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
         # be in place now and stay so (checked at the wait)
         seen = (None if regs_a else _sim_operand(operand_a, M, halves),
                 _sim_operand(int(desc_b), N, halves, mn_major=trans_b))
-        _wgmma_state()[0].append((a, None if chained else a.copy(), operand_a, int(desc_b), bool(scale_d), seen))
+        # (the accumulator's values only where the product adds to them: otherwise the registers may hold anything,
+        # a signalling NaN among it)
+        start = a.copy() if scale_d else np.zeros_like(a)
+        _wgmma_state()[0].append((a, None if chained else start, operand_a, int(desc_b), bool(scale_d), seen))
         a[:] = np.nan  # in flight: the registers hold nothing a thread may read
 
     if regs_a:
