@@ -42,9 +42,9 @@ def compile_kernel(spec, sig, cc):
     cc = tuple(cc)[:2]
     base = (8, 0) if cc >= (8, 0) else cc
     key = _launch._cache_key(spec, sig, base)
-    def compile_ptx(pyfunc, signature, target):
+    def compile_ptx(pyfunc, signature, target, launch_bounds=None):
         if key not in ptx_of:
-            ptx_of[key] = real_compile_ptx(pyfunc, signature, base)
+            ptx_of[key] = real_compile_ptx(pyfunc, signature, base, launch_bounds)
         return ptx_of[key].replace(f".target sm_{base[0]}{base[1]}", f".target sm_{target[0]}{target[1]}", 1)
     _launch.compile_ptx = compile_ptx
     if cc != base:  # (not stored under the target's key: it is not that target's own compile)
