@@ -12,6 +12,8 @@ cores) and in ``flashnumba.reference``:
   and :func:`make_key_tiles`;
 * a batch entry's rows, for equal lengths or packed (varlen) sequences: :func:`make_sequence_geometry`;
 * the score before the softmax: softcap, then the ALiBi bias: :func:`make_score_mod`;
+* the online softmax's steps on a lane's rows in the tensor-core kernels' register layout (a row spread over the
+  four lanes of a quad): :func:`make_online_softmax`;
 * the dropout mask: a Philox uniform drawn from (seed, offset, batch * nheads + head, i, j):
   :data:`dropout_uniform`, so that the backward regenerates exactly the forward's mask;
 * a user's own score and mask functions (FlexAttention's ``score_mod`` and ``mask_mod``): :class:`Mods`, compiled
@@ -101,6 +103,44 @@ def make_score_mod(softcap_on, alibi_on, no_calls=False):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
+def make_online_softmax(fold):
+    """(quad_max, new_max, prob): the steps of the online softmax on one row of a tile of scores as the tensor-core
+    kernels hold it (``mma.sync``'s C fragment, and ``wgmma``'s accumulator, which repeats it): each row spread
+    over the four lanes of a quad (lanes 4 g .. 4 g + 3), each lane holding some of its columns.
+
+    * ``quad_max(mx)``: a lane's partial row maximum -> the row's, over its quad (a butterfly over lane bits 0, 1);
+    * ``new_max(m, m_use, alpha, r, mx, scale_q)``: row r's running maximum m[r] (base 2) -> m_new = max(m_i,
+      mx), with alpha[r] = exp2(m_i - m_new) and m_use[r] the maximum the exponent subtracts (0 for a row that
+      saw no key yet: no -inf - -inf);
+    * ``prob(sv, mu, scale_q)``: P = exp2(S - m_use) of one score.
+
+    With ``fold`` the scores are the raw products Q K^T and the scale (times log2(e), positive) is applied in the
+    exponent, one FMA: exp2(S scale - m); mx is then the raw maximum, scaled here."""
+
+    @cuda.jit(device=True, inline=True)
+    def quad_max(mx):
+        mx = max(mx, ptx.shfl_xor_f32(mx, 1))
+        return max(mx, ptx.shfl_xor_f32(mx, 2))
+
+    @cuda.jit(device=True, inline=True)
+    def new_max(m, m_use, alpha, r, mx, scale_q):
+        if fold:
+            mx *= scale_q  # (-inf stays -inf: scale_q > 0)
+        mx = max(m[r], mx)
+        m_use[r] = mx if mx != NEG_INF else float32(0.0)
+        alpha[r] = ptx.exp2_ftz(m[r] - m_use[r])
+        m[r] = mx
+
+    @cuda.jit(device=True, inline=True)
+    def prob(sv, mu, scale_q):
+        if fold:  # one FMA and the exponential
+            return ptx.exp2_ftz(cuda.fma(sv, scale_q, -mu))
+        return ptx.exp2_ftz(sv - mu)
+
+    return quad_max, new_max, prob
+
+
 def make_key_range(B_r, B_c, has_left, has_right):
     """key_range(i0, seqlen_q, seqlen_k, diag, left, right) -> (n_start, n_end): the keys that the query rows
     i0 .. i0 + B_r - 1 (within the sequence) can see lie in n_start .. n_end - 1. Row i sees keys

@@ -58,7 +58,7 @@ import math
 
 from . import bf16, ptx
 from .._backend import cuda
-from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod,
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
                      make_sequence_geometry, make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
@@ -156,6 +156,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     mma_abt = make_mma_abt_rows(D, B_c, dtype, WM, not Q_REGS)  # S_ij = Q_i K_j^T
     mma_ab = make_mma_ab_rows(B_c, D, dtype, WM)  # O_i += P_ij V_j
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
+    quad_max, new_max, prob = make_online_softmax(FOLD)
     SUB = KB // B_c  # key tiles per block of a block mask
 
     @cuda.jit(device=True, inline=True)
@@ -276,22 +277,11 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                 for n in range(NS):
                     mx0 = max(mx0, max(s[w, n, 0], s[w, n, 1]))
                     mx1 = max(mx1, max(s[w, n, 2], s[w, n, 3]))
-                # the row's max over its quad (lanes 4g .. 4g + 3): butterfly over lane bits 0 and 1
-                mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
-                mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
-                mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
-                mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
-
-                # m_new = max(m_i, rowmax(S_ij)); alpha = exp2(m_i - m_new)
-                for x in range(2):
-                    r = 2 * w + x
-                    mx = mx0 if x == 0 else mx1
-                    if FOLD:
-                        mx *= scale_q  # (-inf stays -inf: scale_q > 0)
-                    mx = max(m[r], mx)
-                    m_use[r] = mx if mx != NEG_INF else float32(0.0)  # no key seen yet: avoid -inf - -inf
-                    alpha[r] = ptx.exp2_ftz(m[r] - m_use[r])
-                    m[r] = mx
+                # the rows' max over their quad; m_new = max(m_i, rowmax(S_ij)); alpha = exp2(m_i - m_new)
+                mx0 = quad_max(mx0)
+                mx1 = quad_max(mx1)
+                new_max(m, m_use, alpha, 2 * w, mx0, scale_q)
+                new_max(m, m_use, alpha, 2 * w + 1, mx1, scale_q)
 
                 # P_ij = exp2(S_ij - m_new) (0 where masked); l_i = alpha l_i + rowsum(P_ij) over this lane's
                 # columns, before dropout (L_i is the true logsumexp); then P_ij keep_ij for the product with V_j
@@ -301,10 +291,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                 ps1 = float32(0.0)
                 for n in range(NS):
                     for x in range(4):
-                        if FOLD:  # one FMA and the exponential
-                            p = ptx.exp2_ftz(cuda.fma(s[w, n, x], scale_q, -m_use[2 * w + (x >> 1)]))
-                        else:
-                            p = ptx.exp2_ftz(s[w, n, x] - m_use[2 * w + (x >> 1)])
+                        p = prob(s[w, n, x], m_use[2 * w + (x >> 1)], scale_q)
                         if x < 2:
                             ps0 += p
                         else:

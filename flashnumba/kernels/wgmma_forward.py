@@ -73,7 +73,8 @@ from numba import float32, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
-from .common import LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
+                     make_sequence_geometry)
 from numba.cuda.types import float16
 
 HEAD_DIMS = (64, 96, 128)  # head dims a multiple of 32 (the copies' 4 column blocks a warp) with S and O in registers
@@ -214,6 +215,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     load_core = make_load_core(D, NC)
     load_core_p = make_load_core(D, 32 * max(PW, 1))  # the producer's
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
+    quad_max, new_max, prob = make_online_softmax(FOLD)  # (mma_forward's steps, on the same register layout)
 
     @cuda.jit(device=True, inline=True)
     def softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_k, diag, last_row, scale_q, softcap,
@@ -246,26 +248,15 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         for n in range(NS // 4):
             mx0 = max(mx0, max(s[4 * n], s[4 * n + 1]))
             mx1 = max(mx1, max(s[4 * n + 2], s[4 * n + 3]))
-        mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
-        mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
-        mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
-        mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
-        for x in range(2):
-            mx = mx0 if x == 0 else mx1
-            if FOLD:
-                mx *= scale_q
-            mx = max(m[x], mx)
-            m_use[x] = mx if mx != NEG_INF else float32(0.0)
-            alpha[x] = ptx.exp2_ftz(m[x] - m_use[x])
-            m[x] = mx
+        mx0 = quad_max(mx0)
+        mx1 = quad_max(mx1)
+        new_max(m, m_use, alpha, 0, mx0, scale_q)
+        new_max(m, m_use, alpha, 1, mx1, scale_q)
         ps0 = float32(0.0)
         ps1 = float32(0.0)
         for n in range(NS // 4):
             for x in range(4):
-                if FOLD:
-                    p = ptx.exp2_ftz(cuda.fma(s[4 * n + x], scale_q, -m_use[x >> 1]))
-                else:
-                    p = ptx.exp2_ftz(s[4 * n + x] - m_use[x >> 1])
+                p = prob(s[4 * n + x], m_use[x >> 1], scale_q)
                 if x < 2:
                     ps0 += p
                 else:
