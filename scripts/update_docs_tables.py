@@ -188,6 +188,29 @@ def hopper(d, prefix="results/latest/"):
     return out[:-1]
 
 
+def hopper_summary(d, prefix="docs/results/latest/"):
+    """The README's line on the Hopper forward: its speed against FlashAttention-2, cuDNN and the mma.sync kernel
+    over bench-wgmma.json's shapes (both timing modes against the peers)."""
+    rows = {(r["impl"], r["head_dim"], r["seqlen"], r["causal"]): r for r in d["rows"] if r.get("tflops")}
+    ours = {k[1:]: r for k, r in rows.items() if k[0] == "flashnumba_wgmma"}
+
+    def span(peer, modes=("tflops", "tflops_single"), head_dim=None):
+        x = [ours[k][m] / rows[(peer,) + k][m] for k in ours for m in modes
+             if (peer,) + k in rows and rows[(peer,) + k].get(m) and (head_dim is None or k[0] == head_dim)]
+        return f"{min(x):.2f}-{max(x):.2f}x"
+
+    dims = sorted({k[0] for k in ours})
+    mma = " and ".join(f"{span('flashnumba', ('tflops',), h)} at head_dim {h}" for h in dims)
+    mma = f"against the `mma.sync` kernel {mma}"
+    env = d["environment"]
+    return [f"- Hopper: a forward on warpgroup MMA with a producer warpgroup and two consumers taking turns "
+            f"(`kernel=\"wgmma\"`, opt-in, `flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "
+            f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
+            f"modes), {mma} (float16 forward, seqlen 4096 and 16384, "
+            f"{env['date'][:10]}: [bench-wgmma.json]({prefix}bench-wgmma.json); docs/benchmarks.md, \"How fast is "
+            f"the Hopper forward?\"); no Hopper backward yet."]
+
+
 def decode(d, prefix="results/latest/"):
     """bench --decode: TB/s of K and V read per implementation and workload, both timing modes."""
     w = d["workload"]
@@ -230,11 +253,12 @@ TARGETS = {  # file: (marker name, table function, its arguments)
                            ("headline", headlines, {"prefix": "results/latest/"}), ("decode", decode, {}),
                            ("flex", flex, {}), ("hopper", hopper, {})],
     "docs/testing.md": [("numerics", numerics, {})],
-    "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {})],
+    "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {}),
+                  ("hopper-summary", hopper_summary, {})],
 }
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
            "headline": ("bench.json", "bench-tc.json"), "numerics": None, "decode": "bench-decode.json",
-           "flex": "flex-bench.json", "hopper": "bench-wgmma.json"}
+           "flex": "flex-bench.json", "hopper": "bench-wgmma.json", "hopper-summary": "bench-wgmma.json"}
 
 
 def main():
