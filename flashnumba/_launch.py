@@ -226,8 +226,9 @@ def _cache_key(spec: KernelLaunch, sig: tuple, cc) -> str:
     f = spec.factory
     name = f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
     key = {"factory": name, "args": repr(spec.factory_args), "signature": list(sig), "cc": list(cc)}
-    if launch_bounds(spec) is not None:
-        key["launch_bounds"] = launch_bounds(spec)
+    bound = launch_bounds(spec)
+    if bound is not None:
+        key["launch_bounds"] = bound
     return _cache.key_text(key)
 
 

@@ -454,7 +454,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,
-                               opts.scale > 0, (t.num_threads - 2 * t.block_m) // 32),
+                               opts.scale > 0, wgmma_forward.producer_warps(t.block_m, t.num_threads)),
                               io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t, reason,
                               arch_specific=True)
     else:  # tf32, 3xtf32

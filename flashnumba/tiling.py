@@ -380,8 +380,8 @@ def check(table: str, D: int, t: Tiles):
         if m not in tuple(64 * w for w in wgmma_forward.WARPGROUPS) or n not in wgmma_forward.BLOCK_NS:
             raise ValueError(f"the wgmma forward takes block_m 64 or 128 (one or two warpgroups of 64 rows) and "
                              f"block_n in {wgmma_forward.BLOCK_NS}, got {m}, {n}")
-        allowed = tuple(2 * m + 32 * p for p in wgmma_forward.PRODUCER_WARPS)
-        if t.num_threads not in allowed:
+        if wgmma_forward.producer_warps(m, t.num_threads) is None:
+            allowed = tuple(2 * m + 32 * p for p in wgmma_forward.PRODUCER_WARPS)
             raise ValueError(f"the wgmma forward takes num_threads in {allowed} at block_m {m} (128 a warpgroup of "
                              f"64 rows, and 32 a warp of the producer), got {t.num_threads}")
     elif table in ("tf32", "3xtf32"):
@@ -410,9 +410,8 @@ def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
     if table in ("tc_dq", "tf32", "3xtf32"):
         return t._replace(num_threads=_tc_threads(t.block_m))
     if table == "wgmma":  # (the producer's warps where the threads given say so)
-        extra = t.num_threads - 2 * t.block_m
-        return t._replace(num_threads=2 * t.block_m + (extra if extra // 32 in wgmma_forward.PRODUCER_WARPS[1:]
-                                                       and extra % 32 == 0 else 0))
+        return t._replace(num_threads=2 * t.block_m + 32 * (wgmma_forward.producer_warps(t.block_m, t.num_threads)
+                                                            or 0))
     if table in ("tc_dkdv", "tc_dkdv_atomic"):
         return t._replace(num_threads=mma_backward.dkdv_threads(D, t.block_n))
     return t
@@ -464,7 +463,8 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
                          f"(32 per 16 rows)")
     if table == "wgmma":  # the default's producer warps, or those the caller gives (32 threads each)
         if num_threads is None:
-            t = t._replace(num_threads=2 * t.block_m + base.num_threads - 2 * base.block_m)
+            t = t._replace(num_threads=2 * t.block_m + 32 * wgmma_forward.producer_warps(base.block_m,
+                                                                                         base.num_threads))
         else:
             check(table, D, t)
     if table == "tc" and num_threads is None:  # a warp per 16 rows unless the caller says otherwise

@@ -94,6 +94,13 @@ def threads(warpgroups, producer=0):
     return 128 * warpgroups + 32 * int(producer)
 
 
+def producer_warps(block_m, num_threads):
+    """The producer's warps in a block of ``num_threads`` with ``block_m`` query rows (the inverse of
+    :func:`threads`); None where the threads are not those of a producer of :data:`PRODUCER_WARPS`."""
+    extra = num_threads - 2 * block_m
+    return extra // 32 if extra % 32 == 0 and extra // 32 in PRODUCER_WARPS else None
+
+
 def shared_bytes(D, B_c, B_r):
     """Q_i (B_r rows) and :data:`STAGES` K_j, V_j buffers (B_c rows each), 16-bit elements, unpadded."""
     return (B_r + 2 * STAGES * B_c) * D * 2
