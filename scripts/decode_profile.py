@@ -7,6 +7,7 @@
     python scripts/decode_profile.py stages [batch] [seqlen_k] [page]  # the kernel with 2 and 3 K, V buffers
     python scripts/decode_profile.py latency [batch] [seqlen_k] [page]  # host and device time of a call, with torch's
     python scripts/decode_profile.py prelaunch [batch] [seqlen_k] [page]  # host time from a call to its first launch
+    python scripts/decode_profile.py breakdown [batch] [seqlen_k] [page]  # that time, part by part
     python scripts/decode_profile.py splits [batch] [seqlen_k] [page]  # num_splits 0 (the plan's) and others, timed
     python scripts/decode_profile.py tiles [batch] [seqlen_k] [page]  # keys a warp, buffers and splits: GPU time
     python scripts/decode_profile.py deep [batch] [seqlen_k] [page]  # fewer blocks, more buffers, with torch's
@@ -193,6 +194,49 @@ elif mode == "prelaunch":  # what one call a pair of events adds to the GPU's ti
     print(f"one call a pair of events: start -> before the first launch {np.median(before):.1f} us, from there to "
           f"the end {np.median(after):.1f} us (medians of 200; the kernels alone from a CUDA graph: mode latency)")
     _launch.Bound.__call__ = launch
+elif mode == "breakdown":  # the host time before the first launch, part by part: each part of a call timed alone
+    import time
+
+    from flashnumba import _arrays, _launch, api, decode
+
+    def us(fn, calls=20000):
+        for _ in range(200):
+            fn()
+        rounds = []
+        for _ in range(5):
+            cupy.cuda.Device().synchronize()
+            t = time.perf_counter_ns()
+            for _ in range(calls // 5):
+                fn()
+            rounds.append((time.perf_counter_ns() - t) / (calls // 5) / 1e3)
+        return min(rounds)
+
+    st = next(c for k, c in api._calls.items() if k and k[0] == "kvcache")
+    call = st.call(None)
+    kk, vv = (pool_k, pool_v) if page else (kc, vc)
+    arrays = (q, kk, vv, lens, None, table, None, None, None, None, None)
+    key_args = (q, kk, vv, None, None, lens, None, table, None, None, None)
+    opts = (False, (-1, -1), 0.0, True, None, 0, None, False, None)
+    values, outs, keep = call.prepare(arrays)
+    stream = call._stream(q)
+    bound = call.bound[0]
+    parts = {
+        "the whole call (no sync)": step,
+        "decode._key (the plan key)": lambda: api._key("kvcache", key_args, opts),
+        "  _arrays.meta_key(q)": lambda: _arrays.meta_key(q),
+        "decode._ints (cache_seqlens)": lambda: decode._ints("cache_seqlens", lens, (batch,), False),
+        "Call.prepare (addresses, outputs, scratch)": lambda: call.prepare(arrays),
+        "  cupy.empty(out)": lambda: cupy.empty(q.shape, q.dtype),
+        "  cupy.empty(scratch bytes)": lambda: cupy.empty((call.scratch_bytes,), np.uint8),
+        "  x.data.ptr": lambda: q.data.ptr,
+        "Call._stream": lambda: call._stream(q),
+        "Bound.__call__ (one launch)": lambda: bound(values, stream),
+    }
+    print(f"batch {batch}, seqlen_k {n}, page {page or 'none'}: host us (best of 5 rounds; calls back to back, "
+          f"so the launches queue)")
+    for name, fn in parts.items():
+        print(f"  {name:44s} {us(fn, 1000 if fn is step or name.startswith('Bound') else 20000):7.2f}")
+        cupy.cuda.Device().synchronize()
 elif mode == "ncu":
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -337,4 +381,4 @@ elif mode == "splits":
         print(f"num_splits {s:3d}: back to back {nbytes / back / 1e9:.2f} TB/s, pair {nbytes / pair / 1e9:.2f} TB/s, "
               f"grid {grids[-1] if grids else '?'}")
 else:
-    raise SystemExit(f"mode must be host, prelaunch, ncu, stages, tiles, deep, latency or splits, got {mode!r}")
+    raise SystemExit(f"mode must be host, prelaunch, breakdown, ncu, stages, tiles, deep, latency or splits, got {mode!r}")
