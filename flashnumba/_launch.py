@@ -427,6 +427,33 @@ def dummy(name, shape, dtype):
     return _dummies[key]
 
 
+_sinks: dict = {}  # device id -> [buffers], the last the largest
+
+
+def sink(nbytes: int) -> int:
+    """The address of at least ``nbytes`` of device memory on the current device that kernels write and nothing
+    reads (outputs a plan discards): one buffer a process, shared by every call and stream. A larger one replaces
+    it when needed; the smaller ones are kept, never freed, as a kernel still queued may write them."""
+    dev = cuda.get_current_device().id
+    bufs = _sinks.setdefault(dev, [])
+    if not bufs or bufs[-1][1] < nbytes:
+        nbytes = max(nbytes, 2 * bufs[-1][1] if bufs else 0, 4096)
+        if _arrays.cupy is None:
+            arr = cuda.device_array(nbytes, np.uint8)
+            bufs.append((arr, nbytes, arr.device_ctypes_pointer.value))
+        else:
+            with _arrays.cupy.cuda.Device(dev):
+                arr = _arrays.cupy.empty(nbytes, np.uint8)
+            bufs.append((arr, nbytes, arr.data.ptr))
+    return bufs[-1][2]
+
+
+def _poison(dtype):
+    """The NaN-poisoning fill value of an output of kernel dtype ``dtype`` (see :meth:`Call._alloc`)."""
+    dtype = np.dtype(dtype)
+    return 0x7FC0 if dtype == np.uint16 else 0xFF if dtype == np.uint8 else -1 if dtype.kind == "i" else np.nan
+
+
 def _torch_stream(index: int) -> int:
     """torch's current CUDA stream on device ``index``, as a handle: the raw getter torch's own compiled code uses
     (a fraction of a microsecond), else the public ``torch.cuda.current_stream`` (several)."""
@@ -473,16 +500,24 @@ class Call:
         self.scratch = []  # (name, byte offset) of the temporaries, which share one allocation of scratch_bytes
         self.scratch_bytes = 0
         self.zeroed = []  # (byte offset, bytes) of the temporaries that start as zeros (accumulators)
+        discarded = []  # (name, bytes) of the outputs written and never read: in the process's sink
         for spec in self.outputs:
             kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(spec.dtype) else np.dtype(spec.dtype)
             if spec.returned:
                 self.allocs.append((spec.name, spec.shape, _arrays.torch_dtype(spec.dtype) if self.torch else kdtype))
+            elif spec.discarded:
+                discarded.append((spec.name, int(np.prod(self.plan.arrays[spec.name].shape)) * kdtype.itemsize))
             else:
                 self.scratch.append((spec.name, self.scratch_bytes))
                 nbytes = int(np.prod(self.plan.arrays[spec.name].shape)) * kdtype.itemsize
                 if spec.zeroed:
                     self.zeroed.append((self.scratch_bytes, nbytes))
                 self.scratch_bytes += -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        if discarded:  # (each on its own SCRATCH_ALIGN bytes, as in the scratch)
+            at = sink(sum(-(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN for _, n in discarded))
+            for name, n in discarded:
+                self.base[name] = at
+                at += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
         self.host_results = [s.dtype for s in self.outputs if s.returned] if self.like == "numpy" else None
         if self.torch:
             self.empty = None
@@ -520,15 +555,13 @@ class Call:
             if config.poison_outputs:
                 arr.fill_(255 if dtype == self._byte else -1 if dtype == torch.int32 else float("nan"))
             return arr, arr.data_ptr()
-        poison = (0x7FC0 if dtype == np.uint16 else 0xFF if dtype == np.uint8 else -1 if np.dtype(dtype).kind == "i"
-                  else np.nan)
         if self.empty is not cuda.device_array:
             arr = self.empty(shape, dtype)
             if config.poison_outputs:
-                arr.fill(poison)
+                arr.fill(_poison(dtype))
             return arr, arr.data.ptr
         if config.poison_outputs:
-            host = np.full(shape, poison, dtype)
+            host = np.full(shape, _poison(dtype), dtype)
             arr = cuda.to_device(host)
         else:
             arr = cuda.device_array(shape, dtype)

@@ -40,21 +40,32 @@ _calls: dict = {}
 
 
 def _typed(values) -> tuple:
-    return tuple((type(v), v) for v in values)
+    return tuple([(type(v), v) for v in values])
 
 
 def _key(tag, arrays, options):
-    """The cache key of a call, or None where an argument is not hashable (then the call is planned afresh)."""
+    """The cache key of a call, or None where an array gives none; an unhashable option shows at the lookup
+    (:func:`_lookup`, :func:`_cached`: the call is then planned afresh). The key is hashed once, by the lookup."""
     try:
-        key = (tag, tuple(None if x is None else _arrays.meta_key(x) for x in arrays), _typed(options))
-        hash(key)
-        return key
+        meta = _arrays.meta_key
+        return tag, tuple([None if x is None else meta(x) for x in arrays]), _typed(options)
     except (TypeError, AttributeError, ValueError, ImportError):
         return None
 
 
+def _lookup(key):
+    """The kept call of ``key``, or None (None too for a key that cannot be hashed)."""
+    try:
+        return _calls.get(key)
+    except TypeError:
+        return None
+
+
 def _cached(key, build):
-    call = _calls.get(key) if key is not None else None
+    try:
+        call = _calls.get(key)
+    except TypeError:  # (an option that cannot be hashed: planned at every call)
+        return build()
     if call is None:
         call = build()
         if key is not None:
@@ -451,7 +462,7 @@ def _varlen_call(tag, arrays, options, varlen_args, plan):
     are checked at every call (their values are device memory, not part of the key) unless
     ``config.check_device_values`` is off."""
     key = _key(tag, arrays, options)
-    call = _calls.get(key) if key is not None else None
+    call = _lookup(key)
     if call is not None and not config.check_device_values:
         return call
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_args

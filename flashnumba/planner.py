@@ -67,14 +67,18 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """An array a call allocates: the user's shape and dtype, whether it is returned (D_i is not), and whether it
-    starts as zeros (an accumulator the kernels add into; never NaN-poisoned)."""
+    """An array a call allocates: the user's shape and dtype, whether it is returned (D_i is not), whether it
+    starts as zeros (an accumulator the kernels add into; never NaN-poisoned), and whether it is discarded: written
+    by a kernel and read by none (a decoding call's lse where the caller did not ask for it, the split partials
+    where the keys are not split), so that one buffer, kept with the call's plan, serves every call: concurrent
+    calls may write it at once, as nothing reads it."""
 
     name: str
     shape: tuple
     dtype: np.dtype
     returned: bool = True
     zeroed: bool = False
+    discarded: bool = False
 
 
 @dataclass
@@ -369,10 +373,11 @@ def _optional_input(name, t, dummy_shape, dummy_dtype):
     return InputSpec(name, t.kind, to_device=t.kind == "numpy"), _kernel_meta(t, False, False)
 
 
-def _output(name, user_shape, dtype, lead, returned=True):
+def _output(name, user_shape, dtype, lead, returned=True, discarded=False):
     shape = (1, *user_shape) if lead else tuple(user_shape)
     kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(dtype) else np.dtype(dtype)
-    return OutputSpec(name, tuple(user_shape), dtype, returned), array_meta(shape, c_strides(shape, kdtype.itemsize),
+    spec = OutputSpec(name, tuple(user_shape), dtype, returned, discarded=discarded and not returned)
+    return spec, array_meta(shape, c_strides(shape, kdtype.itemsize),
                                                                              dtype)
 
 
@@ -661,13 +666,15 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
         launches.append(launch)
         inputs += extra
     out_spec, arrays["out"] = _output("out", tq.shape, dt, False)
+    # (without splits the attention kernel writes lse, and nothing reads it unless it is returned; the partials
+    # are then stand-ins the kernel never touches)
     lse_spec, arrays["lse"] = _output("lse", (batch, nheads, seqlen_q), np.dtype(np.float32), False,
-                                      returned=return_lse)
+                                      returned=return_lse, discarded=not split)
     f32 = np.dtype(np.float32)
     part = (splits, batch, seqlen_q, nheads, D) if split else (1, 1, 1, 1, 1)
     lpart = (splits, batch, nheads, seqlen_q) if split else (1, 1, 1, 1)
-    opart_spec, arrays["o_part"] = _output("o_part", part, f32, False, returned=False)
-    lpart_spec, arrays["lse_part"] = _output("lse_part", lpart, f32, False, returned=False)
+    opart_spec, arrays["o_part"] = _output("o_part", part, f32, False, returned=False, discarded=not split)
+    lpart_spec, arrays["lse_part"] = _output("lse_part", lpart, f32, False, returned=False, discarded=not split)
     scalars = _option_scalars(opts)
     has_left, has_right, softcap, alibi, _, _ = opts.variant
     dname = _dtype_name(dt)

@@ -265,6 +265,60 @@ def test_device_values_are_read_back_only_when_asked():
     np.testing.assert_array_equal(cupy.asnumpy(dkc), want)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_the_plan_discards_what_nothing_reads(splits, return_lse):
+    """lse is discarded where it is not returned and no combine reads it; the partials wherever the keys are not
+    split (the kernel then never touches them); nothing returned is ever discarded."""
+    from flashnumba import _validate, planner
+
+    q, kc = np.zeros((2, 1, 8, 64), np.float16), np.zeros((4, 64, 2, 64), np.float16)
+    tq, tk, tv = (_validate.inspect(n, x, 4) for n, x in (("q", q), ("k_cache", kc), ("v_cache", kc)))
+    opts = _validate.check_options(tq, tk, False, (-1, -1), 0.0, None, 0.0, None)
+    p = planner.decode_plan(tq, tk, tv, opts, seqlens=_validate.inspect("seqlens_k", np.zeros(2, np.int32), 1),
+                            batch_idx=None, block_table=None, max_seqlen_k=4096, num_splits=splits,
+                            return_lse=return_lse, device="sm_80")
+    discarded = {o.name for o in p.outputs if o.discarded}
+    want = {"o_part", "lse_part"} | ({"lse"} if not return_lse else set()) if splits == 1 else set()
+    assert discarded == want
+    assert not any(o.returned and o.discarded for o in p.outputs)
+
+
+def test_discarded_outputs_share_one_buffer_and_change_nothing():
+    """Without splits and without return_softmax_lse the kernel's lse (and the partials' stand-ins) go to the
+    process's one sink: no scratch is allocated a call, the output is the one with lse returned, bit for bit, and
+    calls on two streams at once, writing the sink together, both give it. With splits the partials stay the
+    call's own (the combine reads them)."""
+    cupy = pytest.importorskip("cupy") if not flashnumba.SIMULATOR else pytest.skip("a GPU test")
+    from flashnumba import _launch, api
+
+    rng = np.random.default_rng(11)
+    q, _, _, kc, vc, kw = _problem(rng, 4, 1, 0, 2, 4, 128, [700, 0, 1, 1500], False, 16, np.float16, 0)
+    dq, dkc, dvc = cupy.asarray(q), cupy.asarray(kc), cupy.asarray(vc)
+    dev = {n: cupy.asarray(x) for n, x in kw.items()}
+    for splits in (1, 3):
+        want, _ = flash_attn_with_kvcache(dq, dkc, dvc, num_splits=splits, return_softmax_lse=True, **dev)
+        api.clear_plan_cache()
+        got = flash_attn_with_kvcache(dq, dkc, dvc, num_splits=splits, **dev)
+        (call,) = [c._call for k, c in api._calls.items() if k and k[0] == "kvcache"]
+        discarded = {o.name for o in call.plan.outputs if o.discarded}
+        assert discarded == ({"lse", "o_part", "lse_part"} if splits == 1 else set())
+        assert (call.scratch_bytes == 0) == (splits == 1)
+        sink = _launch._sinks[cupy.cuda.Device().id][-1]
+        assert splits > 1 or call.base["lse"] == sink[2]
+        np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+        outs = []
+        for _ in range(20):
+            for s in streams:
+                with s:
+                    outs.append(flash_attn_with_kvcache(dq, dkc, dvc, num_splits=splits, **dev))
+        for s in streams:
+            s.synchronize()
+        for o in outs:
+            np.testing.assert_array_equal(cupy.asnumpy(o), cupy.asnumpy(want))
+
+
 DECODE_COMPILE_SCRIPT = r"""
 import itertools
 import numpy as np

@@ -26,6 +26,9 @@ from .environment import environment, write_json
 from .timing import cuda_time_calls_ms
 
 NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
+# one call a pair: the median of this many samples (each call's host time before its first kernel is on the clock
+# and varies by microseconds with the host's scheduling; a sample takes at most a millisecond or two)
+SINGLE_SAMPLES = 50
 
 
 def copy_bandwidth(nbytes=2 << 30):
@@ -40,7 +43,7 @@ def copy_bandwidth(nbytes=2 << 30):
 
 def _time(fn, group_ms):
     back, _, calls = cuda_time_calls_ms(fn, warmup=3, repeat=10, group_ms=group_ms)
-    single, _, _ = cuda_time_calls_ms(fn, warmup=1, repeat=10)
+    single, _, _ = cuda_time_calls_ms(fn, warmup=3, repeat=SINGLE_SAMPLES)
     return back, single, calls
 
 
