@@ -377,6 +377,15 @@ class Bound:
         self.prefix = (fn, *grid, *block, spec.shared_bytes)
         self.lock = threading.Lock()
 
+    def fix(self, constants: dict):
+        """Write the addresses that are the same at every call (``constants``: name -> address; the dummies of
+        absent inputs, the sink of discarded outputs) once; a call then writes only its own arrays'."""
+        with self.lock:
+            for slot, name in self.patches:
+                if name in constants:
+                    self.words[slot] = constants[name]
+            self.patches = [(slot, name) for slot, name in self.patches if name not in constants]
+
     def __call__(self, values: dict, stream: int):
         with self.lock:  # the buffer is shared; the driver copies it at launch
             words = self.words
@@ -518,6 +527,8 @@ class Call:
             for name, n in discarded:
                 self.base[name] = at
                 at += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        for b in self.bound:  # (the base's addresses written into the launches' parameters once)
+            b.fix(self.base)
         self.host_results = [s.dtype for s in self.outputs if s.returned] if self.like == "numpy" else None
         if self.torch:
             self.empty = None
@@ -570,7 +581,7 @@ class Call:
     def prepare(self, arrays, seed=0, offset=0):
         """(values, outputs, temporaries) of a call on a GPU: the address of every array the kernels take, the
         outputs allocated (those returned, in order), and the copies that must live until the kernels ran."""
-        values = self.base.copy()
+        values = {}  # (the base's addresses are in the launches' parameters already: Bound.fix)
         values["seed"] = int(seed)
         values["offset"] = int(offset)
         keep = []

@@ -176,6 +176,10 @@ for dtype, d, opts in cases:
             b(values, 0)
             for slot, name in b.patches:
                 assert b.words[slot] == values[name]
+            fixed = dict(b.patches[:1])  # a constant address written once: no longer patched, kept at every call
+            b.fix({name: 77 for name in fixed.values()})
+            b(values, 0)
+            assert all(b.words[slot] == 77 for slot in fixed) and not set(fixed) & {s for s, _ in b.patches}
             n += 1
 print(n)
 """
