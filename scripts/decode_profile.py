@@ -8,6 +8,8 @@
     python scripts/decode_profile.py latency [batch] [seqlen_k] [page]  # host and device time of a call, with torch's
     python scripts/decode_profile.py prelaunch [batch] [seqlen_k] [page]  # host time from a call to its first launch
     python scripts/decode_profile.py breakdown [batch] [seqlen_k] [page]  # that time, part by part
+    python scripts/decode_profile.py pairs [batch] [seqlen_k] [page]  # one call a pair: samples' spread, with and
+                                                 # without an event recorded just before the first launch, cuDNN's
     python scripts/decode_profile.py splits [batch] [seqlen_k] [page]  # num_splits 0 (the plan's) and others, timed
     python scripts/decode_profile.py tiles [batch] [seqlen_k] [page]  # keys a warp, buffers and splits: GPU time
     python scripts/decode_profile.py deep [batch] [seqlen_k] [page]  # fewer blocks, more buffers, with torch's
@@ -237,6 +239,61 @@ elif mode == "breakdown":  # the host time before the first launch, part by part
     for name, fn in parts.items():
         print(f"  {name:44s} {us(fn, 1000 if fn is step or name.startswith('Bound') else 20000):7.2f}")
         cupy.cuda.Device().synchronize()
+elif mode == "pairs":  # one call a pair of events, as the bench times it, with more samples and their spread
+    import time
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashnumba import _launch
+    from flashnumba.tools.timing import cuda_time_calls_ms
+
+    tq = torch.as_tensor(q, device="cuda").transpose(1, 2)
+    tk, tv = (torch.as_tensor(x, device="cuda").transpose(1, 2) for x in (kc, vc))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+    launch = _launch.Bound.__call__
+    primed = []
+
+    def evented(self, values, stream):  # an event recorded on the stream just before the call's first launch
+        if not primed:
+            ev = cupy.cuda.Event()
+            ev.record(cupy.cuda.ExternalStream(stream))
+            primed.append(ev)
+        return launch(self, values, stream)
+
+    def step_primed():
+        primed.clear()
+        return step()
+
+    nbytes = 2 * kc.nbytes
+    print(f"batch {batch}, seqlen_k {n}: one call a pair of events (bench's procedure, 300 samples), us; TB/s of "
+          f"the median")
+    for name, fn, patched in (("flashnumba", step, False), ("flashnumba, event before the launch", step_primed, True),
+                              ("torch cuDNN", cudnn, False), ("flashnumba again", step, False)):
+        _launch.Bound.__call__ = evented if patched else launch
+        back, _, k = cuda_time_calls_ms(fn, warmup=3, repeat=10, group_ms=20.0)
+        med, times, _ = cuda_time_calls_ms(fn, warmup=3, repeat=300)
+        t = np.array(times) * 1e3
+        print(f"  {name:38s} median {med * 1e3:6.1f}  p10 {np.percentile(t, 10):6.1f}  p90 {np.percentile(t, 90):6.1f}"
+              f"  min {t.min():6.1f}  ({nbytes / med / 1e9:.2f} TB/s; back to back {back * 1e3:6.1f} us)")
+    _launch.Bound.__call__ = launch
+    print("allocation on this host (us a call, best of 5 x 4000):")
+    for name, fn in (("cupy.empty(q.shape, float16)", lambda: cupy.empty(q.shape, np.float16)),
+                     ("cupy.ndarray(q.shape, float16)", lambda: cupy.ndarray(q.shape, np.float16)),
+                     ("cupy.cuda.alloc(q.nbytes)", lambda: cupy.cuda.alloc(q.nbytes)),
+                     ("torch.empty(q.shape, float16, cuda)", lambda: torch.empty(q.shape, dtype=torch.float16,
+                                                                                 device="cuda"))):
+        best = []
+        for _ in range(5):
+            t0 = time.perf_counter_ns()
+            for _ in range(4000):
+                fn()
+            best.append((time.perf_counter_ns() - t0) / 4000 / 1e3)
+        print(f"  {name:38s} {min(best):6.2f}")
 elif mode == "ncu":
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -381,4 +438,4 @@ elif mode == "splits":
         print(f"num_splits {s:3d}: back to back {nbytes / back / 1e9:.2f} TB/s, pair {nbytes / pair / 1e9:.2f} TB/s, "
               f"grid {grids[-1] if grids else '?'}")
 else:
-    raise SystemExit(f"mode must be host, prelaunch, breakdown, ncu, stages, tiles, deep, latency or splits, got {mode!r}")
+    raise SystemExit(f"mode must be host, prelaunch, breakdown, pairs, ncu, stages, tiles, deep, latency or splits, got {mode!r}")
