@@ -533,7 +533,7 @@ class Call:
         if self.torch:
             self.empty = None
         elif _arrays.cupy is not None and self.like != "numba":
-            self.empty = _arrays.cupy.empty
+            self.empty = _arrays.cupy.ndarray  # (cupy.empty without its Python frame: the same array)
         else:
             self.empty = cuda.device_array
 
