@@ -319,6 +319,32 @@ def test_discarded_outputs_share_one_buffer_and_change_nothing():
             np.testing.assert_array_equal(cupy.asnumpy(o), cupy.asnumpy(want))
 
 
+def test_a_kept_kind_of_call_reads_each_calls_own_integer_arrays():
+    """The second call of a kind passes its device lengths, batch index or block table straight to the kernels:
+    each call's own values count (a call with other lengths gives what a fresh plan gives for them), and an int64
+    array, which must be converted, is converted at every call."""
+    cupy = pytest.importorskip("cupy") if not flashnumba.SIMULATOR else pytest.skip("a GPU test")
+    from flashnumba import api
+
+    rng = np.random.default_rng(12)
+    for paged in (False, True):
+        q, _, _, kc, vc, kw = _problem(rng, 3, 1, 0, 2, 4, 64, [300, 40, 200], paged, 32, np.float16, 0)
+        dq, dkc, dvc = cupy.asarray(q), cupy.asarray(kc), cupy.asarray(vc)
+        dev = {n: cupy.asarray(x) for n, x in kw.items()}
+        other = [np.array([5, 290, 0]), np.array([17, 1, 111])]
+        for dtype in (np.int32, np.int64):
+            got = []
+            api.clear_plan_cache()
+            for lens in other:  # (the first call plans, the second is a kept kind's)
+                got.append(cupy.asnumpy(flash_attn_with_kvcache(
+                    dq, dkc, dvc, **{**dev, "cache_seqlens": cupy.asarray(lens.astype(dtype))})))
+            for lens, g in zip(other, got):
+                api.clear_plan_cache()
+                want = flash_attn_with_kvcache(dq, dkc, dvc, **{**dev, "cache_seqlens": cupy.asarray(lens, np.int32)})
+                np.testing.assert_array_equal(g, cupy.asnumpy(want))
+            assert not np.array_equal(got[0], got[1])
+
+
 DECODE_COMPILE_SCRIPT = r"""
 import itertools
 import numpy as np
