@@ -162,7 +162,7 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
          lambda: flashnumba.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens_d, block_table=table), kv)
     result = dict(date=time.strftime("%Y-%m-%d"), environment=environment(), copy_bandwidth_tb_s=copy_bps / 1e12,
                   workload=dict(nheads=NHEADS, nheads_k=NHEADS_K, head_dim=HEAD_DIM, dtype="float16", seqlen_q=1),
-                  group_ms=group_ms, rows=rows)
+                  group_ms=group_ms, single_samples=SINGLE_SAMPLES, rows=rows)
     path = write_json(result, out_dir, "bench-decode.json")
     print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write); wrote {path}")
     return result
