@@ -1,6 +1,6 @@
 """flex_attention on the GPU beside the built-in kernels and PyTorch's FlexAttention, on the same masks.
 
-    python scripts/flex_bench.py [--out DIR] [--seqlen 8192] [--head-dims 64 128]
+    python scripts/flex_bench.py [--out DIR] [--seqlen 8192] [--head-dims 64 128] [--backward]
 
 Workload: float16, batch = 16384 / seqlen, heads = 2048 / head_dim, forward. Rows (milliseconds, one call per
 pair of CUDA events after warm-up, and TFLOP/s of the work the mask leaves):
@@ -10,6 +10,11 @@ pair of CUDA events after warm-up, and TFLOP/s of the work the mask leaves):
 * causal built-in vs causal as a mask_mod with a block mask (the same result: the cost of the mechanism);
 * 8 documents per sequence as a mask_mod, with and without a block mask;
 * torch.nn.attention.flex_attention (torch.compile) with its own block mask, on the same masks.
+
+With ``--backward``, also the backward pass (TFLOP/s counted as 2.5 forwards): the built-in kernels' dense and
+causal backward, ``flex_attention_backward`` with the causal and the documents mask_mod on the tensor cores
+(``kernel="tc"``) and on the default SIMT kernels, and FlexAttention's backward (autograd through the compiled
+function, the forward's graph kept) on the same masks; each flashnumba gradient compared with FlexAttention's.
 
 Each flashnumba output is compared with FlexAttention's: the largest difference, beside FlexAttention's own
 difference from a float32 computation, is reported. Writes flex-bench.json.
@@ -49,6 +54,7 @@ def main():
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--backward", action="store_true", help="time the backward pass too")
     args = ap.parse_args()
     import torch
     from torch.nn.attention import flex_attention as tflex
@@ -122,6 +128,9 @@ def main():
                 rows.append(dict(head_dim=d, case=f"max |out - float32 flex| {name}", value=float(ours),
                                  torch_flex_value=float(theirs)))
                 print(f"d={d} {name}: max diff from float32 {ours:.2e} (torch flex fp16: {theirs:.2e})")
+        if args.backward:
+            rows += backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, tbm_causal, tbm_doc, compiled,
+                                  density_doc)
         rows.append(dict(head_dim=d, case="create_block_mask seconds (both masks, first call)", value=make_s))
         rows.append(dict(head_dim=d, case="block mask density documents", value=bm_doc.density()))
     result = dict(date=time.strftime("%Y-%m-%d"), command="python scripts/flex_bench.py " + " ".join(sys.argv[1:]),
@@ -129,6 +138,72 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "flex-bench.json"), "w") as f:
         json.dump(result, f, indent=1)
+
+
+def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, tbm_causal, tbm_doc, compiled, density_doc):
+    """The backward cases (see the module's docstring): rows of ms and TFLOP/s, then the largest difference of
+    each flashnumba gradient from FlexAttention's."""
+    import torch
+
+    rng = np.random.default_rng(d + 1)
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(np.float16))
+    tdout = torch.as_tensor(dout, device="cuda").transpose(1, 2)
+    out_d, lse_d = flashnumba.flash_attn_forward(q, k, v)
+    out_c, lse_c = flashnumba.flash_attn_forward(q, k, v, causal=True)
+    out_m, lse_m = flashnumba.flex_attention(q, k, v, mask_mod=doc_mod, score_mod_args=(docs,), return_lse=True)
+
+    def torch_backward(tbm):
+        """A closure running FlexAttention's backward on a kept forward graph, and its gradients' holders."""
+        leaves = [x.detach().clone().requires_grad_(True) for x in (tq, tk, tv)]
+        out = compiled(*leaves, block_mask=tbm)
+
+        def run():
+            for x in leaves:
+                x.grad = None
+            out.backward(tdout, retain_graph=True)
+            return [x.grad for x in leaves]
+
+        return run
+
+    cases = [  # (name, density, fn returning (dq, dk, dv))
+        ("backward dense built-in", 1.0, lambda: flashnumba.flash_attn_backward(dout, q, k, v, out_d, lse_d)),
+        ("backward causal built-in", 0.5,
+         lambda: flashnumba.flash_attn_backward(dout, q, k, v, out_c, lse_c, causal=True)),
+        ("backward causal mask_mod, tensor cores", 0.5, lambda: flashnumba.flex_attention_backward(
+            dout, q, k, v, out_c, lse_c, mask_mod=causal_mod, kernel="tc")),
+        ("backward causal mask_mod, SIMT (default)", 0.5, lambda: flashnumba.flex_attention_backward(
+            dout, q, k, v, out_c, lse_c, mask_mod=causal_mod)),
+        ("backward torch flex causal", 0.5, torch_backward(tbm_causal)),
+        ("backward documents mask_mod, tensor cores", density_doc, lambda: flashnumba.flex_attention_backward(
+            dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,), kernel="tc")),
+        ("backward documents mask_mod, SIMT (default)", density_doc, lambda: flashnumba.flex_attention_backward(
+            dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,))),
+        ("backward torch flex documents", density_doc, torch_backward(tbm_doc)),
+    ]
+    rows, grads = [], {}
+    for name, dens, fn in cases:
+        grads[name] = fn()
+        cupy.cuda.Device().synchronize()
+        ms, _ = cuda_time_ms(fn, warmup=2, repeat=5 if "SIMT" in name else 10)
+        rows.append(dict(head_dim=d, seqlen=n, batch=batch, heads=heads, case=name, ms=ms,
+                         tflops=2.5 * flops(batch, heads, n, d, dens) / ms / 1e9))
+        print(f"d={d} {name:44s} {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
+
+    def as_np(x):
+        if isinstance(x, torch.Tensor):
+            return x.transpose(1, 2).float().cpu().numpy()
+        return cupy.asnumpy(x).astype(np.float32)
+
+    for mask_name, names in (("causal", ["backward causal built-in", "backward causal mask_mod, tensor cores",
+                                         "backward causal mask_mod, SIMT (default)"]),
+                             ("documents", ["backward documents mask_mod, tensor cores",
+                                            "backward documents mask_mod, SIMT (default)"])):
+        theirs = [as_np(g) for g in grads[f"backward torch flex {mask_name}"]]
+        for name in names:
+            diff = max(float(np.abs(as_np(g) - t).max()) for g, t in zip(grads[name], theirs))
+            rows.append(dict(head_dim=d, case=f"max |grad - torch flex grad| {name}", value=diff))
+            print(f"d={d} {name}: largest difference of dq, dk, dv from FlexAttention's {diff:.2e}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ for step in $STEPS; do
         echo "cap $cap: pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_cap$cap.log" | tail -8
         grep -h "^FAILED" "$OUT/failures_cap$cap.log" 2>/dev/null
       done ;;
+    flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward": the backward pass too)
+      timeout ${FLEX_TIMEOUT:-540} python3 scripts/flex_bench.py --out "$OUT" ${FLEX_ARGS:-} 2>&1 | tee "$OUT/flex.log" ;;
     bench) timeout ${BENCH_TIMEOUT:-600} python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac
 done
