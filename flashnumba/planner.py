@@ -453,9 +453,9 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (t.num_threads,), smem, t, reason)
     elif family == "wgmma":
         if reason != "given by the caller":
-            t_own = tiling.wgmma_without_producer(t, opts.variant)
-            if t_own != t:
-                t, reason = t_own, f"{reason}; without the producer: more than two options compiled in"
+            t_own, why_own = tiling.wgmma_for_variant(t, opts.variant)
+            if why_own:
+                t, reason = t_own, f"{reason}; {why_own}"
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,

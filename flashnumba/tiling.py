@@ -256,9 +256,12 @@ TABLES = {
     ],
     # Hopper's warpgroup MMA (sm_90a only)
     "wgmma": [
-        Candidate(128, Tiles(128, 64, 384), "fastest of the H200 tile run at d = 64 and 128: two warpgroups of 64 "
+        Candidate(64, Tiles(128, 128, 384), "fastest of the H200 tile runs at d = 64: two warpgroups of 64 query "
+                  "rows sharing each K_j, V_j of 128 keys, copied by a producer warpgroup (1.09x B_c 64, causal "
+                  "1.12x)", min_cc=(9, 0)),
+        Candidate(128, Tiles(128, 64, 384), "fastest of the H200 tile run at d = 128: two warpgroups of 64 "
                   "query rows sharing each K_j, V_j of 64 keys, copied by a producer warpgroup (1.2x the same tiles "
-                  "without it at d = 128; B_c 64 1.24x B_c 128 at d = 64)", min_cc=(9, 0)),
+                  "without it; B_c 128 spills there)", min_cc=(9, 0)),
         Candidate(128, Tiles(128, 64, 256), "two warpgroups, B_c 64, no producer: every warp copies",
                   min_cc=(9, 0)),
         Candidate(128, Tiles(128, 128, 256), "two warpgroups, B_c 128", min_cc=(9, 0)),
@@ -277,15 +280,21 @@ BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkd
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def wgmma_without_producer(t: Tiles, variant) -> Tiles:
-    """The Hopper forward's default tiles for ``variant``: with more than two of its options (the window's left
-    and right bounds counted apart, softcap, ALiBi, varlen, dropout) the kernel may need more registers than the
-    168 a thread of a block of 384 (the producer's warpgroup and the two that compute: three warps on each of the
-    SM's four schedulers, which share its 64K registers) can have, and spill; so it runs without a producer, at
-    B_c 64 (without a producer the faster)."""
+def wgmma_for_variant(t: Tiles, variant) -> tuple[Tiles, str]:
+    """The Hopper forward's default tiles for ``variant``, and why they differ from the table's ("" where not).
+
+    A block of 384 threads (the producer's warpgroup and the two that compute: three warps on each of the SM's
+    four schedulers, which share its 64K registers) gives a thread at most 168 registers. With more than two of the
+    variant's options (the window's left and right bounds counted apart, softcap, ALiBi, varlen, dropout) the
+    kernel may need more, and spill: it runs without a producer, at B_c 64 (without a producer the faster). A tile
+    of 128 keys (the table's at d = 64) holds twice the scores: it fits only with no softcap or ALiBi and at most
+    one of a window bound and dropout (varlen adds no per-score work); other variants take B_c 64."""
+    has_left, has_right, softcap, alibi, _, dropout = variant
     if sum(bool(x) for x in variant) > 2:
-        return t._replace(block_n=64, num_threads=2 * t.block_m)
-    return t
+        return t._replace(block_n=64, num_threads=2 * t.block_m), "without the producer: more than two options"
+    if t.block_n > 64 and (softcap or alibi or int(has_left) + int(has_right) + int(dropout) > 1):
+        return t._replace(block_n=64), "B_c 64: the options' per-score work needs the registers of 128 keys' scores"
+    return t, ""
 
 
 def plain_rows_per_warp(t: Tiles, variant, mods=False) -> Tiles:

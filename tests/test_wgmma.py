@@ -117,6 +117,28 @@ def test_what_it_does_not_take_is_refused():
         flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma")
 
 
+@pytest.mark.parametrize("D, opts, tiles, note", [
+    (64, {}, (128, 128, 384), ""),
+    (64, dict(causal=True), (128, 128, 384), ""),
+    (64, dict(dropout_p=0.1), (128, 128, 384), ""),
+    (64, dict(window_size=(8, 0)), (128, 64, 384), "B_c 64"),
+    (64, dict(softcap=5.0), (128, 64, 384), "B_c 64"),
+    (64, dict(causal=True, softcap=5.0, dropout_p=0.1), (128, 64, 256), "without the producer"),
+    (128, dict(causal=True), (128, 64, 384), ""),
+    (128, dict(window_size=(8, 2), softcap=5.0), (128, 64, 256), "without the producer"),
+])
+def test_the_plan_fits_the_tiles_to_the_options(D, opts, tiles, note):
+    """The planner's tiles for the Hopper forward (tiling.wgmma_for_variant): B_c 128 at d = 64 where the
+    options' per-score work leaves it the registers, B_c 64 otherwise, no producer with more than two options;
+    the plan's reason says which."""
+    q = np.zeros((1, 70, 2, D), np.float16)
+    p = flashnumba.plan(q, q, q, kernel="wgmma", device="sm_90", **opts)
+    (launch,) = p.launches
+    assert tuple(launch.tiles) == tiles
+    changed = [n for n in ("B_c 64:", "without the producer:") if n in launch.reason]
+    assert changed == ([note + ":"] if note else [])
+
+
 COMPILE = r"""
 import json
 from flashnumba import _launch
@@ -133,7 +155,10 @@ if FULL:
               (128, 64, 2, "float16", Variant(True, True, True, True, False, False), False, False),
               (96, 64, 2, "bfloat16", Variant(False, True), False, False),
               (96, 64, 2, "bfloat16", Variant(False, True), False, 4),
-              (128, 128, 2, "bfloat16", Variant(False, True), True, False)]
+              (128, 128, 2, "bfloat16", Variant(False, True), True, False),
+              # the default at d = 64: B_c 128 with the producer where the per-score work leaves the registers
+              (64, 128, 2, "float16", Variant(False, True, False, False, True, False), True, 4),
+              (64, 128, 2, "bfloat16", Variant(False, False, False, False, False, True), False, 4)]
 out = {}
 for D, n, wg, dt, var, gqa, producer in cases:
     fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, int(producer))
@@ -157,7 +182,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     registers apart)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (12 if FULL_COMPILE else 3)
+    assert len(compiled) == (14 if FULL_COMPILE else 3)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         for needle in ("wgmma.mma_async.sync.aligned", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",

@@ -1,0 +1,51 @@
+"""Registers and spills of the Hopper forward at given tiles, for every variant with at most two options, without
+a GPU (compiled for sm_90a and assembled offline): the data behind the planner's tile rules for the wgmma forward
+(:func:`flashnumba.tiling.wgmma_for_variant`).
+
+    FLASHNUMBA_SIMULATOR=0 NUMBA_ENABLE_CUDASIM=0 python scripts/wgmma_spills.py D B_c [producer warps] [--gqa] [--bf16]
+
+Prints one line a variant (the option flags named as in :class:`flashnumba.kernels.common.Variant`): registers,
+spill stores and loads, and whether the assembler serialised a wgmma.
+"""
+
+import itertools
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+NAMES = ("left", "right", "softcap", "alibi", "varlen", "dropout")
+
+
+def compile_one(job):
+    D, n, producer, gqa, dtype, flags = job
+    from flashnumba import _launch
+    from flashnumba.kernels import wgmma_forward
+    from flashnumba.kernels.common import Variant
+
+    var = Variant(*(name in flags for name in NAMES))
+    fn = wgmma_forward.make_forward_wgmma(D, var, n, 2, dtype, gqa, True, producer)
+    nt = wgmma_forward.threads(2, producer)
+    a4 = f"{'uint16' if dtype == 'bfloat16' else 'float16'}[:, :, :, ::1]"
+    sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
+           f"int32[:], int32[:], float32, float32, uint64, uint64)")
+    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"), nt if nt > 256 else None)
+    log = _launch.assemble(ptx, (9, 0, "a"))[1]
+    r = _launch.resources_from_log(log)
+    return flags, r["registers"], r["spill_stores"], r["spill_loads"], "serialized" in log
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    D, n = int(args[0]), int(args[1])
+    producer = int(args[2]) if len(args) > 2 else 4
+    gqa = "--gqa" in sys.argv
+    dtype = "bfloat16" if "--bf16" in sys.argv else "float16"
+    variants = [()] + [(a,) for a in NAMES] + list(itertools.combinations(NAMES, 2))
+    print(f"D={D} B_c={n} producer warps {producer} gqa={gqa}, {dtype}, two warpgroups")
+    with ProcessPoolExecutor(2) as pool:
+        for flags, regs, st, ld, ser in pool.map(compile_one, [(D, n, producer, gqa, dtype, v) for v in variants]):
+            print(f"  {'+'.join(flags) or 'none':18s} {regs:4d} registers, spills {st:5d} stores {ld:5d} loads"
+                  f"{', wgmma serialised' if ser else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
