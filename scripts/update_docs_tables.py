@@ -202,6 +202,11 @@ def hopper_summary(d, prefix="docs/results/latest/"):
     dims = sorted({k[0] for k in ours})
     mma = " and ".join(f"{span('flashnumba', ('tflops',), h)} at head_dim {h}" for h in dims)
     mma = f"against the `mma.sync` kernel {mma}"
+    tiles = {h: sorted({tuple(x[1:]) for k, r in ours.items() if k[0] == h for x in r.get("kernels", ())})
+             for h in dims}  # (the rows of runs that record their kernels' tiles)
+    if all(tiles.values()):
+        mma += ", at tiles (block_m, block_n, threads) " + " and ".join(
+            f"{' '.join(map(str, tiles[h]))} (head_dim {h})" for h in dims)
     env = d["environment"]
     return [f"- Hopper: a forward on warpgroup MMA with a producer warpgroup and two consumers taking turns "
             f"(`kernel=\"wgmma\"`, opt-in, `flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "

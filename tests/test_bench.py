@@ -25,6 +25,16 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     for r in timed:
         assert r["ms"] > 0 and r["tflops"] > 0
         assert r["batch"] == 1 and r["nheads"] == 1
+        # flashnumba's rows name the kernels and tiles that ran (both passes' for fwd+bwd); the peers' none
+        kernels = r.get("kernels")
+        if r["impl"] == "standard_cupy":
+            assert kernels is None
+            continue
+        assert kernels and all(len(x) == 4 and x[1] > 0 for x in kernels)
+        if r["impl"] == "flashnumba_v3":
+            want = {"fwd": ["forward v3"], "bwd": ["dQ v2", "dK/dV v2"]}
+            want["fwd+bwd"] = want["fwd"] + want["bwd"]
+            assert [x[0] for x in kernels] == want[r["pass_"]]
     assert "flashnumba_v3" in capsys.readouterr().out
 
 

@@ -30,13 +30,14 @@ import numpy as np
 
 from .. import _backend, reference
 from ..api import (attention_with_grad, flash_attn_backward, flash_attn_forward, flash_attn_varlen_backward,
-                  flash_attn_varlen_forward)
+                  flash_attn_varlen_forward, plan, plan_backward)
 from .standard import _xp as array_module
 from .standard import standard_attention
 from .environment import environment
 from .timing import cuda_time_calls_ms, peak_device_bytes
 
 FWD, BWD, FWDBWD = "fwd", "bwd", "fwd+bwd"
+PLANS = "plans"  # an implementation's optional entry: {pass: [flashnumba Plan, ...]}, recorded in its rows
 PASS_FACTOR = {FWD: 1.0, BWD: 2.5, FWDBWD: 3.5}
 
 
@@ -50,8 +51,24 @@ def flops(batch, nheads, seqlen, head_dim, causal, pass_, window_size=None):
     return f / 2 if causal else f
 
 
+def _plans(q, k, v, dout, out, lse, fwd, bwd=None):
+    """The :data:`PLANS` entry of a flashnumba implementation: the plans its forward (options ``fwd``) and
+    backward (``bwd``; None: no backward) run, which its rows record (kernels and tiles)."""
+    plans = {FWD: [plan(q, k, v, **fwd)]}
+    if bwd is not None:
+        plans[BWD] = [plan_backward(dout, q, k, v, out, lse, **bwd)]
+        plans[FWDBWD] = plans[FWD] + plans[BWD]
+    return plans
+
+
+def plan_summary(plans) -> list:
+    """[[kernel name, block_m, block_n, num_threads], ...] of the launches of ``plans`` that have tiles."""
+    return [[x.name, *map(int, x.tiles)] for p in plans for x in p.launches if x.tiles is not None]
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# implementations: each is make(q, k, v, dout, causal) -> {pass: callable}, on arrays of its own library
+# implementations: each is make(q, k, v, dout, causal) -> {pass: callable}, on arrays of its own library, and
+# for flashnumba's, a PLANS entry
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -66,6 +83,7 @@ def _flashnumba(kernel):
             FWD: lambda: flash_attn_forward(q, k, v, kernel=kernel, **opts),
             BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, kernel=bkernel, **opts),
             FWDBWD: lambda: attention_with_grad(q, k, v, dout, kernel=kernel, backward_kernel=bkernel, **opts),
+            PLANS: _plans(q, k, v, dout, out, lse, dict(opts, kernel=kernel), dict(opts, kernel=bkernel)),
         }
 
     make.features = True  # takes window_size and GQA-shaped k, v
@@ -98,6 +116,7 @@ def _flashnumba_default(q, k, v, dout, causal, window_size=(-1, -1)):
         FWD: lambda: flash_attn_forward(q, k, v, **opts),
         BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, **opts),
         FWDBWD: lambda: attention_with_grad(q, k, v, dout, **opts),
+        PLANS: _plans(q, k, v, dout, out, lse, opts, opts),
     }
 
 
@@ -126,6 +145,7 @@ def _flashnumba_atomic(q, k, v, dout, causal, window_size=(-1, -1)):
         FWD: lambda: flash_attn_forward(q, k, v, **opts),
         BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, deterministic=False, **opts),
         FWDBWD: lambda: attention_with_grad(q, k, v, dout, deterministic=False, **opts),
+        PLANS: _plans(q, k, v, dout, out, lse, opts, dict(opts, deterministic=False)),
     }
 
 
@@ -142,6 +162,7 @@ def _flashnumba_tc(q, k, v, dout, causal):
         FWD: lambda: flash_attn_forward(q, k, v, **opts),
         BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, **opts),
         FWDBWD: lambda: attention_with_grad(q, k, v, dout, causal=causal, kernel="tc", backward_kernel="tc"),
+        PLANS: _plans(q, k, v, dout, out, lse, opts, opts),
     }
 
 
@@ -153,7 +174,7 @@ def _flashnumba_wgmma(q, k, v, dout, causal, window_size=(-1, -1)):
     forward only)."""
     opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
     flash_attn_forward(q, k, v, **opts)  # unsupported GPUs, dtypes and head dims raise here, before timing
-    return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
+    return {FWD: lambda: flash_attn_forward(q, k, v, **opts), PLANS: _plans(q, k, v, dout, None, None, opts)}
 
 
 _flashnumba_wgmma.features = True
@@ -166,7 +187,7 @@ def _flashnumba_tf32(precision):
     def make(q, k, v, dout, causal):
         opts = dict(causal=causal, kernel=precision)
         flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
-        return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
+        return {FWD: lambda: flash_attn_forward(q, k, v, **opts), PLANS: _plans(q, k, v, dout, None, None, opts)}
 
     if precision == "tf32":  # operands rounded to 10 mantissa bits: float16's precision, float32's range
         make.baseline_dtype = np.float16
@@ -515,6 +536,7 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
                     fns = make.varlen(q, k, v, dout, cu, cu, max(lens), max(lens), causal, **opts)
                 else:
                     fns = make(q, k, v, dout, causal, **opts)
+                plans = fns.pop(PLANS, {})
                 for p in passes:
                     if p not in fns:
                         emit(dict(base, error=f"skipped: no {p} pass here"))
@@ -524,6 +546,8 @@ def run_sweep(*, seqlens, head_dims, causals, dtypes, passes, impls, tokens=1638
                         flops(batch, nheads, n, d, causal, p, opts.get("window_size"))
                     row = dict(base, pass_=p, ms=ms, times_ms=times, tflops=f / ms / 1e9, peak_bytes=peak,
                                calls_per_sample=calls)
+                    if p in plans:  # the kernels and tiles that ran (flashnumba's)
+                        row["kernels"] = plan_summary(plans[p])
                     if single_too and group_ms:
                         single, _, _ = cuda_time_calls_ms(fns[p], warmup=0, repeat=repeat, group_ms=0.0)
                         row.update(ms_single=single, tflops_single=f / single / 1e9)
