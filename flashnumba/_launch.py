@@ -436,25 +436,32 @@ def dummy(name, shape, dtype):
     return _dummies[key]
 
 
-_sinks: dict = {}  # device id -> [buffers], the last the largest
+_sinks: dict = {}  # (device id, library) -> [(array, bytes, address)], the last the largest
+_sinks_lock = threading.Lock()
 
 
-def sink(nbytes: int) -> int:
+def sink(nbytes: int, torch_side: bool = False) -> int:
     """The address of at least ``nbytes`` of device memory on the current device that kernels write and nothing
-    reads (outputs a plan discards): one buffer a process, shared by every call and stream. A larger one replaces
-    it when needed; the smaller ones are kept, never freed, as a kernel still queued may write them."""
+    reads (outputs a plan discards): one buffer a process and library, shared by every call and stream. A larger
+    one replaces it when needed; the smaller ones are kept, never freed, as a kernel still queued may write them.
+    torch's calls take torch's memory (its caching allocator works while a CUDA graph is being captured), the
+    others CuPy's or Numba's."""
     dev = cuda.get_current_device().id
-    bufs = _sinks.setdefault(dev, [])
-    if not bufs or bufs[-1][1] < nbytes:
-        nbytes = max(nbytes, 2 * bufs[-1][1] if bufs else 0, 4096)
-        if _arrays.cupy is None:
-            arr = cuda.device_array(nbytes, np.uint8)
-            bufs.append((arr, nbytes, arr.device_ctypes_pointer.value))
-        else:
-            with _arrays.cupy.cuda.Device(dev):
-                arr = _arrays.cupy.empty(nbytes, np.uint8)
-            bufs.append((arr, nbytes, arr.data.ptr))
-    return bufs[-1][2]
+    with _sinks_lock:
+        bufs = _sinks.setdefault((dev, "torch" if torch_side else "other"), [])
+        if not bufs or bufs[-1][1] < nbytes:
+            nbytes = max(nbytes, 2 * bufs[-1][1] if bufs else 0, 4096)
+            if torch_side:
+                arr = sys.modules["torch"].empty(nbytes, dtype=sys.modules["torch"].uint8, device=f"cuda:{dev}")
+                bufs.append((arr, nbytes, arr.data_ptr()))
+            elif _arrays.cupy is None:
+                arr = cuda.device_array(nbytes, np.uint8)
+                bufs.append((arr, nbytes, arr.device_ctypes_pointer.value))
+            else:
+                with _arrays.cupy.cuda.Device(dev):
+                    arr = _arrays.cupy.empty(nbytes, np.uint8)
+                bufs.append((arr, nbytes, arr.data.ptr))
+        return bufs[-1][2]
 
 
 def _poison(dtype):
@@ -523,7 +530,7 @@ class Call:
                     self.zeroed.append((self.scratch_bytes, nbytes))
                 self.scratch_bytes += -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
         if discarded:  # (each on its own SCRATCH_ALIGN bytes, as in the scratch)
-            at = sink(sum(-(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN for _, n in discarded))
+            at = sink(sum(-(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN for _, n in discarded), self.torch)
             for name, n in discarded:
                 self.base[name] = at
                 at += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN

@@ -452,10 +452,11 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS + BLOCK_MASK_PARAMS, grid,
                               (t.num_threads,), smem, t, reason)
     elif family == "wgmma":
-        if reason != "given by the caller":
-            t_own, why_own = tiling.wgmma_for_variant(t, opts.variant)
-            if why_own:
-                t, reason = t_own, f"{reason}; {why_own}"
+        # what the caller left to the table, fitted to the options
+        given = [name for name, x in (("block_n", block_n), ("num_threads", num_threads)) if x is not None]
+        t_own, why_own = tiling.wgmma_for_variant(t, opts.variant, given)
+        if why_own:
+            t, reason = t_own, f"{reason}; {why_own}"
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,

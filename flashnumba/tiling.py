@@ -280,8 +280,9 @@ BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkd
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def wgmma_for_variant(t: Tiles, variant) -> tuple[Tiles, str]:
-    """The Hopper forward's default tiles for ``variant``, and why they differ from the table's ("" where not).
+def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
+    """The Hopper forward's default tiles for ``variant``, and why they differ from ``t`` ("" where not);
+    ``given``: the names among "block_n" and "num_threads" that the caller chose (kept as they are).
 
     A block of 384 threads (the producer's warpgroup and the two that compute: three warps on each of the SM's
     four schedulers, which share its 64K registers) gives a thread at most 168 registers. With more than two of the
@@ -290,11 +291,20 @@ def wgmma_for_variant(t: Tiles, variant) -> tuple[Tiles, str]:
     of 128 keys (the table's at d = 64) holds twice the scores: it fits only with no softcap or ALiBi and at most
     one of a window bound and dropout (varlen adds no per-score work); other variants take B_c 64."""
     has_left, has_right, softcap, alibi, _, dropout = variant
-    if sum(bool(x) for x in variant) > 2:
-        return t._replace(block_n=64, num_threads=2 * t.block_m), "without the producer: more than two options"
-    if t.block_n > 64 and (softcap or alibi or int(has_left) + int(has_right) + int(dropout) > 1):
-        return t._replace(block_n=64), "B_c 64: the options' per-score work needs the registers of 128 keys' scores"
-    return t, ""
+    many = sum(bool(x) for x in variant) > 2
+    per_score = softcap or alibi or int(has_left) + int(has_right) + int(dropout) > 1
+    new = t
+    if "block_n" not in given and t.block_n > 64 and (many or per_score):
+        new = new._replace(block_n=64)
+    if "num_threads" not in given and many:
+        new = new._replace(num_threads=2 * t.block_m)
+    why = []
+    if new.num_threads != t.num_threads:
+        why.append("without the producer: more than two options compiled in")
+    if new.block_n != t.block_n:
+        why.append("B_c 64: " + ("more than two options compiled in" if many else
+                                 "the options' per-score work needs the registers of 128 keys' scores"))
+    return new, "; ".join(why)
 
 
 def plain_rows_per_warp(t: Tiles, variant, mods=False) -> Tiles:

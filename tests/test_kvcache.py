@@ -304,7 +304,7 @@ def test_discarded_outputs_share_one_buffer_and_change_nothing():
         discarded = {o.name for o in call.plan.outputs if o.discarded}
         assert discarded == ({"lse", "o_part", "lse_part"} if splits == 1 else set())
         assert (call.scratch_bytes == 0) == (splits == 1)
-        sink = _launch._sinks[cupy.cuda.Device().id][-1]
+        sink = _launch._sinks[(cupy.cuda.Device().id, "other")][-1]
         assert splits > 1 or call.base["lse"] == sink[2]
         np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
         streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]

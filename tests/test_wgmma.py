@@ -123,20 +123,27 @@ def test_what_it_does_not_take_is_refused():
     (64, dict(dropout_p=0.1), (128, 128, 384), ""),
     (64, dict(window_size=(8, 0)), (128, 64, 384), "B_c 64"),
     (64, dict(softcap=5.0), (128, 64, 384), "B_c 64"),
-    (64, dict(causal=True, softcap=5.0, dropout_p=0.1), (128, 64, 256), "without the producer"),
+    (64, dict(causal=True, softcap=5.0, dropout_p=0.1), (128, 64, 256), "without the producer + B_c 64"),
     (128, dict(causal=True), (128, 64, 384), ""),
     (128, dict(window_size=(8, 2), softcap=5.0), (128, 64, 256), "without the producer"),
+    # tiles partly given: what the caller left to the table is fitted to the options, what it gave is kept
+    (64, dict(softcap=5.0, block_m=128), (128, 64, 384), "B_c 64"),
+    (64, dict(softcap=5.0, block_m=64), (64, 64, 256), "B_c 64"),
+    (64, dict(causal=True, softcap=5.0, alibi_slopes=np.ones(2, np.float32), num_threads=384), (128, 64, 384),
+     "B_c 64"),
+    (64, dict(softcap=5.0, block_n=128), (128, 128, 384), ""),
+    (64, dict(causal=True, softcap=5.0, dropout_p=0.1, block_n=128), (128, 128, 256), "without the producer"),
 ])
 def test_the_plan_fits_the_tiles_to_the_options(D, opts, tiles, note):
     """The planner's tiles for the Hopper forward (tiling.wgmma_for_variant): B_c 128 at d = 64 where the
     options' per-score work leaves it the registers, B_c 64 otherwise, no producer with more than two options;
-    the plan's reason says which."""
+    the plan's reason says which. Tiles a caller gives are kept."""
     q = np.zeros((1, 70, 2, D), np.float16)
     p = flashnumba.plan(q, q, q, kernel="wgmma", device="sm_90", **opts)
     (launch,) = p.launches
     assert tuple(launch.tiles) == tiles
-    changed = [n for n in ("B_c 64:", "without the producer:") if n in launch.reason]
-    assert changed == ([note + ":"] if note else [])
+    changed = [n for n in ("without the producer:", "B_c 64:") if n in launch.reason]
+    assert changed == [n + ":" for n in note.split(" + ") if n]
 
 
 COMPILE = r"""
