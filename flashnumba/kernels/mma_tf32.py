@@ -83,12 +83,21 @@ def make_forward_tf32(D, causal, precision, B_c, warps):
     @cuda.jit(device=True, inline=True)
     def mma3(a_big, a_small, b_big, b_small, c0, c1, c2, c3, i0, i1, i2, i3):
         """c += A B from (big, small) operands: a_*[i0..i3] the A registers, b_* (2,) the B registers; three
-        products with 3xTF32, smallest first, one with TF32 (a_small and b_small unused)."""
+        products with 3xTF32, smallest first, one with TF32 (a_small and b_small unused).
+
+        With 3xTF32 the three start from zero and their sum is added to c with float32 adds: an ``mma`` aligns
+        its products and its accumulator to the largest and truncates, so chained into c each would truncate
+        toward zero relative to the whole running sum, a few times float32's error over a row
+        (``scripts/tf32_error_model.py``); from zero, only relative to this step's own products."""
         if THREE:
-            c0, c1, c2, c3 = ptx.mma_m16n8k8_tf32(a_small[i0], a_small[i1], a_small[i2], a_small[i3], b_big[0],
-                                                  b_big[1], c0, c1, c2, c3)
-            c0, c1, c2, c3 = ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_small[0],
-                                                  b_small[1], c0, c1, c2, c3)
+            z = float32(0.0)
+            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_small[i0], a_small[i1], a_small[i2], a_small[i3], b_big[0],
+                                                  b_big[1], z, z, z, z)
+            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_small[0],
+                                                  b_small[1], d0, d1, d2, d3)
+            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_big[0], b_big[1],
+                                                  d0, d1, d2, d3)
+            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
         return ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_big[0], b_big[1], c0, c1, c2, c3)
 
     @cuda.jit(device=True, inline=True)
