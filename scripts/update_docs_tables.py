@@ -21,7 +21,7 @@ def _env(e):
 
 def latency(d):
     shape = "x".join(map(str, d["shape"]))
-    out = [_env(d["environment"]) + f" Source: [`results/latest/latency.json`](results/latest/latency.json).", "",
+    out = [_env(d["environment"]) + " Source: [`results/latest/latency.json`](results/latest/latency.json).", "",
            f"Per call, {shape} (batch x seqlen x heads x head_dim), {d['dtype']}, microseconds:", "",
            "| impl | pass | kernel | back to back | one call per event pair | host time | kernels alone |",
            "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
@@ -253,17 +253,61 @@ def flex(d, prefix="results/latest/"):
     return out
 
 
+def float32_tc(data, prefix="results/latest/"):
+    """The float32 tensor-core forwards beside torch's memory-efficient float32 kernel (bench-tf32.json; the run of
+    the 3xTF32 forward before its k-steps started from zero, bench-tf32-chained.json), and their error against the
+    float64 truth as a multiple of NumPy's float32 attention's (scripts/tf32_error.py: tf32-error*.json)."""
+    out = []
+    for source, title in (("bench-tf32.json", "now"), ("bench-tf32-chained.json", "3xTF32 chaining its mma")):
+        d = data[source]
+        rows = {(r["impl"], r["head_dim"], r["seqlen"], r["causal"]): r for r in d["rows"] if r.get("tflops")}
+        ours = sorted({k[0] for k in rows if k[0] != "torch_sdpa_efficient"})
+        out += [f"**{title}**: " + _env(d["environment"]) + f" Source: [`{source}`]({prefix}{source}).", "",
+                "TFLOP/s back to back / one call per event pair, and the ratio to torch's memory-efficient kernel "
+                "(back to back):", "",
+                "| head_dim | seqlen | causal | " + " | ".join(ours + ["torch_sdpa_efficient"]) + " |",
+                "| ---: | ---: | --- |" + " ---: |" * (len(ours) + 1)]
+        for key in sorted({k[1:] for k in rows}):
+            peer = rows.get(("torch_sdpa_efficient",) + key)
+            cells = []
+            for impl in ours + ["torch_sdpa_efficient"]:
+                r = rows.get((impl,) + key)
+                cell = "-" if r is None else f"{r['tflops']:.1f} / {r.get('tflops_single', float('nan')):.1f}"
+                if r is not None and peer is not None and impl != "torch_sdpa_efficient":
+                    cell += f" ({r['tflops'] / peer['tflops']:.2f}x)"
+                cells.append(cell)
+            out.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+        out.append("")
+    out += ["Error against the float64 truth as a multiple of NumPy's float32 attention's on the same inputs (max |O - "
+            "O_float64| over the output; `python scripts/tf32_error.py`, random shapes, seqlen 1-4096; draws where "
+            "float32 was exact, such as seqlen_k 1, are left out of the ratios and counted):", "",
+            "| run | kernel | draws | median | 90th percentile | largest | over 2x | float32 exact |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for source, run in (("tf32-error.json", "now"), ("tf32-error-chained.json", "3xTF32 chaining its mma")):
+        draws = data[source]["draws"]
+        kernels = [k[:-len("_ratio")] for k in draws[0] if k.endswith("_ratio")]
+        for name in kernels:
+            r = sorted(x[f"{name}_ratio"] for x in draws if x["float32_error"] > 0)
+            exact = [x[f"{name}_error"] for x in draws if x["float32_error"] == 0]
+            q = lambda f: r[min(len(r) - 1, int(f * len(r)))]  # noqa: E731
+            out.append(f"| [{run}]({prefix}{source}) | {name} | {len(r)} | {q(0.5):.2f}x | {q(0.9):.2f}x | "
+                       f"{r[-1]:.2f}x | {sum(x > 2 for x in r)} | {len(exact)} (error up to {max(exact, default=0):.1e}) |")
+    return out
+
+
 TARGETS = {  # file: (marker name, table function, its arguments)
     "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}),
                            ("headline", headlines, {"prefix": "results/latest/"}), ("decode", decode, {}),
-                           ("flex", flex, {}), ("hopper", hopper, {})],
+                           ("flex", flex, {}), ("hopper", hopper, {}),
+                           ("float32-tc", float32_tc, {})],
     "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {}),
                   ("hopper-summary", hopper_summary, {})],
 }
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
            "headline": ("bench.json", "bench-tc.json"), "numerics": None, "decode": "bench-decode.json",
-           "flex": "flex-bench.json", "hopper": "bench-wgmma.json", "hopper-summary": "bench-wgmma.json"}
+           "flex": "flex-bench.json", "hopper": "bench-wgmma.json", "hopper-summary": "bench-wgmma.json",
+           "float32-tc": ("bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json", "tf32-error-chained.json")}
 
 
 def main():
