@@ -60,6 +60,9 @@ def main():
     from torch.nn.attention import flex_attention as tflex
 
     n = args.seqlen
+    # each head dim, dtype (the float32 comparisons) and gradient mode is its own specialisation: past dynamo's
+    # default limit of 8 the compiled function falls back to the unfused flex_attention, with no error
+    torch._dynamo.config.recompile_limit = 64
     compiled = torch.compile(tflex.flex_attention, dynamic=False)
     rows = []
     for d in args.head_dims:

@@ -254,11 +254,14 @@ def flex(d, prefix="results/latest/"):
 
 
 def float32_tc(data, prefix="results/latest/"):
-    """The float32 tensor-core forwards beside torch's memory-efficient float32 kernel (bench-tf32.json; the run of
-    the 3xTF32 forward before its k-steps started from zero, bench-tf32-chained.json), and their error against the
+    """The float32 tensor-core forwards beside torch's memory-efficient float32 kernel (bench-tf32-d64.json, the
+    3xTF32 forward at head_dim 64 re-reading Q_i; bench-tf32.json; the run of the 3xTF32 forward before its k-steps
+    started from zero, bench-tf32-chained.json), and their error against the
     float64 truth as a multiple of NumPy's float32 attention's (scripts/tf32_error.py: tf32-error*.json)."""
     out = []
-    for source, title in (("bench-tf32.json", "now"), ("bench-tf32-chained.json", "3xTF32 chaining its mma")):
+    for source, title in (("bench-tf32-d64.json", "head_dim 64 now"),
+                          ("bench-tf32.json", "k-steps from zero (head_dim 64 then keeping Q_i in registers)"),
+                          ("bench-tf32-chained.json", "before: 3xTF32 chaining its mma")):
         d = data[source]
         rows = {(r["impl"], r["head_dim"], r["seqlen"], r["causal"]): r for r in d["rows"] if r.get("tflops")}
         ours = sorted({k[0] for k in rows if k[0] != "torch_sdpa_efficient"})
@@ -307,7 +310,7 @@ TARGETS = {  # file: (marker name, table function, its arguments)
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
            "headline": ("bench.json", "bench-tc.json"), "numerics": None, "decode": "bench-decode.json",
            "flex": "flex-bench.json", "hopper": "bench-wgmma.json", "hopper-summary": "bench-wgmma.json",
-           "float32-tc": ("bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json", "tf32-error-chained.json")}
+           "float32-tc": ("bench-tf32-d64.json", "bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json", "tf32-error-chained.json")}
 
 
 def main():

@@ -66,9 +66,10 @@ def make_forward_tf32(D, causal, precision, B_c, warps):
     NT = 32 * warps
     LDK, LDV = D + PAD_K, D + PAD_V
     KD = D // 8  # k-steps of S = Q K^T (8 dims each)
-    # Q_i's A registers are rounded or split once and kept, except for 3xTF32 at D=128 (2 x 64 registers with
-    # O's 64 would spill): there they are re-read from shared memory and split at every key tile
-    Q_IN_REGS = not (THREE and D > 64)
+    # Q_i's A registers are rounded once and kept for TF32; 3xTF32 re-reads and splits them at every key tile:
+    # kept, big and small (2 x 64 registers at D=128) beside O's spill at D=128 and sit at the 255-register limit
+    # at D=64, where the re-read runs as fast (130 registers)
+    Q_IN_REGS = not THREE
     QREGS = 4 * KD if Q_IN_REGS else 4  # (a local array's length must be a constant)
     NS = B_c // 8  # 8-key tiles of S (and k-steps of P V)
     NO = D // 8  # 8-dim tiles of O
