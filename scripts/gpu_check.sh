@@ -69,6 +69,11 @@ for step in $STEPS; do
       done ;;
     flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward": the backward pass too)
       timeout ${FLEX_TIMEOUT:-540} python3 scripts/flex_bench.py --out "$OUT" ${FLEX_ARGS:-} 2>&1 | tee "$OUT/flex.log" ;;
+    cache) # the kernel disk cache back in parts of 15 MB (files come back at most 16 MiB each); where the call ran
+      # with FLASHNUMBA_CACHE_DIR=$PWD/.gpucache and .gpucache carried, `cat gpucache.tgz.* | tar xz` here restores
+      # it for the next call's carry, and the warm cache spares that call the compiles
+      tar czf - -C "$(dirname "${FLASHNUMBA_CACHE_DIR:-.gpucache}")" "$(basename "${FLASHNUMBA_CACHE_DIR:-.gpucache}")" \
+        | split -b 15000000 - "$OUT/gpucache.tgz."; ls -la "$OUT"/gpucache.tgz.* ;;
     bench) timeout ${BENCH_TIMEOUT:-600} python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac
 done
