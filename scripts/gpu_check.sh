@@ -72,8 +72,9 @@ for step in $STEPS; do
     cache) # the kernel disk cache back in parts of 15 MB (files come back at most 16 MiB each); where the call ran
       # with FLASHNUMBA_CACHE_DIR=$PWD/.gpucache and .gpucache carried, `cat gpucache.tgz.* | tar xz` here restores
       # it for the next call's carry, and the warm cache spares that call the compiles
-      tar czf - -C "$(dirname "${FLASHNUMBA_CACHE_DIR:-.gpucache}")" "$(basename "${FLASHNUMBA_CACHE_DIR:-.gpucache}")" \
-        | split -b 15000000 - "$OUT/gpucache.tgz."; ls -la "$OUT"/gpucache.tgz.* ;;
+      cache=${FLASHNUMBA_CACHE_DIR:-.gpucache}
+      tar czf - -C "$(dirname "$cache")" "$(basename "$cache")" | split -b 15000000 - "$OUT/gpucache.tgz."
+      ls -la "$OUT"/gpucache.tgz.* ;;
     bench) timeout ${BENCH_TIMEOUT:-600} python3 -m flashnumba bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/bench.log" ;;
   esac
 done

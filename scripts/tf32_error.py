@@ -2,9 +2,9 @@
 
     python scripts/tf32_error.py [--draws 200] [--seed 0] [--out tf32-error.json]
 
-For each draw: a random shape (seqlen_q and seqlen_k log-uniform in 1..4096 (``--longest``), head_dim 64 or 128, causal or not,
-one or two sequences of one to four heads; inputs standard normal as in the tests), the float64 reference, NumPy's
-float32 computation of the same attention (the baseline: what a plain float32 implementation achieves), and each
+For each draw: a random shape (seqlen_q and seqlen_k log-uniform in 1..4096, ``--longest``; head_dim 64 or 128,
+causal or not, one or two sequences of one to four heads; inputs standard normal as in the tests), the float64
+reference, NumPy's float32 computation of the same attention (the baseline: what a plain float32 implementation achieves), and each
 float32 kernel ("ieee": the SIMT default; "3xtf32"; "tf32"). The figure is max |O - O_float64| over the kernel's
 output divided by the baseline's; float32-class accuracy means a ratio of at most 2 (flash-attn's rule). Printed:
 each draw's ratios, then the median and the largest ratio of each kernel.
@@ -19,10 +19,10 @@ import math
 import numpy as np
 
 import flashnumba
+from flashnumba import reference
 
 if not flashnumba.SIMULATOR:
     import cupy
-from flashnumba import reference
 
 KERNELS = {"ieee": dict(precision="ieee"), "3xtf32": dict(kernel="3xtf32"), "tf32": dict(kernel="tf32")}
 

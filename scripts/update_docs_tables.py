@@ -256,8 +256,8 @@ def flex(d, prefix="results/latest/"):
 def float32_tc(data, prefix="results/latest/"):
     """The float32 tensor-core forwards beside torch's memory-efficient float32 kernel (bench-tf32-d64.json, the
     3xTF32 forward at head_dim 64 re-reading Q_i; bench-tf32.json; the run of the 3xTF32 forward before its k-steps
-    started from zero, bench-tf32-chained.json), and their error against the
-    float64 truth as a multiple of NumPy's float32 attention's (scripts/tf32_error.py: tf32-error*.json)."""
+    started from zero, bench-tf32-chained.json), and their error against the float64 truth as a multiple of NumPy's
+    float32 attention's (scripts/tf32_error.py: tf32-error*.json)."""
     out = []
     for source, title in (("bench-tf32-d64.json", "head_dim 64 now"),
                           ("bench-tf32.json", "k-steps from zero (head_dim 64 then keeping Q_i in registers)"),
@@ -294,7 +294,8 @@ def float32_tc(data, prefix="results/latest/"):
             exact = [x[f"{name}_error"] for x in draws if x["float32_error"] == 0]
             q = lambda f: r[min(len(r) - 1, int(f * len(r)))]  # noqa: E731
             out.append(f"| [{run}]({prefix}{source}) | {name} | {len(r)} | {q(0.5):.2f}x | {q(0.9):.2f}x | "
-                       f"{r[-1]:.2f}x | {sum(x > 2 for x in r)} | {len(exact)} (error up to {max(exact, default=0):.1e}) |")
+                       f"{r[-1]:.2f}x | {sum(x > 2 for x in r)} | "
+                       f"{len(exact)} (error up to {max(exact, default=0):.1e}) |")
     return out
 
 
@@ -310,7 +311,8 @@ TARGETS = {  # file: (marker name, table function, its arguments)
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
            "headline": ("bench.json", "bench-tc.json"), "numerics": None, "decode": "bench-decode.json",
            "flex": "flex-bench.json", "hopper": "bench-wgmma.json", "hopper-summary": "bench-wgmma.json",
-           "float32-tc": ("bench-tf32-d64.json", "bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json", "tf32-error-chained.json")}
+           "float32-tc": ("bench-tf32-d64.json", "bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json",
+                          "tf32-error-chained.json")}
 
 
 def main():

@@ -31,7 +31,7 @@ import math
 
 from . import ptx
 from .._backend import cuda
-from .common import LN2, LOG2E, NEG_INF, make_key_range
+from .common import LN2, NEG_INF, make_key_range
 from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
 from numba import float32, uint32
 
@@ -66,9 +66,9 @@ def make_forward_tf32(D, causal, precision, B_c, warps):
     NT = 32 * warps
     LDK, LDV = D + PAD_K, D + PAD_V
     KD = D // 8  # k-steps of S = Q K^T (8 dims each)
-    # Q_i's A registers are rounded once and kept for TF32; 3xTF32 re-reads and splits them at every key tile:
-    # kept, big and small (2 x 64 registers at D=128) beside O's spill at D=128 and sit at the 255-register limit
-    # at D=64, where the re-read runs as fast (130 registers)
+    # Q_i's A registers are rounded once and kept for TF32. 3xTF32 re-reads and splits them at every key tile:
+    # kept, their big and small parts (2 x 64 registers at D=128) beside O's would spill at D=128, and at D=64 they
+    # hold the kernel at the 255-register limit, where the re-read runs as fast with 130
     Q_IN_REGS = not THREE
     QREGS = 4 * KD if Q_IN_REGS else 4  # (a local array's length must be a constant)
     NS = B_c // 8  # 8-key tiles of S (and k-steps of P V)
