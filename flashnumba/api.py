@@ -125,7 +125,8 @@ def _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
 
 
 def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                   block_m, block_n, num_threads, kernel, device=None, flex=None, deterministic=True):
+                   block_m, block_n, num_threads, kernel, device=None, flex=None, deterministic=True,
+                   block_mask=None):
     tq, tk, tv = (inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
     tdo, to, tl = inspect("dout", dout, 4), inspect("out", out, 4), inspect("lse", lse, 3)
     check_same_place((tq, tk, tv, tdo, to, tl))
@@ -137,7 +138,8 @@ def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, 
     opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale)
     if flex is not None:  # flex_attention_backward's (score_mod, score_mod_grad, mask_mod, args, enable_gqa)
         mods, targs = check_mods(tq, tk, *flex[:4], flex[4], backward=True)
-        opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
+        opts = dataclasses.replace(opts, mods=mods, mod_args=targs, block_mask=None if block_mask is None else
+                                   _check_block_mask(block_mask, tq, tk))
     block_m, block_n, num_threads = check_blocks(block_m, block_n, num_threads)
     check_flag("deterministic", deterministic)
     p = _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=block_m, block_n=block_n,
@@ -632,20 +634,9 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     mask_mod only in the blocks it hides in part (elsewhere the mask_mod is evaluated everywhere, as without it);
     mask_mod may then be left out. Checked against :func:`flashnumba.reference.flex_attention_forward`.
     """
-    if block_mask is not None:
-        from .blockmask import BlockMask
-
-        if not isinstance(block_mask, BlockMask):
-            raise TypeError(f"block_mask must be a BlockMask (flashnumba.create_block_mask), got "
-                            f"{type(block_mask).__name__}")
-        if mask_mod is None:
-            mask_mod = block_mask.mask_mod
-        if mask_mod is not block_mask.mask_mod:
-            raise ValueError("block_mask was made for another mask_mod than the one given")
-        if not score_mod_args:
-            score_mod_args = block_mask.score_mod_args
+    mask_mod, score_mod_args = _block_mask_for(block_mask, mask_mod, score_mod_args)
     args = mod_args_tuple(score_mod_args)
-    bm = () if block_mask is None else (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.state)
+    bm = () if block_mask is None else tuple(getattr(block_mask, n) for n in _BLOCK_MASK_ARRAYS[:3])
     blocks = None if block_mask is None else (block_mask.Q_BLOCK_SIZE, block_mask.KV_BLOCK_SIZE)
     key = _key("flex", (q, k, v) + args + bm, (scale, score_mod, mask_mod, enable_gqa, kernel, block_m, block_n,
                                                num_threads, blocks))
@@ -675,35 +666,65 @@ def _check_block_mask(block_mask, tq, tk):
     B, H = block_mask.state.shape[:2]
     if B not in (1, batch) or H not in (1, nheads):
         raise ValueError(f"block_mask has B = {B}, H = {H}: each must be 1 or the call's ({batch}, {nheads})")
-    arrays = [check_array_arg(f"block_mask.{n}", a, tq, "") for n, a in
-              (("kv_num_blocks", block_mask.kv_num_blocks), ("kv_indices", block_mask.kv_indices),
-               ("state", block_mask.state))]
+    arrays = [check_array_arg(f"block_mask.{n}", getattr(block_mask, n), tq, "") for n in _BLOCK_MASK_ARRAYS]
     return (block_mask.Q_BLOCK_SIZE, block_mask.KV_BLOCK_SIZE, *arrays)
+
+
+# a BlockMask's arrays in the order the plans take them (planner.BLOCK_MASK_PARAMS): the forward the first three,
+# the backward all five
+_BLOCK_MASK_ARRAYS = ("kv_num_blocks", "kv_indices", "state", "q_num_blocks", "q_indices")
+
+
+def _block_mask_for(block_mask, mask_mod, score_mod_args):
+    """(mask_mod, score_mod_args) of a call given a block mask: its own where the call leaves them out; checks that
+    it is a BlockMask made for this mask_mod."""
+    if block_mask is None:
+        return mask_mod, score_mod_args
+    from .blockmask import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask (flashnumba.create_block_mask), got "
+                        f"{type(block_mask).__name__}")
+    if mask_mod is None:
+        mask_mod = block_mask.mask_mod
+    if mask_mod is not block_mask.mask_mod:
+        raise ValueError("block_mask was made for another mask_mod than the one given")
+    return mask_mod, score_mod_args or block_mask.score_mod_args
 
 
 def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, score_mod=None,
                             mask_mod=None, *, score_mod_grad=None, scale: float | None = None,
                             enable_gqa: bool = False, score_mod_args: tuple = (), kernel: str | None = None,
-                            stream: Any = None) -> tuple[Array, Array, Array]:
+                            block_m: int | None = None, block_n: int | None = None, num_threads: int | None = None,
+                            block_mask=None, stream: Any = None) -> tuple[Array, Array, Array]:
     """Gradients (dq, dk, dv) of :func:`flex_attention` (out and lse as it returned them, ``return_lse=True``).
 
     With a score_mod, ``score_mod_grad(score, b, h, q_idx, kv_idx, *score_mod_args)``, its derivative with respect
     to the score, is required (for an added bias, a function returning 1.0): without it no gradient can be
     right, and the call raises. Gradients with respect to the arrays of ``score_mod_args`` are not computed.
-    Runs on the register-tiled SIMT backward (``kernel`` None or "v2"), or on the tensor cores with
-    ``kernel="tc"`` (float16 or bfloat16: the functions compiled into :mod:`flashnumba.kernels.mma_backward`;
-    a block mask's empty tiles are not skipped there)."""
+    Runs on the tensor cores for float16 / bfloat16 on a GPU (``kernel`` None or "tc": the functions compiled
+    into :mod:`flashnumba.kernels.mma_backward`) and on the register-tiled SIMT backward otherwise (None or
+    "v2"); ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_backward`. ``block_mask``:
+    as in :func:`flex_attention` (the one the forward took): the tensor-core kernels skip the blocks it hides
+    entirely and evaluate the mask_mod only in those it hides in part; their tiles are then the largest of theirs
+    (at most block_m, block_n) that divide its blocks."""
+    mask_mod, score_mod_args = _block_mask_for(block_mask, mask_mod, score_mod_args)
     args = mod_args_tuple(score_mod_args)
-    key = _key("flex_bwd", (dout, q, k, v, out, lse) + args,
-               (scale, score_mod, score_mod_grad, mask_mod, enable_gqa, kernel))
+    bm = () if block_mask is None else tuple(getattr(block_mask, n) for n in _BLOCK_MASK_ARRAYS)
+    blocks = None if block_mask is None else (block_mask.Q_BLOCK_SIZE, block_mask.KV_BLOCK_SIZE)
+    key = _key("flex_bwd", (dout, q, k, v, out, lse) + args + bm,
+               (scale, score_mod, score_mod_grad, mask_mod, enable_gqa, kernel, block_m, block_n, num_threads,
+                blocks))
 
     def build():
-        p, opts = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, None, None, None,
-                                 kernel, flex=(score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa))
+        p, opts = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, block_m, block_n,
+                                 num_threads, kernel, flex=(score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa),
+                                 block_mask=block_mask)
         return _launch.Call(_flex_compiled(p, opts.mods))
 
     call = _cached(key, build)
-    return tuple(call.run((dout, q, k, v, out, lse, None, None, None) + args, 0, 0, _stream(stream, q)))
+    return tuple(call.run((dout, q, k, v, out, lse, None, None, None) + args
+                          + (None,) * (len(_plan.MOD_PARAMS) - len(args)) + bm, 0, 0, _stream(stream, q)))
 
 
 def _flex_compiled(p, mods):

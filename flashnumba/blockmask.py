@@ -3,11 +3,13 @@ blocks it hides entirely and runs those it shows entirely without evaluating it 
 ``create_block_mask``).
 
 A :class:`BlockMask` holds, per batch entry, head and query block of ``Q_BLOCK_SIZE`` rows, the key blocks of
-``KV_BLOCK_SIZE`` rows that are not empty (``kv_num_blocks``, ``kv_indices``, ascending) and each block's state
-(``state``: EMPTY 0, PARTIAL 1, FULL 2, as :func:`flashnumba.reference.flex_block_mask`). The tensor-core forward
-reads them: it visits only the listed key blocks, and evaluates the mask_mod only in the partial ones. Elsewhere
-(the SIMT kernels, the backward) the mask_mod is evaluated at every entry, as without a block mask: the same
-result, without the savings.
+``KV_BLOCK_SIZE`` rows that are not empty (``kv_num_blocks``, ``kv_indices``, ascending), per key block the query
+blocks that are not empty (``q_num_blocks``, ``q_indices``: the same pairs, listed the other way round for the
+backward's dK/dV kernel, which loops over the queries of its keys), and each block's state (``state``: EMPTY 0,
+PARTIAL 1, FULL 2, as :func:`flashnumba.reference.flex_block_mask`). The tensor-core kernels, forward and
+backward, read them: they visit only the listed blocks, and evaluate the mask_mod only in the partial ones.
+Elsewhere (the SIMT kernels) the mask_mod is evaluated at every entry, as without a block mask: the same result,
+without the savings.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class BlockMask:
     kv_num_blocks: Any  # (B, H, query blocks) int32
     kv_indices: Any  # (B, H, query blocks, key blocks) int32: the non-empty key blocks first, ascending
     state: Any  # (B, H, query blocks, key blocks) int8
+    q_num_blocks: Any  # (B, H, key blocks) int32
+    q_indices: Any  # (B, H, key blocks, query blocks) int32: the non-empty query blocks first, ascending
 
     def density(self) -> float:
         """The fraction of (query block, key block) pairs that are not empty."""
@@ -80,7 +84,15 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
         state = dev.copy_to_host()
     else:
         launch(state, Q_LEN, KV_LEN, *kernel_args)
-    key = (state == 0).astype(np.int32) * nk + xp.arange(nk, dtype=np.int32)  # non-empty first, each ascending
+    num, order = _lists(state, xp)
+    q_num, q_order = _lists(xp.ascontiguousarray(state.transpose(0, 1, 3, 2)), xp)
+    return BlockMask(mask_mod, args, (Q_LEN, KV_LEN), qb, kb, num, order, state, q_num, q_order)
+
+
+def _lists(state, xp):
+    """(counts, indices) of the non-empty blocks along state's last axis: their number, and their indices first,
+    ascending (the empty ones after them)."""
+    n = state.shape[-1]
+    key = (state == 0).astype(np.int32) * n + xp.arange(n, dtype=np.int32)
     order = xp.argsort(key, axis=-1).astype(np.int32)
-    num = (state != 0).sum(axis=-1).astype(np.int32)
-    return BlockMask(mask_mod, args, (Q_LEN, KV_LEN), qb, kb, num, xp.ascontiguousarray(order), state)
+    return (state != 0).sum(axis=-1).astype(np.int32), xp.ascontiguousarray(order)

@@ -251,7 +251,7 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
         if kernel == "tc":
             _check_family(kernel, tq, opts, limits, pass_)
             return "tc", "a user's score_mod / mask_mod on the tensor cores: asked for by kernel=", None
-        if (pass_ == "forward" and kernel is None and (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))
+        if (kernel is None and (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))
                 and _mma_blocker(tq, tensors, limits, tiles_given, pass_) is None):
             return "tc", "a user's score_mod / mask_mod on the tensor cores", None
         return kernel or simt, "a user's score_mod / mask_mod: the register-tiled SIMT kernels", None
@@ -332,9 +332,10 @@ def _alibi_input(a, batch, nheads):
             array_meta((batch, nheads), strides, np.float32, "A"))
 
 
-def _inputs(tensors, family, lead, opts, batch, cu):
+def _inputs(tensors, family, lead, opts, batch, cu, block_params=3):
     """InputSpecs and kernel ArrayMetas of the call's arrays (q, k, v, ... then alibi, cu_q, cu_k, then the
-    arrays a user's score_mod / mask_mod read, a0 .. a3)."""
+    arrays a user's score_mod / mask_mod read, a0 .. a3, then the first ``block_params`` of a block mask's,
+    :data:`BLOCK_MASK_PARAMS`)."""
     specs, metas = [], {}
     mma = family in ("tc", "wgmma") + mma_tf32.PRECISIONS
     for t in tensors:
@@ -356,7 +357,8 @@ def _inputs(tensors, family, lead, opts, batch, cu):
         t = opts.mod_args[n] if n < len(opts.mod_args) else None
         spec, metas[f"a{n}"] = _optional_input(f"a{n}", t, (1,), "float32")
         specs.append(spec)
-    for n, (name, dtype, ndim) in enumerate(zip(BLOCK_MASK_PARAMS, ("int32", "int32", "int8"), (3, 4, 4))):
+    for n, (name, dtype, ndim) in enumerate(zip(BLOCK_MASK_PARAMS[:block_params], ("int32", "int32", "int8", "int32",
+                                                                                   "int32"), (3, 4, 4, 3, 4))):
         t = None if opts.block_mask is None else opts.block_mask[2 + n]
         spec, metas[name] = _optional_input(name, t, (1,) * ndim, dtype)
         specs.append(spec)
@@ -393,7 +395,9 @@ def _option_scalars(opts):
 
 OPTION_PARAMS = ("softcap", "left", "right", "alibi", "cu_q", "cu_k", "p_drop", "rp_keep", "seed", "offset")
 MOD_PARAMS = tuple(f"a{n}" for n in range(MOD_ARGS))  # the register-tiled SIMT kernels' last parameters
-BLOCK_MASK_PARAMS = ("bm_num", "bm_idx", "bm_state")  # and the tensor-core forward's, after them
+# and the tensor-core kernels', after them: a block mask's key-block lists and states (the forward's, the dQ
+# kernel's), then its query-block lists (the dK/dV kernel's, with the states)
+BLOCK_MASK_PARAMS = ("bm_num", "bm_idx", "bm_state", "bm_qnum", "bm_qidx")
 
 
 def _cdiv(a, b):
@@ -449,7 +453,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                                _strided(arrays, ("q", "k", "v")), opts.scale > 0,
                                t.block_m // (t.num_threads // 2), opts.mods,
                                None if opts.block_mask is None else opts.block_mask[:2]),
-                              io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS + BLOCK_MASK_PARAMS, grid,
+                              io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS + BLOCK_MASK_PARAMS[:3], grid,
                               (t.num_threads,), smem, t, reason)
     elif family == "wgmma":
         # what the caller left to the table, fitted to the options
@@ -704,6 +708,21 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _fit_block_mask(table, D, block_mask, t, reason):
+    """(Tiles, reason) of a tensor-core backward kernel that reads a block mask: block_m and block_n the largest
+    of the kernel's (:data:`flashnumba.kernels.mma_backward.TILES`) not above t's that divide the mask's query and
+    key blocks (a tile never straddles two blocks); t itself without a block mask or where it divides them."""
+    if block_mask is None:
+        return t, reason
+    qb, kb = block_mask[:2]
+    m = max(x for x in mma_backward.TILES if x <= t.block_m and qb % x == 0)
+    n = max(x for x in mma_backward.TILES if x <= t.block_n and kb % x == 0)
+    if (m, n) == (t.block_m, t.block_n):
+        return t, reason
+    return (tiling.threads_of(table, tiling.Tiles(m, n, 0), D),
+            f"{reason}; (block_m {m}, block_n {n}) to divide the block mask's blocks ({qb}, {kb})")
+
+
 def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None,
                   device=None, batch=None, max_seqlen_q=None, max_seqlen_k=None, cu=None,
                   deterministic=True) -> Plan:
@@ -724,7 +743,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     dt, bf16 = tq.dtype, _arrays.is_bfloat16(tq.dtype)
     # dout, q, k, v go to the dQ / dK/dV kernels (copied where a tensor-core kernel needs C-contiguous rows);
     # out and lse only to the preprocess and as read
-    inputs, arrays = _inputs((tdo, tq, tk, tv), family, lead, opts, bsz, cu)
+    inputs, arrays = _inputs((tdo, tq, tk, tv), family, lead, opts, bsz, cu, len(BLOCK_MASK_PARAMS))
     for t in (to, tl):  # after dout, q, k, v; before alibi, cu_q, cu_k and the score_mod arrays
         inputs.insert(next(n for n, s in enumerate(inputs) if s.name == "alibi"),
                       InputSpec(t.name, t.kind, to_device=t.kind == "numpy", lead=lead))
@@ -752,8 +771,10 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         # the atomic dQ: on sm_90 and newer a lane's two columns in one vector reduction
         atomic = False if deterministic else "v2" if tuple(limits.cc) >= (9, 0) else True
         kv_table = "tc_dkdv_atomic" if atomic else "tc_dkdv"
-        tk_t, rk = tiling.resolve(kv_table, D, limits, block_m, block_n, num_threads)
+        tk_t, rk = _fit_block_mask(kv_table, D, opts.block_mask, *tiling.resolve(kv_table, D, limits, block_m,
+                                                                                   block_n, num_threads))
         tail = ("scale_log2", "scale") + OPTION_PARAMS
+        blocks = None if opts.block_mask is None else opts.block_mask[:2]
         name, gqa, strided = _dtype_name(dt), nk != nheads, _strided(arrays, ("dout", "q", "k", "v"))
         if atomic:  # dQ accumulated in float32 by the dK/dV kernel, zero at the start, then converted
             spec, arrays["dq_acc"] = _output("dq_acc", tq.shape, np.dtype(np.float32), lead, returned=False)
@@ -764,15 +785,17 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         else:  # the dQ kernel; the dK/dV kernel's dq_acc parameter a dummy, never read
             spec, arrays["dq_acc"] = _optional_input("dq_acc", None, (1, 1, 1, 1), "float32")
             inputs.append(spec)
-            tq_t, rq = tiling.resolve("tc_dq", D, limits, block_m, block_n, num_threads)
+            tq_t, rq = _fit_block_mask("tc_dq", D, opts.block_mask, *tiling.resolve("tc_dq", D, limits, block_m,
+                                                                                    block_n, num_threads))
             dq = KernelLaunch("dQ tc", "tc_dq", mma_backward.make_backward_dq_tc,
-                              (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa, strided, opts.mods),
-                              io_dq + tail + MOD_PARAMS,
+                              (D, opts.variant, tq_t.block_m, tq_t.block_n, name, gqa, strided, opts.mods, blocks),
+                              io_dq + tail + MOD_PARAMS + BLOCK_MASK_PARAMS[:3],
                               (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
                               tiling.shared_bytes("tc_dq", D, tq_t)[0], tq_t, rq)
         kv = KernelLaunch("dK/dV tc" + (" + dQ" if atomic else ""), kv_table, mma_backward.make_backward_dkdv_tc,
-                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa, strided, opts.mods, atomic),
-                          io_kv + ("dq_acc",) + tail + MOD_PARAMS,
+                          (D, opts.variant, tk_t.block_m, tk_t.block_n, name, gqa, strided, opts.mods, atomic,
+                           blocks),
+                          io_kv + ("dq_acc",) + tail + MOD_PARAMS + BLOCK_MASK_PARAMS[3:] + BLOCK_MASK_PARAMS[2:3],
                           (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
                           tiling.shared_bytes(kv_table, D, tk_t)[0], tk_t, rk)
     elif family == "v1":

@@ -12,9 +12,10 @@ pair of CUDA events after warm-up, and TFLOP/s of the work the mask leaves):
 * torch.nn.attention.flex_attention (torch.compile) with its own block mask, on the same masks.
 
 With ``--backward``, also the backward pass (TFLOP/s counted as 2.5 forwards): the built-in kernels' dense and
-causal backward, ``flex_attention_backward`` with the causal and the documents mask_mod on the tensor cores
-(``kernel="tc"``) and on the default SIMT kernels, and FlexAttention's backward (autograd through the compiled
-function, the forward's graph kept) on the same masks; each flashnumba gradient compared with FlexAttention's.
+causal backward, ``flex_attention_backward`` with the causal and the documents mask_mod on the tensor cores (the
+default) with and without the block mask and on the SIMT kernels (``kernel="v2"``), and FlexAttention's backward
+(autograd through the compiled function, the forward's graph kept) on the same masks; each flashnumba gradient
+compared with FlexAttention's.
 
 Each flashnumba output is compared with FlexAttention's: the largest difference, beside FlexAttention's own
 difference from a float32 computation, is reported. Writes flex-bench.json.
@@ -132,8 +133,8 @@ def main():
                                  torch_flex_value=float(theirs)))
                 print(f"d={d} {name}: max diff from float32 {ours:.2e} (torch flex fp16: {theirs:.2e})")
         if args.backward:
-            rows += backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, tbm_causal, tbm_doc, compiled,
-                                  density_doc)
+            rows += backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, (bm_causal, tbm_causal),
+                                  (bm_doc, tbm_doc), compiled, density_doc)
         rows.append(dict(head_dim=d, case="create_block_mask seconds (both masks, first call)", value=make_s))
         rows.append(dict(head_dim=d, case="block mask density documents", value=bm_doc.density()))
     result = dict(date=time.strftime("%Y-%m-%d"), command="python scripts/flex_bench.py " + " ".join(sys.argv[1:]),
@@ -143,10 +144,13 @@ def main():
         json.dump(result, f, indent=1)
 
 
-def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, tbm_causal, tbm_doc, compiled, density_doc):
+def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, doc_masks, compiled, density_doc):
     """The backward cases (see the module's docstring): rows of ms and TFLOP/s, then the largest difference of
-    each flashnumba gradient from FlexAttention's."""
+    each flashnumba gradient from FlexAttention's. ``causal_masks``, ``doc_masks``: (flashnumba's block mask,
+    FlexAttention's) of each mask."""
     import torch
+
+    (bm_causal, tbm_causal), (bm_doc, tbm_doc) = causal_masks, doc_masks
 
     rng = np.random.default_rng(d + 1)
     dout = cupy.asarray(rng.standard_normal(q.shape).astype(np.float16))
@@ -172,15 +176,19 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, tbm_causal, tbm
         ("backward dense built-in", 1.0, lambda: flashnumba.flash_attn_backward(dout, q, k, v, out_d, lse_d)),
         ("backward causal built-in", 0.5,
          lambda: flashnumba.flash_attn_backward(dout, q, k, v, out_c, lse_c, causal=True)),
-        ("backward causal mask_mod, tensor cores", 0.5, lambda: flashnumba.flex_attention_backward(
-            dout, q, k, v, out_c, lse_c, mask_mod=causal_mod, kernel="tc")),
-        ("backward causal mask_mod, SIMT (default)", 0.5, lambda: flashnumba.flex_attention_backward(
+        ("backward causal mask_mod + block mask", 0.5, lambda: flashnumba.flex_attention_backward(
+            dout, q, k, v, out_c, lse_c, block_mask=bm_causal)),
+        ("backward causal mask_mod, no block mask", 0.5, lambda: flashnumba.flex_attention_backward(
             dout, q, k, v, out_c, lse_c, mask_mod=causal_mod)),
+        ("backward causal mask_mod, SIMT", 0.5, lambda: flashnumba.flex_attention_backward(
+            dout, q, k, v, out_c, lse_c, mask_mod=causal_mod, kernel="v2")),
         ("backward torch flex causal", 0.5, torch_backward(tbm_causal)),
-        ("backward documents mask_mod, tensor cores", density_doc, lambda: flashnumba.flex_attention_backward(
-            dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,), kernel="tc")),
-        ("backward documents mask_mod, SIMT (default)", density_doc, lambda: flashnumba.flex_attention_backward(
+        ("backward documents mask_mod + block mask", density_doc, lambda: flashnumba.flex_attention_backward(
+            dout, q, k, v, out_m, lse_m, block_mask=bm_doc, score_mod_args=(docs,))),
+        ("backward documents mask_mod, no block mask", density_doc, lambda: flashnumba.flex_attention_backward(
             dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,))),
+        ("backward documents mask_mod, SIMT", density_doc, lambda: flashnumba.flex_attention_backward(
+            dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,), kernel="v2")),
         ("backward torch flex documents", density_doc, torch_backward(tbm_doc)),
     ]
     rows, grads = [], {}
@@ -197,10 +205,11 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, tbm_causal, tbm
             return x.transpose(1, 2).float().cpu().numpy()
         return cupy.asnumpy(x).astype(np.float32)
 
-    for mask_name, names in (("causal", ["backward causal built-in", "backward causal mask_mod, tensor cores",
-                                         "backward causal mask_mod, SIMT (default)"]),
-                             ("documents", ["backward documents mask_mod, tensor cores",
-                                            "backward documents mask_mod, SIMT (default)"])):
+    for mask_name, names in (("causal", ["backward causal built-in", "backward causal mask_mod + block mask",
+                                         "backward causal mask_mod, no block mask", "backward causal mask_mod, SIMT"]),
+                             ("documents", ["backward documents mask_mod + block mask",
+                                            "backward documents mask_mod, no block mask",
+                                            "backward documents mask_mod, SIMT"])):
         theirs = [as_np(g) for g in grads[f"backward torch flex {mask_name}"]]
         for name in names:
             diff = max(float(np.abs(as_np(g) - t).max()) for g, t in zip(grads[name], theirs))

@@ -329,10 +329,13 @@ for name, (score_mod, grad, mask_mod, make_args) in t.EXAMPLES.items():
         from flashnumba.api import _check_block_mask
         from flashnumba.blockmask import BlockMask
         z = np.zeros((1, 1, 1, 1), np.int32)
-        bm = BlockMask(mask_mod, args, (24, 24), 128, 64, z[0].copy(), z, z.astype(np.int8))
+        bm = BlockMask(mask_mod, args, (24, 24), 128, 64, z[0].copy(), z, z.astype(np.int8), z[0].copy(), z)
         hopts = dataclasses.replace(hopts, block_mask=_check_block_mask(bm, hq, hk))
         r = planner.forward_plan(hq, hk, hv, hopts, kernel="tc", device="sm_80").resources()
         assert r[0]["spill_stores"] == 0, (name, "block mask", r)
+        tdo, to = (_validate.inspect(n, x.astype(np.float16), 4) for n, x in (("dout", q), ("out", out)))
+        r = planner.backward_plan(tdo, hq, hk, hv, to, tl, hopts, kernel="tc", device="sm_80").resources()
+        assert all(x["spill_stores"] == 0 for x in r), (name, "block mask, backward", r)
     print("compiled", name)
 """
 
@@ -403,6 +406,48 @@ def test_block_mask_on_the_tensor_cores(name, batch, per_head):
     base_o, base_l = ref.flex_attention_forward(q, k, v, dtype=np.float16, **rkw)
     assert_close_to_truth("out", to_numpy(out), truth_o, base_o.astype(np.float16), reduction=max(16, sk))
     assert_close_to_truth("lse", to_numpy(lse), truth_l, base_l.astype(np.float32), reduction=max(16, sk))
+
+
+def head_varying(b, h, i, j):  # a mask of its own per head: causal, anti-causal, and one that hides most entries
+    if h % 3 == 0:
+        return j <= i
+    if h % 3 == 1:
+        return j >= i
+    return j < 16 and i >= 20
+
+
+@pytest.mark.parametrize("name, batch, nheads_k, groups, blocks, tiles", [
+    ("documents", 2, 1, 1, (16, 32), {}),
+    ("head-varying", 1, 1, 3, (32, 32), dict(block_m=16, block_n=16)),
+    ("relative bias+documents", 1, 1, 2, (32, 16), dict(block_m=16, block_n=16))])
+def test_block_mask_backward_on_the_tensor_cores(name, batch, nheads_k, groups, blocks, tiles):
+    """The backward with a block mask on the tensor cores (the dQ kernel walking each query block's key blocks,
+    the dK/dV kernel each key block's query blocks over the query heads of its key/value head) gives the
+    reference's gradients: a mask shared by the batch and heads, one per head that differs between the query heads
+    of one key/value head (rows and keys that no query sees among them), tiles a half of the blocks."""
+    if name == "head-varying":
+        score_mod, grad, mask_mod, make_args = None, None, head_varying, None
+    else:
+        score_mod, grad, mask_mod, make_args = EXAMPLES[name]
+    rng = np.random.default_rng(len(name))
+    sq, sk, nheads, d = 33, 36, nheads_k * groups, 16
+    q, k, v = random_qkv(rng, batch, sq, sk, nheads, d, np.float16)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    args = make_args(sq, sk, rng) if make_args else ()
+    bm = flashnumba.create_block_mask(mask_mod, 1, nheads if name == "head-varying" else 1, sq, sk,
+                                      score_mod_args=args, BLOCK_SIZE=blocks)
+    kw = dict(score_mod_args=args, enable_gqa=groups > 1, kernel="tc", block_mask=bm)
+    out, lse = flashnumba.flex_attention(q, k, v, score_mod, return_lse=True, block_m=16, block_n=16, **kw)
+    grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, score_mod, score_mod_grad=grad, **tiles,
+                                               **kw)
+    rkw = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args, score_mod_grad=grad)
+    truth = ref.flex_attention_backward(dout, q, k, v, **rkw)
+    base = ref.flex_attention_backward(dout, q, k, v, dtype=np.float16, **rkw)
+    for gname, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
+        assert_close_to_truth(gname, to_numpy(g), t, b.astype(np.float16), reduction=max(d, sq, sk))
+    if name == "head-varying":  # (query rows 0 .. 19 of head 2 see no key: zero gradient; keys 16 .. of head 2
+        assert not to_numpy(grads[0])[0, :20, 2].any()  # are seen by heads 0 and 1 of the same key/value head)
 
 
 def _documents_block_mask(seed, d, dtype):

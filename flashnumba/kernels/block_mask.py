@@ -4,6 +4,9 @@ full, so that the kernels skip the empty ones and run the full ones without eval
 One block of threads per (query block, key block, batch x head): each thread evaluates the user's mask_mod at its
 share of the block's entries within the sequences, and ``syncthreads_or`` / ``syncthreads_and`` combine whether
 any and whether all are visible (:func:`flashnumba.reference.flex_block_mask` is the same in NumPy).
+
+The kernels that read a block mask walk its lists with :func:`make_block_tiles`: the forward and the dQ kernel
+the key blocks of their query block, the dK/dV kernel the query blocks of its key block.
 """
 
 from __future__ import annotations
@@ -15,6 +18,23 @@ from .common import make_user_mods
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 THREADS = 128
+
+
+@functools.lru_cache(maxsize=None)
+def make_block_tiles(on, block, tile):
+    """tile_start(n, start, idx, bb, hb, outer) -> the first row of the n-th tile (``tile`` rows) a kernel
+    visits. ``on``: the tiles of the blocks (``block`` rows, a multiple of ``tile``) that idx[bb, hb, outer]
+    lists, in order, block // tile tiles each; otherwise the tiles from row ``start`` on, one after the other
+    (idx unread)."""
+    SUB = block // tile
+
+    @cuda.jit(device=True, inline=True)
+    def tile_start(n, start, idx, bb, hb, outer):
+        if on:
+            return idx[bb, hb, outer, n // SUB] * block + (n % SUB) * tile
+        return start + n * tile
+
+    return tile_start
 
 
 @functools.lru_cache(maxsize=None)

@@ -54,6 +54,7 @@ import functools
 
 from . import bf16, ptx
 from .._backend import cuda
+from .block_mask import make_block_tiles
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry,
                      make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
@@ -128,10 +129,11 @@ def _store_bf16(x):
 
 @functools.lru_cache(maxsize=None)
 def make_entry(variant, mods=None):
-    """entry(sv, dpv, i, j, l2, di, masked, ...) -> (P_ij keep_ij, dS_ij) of one entry, from sv = (Q_i K_j^T)_ij,
-    dpv = (dO_i V_j^T)_ij, l2 = log2(e) L_i and di = D_i: the score as the forward formed it (softcap, ALiBi, then
-    a user's score_mod), P recomputed from the logsumexp, 0 where ``masked`` and the entry lies outside the
-    sequence or the band, or where a user's mask_mod hides it, the forward's dropout mask regenerated, and
+    """entry(sv, dpv, i, j, l2, di, masked, partial, ...) -> (P_ij keep_ij, dS_ij) of one entry, from sv =
+    (Q_i K_j^T)_ij, dpv = (dO_i V_j^T)_ij, l2 = log2(e) L_i and di = D_i: the score as the forward formed it
+    (softcap, ALiBi, then a user's score_mod), P recomputed from the logsumexp, 0 where ``masked`` and the entry
+    lies outside the sequence or the band, or where ``partial`` and a user's mask_mod hides it (a block mask's
+    full blocks pass partial False: the mask_mod shows all of them), the forward's dropout mask regenerated, and
     dS = P (Z dP - D_i) times the derivative of the score's modifications (softcap's, the user's
     score_mod_grad). The user's functions (``mods``, :func:`flashnumba.kernels.common.make_user_mods`) are called
     only for entries within the sequences, the score_mod only for those the mask_mod shows, as in the SIMT
@@ -144,11 +146,11 @@ def make_entry(variant, mods=None):
     score_mod = make_score_mod(SOFTCAP, ALIBI)
 
     @cuda.jit(device=True, inline=True)
-    def entry(sv, dpv, i, j, l2, di, masked, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left, right,
-              slope, p_drop, rp_keep, seed, offset, b, h, bh, a0, a1, a2, a3):
+    def entry(sv, dpv, i, j, l2, di, masked, partial, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+              right, slope, p_drop, rp_keep, seed, offset, b, h, bh, a0, a1, a2, a3):
         dcap = float32(1.0)  # d(modified score) / d(scale q.k)
         shown = True  # by the user's mask_mod
-        if USER_MASK:
+        if USER_MASK and partial:
             shown = i < seqlen_q and j < seqlen_k and user_mask(b, h, i, j, a0, a1, a2, a3)
         if SCORE_MOD:
             x, dcap = score_mod(sv * scale, softcap, slope, i, j, diag)
@@ -175,16 +177,21 @@ def make_entry(variant, mods=None):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False, mods=None):
+def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False, mods=None,
+                        block_mask=None):
     """The dQ kernel: grid (ceil(max_seqlen_q / block_m), batch * nheads), block (2 * block_m,) (block_m / 16
     warps), dynamic shared memory :func:`shared_bytes_dq`.
 
     Arguments: (dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop,
-    rp_keep, seed, offset, a0, a1, a2, a3): dout, q, k, v, dq C-contiguous 16-bit arrays (uint16 holding bfloat16
-    bits) laid out as the forward's; lse, delta (batch, nheads, seqlen_q) float32; scale_log2 = softmax_scale *
-    log2(e); the rest as the SIMT kernels take them (:func:`flashnumba.kernels.simt_backward.make_backward_dq_v2`),
-    a0 .. a3 the arrays of a user's score_mod / mask_mod (``mods``, :func:`make_entry`).
-    ``strided``: dout, q, k, v may be strided views, read in place (:func:`flashnumba.kernels.mma_tiles.make_copy16`).
+    rp_keep, seed, offset, a0, a1, a2, a3, bm_num, bm_idx, bm_state): dout, q, k, v, dq C-contiguous 16-bit arrays
+    (uint16 holding bfloat16 bits) laid out as the forward's; lse, delta (batch, nheads, seqlen_q) float32;
+    scale_log2 = softmax_scale * log2(e); the rest as the SIMT kernels take them
+    (:func:`flashnumba.kernels.simt_backward.make_backward_dq_v2`), a0 .. a3 the arrays of a user's score_mod /
+    mask_mod (``mods``, :func:`make_entry`). ``strided``: dout, q, k, v may be strided views, read in place
+    (:func:`flashnumba.kernels.mma_tiles.make_copy16`). ``block_mask``: (QB, KB), the block sizes of a
+    :class:`flashnumba.blockmask.BlockMask` (QB a multiple of block_m, KB of block_n) given as its key-block lists
+    bm_num, bm_idx, bm_state (dummies without one): the key loop visits the key blocks listed for the query block
+    and evaluates the mask_mod only in the partial ones, as the forward does.
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
@@ -210,10 +217,15 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     mma_abt = make_mma_abt(D, B_C, dtype, A_SMEM)  # S = Q_i K_j^T, dP = dO_i V_j^T
     mma_ab = make_mma_ab(B_C, D, dtype)  # dQ_i += dS K_j
     key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
+    USER_MASK = mods is not None and mods.mask_mod is not None
+    BM = block_mask is not None
+    QB, KB = block_mask if BM else (B_R, B_C)
+    SUB = KB // B_C  # key tiles per block of a block mask
+    tile_start = make_block_tiles(BM, KB, B_C)  # first key of the jt-th key tile the block visits
 
     @cuda.jit
     def backward_dq_tc(dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
-                       p_drop, rp_keep, seed, offset, a0, a1, a2, a3):
+                       p_drop, rp_keep, seed, offset, a0, a1, a2, a3, bm_num, bm_idx, bm_state):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -250,17 +262,24 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
                 acc[n, x] = 0.0
 
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)  # (as the forward)
+        qb = i0 // QB
+        bbm = b if bm_num.shape[0] > 1 else 0  # (a block mask made for B = 1 or H = 1 serves every entry)
+        hbm = h if bm_num.shape[1] > 1 else 0
+        if BM:
+            n_tiles = bm_num[bbm, hbm, qb] * SUB
 
         load_qdo(smem, 0, q, dout, bb, q0 + i0, q0 + seqlen_q, h, tid)
         if n_tiles > 0:
-            load_kv(smem, OFF_K, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+            load_kv(smem, OFF_K, k, v, bb, k0 + tile_start(0, n_start, bm_idx, bbm, hbm, qb), k0 + seqlen_k, hk,
+                    tid)
         ptx.cp_async_commit()
 
         for jt in range(n_tiles):
-            j0 = n_start + jt * B_C
+            j0 = tile_start(jt, n_start, bm_idx, bbm, hbm, qb)
             buf = OFF_K + (jt & 1) * BUF
             if jt + 1 < n_tiles:  # tile j + 1 into the other buffer, freed by the barrier ending iteration j - 1
-                load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb, k0 + j0 + B_C, k0 + seqlen_k, hk, tid)
+                load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb,
+                        k0 + tile_start(jt + 1, n_start, bm_idx, bbm, hbm, qb), k0 + seqlen_k, hk, tid)
             tile_landed()  # tile j (and Q_i, dO_i) landed and visible to every thread
 
             if A_SMEM:
@@ -274,13 +293,14 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
             masked = (j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
                       or (HAS_LEFT and j0 < last_row + diag - left))
+            partial = USER_MASK and (not BM or bm_state[bbm, hbm, qb, j0 // KB] != 2)  # (2: a full block)
             for n in range(NS):
                 for x in range(4):
                     i = i0 + r0 + g + 8 * (x >> 1)
                     j = j0 + 8 * n + 2 * t + (x & 1)
-                    _, ds = entry(s[n, x], dp[n, x], i, j, lrow[x >> 1], drow[x >> 1], masked, seqlen_q, seqlen_k,
-                                  diag, scale_log2, scale, softcap, left, right, slope, p_drop, rp_keep, seed,
-                                  offset, b, h, b * nheads + h, a0, a1, a2, a3)
+                    _, ds = entry(s[n, x], dp[n, x], i, j, lrow[x >> 1], drow[x >> 1], masked, partial, seqlen_q,
+                                  seqlen_k, diag, scale_log2, scale, softcap, left, right, slope, p_drop, rp_keep,
+                                  seed, offset, b, h, b * nheads + h, a0, a1, a2, a3)
                     dp[n, x] = ds
 
             mma_ab(acc, dp, smem, buf, lane)  # dQ_i += dS K_j
@@ -299,7 +319,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
 @functools.lru_cache(maxsize=None)
 def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False, mods=None,
-                          atomic_dq=False):
+                          atomic_dq=False, block_mask=None):
     """The dK/dV kernel: grid (ceil(max_seqlen_k / block_n), batch * nheads_k), block (:func:`dkdv_threads`:
     block_n / 16 warps, twice as many above d = 160), dynamic shared memory :func:`shared_bytes_dkdv`. With GQA a
     block sums over the nheads / nheads_k query heads of its key/value head, in order.
@@ -312,7 +332,10 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     (:func:`flashnumba.kernels.ptx.red_add_f32x2`), half the instructions and whole 32-byte sectors. dS^T goes to shared
     memory, and the block's warps split dQ_i by 16-row slabs and columns (:func:`dq_parts`), each reading dS
     through the transposing ldmatrix (:func:`flashnumba.kernels.mma_tiles.make_mma_atb`) over all the block's
-    keys. Without it dq_acc is not touched (a dummy).
+    keys. Without it dq_acc is not touched (a dummy). ``block_mask``: (QB, KB) as the dQ kernel's, given as the
+    query-block lists of each key block, bm_qnum and bm_qidx, and bm_state (the last arguments, after a0 .. a3;
+    dummies without one): the block visits, for each query head of its key/value head in order, the query blocks
+    listed for its key block, and evaluates the mask_mod only in the partial ones.
     """
     _check(D, block_m, block_n, dtype)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
@@ -349,6 +372,23 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     mma_atb = make_mma_atb(B_C, DQC, dtype, LDS, LD)  # dQ_i += dS K_j
 
     SR = -(-B_R // NT)  # query rows of L_i and D_i a thread fetches (B_R may exceed the block's NT threads)
+    USER_MASK = mods is not None and mods.mask_mod is not None
+    BM = block_mask is not None
+    QB, KB = block_mask if BM else (B_R, B_C)
+    SUBQ = QB // B_R  # query tiles per block of a block mask
+    query_start = make_block_tiles(BM, QB, B_R)  # first row of the n-th query tile of a head's list
+
+    @cuda.jit(device=True, inline=True)
+    def next_listed(hc, rank, hk, group, bm_qnum, bbm, kb):
+        """(BM) The query tile after the rank-th of query head hk * group + hc in the key block's lists: the next
+        of that head's, else the first of the next head that has any; hc = group past the last. (-1, -1): the
+        first."""
+        rank += 1
+        while hc < group and (hc < 0 or rank >= bm_qnum[bbm, hk * group + hc if bm_qnum.shape[1] > 1 else 0,
+                                                        kb] * SUBQ):
+            hc += 1
+            rank = 0
+        return hc, rank
 
     @cuda.jit(device=True, inline=True)
     def fetch_stats(st, lse, delta, bb, h, row0, row_end, tid):
@@ -374,7 +414,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
 
     @cuda.jit
     def backward_dkdv_tc(dout, q, k, v, lse, delta, dk, dv, dq_acc, scale_log2, scale, softcap, left, right, alibi,
-                         cu_q, cu_k, p_drop, rp_keep, seed, offset, a0, a1, a2, a3):
+                         cu_q, cu_k, p_drop, rp_keep, seed, offset, a0, a1, a2, a3, bm_qnum, bm_qidx, bm_state):
         nheads = q.shape[2]
         nheads_k = k.shape[2]
         group = nheads // nheads_k  # query heads per key/value head
@@ -417,19 +457,36 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
             m_rows = max(0, min(seqlen_q, min(j0 + B_C, seqlen_k) - diag + left))
         nt = max(0, (m_rows + B_R - 1) // B_R - m_begin)  # query tiles per query head
         total = group * nt  # iteration it: query head hk * group + it // nt, tile m_begin + it % nt
+        # (BM) the query tiles the key block's lists give each query head of the group, in turn: (hc, rank) is
+        # iteration it's (the head's place in the group, the tile's in that head's list)
+        kb = j0 // KB
+        bbm = b if bm_qnum.shape[0] > 1 else 0  # (a block mask made for B = 1 or H = 1 serves every entry)
+        hc, rank = -1, -1
+        if BM:
+            total = 0
+            for x in range(group):
+                total += bm_qnum[bbm, hk * group + x if bm_qnum.shape[1] > 1 else 0, kb] * SUBQ
+            hc, rank = next_listed(hc, rank, hk, group, bm_qnum, bbm, kb)
 
         load_kv(smem, 0, k, v, bb, k0 + j0, k0 + seqlen_k, hk, tid)
         if total > 0:
             h = hk * group
-            load_qdo(smem, OFF_Q, q, dout, bb, q0 + m_begin * B_R, q0 + seqlen_q, h, tid)
-            fetch_stats(st, lse, delta, bb, h, q0 + m_begin * B_R, q0 + seqlen_q, tid)
+            row = q0 + m_begin * B_R
+            if BM:
+                h += hc
+                row = q0 + query_start(rank, 0, bm_qidx, bbm, h if bm_qnum.shape[1] > 1 else 0, kb)
+            load_qdo(smem, OFF_Q, q, dout, bb, row, q0 + seqlen_q, h, tid)
+            fetch_stats(st, lse, delta, bb, h, row, q0 + seqlen_q, tid)
             put_stats(lsm, dsm, 0, st, tid)
         ptx.cp_async_commit()
 
         for it in range(total):
             h = hk  # without GQA the loop is over the query tiles of head hk alone: no division
             i0 = (m_begin + it) * B_R
-            if GQA:
+            if BM:
+                h = hk * group + hc
+                i0 = query_start(rank, 0, bm_qidx, bbm, h if bm_qnum.shape[1] > 1 else 0, kb)
+            elif GQA:
                 h = hk * group + int(uint32(it) // uint32(nt))  # (signed again: i0, h enter signed sums)
                 i0 = (m_begin + int(uint32(it) % uint32(nt))) * B_R
             sel = it & 1
@@ -437,7 +494,11 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
             if it + 1 < total:  # the next query tile into the other buffers, freed by the barrier ending it - 1
                 h2 = hk
                 row2 = q0 + i0 + B_R
-                if GQA:
+                if BM:
+                    hc, rank = next_listed(hc, rank, hk, group, bm_qnum, bbm, kb)
+                    h2 = hk * group + hc
+                    row2 = q0 + query_start(rank, 0, bm_qidx, bbm, h2 if bm_qnum.shape[1] > 1 else 0, kb)
+                elif GQA:
                     h2 = hk * group + int(uint32(it + 1) // uint32(nt))
                     row2 = q0 + (m_begin + int(uint32(it + 1) % uint32(nt))) * B_R
                 load_qdo(smem, OFF_Q + (1 - sel) * BUF, q, dout, bb, row2, q0 + seqlen_q, h2, tid)
@@ -459,12 +520,13 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
             last_row = min(i0 + B_R, seqlen_q) - 1
             masked = (i0 + B_R > seqlen_q or j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
                       or (HAS_LEFT and j0 < last_row + diag - left))
+            partial = USER_MASK and (not BM or bm_state[bbm, h if bm_qnum.shape[1] > 1 else 0, i0 // QB, kb] != 2)
             for n in range(NS):
                 for x in range(4):
                     c = 8 * n + 2 * t + (x & 1)  # query column inside Q_i
                     pz, ds = entry(s[n, x], dp[n, x], i0 + c, j0 + r0 + g + 8 * (x >> 1), lsm[sel, c], dsm[sel, c],
-                                   masked, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left, right, slope,
-                                   p_drop, rp_keep, seed, offset, b, h, b * nheads + h, a0, a1, a2, a3)
+                                   masked, partial, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left, right,
+                                   slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, a0, a1, a2, a3)
                     s[n, x] = pz
                     dp[n, x] = ds
             if ATOMIC and c0 == 0:  # dS^T of this warp's keys to shared memory (one warp of a column pair)

@@ -58,6 +58,7 @@ import math
 
 from . import bf16, ptx
 from .._backend import cuda
+from .block_mask import make_block_tiles
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
                      make_sequence_geometry, make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
@@ -158,13 +159,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
     quad_max, new_max, prob = make_online_softmax(FOLD)
     SUB = KB // B_c  # key tiles per block of a block mask
-
-    @cuda.jit(device=True, inline=True)
-    def tile_start(jt, n_start, bm_idx, bbm, hbm, qb):
-        """First key of the jt-th key tile the block visits."""
-        if BM:
-            return bm_idx[bbm, hbm, qb, jt // SUB] * KB + (jt % SUB) * B_c
-        return n_start + jt * B_c
+    tile_start = make_block_tiles(BM, KB, B_c)  # first key of the jt-th key tile the block visits
 
     @cuda.jit
     def forward_tc(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
