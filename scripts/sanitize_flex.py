@@ -5,8 +5,8 @@ compute-sanitizer:
     compute-sanitizer --tool racecheck python scripts/sanitize_flex.py
 
 Each example of the tests (tests/test_flex.py) runs forward and backward on the tensor-core kernels (float16) and
-on the SIMT kernels (float32), with GQA, seqlens that are not multiples of any tile, and a block mask
-(create_block_mask's kernel too); every result is compared with the float64 reference.
+on the SIMT kernels (float32), with GQA, seqlens that are not multiples of any tile, and a block mask, forward
+and backward (create_block_mask's kernel too); every result is compared with the float64 reference.
 """
 
 import os
@@ -66,8 +66,12 @@ for name in NAMES:
         errs += [float(np.abs(_host(x).astype(np.float64) - r).max()) for x, r in zip(grads16, (dq_, dk_, dv_))]
         if mask_mod is not None:
             bm = flashnumba.create_block_mask(mask_mod, b, 1, sq, sk, score_mod_args=dargs, like=hq)
-            outbm = flashnumba.flex_attention(hq, hk_, hv, score_mod, mask_mod, block_mask=bm, **kw)
+            outbm, lsebm = flashnumba.flex_attention(hq, hk_, hv, score_mod, mask_mod, block_mask=bm, return_lse=True,
+                                                     **kw)
             errs.append(float(np.abs(_host(outbm).astype(np.float64) - truth).max()))
+            gbm = flashnumba.flex_attention_backward(xp.asarray(dout.astype(np.float16)), hq, hk_, hv, outbm, lsebm,
+                                                     score_mod, score_mod_grad=grad, block_mask=bm, **kw)
+            errs += [float(np.abs(_host(x).astype(np.float64) - r).max()) for x, r in zip(gbm, (dq_, dk_, dv_))]
         print(f"{name:24s} b{b} sq{sq} sk{sk} h{h}/{hk} d{d}: max err fp32 out/dq/dk/dv, fp16 out/dq/dk/dv "
-              "(, block mask)",
+              "(, block mask out/dq/dk/dv)",
               " ".join(f"{e:.1e}" for e in errs), flush=True)
