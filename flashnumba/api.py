@@ -631,8 +631,8 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     (None, "v3" or "v2"); ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
     ``block_mask``: a :class:`flashnumba.blockmask.BlockMask` of the mask_mod (``create_block_mask``, with the
     same score_mod_args): the tensor-core forward then skips the key blocks it hides entirely and evaluates the
-    mask_mod only in the blocks it hides in part (elsewhere the mask_mod is evaluated everywhere, as without it);
-    mask_mod may then be left out. Checked against :func:`flashnumba.reference.flex_attention_forward`.
+    mask_mod only in the blocks it hides in part (the SIMT kernels evaluate it everywhere, as without it); pass it
+    to :func:`flex_attention_backward` too. mask_mod may then be left out. Checked against :func:`flashnumba.reference.flex_attention_forward`.
     """
     mask_mod, score_mod_args = _block_mask_for(block_mask, mask_mod, score_mod_args)
     args = mod_args_tuple(score_mod_args)
