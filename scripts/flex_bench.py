@@ -13,9 +13,8 @@ pair of CUDA events after warm-up, and TFLOP/s of the work the mask leaves):
 
 With ``--backward``, also the backward pass (TFLOP/s counted as 2.5 forwards): the built-in kernels' dense and
 causal backward, ``flex_attention_backward`` with the causal and the documents mask_mod on the tensor cores (the
-default) with and without the block mask and on the SIMT kernels (``kernel="v2"``), and FlexAttention's backward
-(autograd through the compiled function, the forward's graph kept) on the same masks; each flashnumba gradient
-compared with FlexAttention's.
+default) with and without the block mask, and FlexAttention's backward (autograd through the compiled function,
+the forward's graph kept) on the same masks; each flashnumba gradient compared with FlexAttention's.
 
 Each flashnumba output is compared with FlexAttention's: the largest difference, beside FlexAttention's own
 difference from a float32 computation, is reported. Writes flex-bench.json.
@@ -180,22 +179,18 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, d
             dout, q, k, v, out_c, lse_c, block_mask=bm_causal)),
         ("backward causal mask_mod, no block mask", 0.5, lambda: flashnumba.flex_attention_backward(
             dout, q, k, v, out_c, lse_c, mask_mod=causal_mod)),
-        ("backward causal mask_mod, SIMT", 0.5, lambda: flashnumba.flex_attention_backward(
-            dout, q, k, v, out_c, lse_c, mask_mod=causal_mod, kernel="v2")),
         ("backward torch flex causal", 0.5, torch_backward(tbm_causal)),
         ("backward documents mask_mod + block mask", density_doc, lambda: flashnumba.flex_attention_backward(
             dout, q, k, v, out_m, lse_m, block_mask=bm_doc, score_mod_args=(docs,))),
         ("backward documents mask_mod, no block mask", density_doc, lambda: flashnumba.flex_attention_backward(
             dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,))),
-        ("backward documents mask_mod, SIMT", density_doc, lambda: flashnumba.flex_attention_backward(
-            dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,), kernel="v2")),
         ("backward torch flex documents", density_doc, torch_backward(tbm_doc)),
     ]
     rows, grads = [], {}
     for name, dens, fn in cases:
         grads[name] = fn()
         cupy.cuda.Device().synchronize()
-        ms, _ = cuda_time_ms(fn, warmup=2, repeat=5 if "SIMT" in name else 10)
+        ms, _ = cuda_time_ms(fn, warmup=2, repeat=10)
         rows.append(dict(head_dim=d, seqlen=n, batch=batch, heads=heads, case=name, ms=ms,
                          tflops=2.5 * flops(batch, heads, n, d, dens) / ms / 1e9))
         print(f"d={d} {name:44s} {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
@@ -206,10 +201,9 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, d
         return cupy.asnumpy(x).astype(np.float32)
 
     for mask_name, names in (("causal", ["backward causal built-in", "backward causal mask_mod + block mask",
-                                         "backward causal mask_mod, no block mask", "backward causal mask_mod, SIMT"]),
+                                         "backward causal mask_mod, no block mask"]),
                              ("documents", ["backward documents mask_mod + block mask",
-                                            "backward documents mask_mod, no block mask",
-                                            "backward documents mask_mod, SIMT"])):
+                                            "backward documents mask_mod, no block mask"])):
         theirs = [as_np(g) for g in grads[f"backward torch flex {mask_name}"]]
         for name in names:
             diff = max(float(np.abs(as_np(g) - t).max()) for g, t in zip(grads[name], theirs))
