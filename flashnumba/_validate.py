@@ -206,7 +206,7 @@ _SIMT = {"forward": ("v1", "v2", "v3"), "backward": ("v1", "v2")}
 def kernel_for_precision(precision, kernel, q, pass_):
     """The kernel= that ``precision`` asks for on float32 inputs: "ieee" the SIMT kernels (exact float32
     arithmetic; None leaves the choice of v1/v2/v3 to the plan), "tf32" and "3xtf32" the tensor-core kernels of
-    that name (forward only). A kernel= that contradicts it, or a precision for 16-bit inputs, is an error."""
+    that name (forward and backward). A kernel= that contradicts it, or a precision for 16-bit inputs, is an error."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} (or None), got {precision!r}")
     dtype = _arrays.shape_strides_dtype(q)[2]
@@ -217,9 +217,6 @@ def kernel_for_precision(precision, kernel, q, pass_):
         if kernel not in (None,) + _SIMT[pass_]:
             raise ValueError(f"precision='ieee' runs the SIMT kernels {_SIMT[pass_]}; kernel={kernel!r} contradicts it")
         return kernel
-    if pass_ == "backward":
-        raise ValueError(f"the backward has no {precision} kernel: its float32 gradients run on the SIMT kernels "
-                         f"(precision='ieee' or None)")
     if kernel not in (None, precision):
         raise ValueError(f"precision={precision!r} runs kernel {precision!r}; kernel={kernel!r} contradicts it")
     return precision

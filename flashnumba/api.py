@@ -632,7 +632,8 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     ``block_mask``: a :class:`flashnumba.blockmask.BlockMask` of the mask_mod (``create_block_mask``, with the
     same score_mod_args): the tensor-core forward then skips the key blocks it hides entirely and evaluates the
     mask_mod only in the blocks it hides in part (the SIMT kernels evaluate it everywhere, as without it); pass it
-    to :func:`flex_attention_backward` too. mask_mod may then be left out. Checked against :func:`flashnumba.reference.flex_attention_forward`.
+    to :func:`flex_attention_backward` too. mask_mod may then be left out. Checked against
+    :func:`flashnumba.reference.flex_attention_forward`.
     """
     mask_mod, score_mod_args = _block_mask_for(block_mask, mask_mod, score_mod_args)
     args = mod_args_tuple(score_mod_args)
@@ -718,7 +719,8 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
 
     def build():
         p, opts = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, block_m, block_n,
-                                 num_threads, kernel, flex=(score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa),
+                                 num_threads, kernel,
+                                 flex=(score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa),
                                  block_mask=block_mask)
         return _launch.Call(_flex_compiled(p, opts.mods))
 

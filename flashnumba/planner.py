@@ -35,7 +35,9 @@ import numpy as np
 from . import _arrays, _validate, config, tiling
 from ._backend import SIMULATOR, cuda
 from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel, is_c_layout
-from .kernels import mma_backward, mma_decode, mma_forward, mma_tf32, simt_backward, simt_forward, wgmma_forward
+from .kernels import (mma_backward, mma_decode, mma_forward, mma_tf32, mma_tf32_backward, simt_backward,
+                      simt_forward, wgmma_forward)
+from .kernels.mma_tiles import WARP_ROWS
 from .kernels.common import MOD_ARGS
 from .kernels.simt_forward import LOG2E
 
@@ -798,6 +800,18 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                           io_kv + ("dq_acc",) + tail + MOD_PARAMS + BLOCK_MASK_PARAMS[3:] + BLOCK_MASK_PARAMS[2:3],
                           (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
                           tiling.shared_bytes(kv_table, D, tk_t)[0], tk_t, rk)
+    elif family in mma_tf32.PRECISIONS:
+        tq_t, rq = tiling.resolve("tf32_dq", D, limits, block_m, block_n, num_threads)
+        tk_t, rk = tiling.resolve("tf32_dkdv", D, limits, block_m, block_n, num_threads)
+        tail = ("scale_log2", "scale")
+        dq = KernelLaunch(f"dQ {family}", "tf32_dq", mma_tf32_backward.make_backward_dq_tf32,
+                          (D, opts.right == 0, family, tq_t.block_n, tq_t.block_m // WARP_ROWS), io_dq + tail,
+                          (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
+                          tiling.shared_bytes("tf32_dq", D, tq_t)[0], tq_t, rq)
+        kv = KernelLaunch(f"dK/dV {family}", "tf32_dkdv", mma_tf32_backward.make_backward_dkdv_tf32,
+                          (D, opts.right == 0, family, tk_t.block_m, tk_t.block_n // WARP_ROWS), io_kv + tail,
+                          (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
+                          tiling.shared_bytes("tf32_dkdv", D, tk_t)[0], tk_t, rk)
     elif family == "v1":
         t, reason = tiling.resolve("bwd_v1", D, limits, block_m, block_n, num_threads)
         dq = KernelLaunch("dQ v1", "bwd_v1", simt_backward.make_backward_dq_v1,

@@ -23,6 +23,8 @@ family         kernel module                                        threads
 ``tc_dkdv``    :mod:`flashnumba.kernels.mma_backward`               32 per 16 key rows (d > 160: twice)
 ``tf32``,      :mod:`flashnumba.kernels.mma_tf32`                   32 per 16 query rows
 ``3xtf32``
+``tf32_dq``    :mod:`flashnumba.kernels.mma_tf32_backward`          32 per 16 query rows
+``tf32_dkdv``  :mod:`flashnumba.kernels.mma_tf32_backward`          32 per 16 key rows
 ``wgmma``      :mod:`flashnumba.kernels.wgmma_forward` (Hopper)     128 per 64 query rows (a warpgroup), + 32
                                                                    a producer warp, 1 or 4 (given; else none)
 =============  ===================================================  ============================================
@@ -41,7 +43,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ._launch import STATIC_SHARED_LIMIT
-from .kernels import mma_backward, mma_forward, mma_tf32, simt_backward, simt_forward, wgmma_forward
+from .kernels import (mma_backward, mma_forward, mma_tf32, mma_tf32_backward, simt_backward, simt_forward,
+                      wgmma_forward)
 
 MAX_REGISTERS_PER_THREAD = 255
 MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core forward is built for (kernel="tc")
@@ -254,6 +257,18 @@ TABLES = {
         Candidate(128, Tiles(64, 16, _tc_threads(64)), "4 warps: fits 99 KB at d = 128, 64 KB at d = 64"),
         Candidate(128, Tiles(32, 16, _tc_threads(32)), "2 warps: fits 64 KB at d = 128"),
     ],
+    # the TF32 and 3xTF32 backward (block_m query rows, block_n keys): dQ's and dK/dV's, each float32 rows of
+    # D + 4 for Q_i, dO_i and two K_j, V_j buffers (dQ), or K_j, V_j and two Q_i, dO_i buffers (dK/dV)
+    "tf32_dq": [
+        Candidate(128, Tiles(64, 32, _tc_threads(64)), "4 warps of 16 query rows, 32-key tiles: 135 KB at d = 128"),
+        Candidate(128, Tiles(32, 16, _tc_threads(32)), "2 warps, 16-key tiles: fits 99 KB at d = 128"),
+        Candidate(128, Tiles(16, 16, _tc_threads(16)), "1 warp: fits 64 KB at d = 128"),
+    ],
+    "tf32_dkdv": [
+        Candidate(128, Tiles(32, 64, _tc_threads(64)), "4 warps of 16 keys, 32-query tiles: 135 KB at d = 128"),
+        Candidate(128, Tiles(16, 32, _tc_threads(32)), "2 warps, 16-query tiles: fits 99 KB at d = 128"),
+        Candidate(128, Tiles(16, 16, _tc_threads(16)), "1 warp: fits 64 KB at d = 128"),
+    ],
     # Hopper's warpgroup MMA (sm_90a only)
     "wgmma": [
         Candidate(64, Tiles(128, 128, 384), "fastest of the H200 tile runs at d = 64: two warpgroups of 64 query "
@@ -271,8 +286,9 @@ TABLES = {
 TABLES["v3"] = TABLES["v2"]
 
 FORWARD_FAMILIES = ("v1", "v2", "v3", "tc", "tf32", "3xtf32", "wgmma")
-BACKWARD_FAMILIES = ("v1", "v2", "tc")
-BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkdv")}
+BACKWARD_FAMILIES = ("v1", "v2", "tc", "tf32", "3xtf32")
+BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkdv"),
+                   "tf32": ("tf32_dq", "tf32_dkdv"), "3xtf32": ("tf32_dq", "tf32_dkdv")}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -346,6 +362,10 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
         return mma_backward.shared_bytes_dkdv(D, m, n, table == "tc_dkdv_atomic"), False
     if table in ("tf32", "3xtf32"):
         return mma_tf32.shared_bytes(D, n, m // mma_tf32.WARP_ROWS), False
+    if table == "tf32_dq":
+        return mma_tf32_backward.shared_bytes_dq(D, m, n), False
+    if table == "tf32_dkdv":
+        return mma_tf32_backward.shared_bytes_dkdv(D, m, n), False
     if table == "wgmma":
         return wgmma_forward.shared_bytes(D, n, m), False
     raise ValueError(f"unknown tile table {table!r}")
@@ -357,6 +377,7 @@ KERNEL_NAMES = {"bwd_v1_dq": "the backward dQ kernel v1", "bwd_v1_dkdv": "the ba
                 "tc_dkdv_atomic": "the tensor-core dK/dV kernel with the atomic dQ",
                 "tc": "the tensor-core forward kernel", "v1": "the forward kernel v1", "v2": "the forward kernel v2",
                 "v3": "the forward kernel v3", "tf32": "the TF32 forward kernel", "3xtf32": "the 3xTF32 forward kernel",
+                "tf32_dq": "the TF32 dQ kernel", "tf32_dkdv": "the TF32 dK/dV kernel",
                 "wgmma": "the Hopper (wgmma) forward kernel"}
 
 
@@ -393,6 +414,14 @@ def check(table: str, D: int, t: Tiles):
         for name, value in (("block_m", m), ("block_n", n)):
             if value not in mma_backward.TILES:
                 raise ValueError(f"the tensor-core backward takes {name} in {mma_backward.TILES}, got {value}")
+    elif table in ("tf32_dq", "tf32_dkdv"):
+        if D not in mma_tf32.HEAD_DIMS:
+            raise ValueError(f"the TF32 backward supports head_dim in {mma_tf32.HEAD_DIMS}, got {D}")
+        warp_tile, loop_tile = (m, n) if table == "tf32_dq" else (n, m)
+        if warp_tile not in (16, 32, 64, 128) or loop_tile <= 0 or loop_tile % 8:
+            raise ValueError(f"the TF32 backward takes 16, 32, 64 or 128 {'query' if table == 'tf32_dq' else 'key'} "
+                             f"rows a block (16 a warp) and tiles of a positive multiple of 8 rows, got block_m {m}, "
+                             f"block_n {n}")
     elif table == "wgmma":
         if D not in wgmma_forward.HEAD_DIMS:
             raise ValueError(f"the wgmma forward supports head_dim in {wgmma_forward.HEAD_DIMS}, got {D}")
@@ -426,8 +455,10 @@ def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
     rows, for tc_dkdv at head dim D a warp per 16 key rows and column part) filled in."""
     if table == "v1":
         return t._replace(num_threads=t.block_m)
-    if table in ("tc_dq", "tf32", "3xtf32"):
+    if table in ("tc_dq", "tf32", "3xtf32", "tf32_dq"):
         return t._replace(num_threads=_tc_threads(t.block_m))
+    if table == "tf32_dkdv":
+        return t._replace(num_threads=_tc_threads(t.block_n))
     if table == "wgmma":  # (the producer's warps where the threads given say so)
         return t._replace(num_threads=2 * t.block_m + 32 * (wgmma_forward.producer_warps(t.block_m, t.num_threads)
                                                             or 0))
@@ -477,7 +508,8 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
         base = TABLES[table][0].tiles
     t = Tiles(base.block_m if block_m is None else block_m, base.block_n if block_n is None else block_n,
               base.num_threads if num_threads is None else num_threads)
-    if table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32") and num_threads is not None:
+    if table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32", "tf32_dq", "tf32_dkdv") and \
+            num_threads is not None:
         raise ValueError(f"kernel {table.split('_')[0]!r} takes no num_threads: its threads follow from its tiles "
                          f"(32 per 16 rows)")
     if table == "wgmma":  # the default's producer warps, or those the caller gives (32 threads each)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import flashnumba
-from conftest import FULL_COMPILE, assert_close_to_truth, check_forward, max_err, random_qkv, to_numpy
+from conftest import (FULL_COMPILE, assert_close_to_truth, check_backward, check_forward, max_err, random_qkv,
+                      to_numpy)
 from flashnumba import reference
 
 
@@ -49,6 +50,37 @@ def test_tf32_matches_float16_class_reference():
     for causal in (False, True):
         out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="tf32", block_n=16, block_m=16)
         check_tf32(out, lse, q, k, v, causal)
+
+
+def check_tf32_backward(grads, dout, q, k, v, out, lse, causal):
+    """TF32's gradients: within the error of NumPy's float16 backward (from the same out and lse) of the float64
+    truth, as :func:`check_tf32` for the forward."""
+    truth = reference.attention_backward(dout, q, k, v, causal=causal)
+    base = reference.attention_backward_blocked(dout, q, k, v, out, lse, causal=causal, dtype=np.float16)
+    for name, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
+        g = to_numpy(g)
+        assert g.dtype == np.float32 and not np.isnan(g).any()
+        assert_close_to_truth(name, g, t, b.astype(np.float32), reduction=max(q.shape[-1], q.shape[1], k.shape[1]))
+
+
+@pytest.mark.parametrize("precision, seqlen_q, seqlen_k, causal, D, tiles", [
+    ("3xtf32", 20, 17, True, 64, (16, 16)),  # causal, seqlen_q > seqlen_k: the first rows see no key
+    ("3xtf32", 18, 24, False, 64, (32, 16)),  # two warps a dQ block, 32-query tiles in the dK/dV kernel
+    ("tf32", 17, 40, True, 64, (16, 16)),
+])
+def test_tf32_backward_matches_reference(precision, seqlen_q, seqlen_k, causal, D, tiles):
+    """The TF32 and 3xTF32 backward (flash_attn_backward(precision=...)) from the exact forward's out and lse:
+    3xTF32 within float32's error, TF32 within float16's."""
+    rng = np.random.default_rng(seqlen_q * seqlen_k)
+    q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 2, D)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision=precision,
+                                           block_m=tiles[0], block_n=tiles[1])
+    if precision == "3xtf32":
+        check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+    else:
+        check_tf32_backward(grads, dout, q, k, v, to_numpy(out), to_numpy(lse), causal)
 
 
 def test_tf32_rejects_what_it_does_not_support():
@@ -100,6 +132,43 @@ def test_3xtf32_error_is_float32_class(seed):
     finite = np.isfinite(truth)
     err, base_err = (max_err(x[finite], truth[finite]) for x in (to_numpy(out), base))
     assert err <= 2 * base_err, f"{seqlen_q}x{seqlen_k} d={D} causal={causal}: {err:.3g} > 2 x {base_err:.3g}"
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (63, 65, True), (97, 1000, False),
+                                                         (1000, 97, True), (2048, 2048, True)])
+def test_tf32_backward_gpu_sizes(seqlen_q, seqlen_k, causal, D, precision):
+    rng = np.random.default_rng(seqlen_q + seqlen_k + D + 1)
+    q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision=precision)
+    if precision == "3xtf32":
+        check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+    else:
+        check_tf32_backward(grads, dout, q, k, v, to_numpy(out), to_numpy(lse), causal)
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="the simulator's mma sums exactly; the tensor cores truncate")
+@pytest.mark.parametrize("seed", range(8))
+def test_3xtf32_backward_error_is_float32_class(seed):
+    """The 3xTF32 gradients at most 2x the error of NumPy's float32 backward (the same algorithm, from the same
+    out and lse) against the float64 truth, on each draw."""
+    rng = np.random.default_rng(100 + seed)
+    seqlen_q, seqlen_k = (int(x) for x in np.exp(rng.uniform(np.log(16), np.log(2000), 2)).round())
+    D, causal = int(rng.choice([64, 128])), bool(seed % 2)
+    q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 2, D)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = (to_numpy(x) for x in flashnumba.flash_attn_forward(q, k, v, causal=causal))
+    truth = reference.attention_backward(dout, q, k, v, causal=causal)
+    base = reference.attention_backward_blocked(dout, q, k, v, out, lse, causal=causal, dtype=np.float32)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32")
+    for name, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
+        err, base_err = max_err(to_numpy(g), t), max_err(b, t)
+        assert err <= 2 * base_err, f"{name} {seqlen_q}x{seqlen_k} d={D} causal={causal}: {err:.3g} > 2 x " \
+                                    f"{base_err:.3g}"
 
 
 COMPILE = r"""

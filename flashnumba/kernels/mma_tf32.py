@@ -48,6 +48,62 @@ def shared_bytes(D, B_c, warps):
 
 
 @functools.lru_cache(maxsize=None)
+def make_tf32_ops(three):
+    """(mma3, operand), the TF32 kernels' two device pieces for ``three`` (3xTF32) or TF32:
+
+    - mma3(a_big, a_small, b_big, b_small, c0, c1, c2, c3, i0, i1, i2, i3) -> c + A B, a_*[i0..i3] the A
+      registers, b_* (2,) the B registers; three products with 3xTF32, smallest first, one with TF32 (a_small and
+      b_small unused). With 3xTF32 the three start from zero and their sum is added to c with float32 adds: an
+      ``mma`` aligns its products and its accumulator to the largest and truncates, so chained into c each would
+      truncate toward zero relative to the whole running sum, a few times float32's error over a row
+      (``scripts/tf32_error_model.py``); from zero, only relative to this step's own products.
+    - operand(x, big, small, i): x rounded (TF32) or split (3xTF32) into big[i], small[i]."""
+    THREE = bool(three)
+
+    @cuda.jit(device=True, inline=True)
+    def mma3(a_big, a_small, b_big, b_small, c0, c1, c2, c3, i0, i1, i2, i3):
+        if THREE:
+            z = float32(0.0)
+            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_small[i0], a_small[i1], a_small[i2], a_small[i3], b_big[0],
+                                                  b_big[1], z, z, z, z)
+            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_small[0],
+                                                  b_small[1], d0, d1, d2, d3)
+            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_big[0], b_big[1],
+                                                  d0, d1, d2, d3)
+            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+        return ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_big[0], b_big[1], c0, c1, c2, c3)
+
+    @cuda.jit(device=True, inline=True)
+    def operand(x, big, small, i):
+        if THREE:
+            hi, lo = ptx.split_tf32(x)
+            big[i] = hi
+            small[i] = lo
+        else:
+            big[i] = ptx.to_tf32(x)
+
+    return mma3, operand
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_a_step(LD, three):
+    """load_a_step(smem, e, big, small, i): the A registers of one 8-column step of a 16-row tile in shared memory
+    (row stride LD floats) into big[i:i+4] (and small, 3xTF32), rounded or split (:func:`make_tf32_ops`):
+    a0 = X[g, t], a1 = X[g + 8, t], a2 = X[g, t + 4], a3 = X[g + 8, t + 4], from the element ``e`` = (g's row,
+    column t)."""
+    _, operand = make_tf32_ops(three)
+
+    @cuda.jit(device=True, inline=True)
+    def load_a_step(smem, e, big, small, i):
+        operand(smem[e], big, small, i)
+        operand(smem[e + 8 * LD], big, small, i + 1)
+        operand(smem[e + 4], big, small, i + 2)
+        operand(smem[e + 8 * LD + 4], big, small, i + 3)
+
+    return load_a_step
+
+
+@functools.lru_cache(maxsize=None)
 def make_forward_tf32(D, causal, precision, B_c, warps):
     """The TF32 forward kernel. Arguments: (q, k, v, out, lse, scale_log2), q, k, v, out (batch, seqlen,
     nheads, D) float32 C-contiguous, lse (batch, nheads, seqlen_q) float32. Launch: grid
@@ -81,44 +137,9 @@ def make_forward_tf32(D, causal, precision, B_c, warps):
     load_v = make_load_rows(D, NT, LDV, 4, per_column=False)
     key_range = make_key_range(B_R, B_c, False, causal)  # causal: the band's right bound, right = 0
 
-    @cuda.jit(device=True, inline=True)
-    def mma3(a_big, a_small, b_big, b_small, c0, c1, c2, c3, i0, i1, i2, i3):
-        """c += A B from (big, small) operands: a_*[i0..i3] the A registers, b_* (2,) the B registers; three
-        products with 3xTF32, smallest first, one with TF32 (a_small and b_small unused).
+    mma3, operand = make_tf32_ops(THREE)
 
-        With 3xTF32 the three start from zero and their sum is added to c with float32 adds: an ``mma`` aligns
-        its products and its accumulator to the largest and truncates, so chained into c each would truncate
-        toward zero relative to the whole running sum, a few times float32's error over a row
-        (``scripts/tf32_error_model.py``); from zero, only relative to this step's own products."""
-        if THREE:
-            z = float32(0.0)
-            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_small[i0], a_small[i1], a_small[i2], a_small[i3], b_big[0],
-                                                  b_big[1], z, z, z, z)
-            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_small[0],
-                                                  b_small[1], d0, d1, d2, d3)
-            d0, d1, d2, d3 = ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_big[0], b_big[1],
-                                                  d0, d1, d2, d3)
-            return c0 + d0, c1 + d1, c2 + d2, c3 + d3
-        return ptx.mma_m16n8k8_tf32(a_big[i0], a_big[i1], a_big[i2], a_big[i3], b_big[0], b_big[1], c0, c1, c2, c3)
-
-    @cuda.jit(device=True, inline=True)
-    def operand(x, big, small, i):
-        """x rounded (TF32) or split (3xTF32) into big[i], small[i]."""
-        if THREE:
-            hi, lo = ptx.split_tf32(x)
-            big[i] = hi
-            small[i] = lo
-        else:
-            big[i] = ptx.to_tf32(x)
-
-    @cuda.jit(device=True, inline=True)
-    def load_q_step(smem, row, qb, qs, i):
-        """Q's A registers of one 8-dim step into qb[i:i+4] (and qs): a0 = Q[g, t], a1 = Q[g + 8, t], a2 = Q[g,
-        t + 4], a3 = Q[g + 8, t + 4], from the element ``row`` = (g's row, column t)."""
-        operand(smem[row], qb, qs, i)
-        operand(smem[row + 8 * LDK], qb, qs, i + 1)
-        operand(smem[row + 4], qb, qs, i + 2)
-        operand(smem[row + 8 * LDK + 4], qb, qs, i + 3)
+    load_q_step = make_load_a_step(LDK, THREE)
 
     @cuda.jit
     def forward_tf32(q, k, v, out, lse, scale_log2):
