@@ -436,7 +436,7 @@ def test_block_mask_backward_on_the_tensor_cores(name, batch, nheads_k, groups, 
     dout = rng.standard_normal(q.shape).astype(np.float16)
     args = make_args(sq, sk, rng) if make_args else ()
     bm = flashnumba.create_block_mask(mask_mod, 1, nheads if name == "head-varying" else 1, sq, sk,
-                                      score_mod_args=args, BLOCK_SIZE=blocks)
+                                      score_mod_args=args, BLOCK_SIZE=blocks, like=q)
     kw = dict(score_mod_args=args, enable_gqa=groups > 1, kernel="tc", block_mask=bm)
     out, lse = flashnumba.flex_attention(q, k, v, score_mod, return_lse=True, block_m=16, block_n=16, **kw)
     grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, score_mod, score_mod_grad=grad, **tiles,
