@@ -25,8 +25,8 @@ def _dims(table):
 
     return {"tc": tiling.MMA_HEAD_DIMS, "tc_dq": tiling.MMA_BACKWARD_HEAD_DIMS,
             "tc_dkdv": tiling.MMA_BACKWARD_HEAD_DIMS, "tc_dkdv_atomic": tiling.MMA_BACKWARD_HEAD_DIMS,
-            "tf32": mma_tf32.HEAD_DIMS,
-            "3xtf32": mma_tf32.HEAD_DIMS, "wgmma": wgmma_forward.HEAD_DIMS}.get(table, range(1, 257))
+            "tf32": mma_tf32.HEAD_DIMS, "3xtf32": mma_tf32.HEAD_DIMS, "tf32_dq": mma_tf32.HEAD_DIMS,
+            "tf32_dkdv": mma_tf32.HEAD_DIMS, "wgmma": wgmma_forward.HEAD_DIMS}.get(table, range(1, 257))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -150,6 +150,8 @@ def test_precision_chooses_the_float32_kernels_and_refuses_contradictions():
     with pytest.raises(ValueError, match="float32 inputs"):
         flashnumba.plan(*h, precision="ieee")
     lse = np.zeros((1, 2, 4), np.float32)
-    with pytest.raises(ValueError, match="the backward has no 3xtf32 kernel"):
-        flashnumba.flash_attn_backward(q, q, k, v, q, lse, precision="3xtf32")
+    assert flashnumba.plan_backward(q, q, k, v, q, lse, precision="3xtf32").kernel == "3xtf32"
+    assert flashnumba.plan_backward(q, q, k, v, q, lse, precision="tf32").kernel == "tf32"
+    with pytest.raises(ValueError, match="'3xtf32'"):  # the TF32 kernels take causal masking only
+        flashnumba.plan_backward(q, q, k, v, q, lse, precision="3xtf32", softcap=1.0)
     assert flashnumba.plan_backward(q, q, k, v, q, lse, precision="ieee").kernel == "v2"
