@@ -174,7 +174,7 @@ def test_3xtf32_backward_error_is_float32_class(seed):
 COMPILE = r"""
 import json
 from flashnumba import _launch, tiling
-from flashnumba.kernels import mma_tf32
+from flashnumba.kernels import mma_tf32, mma_tf32_backward
 from flashnumba.tools import resources
 out = {}
 a = "float32[:, :, :, ::1]"
@@ -188,13 +188,28 @@ for precision in ("tf32", "3xtf32"):
             fn = mma_tf32.make_forward_tf32(D, causal, precision, T.block_n, T.block_m // 16)
             text = _launch.compile_ptx(fn.py_func, sig, (9, 0))
             out[f"{precision} D={D} causal={causal}"] = dict(ptx=text, **resources.ptx_resources(text))
+        # the backward's two kernels (causal: the mask's branch compiled in too)
+        if not FULL and (precision, D) != ("3xtf32", 128):
+            continue
+        s3 = "float32[:, :, ::1]"
+        for part, make, sig_b in (
+                ("dQ", mma_tf32_backward.make_backward_dq_tf32, f"void({a}, {a}, {a}, {a}, {s3}, {s3}, {a}, float32, "
+                                                                 "float32)"),
+                ("dK/dV", mma_tf32_backward.make_backward_dkdv_tf32, f"void({a}, {a}, {a}, {a}, {s3}, {s3}, {a}, {a}, "
+                                                                      "float32, float32)")):
+            T = tiling.default("tf32_dq" if part == "dQ" else "tf32_dkdv", D, tiling.ARCHS["sm_90"]).tiles
+            fn = make(D, True, precision, T.block_n if part == "dQ" else T.block_m,
+                      (T.block_m if part == "dQ" else T.block_n) // 16)
+            text = _launch.compile_ptx(fn.py_func, sig_b, (9, 0))
+            out[f"{precision} {part} D={D} causal=True"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))
 """
 
 
 def test_tf32_compiles_for_sm90():
-    """Per push two of the eight kernels (each precision, head dim and mask once); FULL_COMPILE (the GPU
-    profile, or FLASHNUMBA_FULL_COMPILE=1) all eight."""
+    """Per push two of the eight forward kernels (each precision, head dim and mask once) and the 3xTF32
+    backward's two at d = 128; FULL_COMPILE (the GPU profile, or FLASHNUMBA_FULL_COMPILE=1) all eight and the
+    backward's eight (causal)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     import json
 
@@ -205,11 +220,12 @@ def test_tf32_compiles_for_sm90():
         pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(kernels) == (8 if FULL_COMPILE else 2)
+    assert len(kernels) == (16 if FULL_COMPILE else 4)
     for name, r in kernels.items():
         text = r["ptx"]
+        backward = "dQ" in name or "dK/dV" in name  # (no row maximum: no shuffles)
         for needle in ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cp.async.cg.shared.global",
-                       "shfl.sync.bfly.b32", "cvt.rna.tf32.f32"):
+                       "cvt.rna.tf32.f32") + (() if backward else ("shfl.sync.bfly.b32",)):
             assert needle in text, f"{name}: no {needle!r} in its PTX"
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores, {r['spill_loads']} spill "
               f"loads, {text.count('ld.local') + text.count('st.local')} local accesses")
