@@ -238,8 +238,8 @@ def decode(d, prefix="results/latest/"):
 def flex(d, prefix="results/latest/"):
     """scripts/flex_bench.py: flex_attention's masks beside the built-in kernels and torch's FlexAttention."""
     out = [_env(d["environment"]) + f" Source: [`flex-bench.json`]({prefix}flex-bench.json).", "",
-           "float16 forward, batch = 16384 / seqlen, heads = 2048 / head_dim; ms of one call per pair of CUDA "
-           "events, TFLOP/s of the entries the mask leaves:", "",
+           "float16, batch = 16384 / seqlen, heads = 2048 / head_dim; ms of one call per pair of CUDA events, "
+           "TFLOP/s of the entries the mask leaves (a backward counted as 2.5 forwards):", "",
            "| head_dim | seqlen | case | ms | TFLOP/s |", "| ---: | ---: | --- | ---: | ---: |"]
     for r in d["rows"]:
         if "ms" in r:
@@ -250,6 +250,11 @@ def flex(d, prefix="results/latest/"):
         if r["case"].startswith("max |out"):
             out.append(f"- d={r['head_dim']}, {r['case'][len('max |out - float32 flex| '):]}: {r['value']:.2e} / "
                        f"{r['torch_flex_value']:.2e}")
+    grads = [r for r in d["rows"] if r["case"].startswith("max |grad")]
+    if grads:
+        out += ["", "Largest difference of dq, dk, dv from FlexAttention's float16 gradients on the same mask:", ""]
+        out += [f"- d={r['head_dim']}, {r['case'][len('max |grad - torch flex grad| '):]}: {r['value']:.2e}"
+                for r in grads]
     return out
 
 

@@ -1,0 +1,63 @@
+"""The causal mask_mod with a block mask at several tensor-core forward tiles, beside the built-in causal kernel,
+then the backward (the dK/dV kernel's default tiles and (32, 128) at d=128). On a GPU:
+
+    python scripts/flex_tiles.py
+
+(float16, seqlen 8192, batch 2, heads 2048 / head_dim; ms of one call per event pair.)
+"""
+import cupy
+import numpy as np
+
+import flashnumba
+from flashnumba.tools.timing import cuda_time_ms
+
+
+def causal_mod(b, h, i, j):
+    return j <= i
+
+
+n = 8192
+for d in (64, 128):
+    batch, heads = 16384 // n, 2048 // d
+    rng = np.random.default_rng(d)
+    q, k, v = (cupy.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(3))
+    bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+    cases = [("built-in causal", lambda: flashnumba.flash_attn_forward(q, k, v, causal=True)),
+             ("mod default", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm))]
+    for m, bn, nt in ((128, 128, 256), (128, 64, 256), (128, 128, 128), (64, 128, 128), (64, 64, 128)):
+        cases.append((f"mod ({m}, {bn}, {nt})", lambda m=m, bn=bn, nt=nt: flashnumba.flex_attention(
+            q, k, v, block_mask=bm, kernel="tc", block_m=m, block_n=bn, num_threads=nt)))
+    print(d, flashnumba.plan(q, k, v, causal=True).launches[0].tiles, flush=True)
+    for name, fn in cases:
+        try:
+            fn()
+            ms, _ = cuda_time_ms(fn, warmup=3, repeat=10)
+            print(f"d={d} {name:28s} {ms:8.3f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"d={d} {name}: {type(e).__name__} {str(e)[:200]}", flush=True)
+
+# the backward of the causal mask_mod with the block mask: the dK/dV kernel's default tiles, then (32, 128) at d=128
+from flashnumba import tiling  # noqa: E402
+
+for d in (64, 128):
+    batch, heads = 16384 // n, 2048 // d
+    rng = np.random.default_rng(d)
+    q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(4))
+    bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
+    cases = [("built-in causal bwd", lambda: flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True)),
+             ("mod bwd default", lambda: flashnumba.flex_attention_backward(dout, q, k, v, out, lse, block_mask=bm))]
+    for name, fn in cases:
+        fn()
+        ms, _ = cuda_time_ms(fn, warmup=2, repeat=10)
+        print(f"d={d} {name:28s} {ms:8.3f} ms", flush=True)
+    if d == 128:
+        table = tiling.TABLES["tc_dkdv"]
+        first = table[1]
+        table[1] = tiling.Candidate(128, tiling.Tiles(32, 128, 256), "trial")
+        flashnumba.clear_plan_cache()
+        fn = cases[1][1]
+        fn()
+        ms, _ = cuda_time_ms(fn, warmup=2, repeat=10)
+        print(f"d={d} mod bwd dkdv (32, 128)          {ms:8.3f} ms", flush=True)
+        table[1] = first
