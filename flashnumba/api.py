@@ -281,10 +281,11 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     float16 or bfloat16, head_dim a multiple of 8 up to 256, every option;
     block_m and block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
-    flashnumba.kernels.mma_backward. None
+    flashnumba.kernels.mma_backward; "tf32", "3xtf32" (float32 on tensor cores, as ``precision=``). None
     (default): "tc" where it applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.
-    precision: float32 only, "ieee" (None: the same); the backward has no TF32 kernels yet, and "tf32" or "3xtf32"
-    raise. deterministic: True (default); False, on the tensor cores, has the dK/dV kernel add dQ into a float32
+    precision: float32 only, "ieee" (None: the same), or "tf32" / "3xtf32": the TF32 backward kernels
+    (flashnumba.kernels.mma_tf32_backward; head_dim 64 or 128, causal or not), as for the forward.
+    deterministic: True (default); False, on the tensor cores, has the dK/dV kernel add dQ into a float32
     buffer with atomic adds (one kernel of five products instead of two of seven, FlashAttention-2's backward;
     extra memory 4 bytes per element of q), so dq's last bits vary from run to run (dk and dv do not). On the
     H200 it is not yet faster than the default (docs/benchmarks.md: the atomic adds cost what the second kernel

@@ -10,7 +10,7 @@ Read them in this order; each step uses only what the one before it showed:
    stand-ins, and :mod:`.bf16` / :mod:`.philox`;
 5. :mod:`.mma_tiles` one warp's tile operations: row loads, A fragments, the two matrix products;
 6. :mod:`.mma_forward` Algorithm 1 on tensor cores; 7. :mod:`.mma_backward` Algorithm 2 on tensor cores;
-8. :mod:`.mma_tf32` float32 on tensor cores (TF32 and 3xTF32);
+8. :mod:`.mma_tf32` float32 on tensor cores (TF32 and 3xTF32), and :mod:`.mma_tf32_backward` its backward;
 9. :mod:`.mma_decode` decoding against a KV cache (split-KV), and :mod:`.ptx_hopper`, Hopper's warpgroup matrix
    multiply (``wgmma``), the first of the instructions the Hopper kernels will be built from.
 

@@ -21,7 +21,8 @@ The operands are read from shared memory one float at a time (``ldmatrix`` gives
 each float rounded or split first). Rows are padded so that the 32 lanes' reads fall in 32 distinct banks:
 K_j (read at row pi(g), column t) by 4 floats, V_j (row t, column g) by 8.
 
-float32 only, head_dim 64 or 128, causal or not (no other option; use the SIMT kernels for those).
+float32 only, head_dim 64 or 128, causal or not (no other option; use the SIMT kernels for those). The backward
+in the same products: :mod:`flashnumba.kernels.mma_tf32_backward`.
 """
 
 from __future__ import annotations
