@@ -65,6 +65,50 @@ def _check(D, precision, tile, warps):
 
 
 @functools.lru_cache(maxsize=None)
+def make_products(D, NS, LD, three):
+    """(product_abt, product_cb), a warp's two products of the backward kernels on float32 tiles in shared memory
+    (rows of LD floats), TF32 or 3xTF32 (``three``); ab, asm (4,) and bb, bs (2,) are the caller's operand registers:
+
+    - product_abt(acc, smem, a0, b0, g, t, pg, ab, asm, bb, bs): acc (NS, 4) += A B^T, A the warp's 16 rows of D
+      columns from element a0 (its row 0, column 0), B NS tiles of 8 rows from element b0, row n of a tile taken
+      from row pi(n) (``pg`` = pi(g)): so that acc's C fragments are the A fragments of the next product;
+    - product_cb(acc, frag, c, smem, b0, g, t, ab, asm, bb, bs): the k-step c (0 .. NS - 1) of acc (D / 8, 4) +=
+      F B, F the (16, 8 NS) C fragments ``frag`` of a product_abt, B the 8 NS rows of D columns from element b0
+      (rows t and t + 4 of each 8)."""
+    KD, NO = D // 8, D // 8
+    load_a_step = make_load_a_step(LD, three)
+    mma3, operand = make_tf32_ops(three)
+
+    @cuda.jit(device=True, inline=True)
+    def product_abt(acc, smem, a0, b0, g, t, pg, ab, asm, bb, bs):
+        for kk in range(KD):
+            load_a_step(smem, a0 + g * LD + 8 * kk + t, ab, asm, 0)
+            for nn in range(NS):
+                e = b0 + (8 * nn + pg) * LD + 8 * kk + t
+                operand(smem[e], bb, bs, 0)
+                operand(smem[e + 4], bb, bs, 1)
+                acc[nn, 0], acc[nn, 1], acc[nn, 2], acc[nn, 3] = mma3(ab, asm, bb, bs, acc[nn, 0], acc[nn, 1],
+                                                                      acc[nn, 2], acc[nn, 3], 0, 1, 2, 3)
+
+    @cuda.jit(device=True, inline=True)
+    def product_cb(acc, frag, c, smem, b0, g, t, ab, asm, bb, bs):
+        # (k-step c alone: the dK/dV kernel takes its two products a step each in turn, which keeps the 3xTF32
+        # kernel at d = 64 within its registers; the two products one after the other spill there)
+        operand(frag[c, 0], ab, asm, 0)  # A = (F[c, 0], F[c, 2], F[c, 1], F[c, 3]): columns t, t + 4
+        operand(frag[c, 2], ab, asm, 1)
+        operand(frag[c, 1], ab, asm, 2)
+        operand(frag[c, 3], ab, asm, 3)
+        for nd in range(NO):
+            e = b0 + (8 * c + t) * LD + 8 * nd + g
+            operand(smem[e], bb, bs, 0)
+            operand(smem[e + 4 * LD], bb, bs, 1)
+            acc[nd, 0], acc[nd, 1], acc[nd, 2], acc[nd, 3] = mma3(ab, asm, bb, bs, acc[nd, 0], acc[nd, 1],
+                                                                  acc[nd, 2], acc[nd, 3], 0, 1, 2, 3)
+
+    return product_abt, product_cb
+
+
+@functools.lru_cache(maxsize=None)
 def make_backward_dq_tf32(D, causal, precision, B_c, warps):
     """The dQ kernel: arguments (dout, q, k, v, lse, delta, dq, scale_log2, scale), dout, q, k, v, dq (batch,
     seqlen, nheads, D) float32 C-contiguous, lse and delta (batch, nheads, seqlen_q) float32 (the forward's
@@ -76,14 +120,13 @@ def make_backward_dq_tf32(D, causal, precision, B_c, warps):
     B_R = WARP_ROWS * warps
     NT = 32 * warps
     LD = D + PAD_K
-    KD, NS, NO = D // 8, B_c // 8, D // 8  # 8-dim steps of S and dP; 8-key tiles of S (steps of dS K); of dQ
+    NS, NO = B_c // 8, D // 8  # 8-key tiles of S (k-steps of dS K); 8-dim tiles of dQ
     OFF_DO = B_R * LD  # dO_i after Q_i
     OFF_K = 2 * B_R * LD  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
     OFF_V = B_c * LD
     BUF = 2 * B_c * LD
     load_rows = make_load_rows(D, NT, LD, 4, per_column=False)  # 4 floats per 16-byte copy
-    load_a_step = make_load_a_step(LD, THREE)
-    mma3, operand = make_tf32_ops(THREE)
+    product_abt, product_cb = make_products(D, NS, LD, THREE)
     key_range = make_key_range(B_R, B_c, False, causal)  # causal: the band's right bound, right = 0
 
     @cuda.jit
@@ -146,21 +189,8 @@ def make_backward_dq_tf32(D, causal, precision, B_c, warps):
                 for x in range(4):
                     s[nn, x] = 0.0
                     dp[nn, x] = 0.0
-            for kk in range(KD):
-                load_a_step(smem, (r0 + g) * LD + 8 * kk + t, ab, asm, 0)
-                for nn in range(NS):
-                    e = buf + (8 * nn + pg) * LD + 8 * kk + t
-                    operand(smem[e], bb, bs, 0)
-                    operand(smem[e + 4], bb, bs, 1)
-                    s[nn, 0], s[nn, 1], s[nn, 2], s[nn, 3] = mma3(ab, asm, bb, bs, s[nn, 0], s[nn, 1], s[nn, 2],
-                                                                  s[nn, 3], 0, 1, 2, 3)
-                load_a_step(smem, OFF_DO + (r0 + g) * LD + 8 * kk + t, ab, asm, 0)
-                for nn in range(NS):
-                    e = buf + OFF_V + (8 * nn + pg) * LD + 8 * kk + t
-                    operand(smem[e], bb, bs, 0)
-                    operand(smem[e + 4], bb, bs, 1)
-                    dp[nn, 0], dp[nn, 1], dp[nn, 2], dp[nn, 3] = mma3(ab, asm, bb, bs, dp[nn, 0], dp[nn, 1],
-                                                                      dp[nn, 2], dp[nn, 3], 0, 1, 2, 3)
+            product_abt(s, smem, r0 * LD, buf, g, t, pg, ab, asm, bb, bs)  # S = Q_i K_j^T
+            product_abt(dp, smem, OFF_DO + r0 * LD, buf + OFF_V, g, t, pg, ab, asm, bb, bs)  # dP = dO_i V_j^T
 
             # P from the logsumexp, dS = P (dP - D_i); s[nn, x] is row g + 8 (x >> 1), key t + 4 (x & 1)
             masked = j0 + B_c > seqlen_k or (causal and j0 + B_c - 1 > i0 + diag)
@@ -174,18 +204,8 @@ def make_backward_dq_tf32(D, causal, precision, B_c, warps):
                             p = float32(0.0)
                     dp[nn, x] = p * (dp[nn, x] - drow[x >> 1])
 
-            # dQ_i += dS K_j, 8 keys a step: A = (dS[c, 0], dS[c, 2], dS[c, 1], dS[c, 3]); B = K[t, g], K[t + 4, g]
             for c in range(NS):
-                operand(dp[c, 0], ab, asm, 0)
-                operand(dp[c, 2], ab, asm, 1)
-                operand(dp[c, 1], ab, asm, 2)
-                operand(dp[c, 3], ab, asm, 3)
-                for nd in range(NO):
-                    e = buf + (8 * c + t) * LD + 8 * nd + g
-                    operand(smem[e], bb, bs, 0)
-                    operand(smem[e + 4 * LD], bb, bs, 1)
-                    acc[nd, 0], acc[nd, 1], acc[nd, 2], acc[nd, 3] = mma3(ab, asm, bb, bs, acc[nd, 0], acc[nd, 1],
-                                                                          acc[nd, 2], acc[nd, 3], 0, 1, 2, 3)
+                product_cb(acc, dp, c, smem, buf, g, t, ab, asm, bb, bs)  # dQ_i += dS K_j
             cuda.syncthreads()  # every warp is done with this buffer before iteration j + 1 copies tile j + 2 in
         ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
@@ -209,15 +229,14 @@ def make_backward_dkdv_tf32(D, causal, precision, B_m, warps):
     B_N = WARP_ROWS * warps  # keys of the block
     NT = 32 * warps
     LD = D + PAD_K
-    KD, NS, NO = D // 8, B_m // 8, D // 8  # 8-dim steps of S^T and dP^T; 8-query tiles; 8-dim tiles of dK, dV
+    NS, NO = B_m // 8, D // 8  # 8-query tiles of S^T (k-steps of P^T dO, dS^T Q); 8-dim tiles of dK, dV
     OFF_V = B_N * LD  # V_j after K_j
     OFF_Q = 2 * B_N * LD  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_m * LD
     BUF = 2 * B_m * LD
     SR = -(-B_m // NT)  # query rows of L_i and D_i a thread fetches
     load_rows = make_load_rows(D, NT, LD, 4, per_column=False)
-    load_a_step = make_load_a_step(LD, THREE)
-    mma3, operand = make_tf32_ops(THREE)
+    product_abt, product_cb = make_products(D, NS, LD, THREE)
 
     @cuda.jit(device=True, inline=True)
     def put_stats(lsm, dsm, sel, lse, delta, b, h, row0, seqlen_q, tid):
@@ -291,21 +310,8 @@ def make_backward_dkdv_tf32(D, causal, precision, B_m, warps):
                 for x in range(4):
                     s[nn, x] = 0.0
                     dp[nn, x] = 0.0
-            for kk in range(KD):
-                load_a_step(smem, (r0 + g) * LD + 8 * kk + t, ab, asm, 0)
-                for nn in range(NS):
-                    e = buf + (8 * nn + pg) * LD + 8 * kk + t
-                    operand(smem[e], bb, bs, 0)
-                    operand(smem[e + 4], bb, bs, 1)
-                    s[nn, 0], s[nn, 1], s[nn, 2], s[nn, 3] = mma3(ab, asm, bb, bs, s[nn, 0], s[nn, 1], s[nn, 2],
-                                                                  s[nn, 3], 0, 1, 2, 3)
-                load_a_step(smem, OFF_V + (r0 + g) * LD + 8 * kk + t, ab, asm, 0)
-                for nn in range(NS):
-                    e = buf + OFF_DO + (8 * nn + pg) * LD + 8 * kk + t
-                    operand(smem[e], bb, bs, 0)
-                    operand(smem[e + 4], bb, bs, 1)
-                    dp[nn, 0], dp[nn, 1], dp[nn, 2], dp[nn, 3] = mma3(ab, asm, bb, bs, dp[nn, 0], dp[nn, 1],
-                                                                      dp[nn, 2], dp[nn, 3], 0, 1, 2, 3)
+            product_abt(s, smem, r0 * LD, buf, g, t, pg, ab, asm, bb, bs)  # S^T = K_j Q_i^T
+            product_abt(dp, smem, OFF_V + r0 * LD, buf + OFF_DO, g, t, pg, ab, asm, bb, bs)  # dP^T = V_j dO_i^T
             if it + 1 < nt:  # the next tile's L_i and D_i into the buffers the last iteration read
                 put_stats(lsm, dsm, 1 - sel, lse, delta, b, h, i0 + B_m, seqlen_q, tid)
 
@@ -323,28 +329,9 @@ def make_backward_dkdv_tf32(D, causal, precision, B_m, warps):
                     s[nn, x] = p
                     dp[nn, x] = p * (dp[nn, x] - dsm[sel, c])
 
-            # dV_j += P^T dO_i and dK_j += dS^T Q_i, 8 queries a step: A as in the dQ kernel; B = X[t, g], X[t + 4, g]
             for c in range(NS):
-                operand(s[c, 0], ab, asm, 0)
-                operand(s[c, 2], ab, asm, 1)
-                operand(s[c, 1], ab, asm, 2)
-                operand(s[c, 3], ab, asm, 3)
-                for nd in range(NO):
-                    e = buf + OFF_DO + (8 * c + t) * LD + 8 * nd + g
-                    operand(smem[e], bb, bs, 0)
-                    operand(smem[e + 4 * LD], bb, bs, 1)
-                    dv_acc[nd, 0], dv_acc[nd, 1], dv_acc[nd, 2], dv_acc[nd, 3] = mma3(
-                        ab, asm, bb, bs, dv_acc[nd, 0], dv_acc[nd, 1], dv_acc[nd, 2], dv_acc[nd, 3], 0, 1, 2, 3)
-                operand(dp[c, 0], ab, asm, 0)
-                operand(dp[c, 2], ab, asm, 1)
-                operand(dp[c, 1], ab, asm, 2)
-                operand(dp[c, 3], ab, asm, 3)
-                for nd in range(NO):
-                    e = buf + (8 * c + t) * LD + 8 * nd + g
-                    operand(smem[e], bb, bs, 0)
-                    operand(smem[e + 4 * LD], bb, bs, 1)
-                    dk_acc[nd, 0], dk_acc[nd, 1], dk_acc[nd, 2], dk_acc[nd, 3] = mma3(
-                        ab, asm, bb, bs, dk_acc[nd, 0], dk_acc[nd, 1], dk_acc[nd, 2], dk_acc[nd, 3], 0, 1, 2, 3)
+                product_cb(dv_acc, s, c, smem, buf + OFF_DO, g, t, ab, asm, bb, bs)  # dV_j += P^T dO_i
+                product_cb(dk_acc, dp, c, smem, buf, g, t, ab, asm, bb, bs)  # dK_j += dS^T Q_i
             cuda.syncthreads()  # every warp is done with these buffers before the next iteration refills them
         ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
