@@ -183,7 +183,7 @@ for dtype, elem in (("float16", "float16"), ("bfloat16", "uint16")):
                                                  [tiling.default(f, D, DEV).tiles[:2] for f in ("tc_dq", "tc_dkdv")]):
                 grads = ", ".join([a] * n + ["float32[:, :, :, :]"] * (n - 1))  # (dK/dV: and dq_acc, a dummy)
                 bsig = (f"void({a}, {a}, {a}, {a}, {f3}, {f3}, {grads}, float32, float32, {resources._OPTS}, "
-                        f"{resources._MODS})")
+                        f"{resources._MODS}, {resources._BLOCK_MASK})")
                 text = _launch.compile_ptx(make(D, variant, bm, bn, dtype).py_func, bsig, (9, 0))
                 out[f"{key} {kname}"] = dict(ptx=text, **resources.ptx_resources(text))
 print(json.dumps(out))
@@ -337,7 +337,7 @@ def test_backward_tc_atomic_dq_before_hopper(monkeypatch):
     q = np.zeros((1, 20, 1, 24), np.float16)
     lse = np.zeros((1, 1, 20), np.float32)
     p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc", block_m=16, block_n=32, deterministic=False)
-    assert p.launches[1].factory_args[-1] is True  # (sm_90: "v2")
+    assert p.launches[1].factory_args[-2] is True  # atomic_dq (sm_90: "v2"; the last: the block mask's blocks)
     rng = np.random.default_rng(80)
     grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 20, 37, 1, 24, np.float16, True, block_m=16,
                                                      block_n=32, deterministic=False)
@@ -365,7 +365,7 @@ def test_deterministic_flag():
     p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="tc", device="sm_90", deterministic=False)
     assert [s.name for s in p.launches] == ["D_i preprocess", "dK/dV tc + dQ", "dQ convert"]
     assert (p.launches[1].tiles.block_m, p.launches[1].tiles.block_n) == (32, 128)
-    assert p.launches[1].table == "tc_dkdv_atomic" and p.launches[1].factory_args[-1] == "v2"
+    assert p.launches[1].table == "tc_dkdv_atomic" and p.launches[1].factory_args[-2] == "v2"
     q32, lse32 = q.astype(np.float32), lse
     p = flashnumba.plan_backward(q32, q32, q32, q32, q32, lse32, device="sm_90", deterministic=False)
     assert [s.name for s in p.launches] == ["D_i preprocess", "dQ v2", "dK/dV v2"]

@@ -18,7 +18,9 @@ _ARRAY = "{}[:, :, :, :]"
 _OPTS = "float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64"
 # softcap, window left and right, ALiBi slopes, cu_seqlens q and k, dropout p, 1 / (1 - p), seed, offset
 _MODS = "float32[:], float32[:], float32[:], float32[:]"
-_BLOCK_MASK = "int32[:, :, :], int32[:, :, :, :], int8[:, :, :, :]"  # the tensor-core forward's block mask (dummies)
+# the tensor-core kernels' block mask (dummies): lists (counts, indices) and states, in the forward's and dQ's order
+# and, as its types fall, the dK/dV kernel's (query-block counts, indices, states)
+_BLOCK_MASK = "int32[:, :, :], int32[:, :, :, :], int8[:, :, :, :]"
 # the register-tiled SIMT kernels' last: the arrays a user's score_mod / mask_mod read (dummies without them)
 
 
