@@ -65,9 +65,8 @@ def check_tf32_backward(grads, dout, q, k, v, out, lse, causal):
 
 @pytest.mark.parametrize("precision, seqlen_q, seqlen_k, causal, D, tiles", [
     ("3xtf32", 20, 17, True, 64, (16, 16)),  # causal, seqlen_q > seqlen_k: the first rows see no key
-    ("3xtf32", 18, 24, False, 64, (32, 16)),  # two warps a dQ block, 32-query tiles in the dK/dV kernel
-    ("tf32", 17, 40, True, 64, (16, 16)),
-])
+    ("tf32", 18, 24, False, 64, (32, 16)),  # two warps a dQ block, 32-query tiles in the dK/dV kernel
+])  # (the two precisions share every line but the operand split: each runs the other's tiles on the GPU)
 def test_tf32_backward_matches_reference(precision, seqlen_q, seqlen_k, causal, D, tiles):
     """The TF32 and 3xTF32 backward (flash_attn_backward(precision=...)) from the exact forward's out and lse:
     3xTF32 within float32's error, TF32 within float16's."""
