@@ -444,7 +444,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (t.num_threads,), smem, t, reason)
     elif family == "tc":
         if reason != "given by the caller":
-            t = tiling.plain_rows_per_warp(t, opts.variant, opts.mods is not None)
+            t = tiling.plain_rows_per_warp(t, opts.variant, opts.mods is not None and opts.mods.score_mod is not None)
         if opts.block_mask is not None and (opts.block_mask[0] % t.block_m or opts.block_mask[1] % t.block_n):
             raise ValueError(f"the block mask's blocks ({opts.block_mask[0]}, {opts.block_mask[1]}) must be "
                              f"multiples of the kernel's tiles (block_m {t.block_m}, block_n {t.block_n}): make it "

@@ -387,25 +387,38 @@ def test_block_mask_classifies_as_the_reference(name):
         np.testing.assert_array_equal(listed, np.flatnonzero(want[0, 0, a]))  # the non-empty ones, ascending
 
 
-@pytest.mark.parametrize("name, batch, per_head", [("documents", 2, False), ("causal", 1, True),
-                                                    ("relative bias+documents", 1, False)])
-def test_block_mask_on_the_tensor_cores(name, batch, per_head):
-    """The forward with a block mask (16-row blocks, the kernel's tiles in the simulator) gives the reference's
-    result; a mask made for B = 1 serves every batch entry, one made per head its own head."""
+@pytest.mark.parametrize("name, batch, per_head, tiles", [
+    ("documents", 2, False, (16, 16, 32)), ("causal", 1, True, (16, 16, 32)),
+    ("relative bias+documents", 1, False, (16, 16, 32)), ("prefix-lm", 1, False, (32, 16, 32))])
+def test_block_mask_on_the_tensor_cores(name, batch, per_head, tiles):
+    """The forward with a block mask (blocks of 16 or 32 rows, the kernel's tiles in the simulator, with one warp
+    of 16 rows or of 32) gives the reference's result; a mask made for B = 1 serves every batch entry, one made per
+    head its own head."""
     score_mod, _, mask_mod, make_args = EXAMPLES[name]
     rng = np.random.default_rng(7)
     sq, sk, nheads = 33, 45, 2
     q, k, v = random_qkv(rng, batch, sq, sk, nheads, 16, np.float16)
     args = make_args(sq, sk, rng)
     bm = flashnumba.create_block_mask(mask_mod, 1, nheads if per_head else 1, sq, sk, score_mod_args=args,
-                                      BLOCK_SIZE=(16, 32))
+                                      BLOCK_SIZE=(tiles[0], 32))
     out, lse = flashnumba.flex_attention(q, k, v, score_mod, block_mask=bm, score_mod_args=args, return_lse=True,
-                                         kernel="tc", block_m=16, block_n=16)
+                                         kernel="tc", block_m=tiles[0], block_n=tiles[1], num_threads=tiles[2])
     rkw = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args)
     truth_o, truth_l = ref.flex_attention_forward(q, k, v, **rkw)
     base_o, base_l = ref.flex_attention_forward(q, k, v, dtype=np.float16, **rkw)
     assert_close_to_truth("out", to_numpy(out), truth_o, base_o.astype(np.float16), reduction=max(16, sk))
     assert_close_to_truth("lse", to_numpy(lse), truth_l, base_l.astype(np.float32), reduction=max(16, sk))
+
+
+def test_a_mask_mod_takes_tiles_whose_bits_fit():
+    """The tensor-core forward keeps a lane's mask_mod results in one 64-bit word: tiles with more scores a lane
+    are a clear error before any launch, not a wrong mask."""
+    q = random_qkv(np.random.default_rng(3), 1, 40, 40, 1, 16, np.float16)[0]
+    mask = EXAMPLES["causal"][2]
+    args = (np.array([0], np.int32),)
+    with pytest.raises(ValueError, match="at most 128 keys a tile"):
+        flashnumba.flex_attention(q, q, q, mask_mod=mask, score_mod_args=args, kernel="tc", block_m=32,
+                                  block_n=128, num_threads=32)
 
 
 def head_varying(b, h, i, j):  # a mask of its own per head: causal, anti-causal, and one that hides most entries

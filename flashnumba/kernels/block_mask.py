@@ -38,6 +38,21 @@ def make_block_tiles(on, block, tile):
 
 
 @functools.lru_cache(maxsize=None)
+def make_block_full(on, block):
+    """block_full(state, bb, hb, outer, j) -> whether the block of row ``j`` (``block`` rows a block) in
+    state[bb, hb, outer] is a full one (False where ``on`` is not: no block mask). The forward reads it a tile
+    ahead of its use, so that its latency hides behind a tile's products."""
+
+    @cuda.jit(device=True, inline=True)
+    def block_full(state, bb, hb, outer, j):
+        if on:
+            return state[bb, hb, outer, j // block] == FULL
+        return False
+
+    return block_full
+
+
+@functools.lru_cache(maxsize=None)
 def make_classify(mods, QB, KB):
     """classify(state, seqlen_q, seqlen_k, a0, a1, a2, a3): state (batch, nheads, ceil(seqlen_q / QB),
     ceil(seqlen_k / KB)) int8 set to EMPTY, PARTIAL or FULL for ``mods``' mask_mod. Launch: grid (query blocks,

@@ -17,7 +17,8 @@ cores) and in ``flashnumba.reference``:
 * the dropout mask: a Philox uniform drawn from (seed, offset, batch * nheads + head, i, j):
   :data:`dropout_uniform`, so that the backward regenerates exactly the forward's mask;
 * a user's own score and mask functions (FlexAttention's ``score_mod`` and ``mask_mod``): :class:`Mods`, compiled
-  into the register-tiled SIMT kernels by :func:`make_user_mods`.
+  into the kernels by :func:`make_user_mods`; the tensor-core kernels keep the mask_mod of a lane's scores in one
+  bit each: :func:`make_mask_bits`.
 
 Scores are kept in base 2 inside the kernels (exp2, with log2(e) folded into the scale): :data:`LOG2E` and
 :data:`LN2` move between the bases; a row with no visible key keeps m_i = :data:`NEG_INF`.
@@ -31,7 +32,7 @@ import types
 
 from . import philox, ptx
 from .._backend import cuda
-from numba import float32
+from numba import float32, uint64
 
 # The dropout mask's random numbers (see philox.py), as device functions.
 dropout_uniform = cuda.jit(device=True)(philox.make_uniform(cuda.jit(device=True)(philox.philox4x32_10)))
@@ -285,3 +286,29 @@ def make_user_mods(mods):
     user_mask = _fixed_arity("user_mask", ["b", "h", "i", "j"] + every,
                              f"bool(mask({', '.join(['b', 'h', 'i', 'j'] + m_args)}))", ns)
     return user_score, user_mask
+
+
+@functools.lru_cache(maxsize=None)
+def make_mask_bits(mods):
+    """(hide, hidden) for a user's mask_mod in the tensor-core kernels, which evaluate it for a tile before its
+    products (its code then has the registers that the products' results will hold, and a lane keeps one bit a
+    score, at most 64 scores, instead)::
+
+        bits = hide(bits, e, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3)   # bit e set: mask_mod hides (i, j)
+        hidden(bits, e)                                                         # whether bit e is set
+
+    ``hide`` calls the mask_mod only for entries within the sequences (which it leaves shown); ``e`` is a
+    constant once the kernels' loops over a lane's fragments are unrolled, so that the bits stay in a register."""
+    _, user_mask = make_user_mods(mods)
+
+    @cuda.jit(device=True, inline=True)
+    def hide(bits, e, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3):
+        if i < seqlen_q and j < seqlen_k and not user_mask(b, h, i, j, a0, a1, a2, a3):
+            return bits | (uint64(1) << uint64(e))
+        return bits
+
+    @cuda.jit(device=True, inline=True)
+    def hidden(bits, e):
+        return (bits >> uint64(e)) & uint64(1) != uint64(0)
+
+    return hide, hidden

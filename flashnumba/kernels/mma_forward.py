@@ -58,12 +58,12 @@ import math
 
 from . import bf16, ptx
 from .._backend import cuda
-from .block_mask import make_block_tiles
-from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
-                     make_sequence_geometry, make_user_mods)
+from .block_mask import make_block_full, make_block_tiles
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_mask_bits, make_online_softmax,
+                     make_score_mod, make_sequence_geometry, make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
-from numba import float32, uint16, uint32
+from numba import float32, uint16, uint32, uint64
 from numba.cuda.types import float16  # numba-cuda's own float16 (numba.types.float16 does not type in kernels)
 
 
@@ -121,10 +121,14 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
         raise ValueError(f"wm (blocks of 16 rows per warp) must be 1 or 2, got {wm}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    if mods is not None and mods.mask_mod is not None and wm * B_c > 128:  # (a lane's scores: one 64-bit word)
+        raise ValueError(f"with a mask_mod the tensor-core forward takes at most 128 keys a tile with warps of 16 "
+                         f"rows and 64 with warps of 32, got block_n {B_c} with {16 * wm}-row warps")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     USER_SCORE = mods is not None and mods.score_mod is not None
     USER_MASK = mods is not None and mods.mask_mod is not None
-    user_score, user_mask = make_user_mods(mods)
+    user_score, _ = make_user_mods(mods)
+    hide, hidden = make_mask_bits(mods)
     SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE  # the score formed in natural units, modified, then base 2
     BM = block_mask is not None
     QB, KB = block_mask if BM else (16 * wm * warps, B_c)  # (the tiles themselves without a block mask)
@@ -160,6 +164,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     quad_max, new_max, prob = make_online_softmax(FOLD)
     SUB = KB // B_c  # key tiles per block of a block mask
     tile_start = make_block_tiles(BM, KB, B_c)  # first key of the jt-th key tile the block visits
+    block_full = make_block_full(BM, KB)  # whether a block mask lists a key's block as full
 
     @cuda.jit
     def forward_tc(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
@@ -213,21 +218,40 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
         if BM:
             n_tiles = bm_num[bbm, hbm, qb] * SUB
 
-        # Prologue: Q_i and the first key tile in flight, one commit group
+        # Prologue: Q_i and the first key tile in flight, one commit group. j0, j1: the first keys of this tile
+        # and the next (a block mask's lists are read a tile ahead of their use, so that no copy waits on them);
+        # full0, full1: whether their blocks are a block mask's full ones
+        j0 = tile_start(0, n_start, bm_idx, bbm, hbm, qb)
+        j1 = tile_start(1, n_start, bm_idx, bbm, hbm, qb) if n_tiles > 1 else 0
+        full0 = USER_MASK and n_tiles > 0 and block_full(bm_state, bbm, hbm, qb, j0)
+        full1 = False
         load_rows(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
         if n_tiles > 0:
-            load_kv(smem, OFF_K, k, v, bb, k0 + tile_start(0, n_start, bm_idx, bbm, hbm, qb), k0 + seqlen_k, hk,
-                    tid)
+            load_kv(smem, OFF_K, k, v, bb, k0 + j0, k0 + seqlen_k, hk, tid)
         ptx.cp_async_commit()
 
         for jt in range(n_tiles):
-            j0 = tile_start(jt, n_start, bm_idx, bbm, hbm, qb)
+            if not BM:  # (the tiles one after the other: nothing to read ahead)
+                j0 = tile_start(jt, n_start, bm_idx, bbm, hbm, qb)
+                j1 = tile_start(jt + 1, n_start, bm_idx, bbm, hbm, qb)
             buf = OFF_K + (jt & 1) * BUF
             # Tile j + 1 into the other buffer (freed by the barrier that ended iteration j - 1), its own group
             if jt + 1 < n_tiles:
-                load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb,
-                        k0 + tile_start(jt + 1, n_start, bm_idx, bbm, hbm, qb), k0 + seqlen_k, hk, tid)
+                load_kv(smem, OFF_K + ((jt + 1) & 1) * BUF, k, v, bb, k0 + j1, k0 + seqlen_k, hk, tid)
+                full1 = USER_MASK and block_full(bm_state, bbm, hbm, qb, j1)
+            j2 = tile_start(jt + 2, n_start, bm_idx, bbm, hbm, qb) if BM and jt + 2 < n_tiles else 0
             tile_landed()  # tile j (and Q_i) landed and visible to every thread
+
+            # the user's mask_mod, in every tile but a block mask's full ones, evaluated before S_ij exists: its
+            # code then has the registers S_ij will hold, and leaves one bit a score (set: hidden)
+            partial = USER_MASK and not full0
+            bits = uint64(0)
+            if partial:
+                for w in range(WM):
+                    for n in range(NS):
+                        for x in range(4):
+                            bits = hide(bits, (w * NS + n) * 4 + x, b, h, i0 + r0 + 16 * w + g + 8 * (x >> 1),
+                                        j0 + 8 * n + 2 * t + (x & 1), seqlen_q, seqlen_k, a0, a1, a2, a3)
 
             if Q_REGS and jt == 0:
                 load_a(qa, smem, r0 * LD, lane)  # Q_i's A fragments (this warp's rows), kept in registers
@@ -252,8 +276,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                                     val, _ = user_score(val, b, h, i, j, a0, a1, a2, a3)
                                 val *= LOG2E
                             s[w, n, x] = val
-            partial = USER_MASK and (not BM or bm_state[bbm, hbm, qb, j0 // KB] != 2)  # (2: a full block)
-            if masked or partial:  # (the user's mask_mod: in every tile but a block mask's full ones)
+            if masked or partial:
                 for w in range(WM):
                     for n in range(NS):
                         for x in range(4):
@@ -262,7 +285,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                             if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                                     or (HAS_RIGHT and j > i + diag + right)):
                                 s[w, n, x] = NEG_INF
-                            elif partial and i < seqlen_q and not user_mask(b, h, i, j, a0, a1, a2, a3):
+                            elif partial and hidden(bits, (w * NS + n) * 4 + x):
                                 s[w, n, x] = NEG_INF
             for w in range(WM):
                 # this lane's partial max of rows g (x = 0, 1) and g + 8 (x = 2, 3) of block w (FOLD: of the raw
@@ -308,6 +331,10 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                     o[w, n, 3] *= alpha[2 * w + 1]
             mma_ab(o, s, pa, smem, buf + OFF_V, lane)  # O_i += P_ij V_j (P_ij: the S fragments, rounded to 16 bits)
             cuda.syncthreads()  # every warp is done with this buffer before iteration j + 1 copies tile j + 2 in
+            if BM:
+                j0 = j1
+                j1 = j2
+                full0 = full1
         ptx.cp_async_wait_all()  # no copy outlives the block (with no tile to visit, the prologue's are in flight)
 
         # l_i: the sum of the quad's four partial sums
