@@ -3,8 +3,13 @@ then the backward (the dK/dV kernel's default tiles and (32, 128) at d=128). On 
 
     python scripts/flex_tiles.py
 
-(float16, seqlen 8192, batch 2, heads 2048 / head_dim; ms of one call per event pair.)
+(float16, seqlen 8192, batch 2, heads 2048 / head_dim; ms of one call per event pair.) With ``ncu D``: the built-in
+causal forward and backward and the causal mask_mod's with the block mask at head_dim D, once each between
+profiler start and stop, for Nsight Compute (``ncu --profile-from-start off ... python scripts/flex_tiles.py ncu
+64``).
 """
+import sys
+
 import cupy
 import numpy as np
 
@@ -17,6 +22,27 @@ def causal_mod(b, h, i, j):
 
 
 n = 8192
+if len(sys.argv) > 2 and sys.argv[1] == "ncu":
+    d = int(sys.argv[2])
+    rng = np.random.default_rng(d)
+    q, k, v, dout = (cupy.asarray(rng.standard_normal((16384 // n, n, 2048 // d, d)).astype(np.float16))
+                     for _ in range(4))
+    bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
+    calls = [lambda: flashnumba.flash_attn_forward(q, k, v, causal=True),
+             lambda: flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True),
+             lambda: flashnumba.flex_attention(q, k, v, block_mask=bm),
+             lambda: flashnumba.flex_attention_backward(dout, q, k, v, out, lse, block_mask=bm)]
+    for fn in calls:
+        fn()
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.start()
+    for fn in calls:
+        fn()
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.profiler.stop()
+    print(f"profiled the built-in causal and the causal mask_mod, forward and backward, d={d}")
+    sys.exit()
 for d in (64, 128):
     batch, heads = 16384 // n, 2048 // d
     rng = np.random.default_rng(d)
@@ -24,10 +50,10 @@ for d in (64, 128):
     bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
     cases = [("built-in causal", lambda: flashnumba.flash_attn_forward(q, k, v, causal=True)),
              ("mod default", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm))]
-    for m, bn, nt in ((128, 128, 256), (128, 64, 256), (128, 128, 128), (64, 128, 128), (64, 64, 128)):
+    for m, bn, nt in ((128, 128, 256), (128, 64, 256), (128, 64, 128), (64, 64, 128)):
         cases.append((f"mod ({m}, {bn}, {nt})", lambda m=m, bn=bn, nt=nt: flashnumba.flex_attention(
             q, k, v, block_mask=bm, kernel="tc", block_m=m, block_n=bn, num_threads=nt)))
-    print(d, flashnumba.plan(q, k, v, causal=True).launches[0].tiles, flush=True)
+    print(d, "built-in", flashnumba.plan(q, k, v, causal=True).launches[0].tiles, flush=True)
     for name, fn in cases:
         try:
             fn()
