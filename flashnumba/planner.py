@@ -445,6 +445,11 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     elif family == "tc":
         if reason != "given by the caller":
             t = tiling.plain_rows_per_warp(t, opts.variant, opts.mods is not None and opts.mods.score_mod is not None)
+        wm = t.block_m // (t.num_threads // 2)  # blocks of 16 rows a warp
+        if opts.mods is not None and opts.mods.mask_mod is not None and wm * t.block_n > 128:
+            raise ValueError(f"with a mask_mod the tensor-core forward takes at most 128 keys a tile with warps of 16 "
+                             f"rows and 64 with warps of 32 (a lane's mask bits: one 64-bit word), got block_n "
+                             f"{t.block_n} with {16 * wm}-row warps")
         if opts.block_mask is not None and (opts.block_mask[0] % t.block_m or opts.block_mask[1] % t.block_n):
             raise ValueError(f"the block mask's blocks ({opts.block_mask[0]}, {opts.block_mask[1]}) must be "
                              f"multiples of the kernel's tiles (block_m {t.block_m}, block_n {t.block_n}): make it "
@@ -453,7 +458,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
                               (D, opts.variant, t.block_n, t.num_threads // 32, _dtype_name(dt), nk != nheads,
                                _strided(arrays, ("q", "k", "v")), opts.scale > 0,
-                               t.block_m // (t.num_threads // 2), opts.mods,
+                               wm, opts.mods,
                                None if opts.block_mask is None else opts.block_mask[:2]),
                               io + ("scale_q",) + OPTION_PARAMS + MOD_PARAMS + BLOCK_MASK_PARAMS[:3], grid,
                               (t.num_threads,), smem, t, reason)

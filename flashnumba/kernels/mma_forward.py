@@ -122,8 +122,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     if mods is not None and mods.mask_mod is not None and wm * B_c > 128:  # (a lane's scores: one 64-bit word)
-        raise ValueError(f"with a mask_mod the tensor-core forward takes at most 128 keys a tile with warps of 16 "
-                         f"rows and 64 with warps of 32, got block_n {B_c} with {16 * wm}-row warps")
+        raise ValueError(f"with a mask_mod, wm * B_c must be at most 128, got {wm} * {B_c}")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     USER_SCORE = mods is not None and mods.score_mod is not None
     USER_MASK = mods is not None and mods.mask_mod is not None
