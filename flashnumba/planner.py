@@ -444,7 +444,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (t.num_threads,), smem, t, reason)
     elif family == "tc":
         if reason != "given by the caller":
-            t = tiling.plain_rows_per_warp(t, opts.variant, opts.mods is not None and opts.mods.score_mod is not None)
+            t = tiling.plain_rows_per_warp(t, opts.variant, opts.mods is not None and (
+                opts.mods.score_mod is not None or opts.block_mask is None))
         wm = t.block_m // (t.num_threads // 2)  # blocks of 16 rows a warp
         if opts.mods is not None and opts.mods.mask_mod is not None and wm * t.block_n > 128:
             raise ValueError(f"with a mask_mod the tensor-core forward takes at most 128 keys a tile with warps of 16 "

@@ -323,16 +323,18 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     return new, "; ".join(why)
 
 
-def plain_rows_per_warp(t: Tiles, variant, score_mod=False) -> Tiles:
+def plain_rows_per_warp(t: Tiles, variant, user_every_score=False) -> Tiles:
     """The tensor-core forward's tiles for a variant: warps of two blocks of 16 rows (wm = 2) hold twice the
     accumulators, which leaves no registers for the window's, softcap's, ALiBi's or dropout's per-score work
     (compiled for sm_90 the kernel then keeps S and O in local memory); with any of those options, or a user's
-    score_mod (``score_mod``), the same tile runs as warps of 16 rows (twice the threads). The same per-score
-    work takes B_c to at most 64: its values need the registers that the scores of a 128-key tile hold (every
-    option with GQA, or a user's score_mod, spill there at d = 128). A user's mask_mod alone keeps the tiles: the
-    kernel evaluates it before S_ij exists, in the registers S_ij will take, into one bit a score."""
+    function at every score (``user_every_score``: a score_mod, or a mask_mod without a block mask), the same tile
+    runs as warps of 16 rows (twice the threads). The same per-score work takes B_c to at most 64: its values need
+    the registers that the scores of a 128-key tile hold (every option with GQA, or a user's score_mod, spill there
+    at d = 128). A mask_mod with a block mask keeps the tiles: the kernel evaluates it in the partial blocks only,
+    before S_ij exists, in the registers S_ij will take, into one bit a score (without a block mask, in every
+    tile, the 16-row warps ran it faster: docs/benchmarks.md)."""
     has_left, _, softcap, alibi, _, dropout = variant
-    per_score = has_left or softcap or alibi or dropout or score_mod
+    per_score = has_left or softcap or alibi or dropout or user_every_score
     if per_score and t.block_n > 64:
         t = t._replace(block_n=64)
     if t.block_m == 16 * (t.num_threads // 32) or not per_score:
