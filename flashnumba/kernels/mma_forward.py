@@ -106,7 +106,10 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     exp2(s scale_q - m), as FlashAttention-2 does: one instruction a score fewer (the planner passes
     softmax_scale > 0; a zero or negative scale, or a score modification, multiplies first). ``mods``: a user's
     score_mod and mask_mod (:class:`flashnumba.kernels.common.Mods`), called for the entries within the
-    sequences; the arrays they read are a0 .. a3 (dummies where unused). ``block_mask``: (QB, KB), the block
+    sequences; the arrays they read are a0 .. a3 (dummies where unused). The mask_mod is evaluated for a tile
+    before S_ij exists, into one bit a score (:func:`flashnumba.kernels.common.make_mask_bits`): its code then has
+    the registers S_ij will take, which lets it run in warps of 32 rows; a lane's scores fit one 64-bit word, so
+    wm * B_c is at most 128 with a mask_mod. ``block_mask``: (QB, KB), the block
     sizes of a :class:`flashnumba.blockmask.BlockMask` given as bm_num, bm_idx, bm_state (the last arguments,
     dummies without one; QB a multiple of B_r, KB of B_c): the key loop visits only the key blocks bm_idx lists
     for the query block, and evaluates the mask_mod only in those whose state is partial.
