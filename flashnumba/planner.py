@@ -447,7 +447,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
             t = tiling.plain_rows_per_warp(t, opts.variant, opts.mods is not None and (
                 opts.mods.score_mod is not None or opts.block_mask is None))
         wm = t.block_m // (t.num_threads // 2)  # blocks of 16 rows a warp
-        if opts.mods is not None and opts.mods.mask_mod is not None and wm * t.block_n > 128:
+        if opts.mods is not None and opts.mods.mask_mod is not None and not mma_forward.mask_bits_fit(t.block_n, wm):
             raise ValueError(f"with a mask_mod the tensor-core forward takes at most 128 keys a tile with warps of 16 "
                              f"rows and 64 with warps of 32 (a lane's mask bits: one 64-bit word), got block_n "
                              f"{t.block_n} with {16 * wm}-row warps")

@@ -40,8 +40,9 @@ def make_block_tiles(on, block, tile):
 @functools.lru_cache(maxsize=None)
 def make_block_full(on, block):
     """block_full(state, bb, hb, outer, j) -> whether the block of row ``j`` (``block`` rows a block) in
-    state[bb, hb, outer] is a full one (False where ``on`` is not: no block mask). The forward reads it a tile
-    ahead of its use, so that its latency hides behind a tile's products."""
+    state[bb, hb, outer] is a full one (False where ``on`` is not: no block mask); the kernels evaluate the
+    mask_mod in the blocks that are not. The forward reads it a tile ahead of its use, so that its latency hides
+    behind a tile's products."""
 
     @cuda.jit(device=True, inline=True)
     def block_full(state, bb, hb, outer, j):

@@ -17,7 +17,7 @@ cores) and in ``flashnumba.reference``:
 * the dropout mask: a Philox uniform drawn from (seed, offset, batch * nheads + head, i, j):
   :data:`dropout_uniform`, so that the backward regenerates exactly the forward's mask;
 * a user's own score and mask functions (FlexAttention's ``score_mod`` and ``mask_mod``): :class:`Mods`, compiled
-  into the kernels by :func:`make_user_mods`; the tensor-core kernels keep the mask_mod of a lane's scores in one
+  into the kernels by :func:`make_user_mods`; the tensor-core forward keeps the mask_mod of a lane's scores in one
   bit each: :func:`make_mask_bits`.
 
 Scores are kept in base 2 inside the kernels (exp2, with log2(e) folded into the scale): :data:`LOG2E` and
@@ -290,7 +290,7 @@ def make_user_mods(mods):
 
 @functools.lru_cache(maxsize=None)
 def make_mask_bits(mods):
-    """(hide, hidden) for a user's mask_mod in the tensor-core kernels, which evaluate it for a tile before its
+    """(hide, hidden) for a user's mask_mod in the tensor-core forward, which evaluates it for a tile before its
     products (its code then has the registers that the products' results will hold, and a lane keeps one bit a
     score, at most 64 scores, instead)::
 

@@ -54,7 +54,7 @@ import functools
 
 from . import bf16, ptx
 from .._backend import cuda
-from .block_mask import make_block_tiles
+from .block_mask import make_block_full, make_block_tiles
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry,
                      make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
@@ -222,6 +222,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     QB, KB = block_mask if BM else (B_R, B_C)
     SUB = KB // B_C  # key tiles per block of a block mask
     tile_start = make_block_tiles(BM, KB, B_C)  # first key of the jt-th key tile the block visits
+    block_full = make_block_full(BM, KB)  # whether a block mask lists a key's block as full
 
     @cuda.jit
     def backward_dq_tc(dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
@@ -293,7 +294,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
 
             masked = (j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
                       or (HAS_LEFT and j0 < last_row + diag - left))
-            partial = USER_MASK and (not BM or bm_state[bbm, hbm, qb, j0 // KB] != 2)  # (2: a full block)
+            partial = USER_MASK and not block_full(bm_state, bbm, hbm, qb, j0)
             for n in range(NS):
                 for x in range(4):
                     i = i0 + r0 + g + 8 * (x >> 1)
@@ -377,6 +378,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     QB, KB = block_mask if BM else (B_R, B_C)
     SUBQ = QB // B_R  # query tiles per block of a block mask
     query_start = make_block_tiles(BM, QB, B_R)  # first row of the n-th query tile of a head's list
+    block_full = make_block_full(BM, KB)  # whether a block mask lists a query block's key block as full
 
     @cuda.jit(device=True, inline=True)
     def next_listed(hc, rank, hk, group, bm_qnum, bbm, kb):
@@ -520,7 +522,7 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
             last_row = min(i0 + B_R, seqlen_q) - 1
             masked = (i0 + B_R > seqlen_q or j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
                       or (HAS_LEFT and j0 < last_row + diag - left))
-            partial = USER_MASK and (not BM or bm_state[bbm, h if bm_qnum.shape[1] > 1 else 0, i0 // QB, kb] != 2)
+            partial = USER_MASK and not block_full(bm_state, bbm, h if bm_qnum.shape[1] > 1 else 0, i0 // QB, j0)
             for n in range(NS):
                 for x in range(4):
                     c = 8 * n + 2 * t + (x & 1)  # query column inside Q_i

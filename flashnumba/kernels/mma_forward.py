@@ -75,6 +75,12 @@ def shared_bytes(D, B_c, B_r):
 ROWS_PER_WARP = (16, 32)  # query rows a warp owns: one or two blocks of 16 (WM = 1, 2)
 
 
+def mask_bits_fit(B_c, wm):
+    """Whether a lane's scores of a tile (2 wm of its rows x B_c / 4 of its keys) fit the one 64-bit word of mask
+    bits a mask_mod leaves (:func:`flashnumba.kernels.common.make_mask_bits`)."""
+    return wm * B_c // 2 <= 64
+
+
 @functools.lru_cache(maxsize=None)
 def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=False, positive_scale=True, wm=1,
                     mods=None, block_mask=None):
@@ -124,7 +130,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
         raise ValueError(f"wm (blocks of 16 rows per warp) must be 1 or 2, got {wm}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
-    if mods is not None and mods.mask_mod is not None and wm * B_c > 128:  # (a lane's scores: one 64-bit word)
+    if mods is not None and mods.mask_mod is not None and not mask_bits_fit(B_c, wm):
         raise ValueError(f"with a mask_mod, wm * B_c must be at most 128, got {wm} * {B_c}")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     USER_SCORE = mods is not None and mods.score_mod is not None
