@@ -36,7 +36,7 @@ from . import _arrays, _validate, config, tiling
 from ._backend import SIMULATOR, cuda
 from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel, is_c_layout
 from .kernels import (mma_backward, mma_decode, mma_forward, mma_tf32, mma_tf32_backward, simt_backward,
-                      simt_forward, wgmma_forward)
+                      simt_forward, wgmma_backward, wgmma_forward)
 from .kernels.mma_tiles import WARP_ROWS
 from .kernels.common import MOD_ARGS
 from .kernels.simt_forward import LOG2E
@@ -285,10 +285,10 @@ def _check_family(kernel, tq, opts, limits, pass_):
         if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
             raise TypeError(f"the wgmma kernel takes float16 or bfloat16; q has dtype {tq.dtype}")
         if tq.shape[-1] not in wgmma_forward.HEAD_DIMS:
-            raise ValueError(f"the wgmma forward supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
+            raise ValueError(f"the wgmma {pass_} supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
                              f"{tq.shape[-1]}")
         if opts.mods is not None or opts.block_mask is not None:
-            raise ValueError("the wgmma forward takes no score_mod, mask_mod or block mask (kernel='tc' does)")
+            raise ValueError(f"the wgmma {pass_} takes no score_mod, mask_mod or block mask (kernel='tc' does)")
         if not SIMULATOR and tuple(limits.cc) != (9, 0):
             raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "
                              f"sm_90a); this is {limits.name}")
@@ -806,6 +806,22 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                           io_kv + ("dq_acc",) + tail + MOD_PARAMS + BLOCK_MASK_PARAMS[3:] + BLOCK_MASK_PARAMS[2:3],
                           (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
                           tiling.shared_bytes(kv_table, D, tk_t)[0], tk_t, rk)
+    elif family == "wgmma":  # (deterministic either way: no atomics)
+        tq_t, rq = tiling.resolve("wgmma_dq", D, limits, block_m, block_n, num_threads)
+        tk_t, rk = tiling.resolve("wgmma_dkdv", D, limits, block_m, block_n, num_threads)
+        tk_own, why_own = tiling.wgmma_dkdv_for_variant(tk_t, opts.variant, D, ["block_m"] if block_m else [])
+        if why_own:
+            tk_t, rk = tk_own, f"{rk}; {why_own}"
+        tail = ("scale_log2", "scale") + OPTION_PARAMS
+        name, gqa = _dtype_name(dt), nk != nheads
+        dq = KernelLaunch("dQ wgmma", "wgmma_dq", wgmma_backward.make_backward_dq_wgmma,
+                          (D, opts.variant, tq_t.block_n, tq_t.block_m // 64, name, gqa), io_dq + tail,
+                          (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
+                          tiling.shared_bytes("wgmma_dq", D, tq_t)[0], tq_t, rq, arch_specific=True)
+        kv = KernelLaunch("dK/dV wgmma", "wgmma_dkdv", wgmma_backward.make_backward_dkdv_wgmma,
+                          (D, opts.variant, tk_t.block_m, tk_t.block_n // 64, name, gqa), io_kv + tail,
+                          (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
+                          tiling.shared_bytes("wgmma_dkdv", D, tk_t)[0], tk_t, rk, arch_specific=True)
     elif family in mma_tf32.PRECISIONS:
         tq_t, rq = tiling.resolve("tf32_dq", D, limits, block_m, block_n, num_threads)
         tk_t, rk = tiling.resolve("tf32_dkdv", D, limits, block_m, block_n, num_threads)

@@ -27,6 +27,8 @@ family         kernel module                                        threads
 ``tf32_dkdv``  :mod:`flashnumba.kernels.mma_tf32_backward`          32 per 16 key rows
 ``wgmma``      :mod:`flashnumba.kernels.wgmma_forward` (Hopper)     128 per 64 query rows (a warpgroup), + 32
                                                                    a producer warp, 1 or 4 (given; else none)
+``wgmma_dq``   :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 query rows
+``wgmma_dkdv`` :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 key rows
 =============  ===================================================  ============================================
 
 ``tc_dkdv_atomic`` is the table of the dK/dV kernel when it also adds dQ with atomics (``deterministic=False``).
@@ -44,7 +46,7 @@ from typing import NamedTuple
 
 from ._launch import STATIC_SHARED_LIMIT
 from .kernels import (mma_backward, mma_forward, mma_tf32, mma_tf32_backward, simt_backward, simt_forward,
-                      wgmma_forward)
+                      wgmma_backward, wgmma_forward)
 
 MAX_REGISTERS_PER_THREAD = 255
 MMA_HEAD_DIMS = mma_forward.HEAD_DIMS  # the head dims the tensor-core forward is built for (kernel="tc")
@@ -282,13 +284,26 @@ TABLES = {
         Candidate(128, Tiles(128, 128, 256), "two warpgroups, B_c 128", min_cc=(9, 0)),
         Candidate(128, Tiles(64, 64, 128), "one warpgroup, B_c 64", min_cc=(9, 0)),
     ],
+    # the Hopper backward (block_m query rows, block_n keys): dQ with a warpgroup per 64 query rows, dK/dV with one
+    # per 64 keys
+    "wgmma_dq": [
+        Candidate(128, Tiles(128, 64, 256), "two warpgroups of 64 query rows sharing each K_j, V_j of 64 keys "
+                  "(S, dP and dQ_i within 201 registers at d = 128, no spills)", min_cc=(9, 0)),
+        Candidate(128, Tiles(64, 64, 128), "one warpgroup", min_cc=(9, 0)),
+    ],
+    "wgmma_dkdv": [
+        Candidate(128, Tiles(64, 128, 256), "two warpgroups of 64 keys sharing each Q_i, dO_i of 64 queries "
+                  "(dK_j, dV_j, S^T and dP^T within 255 registers at d = 128, no spills)", min_cc=(9, 0)),
+        Candidate(128, Tiles(64, 64, 128), "one warpgroup", min_cc=(9, 0)),
+    ],
 }
 TABLES["v3"] = TABLES["v2"]
 
 FORWARD_FAMILIES = ("v1", "v2", "v3", "tc", "tf32", "3xtf32", "wgmma")
-BACKWARD_FAMILIES = ("v1", "v2", "tc", "tf32", "3xtf32")
+BACKWARD_FAMILIES = ("v1", "v2", "tc", "tf32", "3xtf32", "wgmma")
 BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkdv"),
-                   "tf32": ("tf32_dq", "tf32_dkdv"), "3xtf32": ("tf32_dq", "tf32_dkdv")}
+                   "tf32": ("tf32_dq", "tf32_dkdv"), "3xtf32": ("tf32_dq", "tf32_dkdv"),
+                   "wgmma": ("wgmma_dq", "wgmma_dkdv")}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -321,6 +336,17 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
         why.append("B_c 64: " + ("more than two options compiled in" if many else
                                  "the options' per-score work needs the registers of 128 keys' scores"))
     return new, "; ".join(why)
+
+
+def wgmma_dkdv_for_variant(t: Tiles, variant, D, given=()) -> tuple[Tiles, str]:
+    """The Hopper dK/dV kernel's tiles for ``variant`` at head dim D, and why they differ from ``t`` ("" where not);
+    ``given``: the names the caller chose (kept). Above d = 64 a thread holds dK_j and dV_j of its keys (two D / 2
+    float32) beside S^T and dP^T of 64 queries: ALiBi's or dropout's per-entry work then spills (compiled for
+    sm_90a), so those variants take query tiles of 32."""
+    _, _, _, alibi, _, dropout = variant
+    if "block_m" in given or D <= 64 or not (alibi or dropout) or t.block_m <= 32:
+        return t, ""
+    return t._replace(block_m=32), "query tiles of 32: ALiBi's or dropout's per-entry work beside dK_j, dV_j of d > 64"
 
 
 def plain_rows_per_warp(t: Tiles, variant, user_every_score=False) -> Tiles:
@@ -371,6 +397,10 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
         return mma_tf32_backward.shared_bytes_dkdv(D, m, n), False
     if table == "wgmma":
         return wgmma_forward.shared_bytes(D, n, m), False
+    if table == "wgmma_dq":
+        return wgmma_backward.shared_bytes_dq(D, m, n), False
+    if table == "wgmma_dkdv":
+        return wgmma_backward.shared_bytes_dkdv(D, m, n), False
     raise ValueError(f"unknown tile table {table!r}")
 
 
@@ -381,7 +411,8 @@ KERNEL_NAMES = {"bwd_v1_dq": "the backward dQ kernel v1", "bwd_v1_dkdv": "the ba
                 "tc": "the tensor-core forward kernel", "v1": "the forward kernel v1", "v2": "the forward kernel v2",
                 "v3": "the forward kernel v3", "tf32": "the TF32 forward kernel", "3xtf32": "the 3xTF32 forward kernel",
                 "tf32_dq": "the TF32 dQ kernel", "tf32_dkdv": "the TF32 dK/dV kernel",
-                "wgmma": "the Hopper (wgmma) forward kernel"}
+                "wgmma": "the Hopper (wgmma) forward kernel", "wgmma_dq": "the Hopper (wgmma) dQ kernel",
+                "wgmma_dkdv": "the Hopper (wgmma) dK/dV kernel"}
 
 
 def _parts(table):
@@ -435,6 +466,8 @@ def check(table: str, D: int, t: Tiles):
             allowed = tuple(2 * m + 32 * p for p in wgmma_forward.PRODUCER_WARPS)
             raise ValueError(f"the wgmma forward takes num_threads in {allowed} at block_m {m} (128 a warpgroup of "
                              f"64 rows, and 32 a warp of the producer), got {t.num_threads}")
+    elif table in ("wgmma_dq", "wgmma_dkdv"):
+        wgmma_backward.check(D, m, n, "float16", table[6:])
     elif table in ("tf32", "3xtf32"):
         if D not in mma_tf32.HEAD_DIMS:
             raise ValueError(f"the TF32 kernel supports head_dim in {mma_tf32.HEAD_DIMS}, got {D}")
@@ -467,6 +500,10 @@ def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
                                                             or 0))
     if table in ("tc_dkdv", "tc_dkdv_atomic"):
         return t._replace(num_threads=mma_backward.dkdv_threads(D, t.block_n))
+    if table == "wgmma_dq":
+        return t._replace(num_threads=2 * t.block_m)
+    if table == "wgmma_dkdv":
+        return t._replace(num_threads=2 * t.block_n)
     return t
 
 
@@ -511,10 +548,10 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
         base = TABLES[table][0].tiles
     t = Tiles(base.block_m if block_m is None else block_m, base.block_n if block_n is None else block_n,
               base.num_threads if num_threads is None else num_threads)
-    if table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32", "tf32_dq", "tf32_dkdv") and \
-            num_threads is not None:
+    if table in ("tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32", "tf32_dq", "tf32_dkdv", "wgmma_dq",
+                 "wgmma_dkdv") and num_threads is not None:
         raise ValueError(f"kernel {table.split('_')[0]!r} takes no num_threads: its threads follow from its tiles "
-                         f"(32 per 16 rows)")
+                         f"({'128 per 64' if table.startswith('wgmma') else '32 per 16'} rows)")
     if table == "wgmma":  # the default's producer warps, or those the caller gives (32 threads each)
         if num_threads is None:
             t = t._replace(num_threads=2 * t.block_m + 32 * wgmma_forward.producer_warps(base.block_m,

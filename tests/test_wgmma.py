@@ -1,9 +1,10 @@
-"""The Hopper forward (kernel="wgmma", :mod:`flashnumba.kernels.wgmma_forward`) against the float64 reference.
+"""The Hopper kernels (kernel="wgmma", :mod:`flashnumba.kernels.wgmma_forward` and
+:mod:`flashnumba.kernels.wgmma_backward`) against the float64 reference.
 
 In the simulator: one and two warpgroups, causal and not, every option, varlen, bfloat16 (each wgmma there is 128
 Python threads meeting at a barrier: tiny shapes), and the sm_90a compile without a GPU (registers, no spills, no
 serialised wgmma). On an H200: awkward and long shapes at the default tiles, and a Hypothesis property over shapes,
-head dims, dtypes and options; tolerances as in conftest.check_forward.
+head dims, dtypes and options; tolerances as in conftest.check_forward and conftest.check_backward.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import flashnumba
-from conftest import FULL_COMPILE, GPU_SHAPES, check_forward, compile_offline, random_qkv, shard
+from conftest import FULL_COMPILE, GPU_SHAPES, check_backward, check_forward, compile_offline, random_qkv, shard
 from flashnumba import reference
 from flashnumba._backend import cuda
 
@@ -113,7 +114,13 @@ def test_what_it_does_not_take_is_refused():
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         flashnumba.flash_attn_forward(*(x.astype(np.float32) for x in (q, k, v)), kernel="wgmma")
     out, lse = flashnumba.flash_attn_forward(q, k, v)
-    with pytest.raises(ValueError, match="for the backward"):
+    with pytest.raises(ValueError, match="block_m 64 or 128"):
+        flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma", block_m=32, block_n=64)
+    with pytest.raises(ValueError, match="takes no num_threads"):
+        flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma", num_threads=256)
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 80, np.float16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v)
+    with pytest.raises(ValueError, match="wgmma backward supports head_dim"):
         flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma")
 
 
@@ -277,3 +284,185 @@ def test_varlen_gpu(dtype, threads):
             rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
             if rq.stop > rq.start:
                 check_forward(out[None, rq], lse[None, :, rq], q[None, rq], k[None, rk], v[None, rk], **opts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the backward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def wgmma_backward(q, k, v, tiles=(64, 64), **opts):
+    """The backward through kernel="wgmma" at tiles (block_m, block_n), both kernels' (dQ: block_m query rows, a
+    warpgroup per 64, tiles of block_n keys; dK/dV: block_n keys, a warpgroup per 64, tiles of block_m queries),
+    None for the defaults; its inputs from the default forward."""
+    rng = np.random.default_rng(q.shape[1] + k.shape[1])
+    out, lse = flashnumba.flash_attn_forward(q, k, v, **opts)
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1])
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **blocks, **opts)
+    return grads[:3], dout, out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_one_warpgroup_matches_reference(causal):
+    """dQ over two key tiles and dK/dV over two query tiles (the second of each partial; three with the causal
+    band's offset): the pipelines, the masks, L_i and D_i per column."""
+    rng = np.random.default_rng(21)
+    q, k, v = random_qkv(rng, 1, 70, 90, 1, 64, np.float16)
+    grads, dout, out, lse = wgmma_backward(q, k, v, causal=causal)
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+def test_backward_two_warpgroups_every_option():
+    """At the default tiles: two warpgroups sharing each tile in both kernels (dK/dV's query tiles of 32, as the
+    planner gives them with ALiBi or dropout above d = 64), GQA (the dK/dV kernel summing two query heads in
+    order), a two-sided window, softcap, ALiBi and dropout at once, head_dim 96, bfloat16."""
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(22)
+    nheads, nheads_k, sq, sk = 2, 1, 20, 70
+    q, k, v = random_qkv(rng, 1, sq, sk, nheads, 96, bf16)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    opts = dict(window_size=(30, 9), softcap=2.5, alibi_slopes=np.array([0.3, 0.7], np.float32), dropout_p=0.3,
+                dropout_seed=9, dropout_offset=4)
+    ref = {n: x for n, x in opts.items() if not n.startswith("dropout")}
+    ref["dropout_z"] = reference.dropout_z(9, 4, 1, nheads, sq, sk, 0.3)
+    grads, dout, out, lse = wgmma_backward(q, k, v, tiles=None, **opts)
+    check_backward(grads, dout, q, k, v, out, lse, **ref)
+
+
+@pytest.mark.parametrize("D, opts, dq, dkdv, note", [
+    (128, {}, (128, 64, 256), (64, 128, 256), False),
+    (128, dict(dropout_p=0.1), (128, 64, 256), (32, 128, 256), True),
+    (96, dict(alibi_slopes=np.ones(2, np.float32)), (128, 64, 256), (32, 128, 256), True),
+    (64, dict(dropout_p=0.1, causal=True), (128, 64, 256), (64, 128, 256), False),
+    (128, dict(dropout_p=0.1, block_m=64), (64, 64, 128), (64, 128, 256), False),
+    (128, dict(block_n=64), (128, 64, 256), (64, 64, 128), False),
+])
+def test_the_backward_plan_fits_the_tiles(D, opts, dq, dkdv, note):
+    """The Hopper backward's tiles: each kernel's table, the dK/dV kernel's query tiles of 32 where ALiBi or
+    dropout would spill above d = 64 (tiling.wgmma_dkdv_for_variant, said in the plan), the tiles a caller gives
+    applied to both kernels."""
+    q = np.zeros((1, 70, 2, D), np.float16)
+    lse = np.zeros((1, 2, 70), np.float32)
+    p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="wgmma", device="sm_90", **opts)
+    tiles = {x.name: tuple(x.tiles) for x in p.launches if x.tiles is not None}
+    assert tiles == {"dQ wgmma": dq, "dK/dV wgmma": dkdv}
+    reason = next(x.reason for x in p.launches if x.name == "dK/dV wgmma")
+    assert ("query tiles of 32" in reason) == note
+
+
+BACKWARD_COMPILE = r"""
+import json
+from flashnumba import _launch
+from flashnumba.kernels import wgmma_backward as wb
+from flashnumba.kernels.common import Variant
+plain = Variant()
+cases = [("dq", 128, 64, 2, "float16", plain, False), ("dkdv", 128, 64, 2, "float16", plain, False),
+         ("dkdv", 64, 64, 2, "bfloat16", plain, False)]
+if FULL:
+    every = Variant(True, True, True, True, True, True)
+    # (ALiBi and dropout take 32-query tiles in the dK/dV kernel above d = 64: tiling.wgmma_dkdv_for_variant)
+    cases += [("dq", 128, 64, 2, "bfloat16", every, True), ("dkdv", 128, 32, 2, "bfloat16", every, True),
+              ("dkdv", 64, 64, 2, "bfloat16", every, True),
+              ("dq", 96, 64, 2, "float16", Variant(False, True), False),
+              ("dkdv", 96, 64, 2, "float16", Variant(False, True), True),
+              ("dq", 64, 128, 2, "float16", Variant(False, True), False),
+              ("dkdv", 64, 64, 1, "float16", Variant(False, True, False, False, True, True), True)]
+out = {}
+for which, D, loop, wg, dt, var, gqa in cases:
+    el = "uint16" if dt == "bfloat16" else "float16"
+    a4 = f"{el}[:, :, :, ::1]"
+    make = wb.make_backward_dq_wgmma if which == "dq" else wb.make_backward_dkdv_wgmma
+    fn = make(D, var, loop, wg, dt, gqa)
+    outs = a4 if which == "dq" else f"{a4}, {a4}"
+    sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32[:, :, ::1], {outs}, float32, float32, "
+           f"float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64)")
+    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"), wb.threads(wg))
+    log = _launch.assemble(ptx, (9, 0, "a"))[1]
+    out[f"{which} {dt} D={D} loop={loop} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+print(json.dumps(out))
+"""
+
+
+def test_wgmma_backward_compiles_for_sm90a():
+    """Without a GPU: the dQ and dK/dV kernels assemble for sm_90a with their accumulators in registers (no
+    spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
+    assert len(compiled) == (10 if FULL_COMPILE else 3)
+    for name, r in compiled.items():
+        assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
+        print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: {r['log'][-600:]}"
+        assert "serialized" not in r["log"], f"{name}: {r['log'][-600:]}"
+
+
+@gpu_only
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES)
+@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype):
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(seqlen_q + 3 * seqlen_k + D)
+    q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D, dtype)
+    grads, dout, out, lse = wgmma_backward(q, k, v, tiles=None, causal=causal)
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+@gpu_only
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
+@given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from([64, 96, 128]),
+       dtype=st.sampled_from(["float16", "bfloat16"]),
+       tiles=st.sampled_from([None, (64, 64), (64, 128)]),
+       causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
+       alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+def test_backward_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles,
+                                               causal, window, softcap, alibi, dropout, seed):
+    """Hypothesis over shapes, GQA groups, head dims, dtypes, both kernels' tiles and every option."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(seed)
+    nheads = nheads_k * group
+    q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, D, dtype)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    opts = dict(causal=causal, softcap=softcap)
+    if window is not None:
+        opts["window_size"] = window
+    if alibi:
+        opts["alibi_slopes"] = rng.uniform(0.01, 1.0, nheads).astype(np.float32)
+    ref = dict(opts)
+    if dropout:
+        opts.update(dropout_p=dropout, dropout_seed=seed % 1000, dropout_offset=3)
+        ref["dropout_z"] = reference.dropout_z(seed % 1000, 3, batch, nheads, seqlen_q, seqlen_k, dropout)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, **opts)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1])
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **blocks, **opts)
+    check_backward(grads[:3], dout, q, k, v, out, lse, **ref)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_varlen_gpu(dtype):
+    """Packed sequences of awkward lengths (one empty), GQA, causal and a window: each sequence's gradients
+    checked as a batch of one."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(12)
+    lens_q, lens_k = [5, 0, 700, 129], [9, 3, 650, 300]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 4, 128)).astype(dtype)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 128)).astype(dtype) for _ in range(2))
+    for opts in (dict(causal=True), dict(window_size=(100, 20))):
+        out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **opts)
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        dq, dk, dv = flashnumba.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q),
+                                                           max(lens_k), kernel="wgmma", **opts)[:3]
+        for b in range(len(lens_q)):
+            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if rq.stop > rq.start:
+                check_backward((dq[None, rq], dk[None, rk], dv[None, rk]), dout[None, rq], q[None, rq],
+                               k[None, rk], v[None, rk], out[None, rq], lse[None, :, rq], **opts)

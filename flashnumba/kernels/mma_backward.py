@@ -128,7 +128,7 @@ def _store_bf16(x):
 
 
 @functools.lru_cache(maxsize=None)
-def make_entry(variant, mods=None):
+def make_entry(variant, mods=None, no_calls=False):
     """entry(sv, dpv, i, j, l2, di, masked, partial, ...) -> (P_ij keep_ij, dS_ij) of one entry, from sv =
     (Q_i K_j^T)_ij, dpv = (dO_i V_j^T)_ij, l2 = log2(e) L_i and di = D_i: the score as the forward formed it
     (softcap, ALiBi, then a user's score_mod), P recomputed from the logsumexp, 0 where ``masked`` and the entry
@@ -137,13 +137,14 @@ def make_entry(variant, mods=None):
     dS = P (Z dP - D_i) times the derivative of the score's modifications (softcap's, the user's
     score_mod_grad). The user's functions (``mods``, :func:`flashnumba.kernels.common.make_user_mods`) are called
     only for entries within the sequences, the score_mod only for those the mask_mod shows, as in the SIMT
-    backward."""
+    backward. ``no_calls``: softcap's tanh without a subroutine call (the Hopper kernels',
+    :func:`flashnumba.kernels.common.make_score_mod`)."""
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, _, DROPOUT = variant
     USER_SCORE = mods is not None and mods.score_mod is not None
     USER_MASK = mods is not None and mods.mask_mod is not None
     user_score, user_mask = make_user_mods(mods)
     SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE
-    score_mod = make_score_mod(SOFTCAP, ALIBI)
+    score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls)
 
     @cuda.jit(device=True, inline=True)
     def entry(sv, dpv, i, j, l2, di, masked, partial, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,

@@ -170,11 +170,17 @@ _flashnumba_tc.dtypes = ("float16", "bfloat16")
 
 
 def _flashnumba_wgmma(q, k, v, dout, causal, window_size=(-1, -1)):
-    """The Hopper forward (``kernel="wgmma"``: compute capability 9.0, float16 or bfloat16, head_dim 64, 96 or 128;
-    forward only)."""
+    """The Hopper kernels (``kernel="wgmma"``: compute capability 9.0, float16 or bfloat16, head_dim 64, 96 or
+    128), forward and backward."""
     opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
-    flash_attn_forward(q, k, v, **opts)  # unsupported GPUs, dtypes and head dims raise here, before timing
-    return {FWD: lambda: flash_attn_forward(q, k, v, **opts), PLANS: _plans(q, k, v, dout, None, None, opts)}
+    out, lse = flash_attn_forward(q, k, v, **opts)  # unsupported GPUs, dtypes and head dims raise here
+    return {
+        FWD: lambda: flash_attn_forward(q, k, v, **opts),
+        BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, **opts),
+        FWDBWD: lambda: attention_with_grad(q, k, v, dout, causal=causal, window_size=window_size, kernel="wgmma",
+                                            backward_kernel="wgmma"),
+        PLANS: _plans(q, k, v, dout, out, lse, opts, opts),
+    }
 
 
 _flashnumba_wgmma.features = True

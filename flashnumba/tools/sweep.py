@@ -12,7 +12,8 @@ blocks that fit on one SM (:func:`flashnumba.tools.resources.occupancy`), and wh
 Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``;
 backward ``bwd_v1``, ``bwd_v2`` (dQ and dK/dV together, one tile for both), ``tc_dq``, ``tc_dkdv`` (each tensor-core
 backward kernel with its own tiles; the API gives block_m and block_n to both backward kernels, so a configuration
-the other kernel cannot take is recorded as an error), ``tc_dkdv_atomic`` (the dK/dV kernel that also adds dQ with
+the other kernel cannot take is recorded as an error; ``wgmma_dq``, ``wgmma_dkdv`` the same for the Hopper
+backward), ``tc_dkdv_atomic`` (the dK/dV kernel that also adds dQ with
 atomics, ``deterministic=False``; its conversion of dQ not timed). Workload: batch = 16384 / seqlen, heads =
 2048 / head_dim.
 
@@ -34,6 +35,7 @@ FAMILIES = {  # family: (pass, kernel= of the API, the tables of the launches ti
     "tf32": ("forward", "tf32"), "3xtf32": ("forward", "3xtf32"),
     "bwd_v1": ("backward", "v1"), "bwd_v2": ("backward", "v2"), "tc_dq": ("backward", "tc"),
     "tc_dkdv": ("backward", "tc"), "tc_dkdv_atomic": ("backward", "tc"),
+    "wgmma_dq": ("backward", "wgmma"), "wgmma_dkdv": ("backward", "wgmma"),
 }
 TILE_SIZES = (16, 32, 64, 128)
 THREADS = (64, 128, 256)  # for the families that take num_threads (v2, v3, bwd_v2)
@@ -162,7 +164,8 @@ def sweep(family, head_dims, seqlen, causal, dtype, repeat=5, progress=True, wor
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     limits = planner.current_device()
     if dtype is None:
-        dtype = "float16" if family in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic") else "float32"
+        dtype = "float16" if family in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic", "wgmma_dq", "wgmma_dkdv") else \
+            "float32"
     if family in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32"):
         allowed = mma_tf32.HEAD_DIMS if "tf32" in family else mma_forward.HEAD_DIMS
         head_dims = [d for d in head_dims if d in allowed] or list(allowed)

@@ -1,0 +1,527 @@
+"""Backward kernels on Hopper's warpgroup MMA: FlashAttention-2's Algorithm 2 with its products as ``wgmma``.
+
+The algorithm is that of :mod:`flashnumba.kernels.mma_backward` (read it first: two kernels without atomics, so
+the gradients are deterministic, each recomputing S and dP; one entry function, ``mma_backward.make_entry``, for
+P and dS with every option); the machinery is that of :mod:`flashnumba.kernels.wgmma_forward` (read it second: a
+warpgroup of 128 threads owns 64 rows of the products, the tensor cores read the shared operands through
+descriptors, an accumulator turned into 16-bit pairs is the A operand of the next product, three buffers, the
+products of one tile overlapped with the per-entry work of the next). What this module adds is which operand
+lies where.
+
+dQ, one block per query tile Q_i of B_r = 64 x warpgroups rows, looping over the key tiles K_j, V_j of B_c keys::
+
+    S_ij  = Q_i K_j^T      wgmma m64nB_ck16, A = Q_i, B = K_j (both K-major in shared memory)    group 1
+    dP_ij = dO_i V_j^T     wgmma m64nB_ck16, A = dO_i, B = V_j (K-major)                           group 1
+    dS_ij = P_ij (dP_ij - D_i), P_ij from the logsumexp        (per entry, in the S and dP registers)
+    dQ_i += dS_ij K_j      wgmma m64nDk16, A = dS_ij from registers, B = K_j read MN-major       group 2
+
+It is the forward's loop with dP beside S and dS in place of P: K_j serves twice, as V_j does in the forward,
+read K-major for S and MN-major for dQ (the core-matrix layout of wgmma_forward serves both).
+
+dK, dV, one block per key tile K_j, V_j of B_c = 64 x warpgroups keys (of one key/value head), looping over the
+query tiles Q_i, dO_i of B_r rows of each query head that shares it (GQA: in order, so the sums are
+deterministic). Keys are the rows (M) of every product, so that P^T and dS^T come out where they are the A
+operand of the next::
+
+    S_ij^T  = K_j Q_i^T    wgmma m64nB_rk16, A = K_j, B = Q_i (K-major)                            group 1
+    dP_ij^T = V_j dO_i^T   wgmma m64nB_rk16, A = V_j, B = dO_i (K-major)                           group 1
+    P^T, dS^T per entry, L_i and D_i per column (query) from shared memory
+    dV_j   += (P_ij Z_ij)^T dO_i    wgmma m64nDk16, A = P^T from registers, B = dO_i MN-major   group 2
+    dK_j   += dS_ij^T Q_i           wgmma m64nDk16, A = dS^T from registers, B = Q_i MN-major   group 2
+
+The pipeline of both (wgmma_forward's, one barrier a tile, every thread copying): at tile j the products of group
+1 on tile j are issued, then group 2 of tile j - 1 behind them; the warpgroup waits for group 1 alone, computes
+the entries of tile j while the tensor cores run group 2, waits for it, and packs its new A operands (which
+overwrites the registers group 2 read). Three buffers of the looped-over tiles hold tiles j - 1 (read by group
+2), j and j + 1 (in flight). The first tile's group 1 and the last tile's group 2 are issued outside the loop:
+the assembler serialises every wgmma of a kernel where one sits behind a branch inside the loop, or where the
+kernel makes any subroutine call (a 64-bit integer division, libdevice's tanhf: the options use call-free forms,
+``make_entry(..., no_calls=True)``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import float32, uint16, uint32
+
+from . import bf16, ptx, ptx_hopper as hop
+from .._backend import cuda
+from .common import LOG2E, NEG_INF, make_key_tiles, make_sequence_geometry
+from .mma_backward import _store_bf16, make_entry
+from .wgmma_forward import HEAD_DIMS, STAGES, make_load_core
+from numba.cuda.types import float16
+
+WARPGROUPS = (1, 2)
+DQ_BLOCK_NS = (64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
+DKDV_BLOCK_MS = (32, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)
+
+
+def threads(warpgroups):
+    """Threads of a block: 128 a warpgroup."""
+    return 128 * warpgroups
+
+
+def shared_bytes_dq(D, block_m, block_n):
+    """Q_i and dO_i (block_m rows), :data:`STAGES` K_j, V_j buffers (block_n rows), 16-bit elements."""
+    return (2 * block_m + 2 * STAGES * block_n) * D * 2
+
+
+def shared_bytes_dkdv(D, block_m, block_n):
+    """K_j and V_j (block_n rows), :data:`STAGES` Q_i, dO_i buffers (block_m rows), 16-bit elements, and
+    log2(e) L_i and D_i of each buffer's queries (float32, static: counted here too)."""
+    return (2 * block_n + 2 * STAGES * block_m) * D * 2 + 2 * STAGES * block_m * 4
+
+
+def check(D, block_m, block_n, dtype, which):
+    """ValueError unless the tiles suit the kernel (``which``: "dq" or "dkdv")."""
+    if D not in HEAD_DIMS:
+        raise ValueError(f"the wgmma backward supports head_dim in {HEAD_DIMS}, got {D}")
+    rows, loop, loops = (block_m, block_n, DQ_BLOCK_NS) if which == "dq" else (block_n, block_m, DKDV_BLOCK_MS)
+    if rows not in tuple(64 * w for w in WARPGROUPS) or loop not in loops:
+        names = ("block_m", "block_n") if which == "dq" else ("block_n", "block_m")
+        raise ValueError(f"the wgmma {'dQ' if which == 'dq' else 'dK/dV'} kernel takes {names[0]} 64 or 128 (one or "
+                         f"two warpgroups of 64 rows) and {names[1]} in {loops}, got block_m {block_m}, block_n "
+                         f"{block_n}")
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+
+
+def _common(D, dtype):
+    is_bf16 = dtype == "bfloat16"
+    kind = "bf16" if is_bf16 else "f16"
+    store = _store_bf16 if is_bf16 else bf16.load_store(False)[1]
+    pack = ptx.pack_bf16x2 if is_bf16 else ptx.pack_f16x2
+    elem = uint16 if is_bf16 else float16
+    return kind, store, pack, elem
+
+
+@functools.lru_cache(maxsize=None)
+def make_pieces(D, dtype):
+    """Device functions both kernels share: ``publish_tile()`` (wgmma_forward's), ``pack_a(pa, acc, n)`` (the
+    accumulator's first n / 2 registers as the 16-bit A operand of a product over its columns: the 16 columns of
+    k-step c are acc[8 c .. 8 c + 7], wgmma_forward's rescale_and_pack), ``issue_abt(acc, a_addr, lbo_a, b_addr,
+    lbo_b)`` (acc = A B^T, D / 16 wgmma, both K-major, not committed), ``issue_ab(acc, pa, b_addr, sbo)``
+    (acc += A B, A from registers, B MN-major with rows of sbo / 16 elements between its column blocks, not
+    committed)."""
+    kind, _, pack, _ = _common(D, dtype)
+    KD = D // 16
+
+    @cuda.jit(device=True, inline=True)
+    def publish_tile():
+        ptx.cp_async_wait_all()
+        hop.fence_proxy_async()
+        cuda.syncthreads()
+
+    def make_issue_abt(N):
+        mma, fence, _ = hop.wgmma_ops(kind, N)
+
+        @cuda.jit(device=True, inline=True)
+        def issue_abt(acc, a_addr, lbo_a, b_addr, lbo_b):
+            da = hop.make_desc(a_addr, lbo_a, 128)
+            db = hop.make_desc(b_addr, lbo_b, 128)
+            fence(acc)
+            for ks in range(KD):  # (the next 16 head dims: 2 LBO further on, in the descriptor's 16-byte units)
+                mma(acc, da + ks * (lbo_a // 8), db + ks * (lbo_b // 8), ks)
+
+        return issue_abt
+
+    def make_issue_ab(KC):
+        mma, fence, _ = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
+
+        @cuda.jit(device=True, inline=True)
+        def issue_ab(acc, pa, b_addr, sbo):
+            db = hop.make_desc(b_addr, 128, sbo)
+            fence(acc)
+            for kc in range(KC):  # (the next 16 rows of B: 256 bytes further on)
+                mma(acc, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], db + kc * 16, 1)
+
+        return issue_ab
+
+    def make_pack(KC):
+        @cuda.jit(device=True, inline=True)
+        def pack_a(pa, acc):
+            for c in range(KC):
+                for r in range(4):
+                    pa[c, r] = pack(acc[8 * c + 2 * r], acc[8 * c + 2 * r + 1])
+
+        return pack_a
+
+    return publish_tile, make_issue_abt, make_issue_ab, make_pack
+
+
+@functools.lru_cache(maxsize=None)
+def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa=False):
+    """The dQ kernel (module docstring) for head_dim D (:data:`HEAD_DIMS`), block_n keys a tile
+    (:data:`DQ_BLOCK_NS`), ``warpgroups`` warpgroups of 64 query rows, the options of ``variant`` compiled in as in
+    :func:`flashnumba.kernels.mma_backward.make_backward_dq_tc`, whose arguments it takes but the user's functions'
+    and a block mask's: (dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
+    p_drop, rp_keep, seed, offset). Compiled for sm_90a. Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads),
+    block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dq`."""
+    B_R, B_C = 64 * warpgroups, block_n
+    check(D, B_R, B_C, dtype, "dq")
+    HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, _ = variant
+    GQA = bool(gqa)
+    sequence = make_sequence_geometry(VARLEN)
+    entry = make_entry(variant, no_calls=True)
+    kind, store, _, elem = _common(D, dtype)
+    NT = threads(warpgroups)
+    NS = B_C // 2  # S and dP accumulator registers a thread: 64 x B_c over 128 threads
+    NO = D // 2  # dQ accumulator registers a thread
+    KC = B_C // 16  # k-steps of dQ += dS K
+    OFF_DO = B_R * D  # dO_i after Q_i
+    OFF_K = 2 * B_R * D  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
+    OFF_V = B_C * D
+    BUF = 2 * B_C * D
+    LBO_Q, LBO_K = 16 * B_R, 16 * B_C  # descriptor strides, bytes (wgmma_forward's layout)
+    publish_tile, make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
+    issue_abt = make_issue_abt(B_C)
+    issue_ab = make_issue_ab(KC)
+    pack_a = make_pack(KC)
+    wait_s = hop.wgmma_ops(kind, B_C)[2]
+    wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
+    load_core = make_load_core(D, NT)
+    key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(smem, jt, k, v, bb, row0, row_end, hk, tid):
+        """Start the copies of K_j, V_j (tile jt, keys from row0) into buffer jt % STAGES, one commit group."""
+        nb = OFF_K + (jt % STAGES) * BUF
+        load_core(smem, nb, k, bb, row0, row_end, hk, B_C, tid)
+        load_core(smem, nb + OFF_V, v, bb, row0, row_end, hk, B_C, tid)
+        ptx.cp_async_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt):
+        """Group 1: S_ij = Q_i K_j^T and dP_ij = dO_i V_j^T (tile jt's buffer), one commit."""
+        nb = kv_addr + (jt % STAGES) * BUF * 2
+        issue_abt(s, q_addr, LBO_Q, nb, LBO_K)
+        issue_abt(dp, do_addr, LBO_Q, nb + OFF_V * 2, LBO_K)
+        hop.wgmma_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def issue_dq(acc, pa, kv_addr, jt):
+        """Group 2: dQ_i += dS_ij K_j (K_j of tile jt's buffer read MN-major), one commit."""
+        issue_ab(acc, pa, kv_addr + (jt % STAGES) * BUF * 2, 16 * B_C)
+        hop.wgmma_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale, softcap,
+                left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh):
+        """dS_ij into dp (rows r0, r0 + 8 of Q_i; this lane's columns of the tile from key j0)."""
+        masked = (j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
+                  or (HAS_LEFT and j0 < last_row + diag - left))
+        for n in range(NS // 4):
+            for x in range(4):
+                _, ds = entry(s[4 * n + x], dp[4 * n + x], i0 + r0 + 8 * (x >> 1), j0 + 8 * n + 2 * t + (x & 1),
+                              lrow[x >> 1], drow[x >> 1], masked, False, seqlen_q, seqlen_k, diag, scale_log2, scale,
+                              softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0)
+                dp[4 * n + x] = ds
+
+    @cuda.jit
+    def backward_dq_wgmma(dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
+                          p_drop, rp_keep, seed, offset):
+        nheads = q.shape[2]
+        tid = cuda.threadIdx.x
+        gw = tid >> 7  # warpgroup: rows 64 gw .. 64 gw + 63 of Q_i
+        lane = tid & 31
+        t = lane & 3
+        # (32-bit unsigned divisions: a 64-bit one is a subroutine call)
+        b = uint32(cuda.blockIdx.y) // uint32(nheads)
+        h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))
+        hk = h
+        if GQA:
+            hk = h // uint32(uint32(nheads) // uint32(k.shape[2]))
+        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first
+        r0 = 64 * gw + 16 * ((tid >> 5) & 3) + (lane >> 2)  # this lane's first row in Q_i; its second is r0 + 8
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
+        diag = seqlen_k - seqlen_q
+        slope = alibi[b, h] if ALIBI else float32(0.0)
+        if i0 >= seqlen_q:
+            return
+
+        smem = cuda.shared.array(0, elem)  # Q_i | dO_i | K, V buffers 0, 1, 2 (dynamic), core matrices
+        s = cuda.local.array(NS, float32)  # S_ij, then nothing (P is not kept)
+        dp = cuda.local.array(NS, float32)  # dP_ij, then dS_ij
+        acc = cuda.local.array(NO, float32)  # dQ_i
+        pa = cuda.local.array((KC, 4), uint32)  # dS_ij packed: the A operand of dQ_i += dS_ij K_j
+        lrow = cuda.local.array(2, float32)  # log2(e) L_i of rows r0, r0 + 8
+        drow = cuda.local.array(2, float32)  # D_i
+        for x in range(2):
+            i = i0 + r0 + 8 * x
+            L = lse[bb, h, q0 + i] if i < seqlen_q else float32(0.0)
+            lrow[x] = L * LOG2E if L != NEG_INF else float32(0.0)  # no visible key: every entry is masked
+            drow[x] = delta[bb, h, q0 + i] if i < seqlen_q else float32(0.0)
+        for n in range(NO):
+            acc[n] = 0.0
+        q_addr = hop.smem_address(smem, 0) + gw * 64 * 16  # this warpgroup's 64 rows: 8 core matrices further
+        do_addr = hop.smem_address(smem, OFF_DO) + gw * 64 * 16
+        kv_addr = hop.smem_address(smem, OFF_K)
+        bh = b * nheads + h
+
+        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
+        load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
+        load_core(smem, OFF_DO, dout, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
+        if n_tiles > 0:
+            load_tile(smem, 0, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+        ptx.cp_async_commit()
+
+        # The first tile: S, dP alone, dS, packed
+        if n_tiles > 0:
+            publish_tile()
+            if n_tiles > 1:
+                load_tile(smem, 1, k, v, bb, k0 + n_start + B_C, k0 + seqlen_k, hk, tid)
+            issue_sdp(s, dp, q_addr, do_addr, kv_addr, 0)
+            wait_s(0, s)
+            wait_s(0, dp)
+            ds_tile(s, dp, lrow, drow, i0, r0, t, n_start, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
+                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh)
+            pack_a(pa, dp)
+        # Tile j: S, dP issued, dQ_i += dS_i,j-1 K_j-1 behind them, dS of tile j while that runs
+        for jt in range(1, n_tiles):
+            j0 = n_start + jt * B_C
+            publish_tile()
+            if jt + 1 < n_tiles:
+                load_tile(smem, jt + 1, k, v, bb, k0 + j0 + B_C, k0 + seqlen_k, hk, tid)
+            issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt)
+            issue_dq(acc, pa, kv_addr, jt - 1)
+            wait_s(1, s)
+            wait_s(1, dp)
+            ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
+                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh)
+            wait_o(0, acc)
+            pack_a(pa, dp)
+        # The last tile's dQ product
+        if n_tiles > 0:
+            issue_dq(acc, pa, kv_addr, n_tiles - 1)
+            wait_o(0, acc)
+        ptx.cp_async_wait_all()  # (with no tile, the prologue's copies are still in flight)
+
+        for x in range(2):
+            i = i0 + r0 + 8 * x
+            if i < seqlen_q:
+                for n in range(NO // 4):
+                    dq[bb, q0 + i, h, 8 * n + 2 * t] = store(acc[4 * n + 2 * x] * scale)
+                    dq[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(acc[4 * n + 2 * x + 1] * scale)
+
+    return backward_dq_wgmma
+
+
+@functools.lru_cache(maxsize=None)
+def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", gqa=False):
+    """The dK/dV kernel (module docstring) for head_dim D, block_m queries a tile (:data:`DKDV_BLOCK_MS`),
+    ``warpgroups`` warpgroups of 64 keys, the options of ``variant`` compiled in; arguments (dout, q, k, v, lse,
+    delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset).
+    Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k), block (:func:`threads`,),
+    dynamic shared memory :func:`shared_bytes_dkdv` less its static part (2 STAGES block_m floats)."""
+    B_R, B_C = block_m, 64 * warpgroups
+    check(D, B_R, B_C, dtype, "dkdv")
+    HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
+    GQA = bool(gqa)
+    sequence = make_sequence_geometry(VARLEN)
+    entry = make_entry(variant, no_calls=True)
+    kind, store, _, elem = _common(D, dtype)
+    NT = threads(warpgroups)
+    NS = B_R // 2  # S^T and dP^T accumulator registers a thread: 64 x B_r over 128 threads
+    NO = D // 2  # dK and dV accumulator registers a thread
+    KC = B_R // 16  # k-steps of dV += P^T dO, dK += dS^T Q
+    SR = -(-B_R // NT)  # queries of L_i and D_i a thread fetches a tile
+    OFF_V = B_C * D  # V_j after K_j
+    OFF_Q = 2 * B_C * D  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
+    OFF_DO = B_R * D
+    BUF = 2 * B_R * D
+    LBO_K, LBO_Q = 16 * B_C, 16 * B_R
+    publish_tile, make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
+    issue_abt = make_issue_abt(B_R)
+    issue_ab = make_issue_ab(KC)
+    pack_a = make_pack(KC)
+    wait_s = hop.wgmma_ops(kind, B_R)[2]
+    wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
+    load_core = make_load_core(D, NT)
+
+    @cuda.jit(device=True, inline=True)
+    def tile_of(it, hk, group, nt, m_begin):
+        """(query head, first row) of iteration it: head hk * group + it // nt, tile m_begin + it % nt."""
+        if GQA:
+            u = uint32(it) // uint32(nt)
+            return hk * group + u, (m_begin + int(uint32(it) - u * uint32(nt))) * B_R
+        return hk, (m_begin + it) * B_R
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(smem, it, q, dout, bb, row0, row_end, h, tid):
+        """Start the copies of Q_i, dO_i (iteration it, rows from row0) into buffer it % STAGES, one commit."""
+        nb = OFF_Q + (it % STAGES) * BUF
+        load_core(smem, nb, q, bb, row0, row_end, h, B_R, tid)
+        load_core(smem, nb + OFF_DO, dout, bb, row0, row_end, h, B_R, tid)
+        ptx.cp_async_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_stats(st, lse, delta, bb, h, row0, row_end, tid):
+        """L_i and D_i of rows row0 + tid, row0 + tid + NT, ... into registers (loads left in flight while the
+        tile's products are issued; stored, :func:`put_stats`, before the wait for S^T: not held through the
+        entries, whose registers d = 128 needs)."""
+        for x in range(SR):
+            r = tid + x * NT
+            i = row0 + r
+            inside = r < B_R and i < row_end
+            st[0, x] = lse[bb, h, i] if inside else float32(0.0)
+            st[1, x] = delta[bb, h, i] if inside else float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def put_stats(lsm, dsm, sel, st, tid):
+        """log2(e) L_i (0 where -inf: such a row sees no key) and D_i of :func:`fetch_stats` into buffer sel."""
+        for x in range(SR):
+            r = tid + x * NT
+            if r < B_R:
+                L = st[0, x]
+                lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
+                dsm[sel, r] = st[1, x]
+
+    @cuda.jit(device=True, inline=True)
+    def issue_sdp(s, dp, k_addr, v_addr, q_base, it):
+        """Group 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (Q_i, dO_i of iteration it's buffer), one commit."""
+        nb = q_base + (it % STAGES) * BUF * 2
+        issue_abt(s, k_addr, LBO_K, nb, LBO_Q)
+        issue_abt(dp, v_addr, LBO_K, nb + OFF_DO * 2, LBO_Q)
+        hop.wgmma_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def issue_dkdv(dva, dka, pp, pd, q_base, it):
+        """Group 2: dV_j += (P Z)^T dO_i and dK_j += dS^T Q_i (iteration it's buffer, read MN-major), one commit."""
+        nb = q_base + (it % STAGES) * BUF * 2
+        issue_ab(dva, pp, nb + OFF_DO * 2, 16 * B_R)
+        issue_ab(dka, pd, nb, 16 * B_R)
+        hop.wgmma_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def entries(s, dp, lsm, dsm, sel, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+                right, slope, p_drop, rp_keep, seed, offset, b, h, bh):
+        """(P Z)^T into s and dS^T into dp (this lane's keys r0, r0 + 8 of K_j; its query columns of the tile)."""
+        last_row = min(i0 + B_R, seqlen_q) - 1
+        masked = (i0 + B_R > seqlen_q or j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
+                  or (HAS_LEFT and j0 < last_row + diag - left))
+        for n in range(NS // 4):
+            for x in range(4):
+                c = 8 * n + 2 * t + (x & 1)  # query column inside Q_i
+                pz, ds = entry(s[4 * n + x], dp[4 * n + x], i0 + c, j0 + r0 + 8 * (x >> 1), lsm[sel, c],
+                               dsm[sel, c], masked, False, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+                               right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0)
+                s[4 * n + x] = pz
+                dp[4 * n + x] = ds
+
+    @cuda.jit
+    def backward_dkdv_wgmma(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q,
+                            cu_k, p_drop, rp_keep, seed, offset):
+        nheads = q.shape[2]
+        tid = cuda.threadIdx.x
+        gw = tid >> 7  # warpgroup: keys 64 gw .. 64 gw + 63 of K_j
+        lane = tid & 31
+        t = lane & 3
+        nk = uint32(k.shape[2])
+        b = uint32(cuda.blockIdx.y) // nk
+        hk = uint32(uint32(cuda.blockIdx.y) - b * nk)
+        group = uint32(1)
+        if GQA:
+            group = uint32(nheads) // nk
+        j0 = cuda.blockIdx.x * B_C  # first key of K_j
+        r0 = 64 * gw + 16 * ((tid >> 5) & 3) + (lane >> 2)  # this lane's first key in K_j; its second is r0 + 8
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
+        diag = seqlen_k - seqlen_q
+        if j0 >= seqlen_k:
+            return
+
+        smem = cuda.shared.array(0, elem)  # K_j | V_j | Q, dO buffers 0, 1, 2 (dynamic), core matrices
+        lsm = cuda.shared.array((STAGES, B_R), float32)  # log2(e) L_i of each buffer's queries
+        dsm = cuda.shared.array((STAGES, B_R), float32)  # D_i
+        s = cuda.local.array(NS, float32)  # S^T, then (P Z)^T: this thread's part of its warpgroup's 64 x B_r
+        dp = cuda.local.array(NS, float32)  # dP^T, then dS^T
+        dva = cuda.local.array(NO, float32)  # dV_j
+        dka = cuda.local.array(NO, float32)  # dK_j
+        pp = cuda.local.array((KC, 4), uint32)  # (P Z)^T packed: the A operand of dV_j += (P Z)^T dO_i
+        pd = cuda.local.array((KC, 4), uint32)  # dS^T packed: that of dK_j += dS^T Q_i
+        st = cuda.local.array((2, SR), float32)  # L_i, D_i of the next tile, on their way to shared memory
+        for n in range(NO):
+            dva[n] = 0.0
+            dka[n] = 0.0
+        k_addr = hop.smem_address(smem, 0) + gw * 64 * 16  # this warpgroup's 64 keys: 8 core matrices further
+        v_addr = hop.smem_address(smem, OFF_V) + gw * 64 * 16
+        q_base = hop.smem_address(smem, OFF_Q)
+
+        # Query tiles that meet the band of these keys: rows j0 - diag - right .. j_last - diag + left
+        m_begin = 0
+        m_rows = seqlen_q
+        if HAS_RIGHT:
+            m_begin = max(0, j0 - diag - right) // B_R
+        if HAS_LEFT:
+            m_rows = max(0, min(seqlen_q, min(j0 + B_C, seqlen_k) - diag + left))
+        nt = max(0, (m_rows + B_R - 1) // B_R - m_begin)  # query tiles per query head
+        total = int(group) * nt
+
+        load_core(smem, 0, k, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
+        load_core(smem, OFF_V, v, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
+        if total > 0:
+            h, i0 = tile_of(0, hk, group, nt, m_begin)
+            load_tile(smem, 0, q, dout, bb, q0 + i0, q0 + seqlen_q, h, tid)
+            fetch_stats(st, lse, delta, bb, h, q0 + i0, q0 + seqlen_q, tid)
+            put_stats(lsm, dsm, 0, st, tid)
+        ptx.cp_async_commit()
+
+        # The first tile: S^T, dP^T alone, the entries, packed
+        if total > 0:
+            h, i0 = tile_of(0, hk, group, nt, m_begin)
+            publish_tile()
+            if total > 1:
+                h2, i2 = tile_of(1, hk, group, nt, m_begin)
+                load_tile(smem, 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
+                fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
+            issue_sdp(s, dp, k_addr, v_addr, q_base, 0)
+            if total > 1:
+                put_stats(lsm, dsm, 1, st, tid)
+            wait_s(0, s)
+            wait_s(0, dp)
+            slope = alibi[b, h] if ALIBI else float32(0.0)
+            entries(s, dp, lsm, dsm, 0, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h)
+            pack_a(pp, s)
+            pack_a(pd, dp)
+        # Tile i: S^T, dP^T issued, dV, dK of tile i - 1 behind them, the entries of tile i while those run
+        for it in range(1, total):
+            h, i0 = tile_of(it, hk, group, nt, m_begin)
+            sel = it % STAGES
+            publish_tile()
+            if it + 1 < total:
+                h2, i2 = tile_of(it + 1, hk, group, nt, m_begin)
+                load_tile(smem, it + 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
+                fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
+            issue_sdp(s, dp, k_addr, v_addr, q_base, it)
+            issue_dkdv(dva, dka, pp, pd, q_base, it - 1)
+            if it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this tile's barrier)
+                put_stats(lsm, dsm, (it + 1) % STAGES, st, tid)
+            wait_s(1, s)
+            wait_s(1, dp)
+            slope = alibi[b, h] if ALIBI else float32(0.0)
+            entries(s, dp, lsm, dsm, sel, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h)
+            wait_o(0, dva)
+            wait_o(0, dka)
+            pack_a(pp, s)
+            pack_a(pd, dp)
+        # The last tile's dV, dK products
+        if total > 0:
+            issue_dkdv(dva, dka, pp, pd, q_base, total - 1)
+            wait_o(0, dva)
+            wait_o(0, dka)
+        ptx.cp_async_wait_all()  # (with no tile, the prologue's copies are still in flight)
+
+        zscale = rp_keep if DROPOUT else float32(1.0)  # dV_j = (P Z)^T dO with Z = keep / (1 - p_drop)
+        for x in range(2):
+            j = j0 + r0 + 8 * x
+            if j < seqlen_k:
+                for n in range(NO // 4):
+                    c = 8 * n + 2 * t
+                    dk[bb, k0 + j, hk, c] = store(dka[4 * n + 2 * x] * scale)
+                    dk[bb, k0 + j, hk, c + 1] = store(dka[4 * n + 2 * x + 1] * scale)
+                    dv[bb, k0 + j, hk, c] = store(dva[4 * n + 2 * x] * zscale)
+                    dv[bb, k0 + j, hk, c + 1] = store(dva[4 * n + 2 * x + 1] * zscale)
+
+    return backward_dkdv_wgmma
