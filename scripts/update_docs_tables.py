@@ -191,14 +191,7 @@ def hopper(d, prefix="results/latest/"):
 def hopper_summary(d, prefix="docs/results/latest/"):
     """The README's line on the Hopper forward: its speed against FlashAttention-2, cuDNN and the mma.sync kernel
     over bench-wgmma.json's shapes (both timing modes against the peers)."""
-    rows = {(r["impl"], r["head_dim"], r["seqlen"], r["causal"]): r for r in d["rows"] if r.get("tflops")}
-    ours = {k[1:]: r for k, r in rows.items() if k[0] == "flashnumba_wgmma"}
-
-    def span(peer, modes=("tflops", "tflops_single"), head_dim=None):
-        x = [ours[k][m] / rows[(peer,) + k][m] for k in ours for m in modes
-             if (peer,) + k in rows and rows[(peer,) + k].get(m) and (head_dim is None or k[0] == head_dim)]
-        return f"{min(x):.2f}-{max(x):.2f}x"
-
+    ours, span = _spans(d)
     dims = sorted({k[0] for k in ours})
     mma = " and ".join(f"{span('flashnumba', ('tflops',), h)} at head_dim {h}" for h in dims)
     mma = f"against the `mma.sync` kernel {mma}"
@@ -213,7 +206,42 @@ def hopper_summary(d, prefix="docs/results/latest/"):
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes), {mma} (float16 forward, seqlen 4096 and 16384, "
             f"{env['date'][:10]}: [bench-wgmma.json]({prefix}bench-wgmma.json); docs/benchmarks.md, \"How fast is "
-            f"the Hopper forward?\"); no Hopper backward yet."]
+            f"the Hopper forward?\")."]
+
+
+def hopper_backward(d, prefix="results/latest/"):
+    """The Hopper backward (kernel="wgmma") beside FlashAttention-2 and cuDNN (bench-wgmma-bwd.json)."""
+    out = []
+    for seqlen in (4096, 16384):
+        out += headline(d, "float16", "bench-wgmma-bwd.json", prefix, seqlen, ours="flashnumba_wgmma") + [""]
+    return out[:-1]
+
+
+def _spans(d):
+    """span(peer, modes, head_dim): the range of flashnumba_wgmma's TFLOP/s over a peer's across d's rows."""
+    rows = {(r["impl"], r["head_dim"], r["seqlen"], r["causal"]): r for r in d["rows"] if r.get("tflops")}
+    ours = {k[1:]: r for k, r in rows.items() if k[0] == "flashnumba_wgmma"}
+
+    def span(peer, modes=("tflops", "tflops_single"), head_dim=None):
+        x = [ours[k][m] / rows[(peer,) + k][m] for k in ours for m in modes
+             if (peer,) + k in rows and rows[(peer,) + k].get(m) and (head_dim is None or k[0] == head_dim)]
+        return f"{min(x):.2f}-{max(x):.2f}x"
+
+    return ours, span
+
+
+def hopper_backward_summary(d, prefix="docs/results/latest/"):
+    """The README's line on the Hopper backward, over bench-wgmma-bwd.json's shapes."""
+    ours, span = _spans(d)
+    dims = sorted({k[0] for k in ours})
+    mma = " and ".join(f"{span('flashnumba', ('tflops',), h)} at head_dim {h}" for h in dims)
+    env = d["environment"]
+    return [f"- Hopper backward: dQ and dK/dV kernels on warpgroup MMA, deterministic (`kernel=\"wgmma\"` for the "
+            f"backward, opt-in, `flashnumba/kernels/wgmma_backward.py`), correct on the H200 at "
+            f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
+            f"modes), against the `mma.sync` backward {mma} (float16, seqlen 4096 and 16384, {env['date'][:10]}: "
+            f"[bench-wgmma-bwd.json]({prefix}bench-wgmma-bwd.json); docs/benchmarks.md, \"How fast is the Hopper "
+            f"backward?\")."]
 
 
 def decode(d, prefix="results/latest/"):
@@ -307,15 +335,16 @@ def float32_tc(data, prefix="results/latest/"):
 TARGETS = {  # file: (marker name, table function, its arguments)
     "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}),
                            ("headline", headlines, {"prefix": "results/latest/"}), ("decode", decode, {}),
-                           ("flex", flex, {}), ("hopper", hopper, {}),
+                           ("flex", flex, {}), ("hopper", hopper, {}), ("hopper-backward", hopper_backward, {}),
                            ("float32-tc", float32_tc, {})],
     "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {}),
-                  ("hopper-summary", hopper_summary, {})],
+                  ("hopper-summary", hopper_summary, {}), ("hopper-backward-summary", hopper_backward_summary, {})],
 }
 SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_gpt.json",
            "headline": ("bench.json", "bench-tc.json"), "numerics": None, "decode": "bench-decode.json",
            "flex": "flex-bench.json", "hopper": "bench-wgmma.json", "hopper-summary": "bench-wgmma.json",
+           "hopper-backward": "bench-wgmma-bwd.json", "hopper-backward-summary": "bench-wgmma-bwd.json",
            "float32-tc": ("bench-tf32-d64.json", "bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json",
                           "tf32-error-chained.json")}
 
