@@ -285,8 +285,9 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     (opt-in; Hopper's warpgroup MMA, compute capability 9.0 only: float16 or bfloat16, head_dim 64, 96 or 128,
     every option but a user's score_mod / mask_mod and block masks, deterministic; the dQ kernel takes 64 or 128
     query rows a block and tiles of 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block and tiles of 64
-    queries, or 32, which the plan gives it at head_dim above 64 with ALiBi or dropout; a block_m or block_n given
-    applies to both, so block_m 64 and block_n 64 or 128; no num_threads), see flashnumba.kernels.wgmma_backward.
+    queries; the plan gives them tiles of 32 where the per-entry options would spill (flashnumba.tiling,
+    wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or block_n given applies to both, so block_m 64
+    and block_n 64 or 128; no num_threads), see flashnumba.kernels.wgmma_backward.
     None
     (default): "tc" where it applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.
     precision: float32 only, "ieee" (None: the same), or "tf32" / "3xtf32": the TF32 backward kernels

@@ -812,6 +812,9 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         tk_own, why_own = tiling.wgmma_dkdv_for_variant(tk_t, opts.variant, D, ["block_m"] if block_m else [])
         if why_own:
             tk_t, rk = tk_own, f"{rk}; {why_own}"
+        tq_own, why_own = tiling.wgmma_dq_for_variant(tq_t, opts.variant, ["block_n"] if block_n else [])
+        if why_own:
+            tq_t, rq = tq_own, f"{rq}; {why_own}"
         tail = ("scale_log2", "scale") + OPTION_PARAMS
         name, gqa = _dtype_name(dt), nk != nheads
         dq = KernelLaunch("dQ wgmma", "wgmma_dq", wgmma_backward.make_backward_dq_wgmma,

@@ -338,15 +338,35 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     return new, "; ".join(why)
 
 
+def _per_entry_options(variant) -> int:
+    """The options of a variant that add work at every entry: the window's two bounds counted apart, softcap,
+    ALiBi, dropout (varlen adds none)."""
+    has_left, has_right, softcap, alibi, _, dropout = variant
+    return sum(bool(x) for x in (has_left, has_right, softcap, alibi, dropout))
+
+
 def wgmma_dkdv_for_variant(t: Tiles, variant, D, given=()) -> tuple[Tiles, str]:
     """The Hopper dK/dV kernel's tiles for ``variant`` at head dim D, and why they differ from ``t`` ("" where not);
-    ``given``: the names the caller chose (kept). Above d = 64 a thread holds dK_j and dV_j of its keys (two D / 2
-    float32) beside S^T and dP^T of 64 queries: ALiBi's or dropout's per-entry work then spills (compiled for
-    sm_90a), so those variants take query tiles of 32."""
+    ``given``: the names the caller chose (kept). A thread holds dK_j and dV_j of its keys (two D / 2 float32)
+    beside S^T and dP^T of 64 queries: above d = 64, ALiBi's or dropout's per-entry work then spills (compiled for
+    sm_90a), and so do more than two per-entry options at any head dim; those variants take query tiles of 32."""
     _, _, _, alibi, _, dropout = variant
-    if "block_m" in given or D <= 64 or not (alibi or dropout) or t.block_m <= 32:
+    heavy = (D > 64 and (alibi or dropout)) or _per_entry_options(variant) > 2
+    if "block_m" in given or not heavy or t.block_m <= 32:
         return t, ""
-    return t._replace(block_m=32), "query tiles of 32: ALiBi's or dropout's per-entry work beside dK_j, dV_j of d > 64"
+    return t._replace(block_m=32), ("query tiles of 32: " + ("more than two per-entry options"
+                                                              if _per_entry_options(variant) > 2 else
+                                                              "ALiBi's or dropout's per-entry work beside dK_j, dV_j "
+                                                              "of d > 64"))
+
+
+def wgmma_dq_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
+    """The Hopper dQ kernel's tiles for ``variant``: with more than two per-entry options the loop over a tile's
+    64 keys is too long for the compiler to unroll, S and dP then go to local memory and the assembler serialises
+    the wgmma (compiled for sm_90a); those variants take key tiles of 32."""
+    if "block_n" in given or _per_entry_options(variant) <= 2 or t.block_n <= 32:
+        return t, ""
+    return t._replace(block_n=32), "key tiles of 32: more than two per-entry options"
 
 
 def plain_rows_per_warp(t: Tiles, variant, user_every_score=False) -> Tiles:

@@ -314,8 +314,8 @@ def test_backward_one_warpgroup_matches_reference(causal):
 
 
 def test_backward_two_warpgroups_every_option():
-    """At the default tiles: two warpgroups sharing each tile in both kernels (dK/dV's query tiles of 32, as the
-    planner gives them with ALiBi or dropout above d = 64), GQA (the dK/dV kernel summing two query heads in
+    """At the default tiles: two warpgroups sharing each tile in both kernels (dQ's key tiles and dK/dV's query
+    tiles of 32, as the planner gives them with more than two per-entry options), GQA (the dK/dV kernel summing two query heads in
     order), a two-sided window, softcap, ALiBi and dropout at once, head_dim 96, bfloat16."""
     bf16 = pytest.importorskip("ml_dtypes").bfloat16
     rng = np.random.default_rng(22)
@@ -337,18 +337,21 @@ def test_backward_two_warpgroups_every_option():
     (64, dict(dropout_p=0.1, causal=True), (128, 64, 256), (64, 128, 256), False),
     (128, dict(dropout_p=0.1, block_m=64), (64, 64, 128), (64, 128, 256), False),
     (128, dict(block_n=64), (128, 64, 256), (64, 64, 128), False),
+    (64, dict(window_size=(9, 4), softcap=3.0), (128, 32, 256), (32, 128, 256), True),
+    (64, dict(window_size=(9, 4), softcap=3.0, block_n=64), (128, 64, 256), (32, 64, 128), True),
 ])
 def test_the_backward_plan_fits_the_tiles(D, opts, dq, dkdv, note):
     """The Hopper backward's tiles: each kernel's table, the dK/dV kernel's query tiles of 32 where ALiBi or
-    dropout would spill above d = 64 (tiling.wgmma_dkdv_for_variant, said in the plan), the tiles a caller gives
-    applied to both kernels."""
+    dropout would spill above d = 64 or more than two per-entry options at any head dim, the dQ kernel's key
+    tiles of 32 with more than two (tiling.wgmma_dkdv_for_variant, wgmma_dq_for_variant; said in the plan), the
+    tiles a caller gives applied to both kernels."""
     q = np.zeros((1, 70, 2, D), np.float16)
     lse = np.zeros((1, 2, 70), np.float32)
     p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="wgmma", device="sm_90", **opts)
     tiles = {x.name: tuple(x.tiles) for x in p.launches if x.tiles is not None}
     assert tiles == {"dQ wgmma": dq, "dK/dV wgmma": dkdv}
-    reason = next(x.reason for x in p.launches if x.name == "dK/dV wgmma")
-    assert ("query tiles of 32" in reason) == note
+    reasons = " ".join(x.reason for x in p.launches if x.tiles is not None)
+    assert ("tiles of 32" in reasons) == note
 
 
 BACKWARD_COMPILE = r"""
@@ -361,9 +364,13 @@ cases = [("dq", 128, 64, 2, "float16", plain, False), ("dkdv", 128, 64, 2, "floa
          ("dkdv", 64, 64, 2, "bfloat16", plain, False)]
 if FULL:
     every = Variant(True, True, True, True, True, True)
-    # (ALiBi and dropout take 32-query tiles in the dK/dV kernel above d = 64: tiling.wgmma_dkdv_for_variant)
-    cases += [("dq", 128, 64, 2, "bfloat16", every, True), ("dkdv", 128, 32, 2, "bfloat16", every, True),
-              ("dkdv", 64, 64, 2, "bfloat16", every, True),
+    # (the tiles the planner gives: with more than two per-entry options, dQ's key tiles and dK/dV's query tiles
+    # of 32; above d = 64 the same for dK/dV with ALiBi or dropout: tiling.wgmma_dq_for_variant, _dkdv_for_variant)
+    cases += [("dq", 128, 32, 2, "bfloat16", every, True), ("dkdv", 128, 32, 2, "bfloat16", every, True),
+              ("dq", 64, 32, 2, "bfloat16", every, True), ("dkdv", 64, 32, 2, "bfloat16", every, True),
+              ("dq", 128, 64, 2, "float16", Variant(False, False, True, True), True),
+              ("dkdv", 64, 64, 2, "float16", Variant(False, False, False, False, False, True), False),
+              ("dkdv", 128, 64, 2, "float16", Variant(False, True, True), True),
               ("dq", 96, 64, 2, "float16", Variant(False, True), False),
               ("dkdv", 96, 64, 2, "float16", Variant(False, True), True),
               ("dq", 64, 128, 2, "float16", Variant(False, True), False),
@@ -389,7 +396,7 @@ def test_wgmma_backward_compiles_for_sm90a():
     spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
-    assert len(compiled) == (10 if FULL_COMPILE else 3)
+    assert len(compiled) == (14 if FULL_COMPILE else 3)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")

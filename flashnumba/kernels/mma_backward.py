@@ -128,7 +128,7 @@ def _store_bf16(x):
 
 
 @functools.lru_cache(maxsize=None)
-def make_entry(variant, mods=None, no_calls=False):
+def make_entry(variant, mods=None, no_calls=False, keep_given=False):
     """entry(sv, dpv, i, j, l2, di, masked, partial, ...) -> (P_ij keep_ij, dS_ij) of one entry, from sv =
     (Q_i K_j^T)_ij, dpv = (dO_i V_j^T)_ij, l2 = log2(e) L_i and di = D_i: the score as the forward formed it
     (softcap, ALiBi, then a user's score_mod), P recomputed from the logsumexp, 0 where ``masked`` and the entry
@@ -138,7 +138,10 @@ def make_entry(variant, mods=None, no_calls=False):
     score_mod_grad). The user's functions (``mods``, :func:`flashnumba.kernels.common.make_user_mods`) are called
     only for entries within the sequences, the score_mod only for those the mask_mod shows, as in the SIMT
     backward. ``no_calls``: softcap's tanh without a subroutine call (the Hopper kernels',
-    :func:`flashnumba.kernels.common.make_score_mod`)."""
+    :func:`flashnumba.kernels.common.make_score_mod`). ``keep_given``: the entry takes one more argument, ``kept``,
+    whether the dropout mask keeps it, drawn beforehand by the caller (the Hopper kernels draw a tile's mask apart
+    from the entries: the generator's rounds inside the loop over a tile's entries leave that loop rolled, and the
+    tile's registers then in local memory)."""
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, _, DROPOUT = variant
     USER_SCORE = mods is not None and mods.score_mod is not None
     USER_MASK = mods is not None and mods.mask_mod is not None
@@ -147,8 +150,8 @@ def make_entry(variant, mods=None, no_calls=False):
     score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls)
 
     @cuda.jit(device=True, inline=True)
-    def entry(sv, dpv, i, j, l2, di, masked, partial, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-              right, slope, p_drop, rp_keep, seed, offset, b, h, bh, a0, a1, a2, a3):
+    def entry_kept(sv, dpv, i, j, l2, di, masked, partial, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+                   right, slope, p_drop, rp_keep, seed, offset, b, h, bh, a0, a1, a2, a3, kept):
         dcap = float32(1.0)  # d(modified score) / d(scale q.k)
         shown = True  # by the user's mask_mod
         if USER_MASK and partial:
@@ -168,11 +171,21 @@ def make_entry(variant, mods=None, no_calls=False):
         if USER_MASK and not shown:
             p = float32(0.0)
         if DROPOUT:
-            u = dropout_uniform(seed, offset, bh, i, j)
-            if u >= p_drop:  # kept: Z_ij = 1 / (1 - p_drop)
+            if not keep_given:
+                kept = dropout_uniform(seed, offset, bh, i, j) >= p_drop
+            if kept:  # Z_ij = 1 / (1 - p_drop)
                 return p, p * (rp_keep * dpv - di) * dcap
             return float32(0.0), -p * di * dcap
         return p, p * (dpv - di) * dcap
+
+    if keep_given:
+        return entry_kept
+
+    @cuda.jit(device=True, inline=True)
+    def entry(sv, dpv, i, j, l2, di, masked, partial, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+              right, slope, p_drop, rp_keep, seed, offset, b, h, bh, a0, a1, a2, a3):
+        return entry_kept(sv, dpv, i, j, l2, di, masked, partial, seqlen_q, seqlen_k, diag, scale_log2, scale,
+                          softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, a0, a1, a2, a3, False)
 
     return entry
 

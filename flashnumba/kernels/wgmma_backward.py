@@ -36,24 +36,26 @@ overwrites the registers group 2 read). Three buffers of the looped-over tiles h
 2), j and j + 1 (in flight). The first tile's group 1 and the last tile's group 2 are issued outside the loop:
 the assembler serialises every wgmma of a kernel where one sits behind a branch inside the loop, or where the
 kernel makes any subroutine call (a 64-bit integer division, libdevice's tanhf: the options use call-free forms,
-``make_entry(..., no_calls=True)``).
+``make_entry(..., no_calls=True)``). With dropout, a tile's mask is drawn into one bit an entry while its S and
+dP products run, before its entries are computed (the generator's rounds inside the loop over the entries would
+leave that loop rolled and the tile's accumulators in local memory, which serialises the wgmma).
 """
 
 from __future__ import annotations
 
 import functools
 
-from numba import float32, uint16, uint32
+from numba import float32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
-from .common import LOG2E, NEG_INF, make_key_tiles, make_sequence_geometry
+from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_sequence_geometry
 from .mma_backward import _store_bf16, make_entry
 from .wgmma_forward import HEAD_DIMS, STAGES, make_load_core
 from numba.cuda.types import float16
 
 WARPGROUPS = (1, 2)
-DQ_BLOCK_NS = (64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
+DQ_BLOCK_NS = (32, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
 DKDV_BLOCK_MS = (32, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)
 
 
@@ -160,10 +162,10 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dq`."""
     B_R, B_C = 64 * warpgroups, block_n
     check(D, B_R, B_C, dtype, "dq")
-    HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, _ = variant
+    HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
-    entry = make_entry(variant, no_calls=True)
+    entry = make_entry(variant, no_calls=True, keep_given=True)
     kind, store, _, elem = _common(D, dtype)
     NT = threads(warpgroups)
     NS = B_C // 2  # S and dP accumulator registers a thread: 64 x B_c over 128 threads
@@ -206,8 +208,20 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
+    def keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh):
+        """(DROPOUT) Bit 4 n + x: whether the dropout mask keeps this lane's entry 4 n + x of the tile (row
+        r0 + 8 (x >> 1), key j0 + 8 n + 2 t + (x & 1))."""
+        bits = uint64(0)
+        if DROPOUT:
+            for e in range(NS):
+                if dropout_uniform(seed, offset, bh, i0 + r0 + 8 * ((e & 3) >> 1),
+                                   j0 + 8 * (e >> 2) + 2 * t + (e & 1)) >= p_drop:
+                    bits |= uint64(1) << uint64(e)
+        return bits
+
+    @cuda.jit(device=True, inline=True)
     def ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale, softcap,
-                left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh):
+                left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits):
         """dS_ij into dp (rows r0, r0 + 8 of Q_i; this lane's columns of the tile from key j0)."""
         masked = (j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
                   or (HAS_LEFT and j0 < last_row + diag - left))
@@ -215,7 +229,8 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             for x in range(4):
                 _, ds = entry(s[4 * n + x], dp[4 * n + x], i0 + r0 + 8 * (x >> 1), j0 + 8 * n + 2 * t + (x & 1),
                               lrow[x >> 1], drow[x >> 1], masked, False, seqlen_q, seqlen_k, diag, scale_log2, scale,
-                              softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0)
+                              softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0,
+                              (bits >> uint64(4 * n + x)) & uint64(1) != 0)
                 dp[4 * n + x] = ds
 
     @cuda.jit
@@ -226,12 +241,14 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         gw = tid >> 7  # warpgroup: rows 64 gw .. 64 gw + 63 of Q_i
         lane = tid & 31
         t = lane & 3
-        # (32-bit unsigned divisions: a 64-bit one is a subroutine call)
-        b = uint32(cuda.blockIdx.y) // uint32(nheads)
-        h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))
+        # (32-bit unsigned divisions, a 64-bit one being a subroutine call; then signed 64-bit values, as unsigned
+        # and signed 64-bit operands together give a float64)
+        bu = uint32(cuda.blockIdx.y) // uint32(nheads)
+        b = int64(bu)
+        h = int64(uint32(cuda.blockIdx.y) - bu * uint32(nheads))
         hk = h
         if GQA:
-            hk = h // uint32(uint32(nheads) // uint32(k.shape[2]))
+            hk = int64(uint32(h) // (uint32(nheads) // uint32(k.shape[2])))
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first
         r0 = 64 * gw + 16 * ((tid >> 5) & 3) + (lane >> 2)  # this lane's first row in Q_i; its second is r0 + 8
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
@@ -272,10 +289,11 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             if n_tiles > 1:
                 load_tile(smem, 1, k, v, bb, k0 + n_start + B_C, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, 0)
+            bits = keep_bits(i0, r0, t, n_start, p_drop, seed, offset, bh)
             wait_s(0, s)
             wait_s(0, dp)
             ds_tile(s, dp, lrow, drow, i0, r0, t, n_start, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
-                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh)
+                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits)
             pack_a(pa, dp)
         # Tile j: S, dP issued, dQ_i += dS_i,j-1 K_j-1 behind them, dS of tile j while that runs
         for jt in range(1, n_tiles):
@@ -285,10 +303,11 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
                 load_tile(smem, jt + 1, k, v, bb, k0 + j0 + B_C, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt)
             issue_dq(acc, pa, kv_addr, jt - 1)
+            bits = keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh)
             wait_s(1, s)
             wait_s(1, dp)
             ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
-                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh)
+                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits)
             wait_o(0, acc)
             pack_a(pa, dp)
         # The last tile's dQ product
@@ -319,7 +338,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
-    entry = make_entry(variant, no_calls=True)
+    entry = make_entry(variant, no_calls=True, keep_given=True)
     kind, store, _, elem = _common(D, dtype)
     NT = threads(warpgroups)
     NS = B_R // 2  # S^T and dP^T accumulator registers a thread: 64 x B_r over 128 threads
@@ -344,7 +363,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         """(query head, first row) of iteration it: head hk * group + it // nt, tile m_begin + it % nt."""
         if GQA:
             u = uint32(it) // uint32(nt)
-            return hk * group + u, (m_begin + int(uint32(it) - u * uint32(nt))) * B_R
+            return hk * group + int64(u), (m_begin + int64(uint32(it) - u * uint32(nt))) * B_R
         return hk, (m_begin + it) * B_R
 
     @cuda.jit(device=True, inline=True)
@@ -394,8 +413,20 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
+    def keep_bits(i0, j0, r0, t, p_drop, seed, offset, bh):
+        """(DROPOUT) Bit 4 n + x: whether the dropout mask keeps this lane's entry 4 n + x of the tile (query
+        i0 + 8 n + 2 t + (x & 1), key j0 + r0 + 8 (x >> 1))."""
+        bits = uint64(0)
+        if DROPOUT:
+            for e in range(NS):
+                if dropout_uniform(seed, offset, bh, i0 + 8 * (e >> 2) + 2 * t + (e & 1),
+                                   j0 + r0 + 8 * ((e & 3) >> 1)) >= p_drop:
+                    bits |= uint64(1) << uint64(e)
+        return bits
+
+    @cuda.jit(device=True, inline=True)
     def entries(s, dp, lsm, dsm, sel, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                right, slope, p_drop, rp_keep, seed, offset, b, h, bh):
+                right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits):
         """(P Z)^T into s and dS^T into dp (this lane's keys r0, r0 + 8 of K_j; its query columns of the tile)."""
         last_row = min(i0 + B_R, seqlen_q) - 1
         masked = (i0 + B_R > seqlen_q or j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
@@ -405,7 +436,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                 c = 8 * n + 2 * t + (x & 1)  # query column inside Q_i
                 pz, ds = entry(s[4 * n + x], dp[4 * n + x], i0 + c, j0 + r0 + 8 * (x >> 1), lsm[sel, c],
                                dsm[sel, c], masked, False, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                               right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0)
+                               right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0,
+                               (bits >> uint64(4 * n + x)) & uint64(1) != 0)
                 s[4 * n + x] = pz
                 dp[4 * n + x] = ds
 
@@ -417,12 +449,14 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         gw = tid >> 7  # warpgroup: keys 64 gw .. 64 gw + 63 of K_j
         lane = tid & 31
         t = lane & 3
+        # (32-bit unsigned divisions, then signed 64-bit values: the dQ kernel's)
         nk = uint32(k.shape[2])
-        b = uint32(cuda.blockIdx.y) // nk
-        hk = uint32(uint32(cuda.blockIdx.y) - b * nk)
-        group = uint32(1)
+        bu = uint32(cuda.blockIdx.y) // nk
+        b = int64(bu)
+        hk = int64(uint32(cuda.blockIdx.y) - bu * nk)
+        group = int64(1)
         if GQA:
-            group = uint32(nheads) // nk
+            group = int64(uint32(nheads) // nk)
         j0 = cuda.blockIdx.x * B_C  # first key of K_j
         r0 = 64 * gw + 16 * ((tid >> 5) & 3) + (lane >> 2)  # this lane's first key in K_j; its second is r0 + 8
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
@@ -448,14 +482,15 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         q_base = hop.smem_address(smem, OFF_Q)
 
         # Query tiles that meet the band of these keys: rows j0 - diag - right .. j_last - diag + left
+        # (unsigned divisions: both are >= 0, and a signed one by a power of two keeps a rounding term)
         m_begin = 0
         m_rows = seqlen_q
         if HAS_RIGHT:
-            m_begin = max(0, j0 - diag - right) // B_R
+            m_begin = int64(uint32(max(0, j0 - diag - right)) // uint32(B_R))
         if HAS_LEFT:
             m_rows = max(0, min(seqlen_q, min(j0 + B_C, seqlen_k) - diag + left))
-        nt = max(0, (m_rows + B_R - 1) // B_R - m_begin)  # query tiles per query head
-        total = int(group) * nt
+        nt = max(0, int64(uint32(m_rows + B_R - 1) // uint32(B_R)) - m_begin)  # query tiles per query head
+        total = group * nt
 
         load_core(smem, 0, k, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
         load_core(smem, OFF_V, v, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
@@ -477,17 +512,19 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             issue_sdp(s, dp, k_addr, v_addr, q_base, 0)
             if total > 1:
                 put_stats(lsm, dsm, 1, st, tid)
+            bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
             wait_s(0, s)
             wait_s(0, dp)
             slope = alibi[b, h] if ALIBI else float32(0.0)
             entries(s, dp, lsm, dsm, 0, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h)
+                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
             pack_a(pp, s)
             pack_a(pd, dp)
         # Tile i: S^T, dP^T issued, dV, dK of tile i - 1 behind them, the entries of tile i while those run
+        sel = 0
         for it in range(1, total):
             h, i0 = tile_of(it, hk, group, nt, m_begin)
-            sel = it % STAGES
+            sel = sel + 1 if sel < STAGES - 1 else 0  # (it % STAGES)
             publish_tile()
             if it + 1 < total:
                 h2, i2 = tile_of(it + 1, hk, group, nt, m_begin)
@@ -497,11 +534,12 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             issue_dkdv(dva, dka, pp, pd, q_base, it - 1)
             if it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this tile's barrier)
                 put_stats(lsm, dsm, (it + 1) % STAGES, st, tid)
+            bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
             wait_s(1, s)
             wait_s(1, dp)
             slope = alibi[b, h] if ALIBI else float32(0.0)
             entries(s, dp, lsm, dsm, sel, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h)
+                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
             wait_o(0, dva)
             wait_o(0, dka)
             pack_a(pp, s)
