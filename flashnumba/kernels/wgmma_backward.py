@@ -70,9 +70,9 @@ def shared_bytes_dq(D, block_m, block_n):
 
 
 def shared_bytes_dkdv(D, block_m, block_n):
-    """K_j and V_j (block_n rows), :data:`STAGES` Q_i, dO_i buffers (block_m rows), 16-bit elements, and
-    log2(e) L_i and D_i of each buffer's queries (float32, static: counted here too)."""
-    return (2 * block_n + 2 * STAGES * block_m) * D * 2 + 2 * STAGES * block_m * 4
+    """K_j and V_j (block_n rows), :data:`STAGES` Q_i, dO_i buffers (block_m rows), 16-bit elements (dynamic; log2(e)
+    L_i and D_i of each buffer's queries, 2 STAGES block_m float32, are static arrays besides)."""
+    return (2 * block_n + 2 * STAGES * block_m) * D * 2
 
 
 def check(D, block_m, block_n, dtype, which):
@@ -100,12 +100,15 @@ def _common(D, dtype):
 
 @functools.lru_cache(maxsize=None)
 def make_pieces(D, dtype):
-    """Device functions both kernels share: ``publish_tile()`` (wgmma_forward's), ``pack_a(pa, acc, n)`` (the
-    accumulator's first n / 2 registers as the 16-bit A operand of a product over its columns: the 16 columns of
-    k-step c are acc[8 c .. 8 c + 7], wgmma_forward's rescale_and_pack), ``issue_abt(acc, a_addr, lbo_a, b_addr,
-    lbo_b)`` (acc = A B^T, D / 16 wgmma, both K-major, not committed), ``issue_ab(acc, pa, b_addr, sbo)``
-    (acc += A B, A from registers, B MN-major with rows of sbo / 16 elements between its column blocks, not
-    committed)."""
+    """What both kernels share: ``publish_tile()`` (wgmma_forward's: the tile's copies landed, seen by the tensor
+    cores, every thread past the barrier), and three factories of device functions:
+
+    * ``make_issue_abt(N)`` -> ``issue_abt(acc, a_addr, lbo_a, b_addr, lbo_b)``: acc = A B^T (64 x N, K = D), D / 16
+      wgmma with A and B K-major in shared memory at those byte addresses, LBO those strides; not committed;
+    * ``make_issue_ab(KC)`` -> ``issue_ab(acc, pa, b_addr, sbo)``: acc += A B (64 x D, K = 16 KC), A from the
+      registers pa, B MN-major (SBO ``sbo`` bytes between its blocks of 8 head dims); not committed;
+    * ``make_pack(KC)`` -> ``pack_a(pa, acc)``: the accumulator (64 x 16 KC) as that 16-bit A operand (the 16
+      columns of k-step c are acc[8 c .. 8 c + 7]: wgmma_forward's rescale_and_pack)."""
     kind, _, pack, _ = _common(D, dtype)
     KD = D // 16
 
@@ -332,7 +335,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     ``warpgroups`` warpgroups of 64 keys, the options of ``variant`` compiled in; arguments (dout, q, k, v, lse,
     delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset).
     Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k), block (:func:`threads`,),
-    dynamic shared memory :func:`shared_bytes_dkdv` less its static part (2 STAGES block_m floats)."""
+    dynamic shared memory :func:`shared_bytes_dkdv`."""
     B_R, B_C = block_m, 64 * warpgroups
     check(D, B_R, B_C, dtype, "dkdv")
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
