@@ -241,7 +241,7 @@ def hopper_backward_summary(d, prefix="docs/results/latest/"):
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes), against the `mma.sync` backward {mma} (float16, seqlen 4096 and 16384, {env['date'][:10]}: "
             f"[bench-wgmma-bwd.json]({prefix}bench-wgmma-bwd.json); docs/benchmarks.md, \"How fast is the Hopper "
-            f"backward?\")."]
+            f"backward?\", which says which later changes have not yet run on the H200)."]
 
 
 def decode(d, prefix="results/latest/"):
