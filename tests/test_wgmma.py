@@ -303,14 +303,17 @@ def wgmma_backward(q, k, v, tiles=(64, 64), **opts):
     return grads[:3], dout, out, lse
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_backward_one_warpgroup_matches_reference(causal):
-    """dQ over two key tiles and dK/dV over two query tiles (the second of each partial; three with the causal
-    band's offset): the pipelines, the masks, L_i and D_i per column."""
+@pytest.mark.parametrize("causal, dropout", [(False, 0.0), (True, 0.3)])
+def test_backward_one_warpgroup_matches_reference(causal, dropout):
+    """dQ over two key tiles and dK/dV over two query tiles (the second of each partial): the pipelines, the masks,
+    L_i and D_i per column; with dropout, its mask drawn into bits at tiles of 64 (a wrong entry index there fails
+    it)."""
     rng = np.random.default_rng(21)
     q, k, v = random_qkv(rng, 1, 70, 90, 1, 64, np.float16)
-    grads, dout, out, lse = wgmma_backward(q, k, v, causal=causal)
-    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+    opts = dict(dropout_p=dropout, dropout_seed=5, dropout_offset=2) if dropout else {}
+    grads, dout, out, lse = wgmma_backward(q, k, v, causal=causal, **opts)
+    ref = dict(dropout_z=reference.dropout_z(5, 2, 1, 1, 70, 90, dropout)) if dropout else {}
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal, **ref)
 
 
 def test_backward_two_warpgroups_every_option():
