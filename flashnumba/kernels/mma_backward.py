@@ -191,6 +191,39 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
 
 
 @functools.lru_cache(maxsize=None)
+def make_stats(B_R, NT):
+    """(fetch_stats, put_stats) of the dK/dV kernels, which read L_i and D_i per column of S_ij^T from shared
+    memory:
+
+    * ``fetch_stats(st, lse, delta, bb, h, row0, row_end, tid)``: L_i and D_i of the query rows row0 + tid,
+      row0 + tid + NT, ... of a tile of B_R rows into the registers st (2, ceil(B_R / NT)); the loads are left in
+      flight, for the caller to put after work that hides their latency;
+    * ``put_stats(lsm, dsm, sel, st, tid)``: log2(e) L_i and D_i from st into row ``sel`` of lsm, dsm (0 past the
+      end of the sequence, and 0 for a row that sees no key: its entries are all masked)."""
+    SR = -(-B_R // NT)
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_stats(st, lse, delta, bb, h, row0, row_end, tid):
+        for x in range(SR):
+            r = tid + x * NT
+            i = row0 + r
+            inside = r < B_R and i < row_end
+            st[0, x] = lse[bb, h, i] if inside else float32(0.0)
+            st[1, x] = delta[bb, h, i] if inside else float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def put_stats(lsm, dsm, sel, st, tid):
+        for x in range(SR):
+            r = tid + x * NT
+            if r < B_R:
+                L = st[0, x]
+                lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
+                dsm[sel, r] = st[1, x]
+
+    return fetch_stats, put_stats
+
+
+@functools.lru_cache(maxsize=None)
 def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False, strided=False, mods=None,
                         block_mask=None):
     """The dQ kernel: grid (ceil(max_seqlen_q / block_m), batch * nheads), block (2 * block_m,) (block_m / 16
@@ -406,27 +439,8 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
             rank = 0
         return hc, rank
 
-    @cuda.jit(device=True, inline=True)
-    def fetch_stats(st, lse, delta, bb, h, row0, row_end, tid):
-        """L_i and D_i of the query rows row0 + tid, row0 + tid + NT, ... of the tile into registers: loads
-        issued here, used only by :func:`put_stats` after the tile's products, which hide their latency."""
-        for x in range(SR):
-            r = tid + x * NT
-            i = row0 + r
-            inside = r < B_R and i < row_end
-            st[0, x] = lse[bb, h, i] if inside else float32(0.0)
-            st[1, x] = delta[bb, h, i] if inside else float32(0.0)
-
-    @cuda.jit(device=True, inline=True)
-    def put_stats(lsm, dsm, sel, st, tid):
-        """log2(e) L_i and D_i from :func:`fetch_stats` into buffer ``sel`` (0 past the end of the sequence, and
-        0 for a row that sees no key: its entries are all masked)."""
-        for x in range(SR):
-            r = tid + x * NT
-            if r < B_R:
-                L = st[0, x]
-                lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
-                dsm[sel, r] = st[1, x]
+    # L_i and D_i of a query tile: fetched into registers with its copies, put after its products
+    fetch_stats, put_stats = make_stats(B_R, NT)
 
     @cuda.jit
     def backward_dkdv_tc(dout, q, k, v, lse, delta, dk, dv, dq_acc, scale_log2, scale, softcap, left, right, alibi,

@@ -50,8 +50,8 @@ from numba import float32, int64, uint16, uint32, uint64
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_sequence_geometry
-from .mma_backward import _store_bf16, make_entry
-from .wgmma_forward import HEAD_DIMS, STAGES, make_load_core
+from .mma_backward import _store_bf16, make_entry, make_stats
+from .wgmma_forward import HEAD_DIMS, STAGES, make_load_core, make_load_stage, publish_tile
 from numba.cuda.types import float16
 
 WARPGROUPS = (1, 2)
@@ -100,8 +100,8 @@ def _common(D, dtype):
 
 @functools.lru_cache(maxsize=None)
 def make_pieces(D, dtype):
-    """What both kernels share: ``publish_tile()`` (wgmma_forward's: the tile's copies landed, seen by the tensor
-    cores, every thread past the barrier), and three factories of device functions:
+    """What both kernels share (beside wgmma_forward's ``publish_tile`` and ``make_load_stage``): three factories of
+    device functions:
 
     * ``make_issue_abt(N)`` -> ``issue_abt(acc, a_addr, lbo_a, b_addr, lbo_b)``: acc = A B^T (64 x N, K = D), D / 16
       wgmma with A and B K-major in shared memory at those byte addresses, LBO those strides; not committed;
@@ -111,12 +111,6 @@ def make_pieces(D, dtype):
       columns of k-step c are acc[8 c .. 8 c + 7]: wgmma_forward's rescale_and_pack)."""
     kind, _, pack, _ = _common(D, dtype)
     KD = D // 16
-
-    @cuda.jit(device=True, inline=True)
-    def publish_tile():
-        ptx.cp_async_wait_all()
-        hop.fence_proxy_async()
-        cuda.syncthreads()
 
     def make_issue_abt(N):
         mma, fence, _ = hop.wgmma_ops(kind, N)
@@ -152,7 +146,7 @@ def make_pieces(D, dtype):
 
         return pack_a
 
-    return publish_tile, make_issue_abt, make_issue_ab, make_pack
+    return make_issue_abt, make_issue_ab, make_pack
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,22 +173,15 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     OFF_V = B_C * D
     BUF = 2 * B_C * D
     LBO_Q, LBO_K = 16 * B_R, 16 * B_C  # descriptor strides, bytes (wgmma_forward's layout)
-    publish_tile, make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
+    make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
     issue_abt = make_issue_abt(B_C)
     issue_ab = make_issue_ab(KC)
     pack_a = make_pack(KC)
     wait_s = hop.wgmma_ops(kind, B_C)[2]
     wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
     load_core = make_load_core(D, NT)
+    load_tile = make_load_stage(D, NT, B_C, OFF_K, OFF_V, BUF)  # K_j, V_j of tile jt into buffer jt % STAGES
     key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
-
-    @cuda.jit(device=True, inline=True)
-    def load_tile(smem, jt, k, v, bb, row0, row_end, hk, tid):
-        """Start the copies of K_j, V_j (tile jt, keys from row0) into buffer jt % STAGES, one commit group."""
-        nb = OFF_K + (jt % STAGES) * BUF
-        load_core(smem, nb, k, bb, row0, row_end, hk, B_C, tid)
-        load_core(smem, nb + OFF_V, v, bb, row0, row_end, hk, B_C, tid)
-        ptx.cp_async_commit()
 
     @cuda.jit(device=True, inline=True)
     def issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt):
@@ -353,7 +340,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     OFF_DO = B_R * D
     BUF = 2 * B_R * D
     LBO_K, LBO_Q = 16 * B_C, 16 * B_R
-    publish_tile, make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
+    make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
     issue_abt = make_issue_abt(B_R)
     issue_ab = make_issue_ab(KC)
     pack_a = make_pack(KC)
@@ -369,35 +356,10 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             return hk * group + int64(u), (m_begin + int64(uint32(it) - u * uint32(nt))) * B_R
         return hk, (m_begin + it) * B_R
 
-    @cuda.jit(device=True, inline=True)
-    def load_tile(smem, it, q, dout, bb, row0, row_end, h, tid):
-        """Start the copies of Q_i, dO_i (iteration it, rows from row0) into buffer it % STAGES, one commit."""
-        nb = OFF_Q + (it % STAGES) * BUF
-        load_core(smem, nb, q, bb, row0, row_end, h, B_R, tid)
-        load_core(smem, nb + OFF_DO, dout, bb, row0, row_end, h, B_R, tid)
-        ptx.cp_async_commit()
-
-    @cuda.jit(device=True, inline=True)
-    def fetch_stats(st, lse, delta, bb, h, row0, row_end, tid):
-        """L_i and D_i of rows row0 + tid, row0 + tid + NT, ... into registers (loads left in flight while the
-        tile's products are issued; stored, :func:`put_stats`, before the wait for S^T: not held through the
-        entries, whose registers d = 128 needs)."""
-        for x in range(SR):
-            r = tid + x * NT
-            i = row0 + r
-            inside = r < B_R and i < row_end
-            st[0, x] = lse[bb, h, i] if inside else float32(0.0)
-            st[1, x] = delta[bb, h, i] if inside else float32(0.0)
-
-    @cuda.jit(device=True, inline=True)
-    def put_stats(lsm, dsm, sel, st, tid):
-        """log2(e) L_i (0 where -inf: such a row sees no key) and D_i of :func:`fetch_stats` into buffer sel."""
-        for x in range(SR):
-            r = tid + x * NT
-            if r < B_R:
-                L = st[0, x]
-                lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
-                dsm[sel, r] = st[1, x]
+    load_tile = make_load_stage(D, NT, B_R, OFF_Q, OFF_DO, BUF)  # Q_i, dO_i of iteration it into buffer it % STAGES
+    # L_i and D_i of a query tile, fetched while the products are issued and put before the wait for S^T (not held
+    # through the entries, whose registers d = 128 needs)
+    fetch_stats, put_stats = make_stats(B_R, NT)
 
     @cuda.jit(device=True, inline=True)
     def issue_sdp(s, dp, k_addr, v_addr, q_base, it):
@@ -527,7 +489,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         sel = 0
         for it in range(1, total):
             h, i0 = tile_of(it, hk, group, nt, m_begin)
-            sel = sel + 1 if sel < STAGES - 1 else 0  # (it % STAGES)
+            # (it % STAGES, stepped: the remainder each tile spills under CUDA 13.0's assembler at d = 128)
+            sel = sel + 1 if sel < STAGES - 1 else 0
             publish_tile()
             if it + 1 < total:
                 h2, i2 = tile_of(it + 1, hk, group, nt, m_begin)

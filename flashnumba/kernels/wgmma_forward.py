@@ -166,6 +166,34 @@ def make_load_core(D, NT):
     return load_core
 
 
+@cuda.jit(device=True, inline=True)
+def publish_tile():
+    """The copies of the tile (and of Q_i) landed, seen by the tensor cores (fence.proxy.async), and every
+    thread past the barrier: every warpgroup is done with the tile before, so the buffer of the one before
+    that is free."""
+    ptx.cp_async_wait_all()
+    hop.fence_proxy_async()
+    cuda.syncthreads()
+
+
+@functools.lru_cache(maxsize=None)
+def make_load_stage(D, NT, rows, first, second, buf):
+    """load_stage(smem, it, a, b, bb, row0, row_end, h, tid): start the copies, by threads tid = 0 .. NT - 1, of
+    ``rows`` rows of a and of b from row0 (:func:`make_load_core`) into buffer it % STAGES, a at element
+    ``first`` + (it % STAGES) ``buf`` and b ``second`` elements after it, as one commit group: a pipeline stage of
+    two tiles (the forward's K_j, V_j; the backward's K_j, V_j or Q_i, dO_i)."""
+    load_core = make_load_core(D, NT)
+
+    @cuda.jit(device=True, inline=True)
+    def load_stage(smem, it, a, b, bb, row0, row_end, h, tid):
+        nb = first + (it % STAGES) * buf
+        load_core(smem, nb, a, bb, row0, row_end, h, rows, tid)
+        load_core(smem, nb + second, b, bb, row0, row_end, h, rows, tid)
+        ptx.cp_async_commit()
+
+    return load_stage
+
+
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0):
     """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`),
@@ -290,22 +318,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             for r in range(4):
                 pa[c, r] = pack(s[8 * c + 2 * r], s[8 * c + 2 * r + 1])
 
-    @cuda.jit(device=True, inline=True)
-    def publish_tile():
-        """The copies of the tile (and of Q_i) landed, seen by the tensor cores (fence.proxy.async), and every
-        thread past the barrier: every warpgroup is done with the tile before, so the buffer of the one before
-        that is free."""
-        ptx.cp_async_wait_all()
-        hop.fence_proxy_async()
-        cuda.syncthreads()
-
-    @cuda.jit(device=True, inline=True)
-    def load_tile(smem, jt, k, v, bb, row0, row_end, hk, tid):
-        """Start the copies of K_j, V_j (tile jt, keys from row0) into buffer jt % STAGES, one commit group."""
-        nb = OFF_K + (jt % STAGES) * BUF
-        load_core(smem, nb, k, bb, row0, row_end, hk, B_c, tid)
-        load_core(smem, nb + OFF_V, v, bb, row0, row_end, hk, B_c, tid)
-        ptx.cp_async_commit()
+    # load_tile(smem, jt, k, v, ...): the copies of K_j, V_j (tile jt) into buffer jt % STAGES, one commit group
+    load_tile = make_load_stage(D, NC, B_c, OFF_K, OFF_V, BUF)
 
     @cuda.jit(device=True, inline=True)
     def wait_phase(bars, i, parity):
