@@ -230,20 +230,9 @@ def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, threads):
 SHARDS = 8
 
 
-@gpu_only
-@pytest.mark.parametrize("part", range(SHARDS))
-@shard(SHARDS)
-@given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-       seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from([64, 96, 128]),
-       dtype=st.sampled_from(["float16", "bfloat16"]),
-       tiles=st.sampled_from([None, (128, 128, 256), (128, 64, 256), (64, 64, 128), (128, 64, 288), (64, 64, 160),
-                              (128, 64, 384), (128, 128, 384)]),
-       causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
-       alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
-def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
-                                      window, softcap, alibi, dropout, seed):
-    """Hypothesis over shapes (GQA groups, lengths 1 .. 600 each way), head dims, dtypes, tiles and every option;
-    the compiled specialisations are few (the options' set, D, dtype, tiles), so the examples are many."""
+def drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window, softcap, alibi, dropout, seed):
+    """(rng, q, k, v, the options, the reference's options) of a drawn example: nheads_k * group query heads on
+    nheads_k key/value heads, the options drawn (dropout as the reference's explicit mask)."""
     if dtype == "bfloat16":
         dtype = pytest.importorskip("ml_dtypes").bfloat16
     rng = np.random.default_rng(seed)
@@ -259,6 +248,38 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
     if dropout:
         opts.update(dropout_p=dropout, dropout_seed=seed % 1000, dropout_offset=3)
         ref["dropout_z"] = reference.dropout_z(seed % 1000, 3, batch, nheads, seqlen_q, seqlen_k, dropout)
+    return rng, q, k, v, opts, ref
+
+
+def packed_sequences(dtype, seed):
+    """(lens_q, lens_k, cu_q, cu_k, q, k, v) of the varlen tests: awkward lengths (one empty sequence, one longer
+    than several tiles), 4 query heads on 2 key/value heads, head_dim 128."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(seed)
+    lens_q, lens_k = [5, 0, 700, 129], [9, 3, 650, 300]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 4, 128)).astype(dtype)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 128)).astype(dtype) for _ in range(2))
+    return lens_q, lens_k, cu_q, cu_k, q, k, v
+
+
+@gpu_only
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
+@given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+       seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from([64, 96, 128]),
+       dtype=st.sampled_from(["float16", "bfloat16"]),
+       tiles=st.sampled_from([None, (128, 128, 256), (128, 64, 256), (64, 64, 128), (128, 64, 288), (64, 64, 160),
+                              (128, 64, 384), (128, 128, 384)]),
+       causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
+       alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
+                                      window, softcap, alibi, dropout, seed):
+    """Hypothesis over shapes (GQA groups, lengths 1 .. 600 each way), head dims, dtypes, tiles and every option;
+    the compiled specialisations are few (the options' set, D, dtype, tiles), so the examples are many."""
+    rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
+                                         softcap, alibi, dropout, seed)
     blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1], num_threads=tiles[2])
     out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **blocks, **opts)
     check_forward(out, lse, q, k, v, **ref)
@@ -270,13 +291,7 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
 def test_varlen_gpu(dtype, threads):
     """Packed sequences of awkward lengths (one empty, one longer than several tiles), GQA, causal and a window:
     each sequence checked as a batch of one against the float64 reference."""
-    if dtype == "bfloat16":
-        dtype = pytest.importorskip("ml_dtypes").bfloat16
-    rng = np.random.default_rng(11)
-    lens_q, lens_k = [5, 0, 700, 129], [9, 3, 650, 300]
-    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
-    q = rng.standard_normal((cu_q[-1], 4, 128)).astype(dtype)
-    k, v = (rng.standard_normal((cu_k[-1], 2, 128)).astype(dtype) for _ in range(2))
+    lens_q, lens_k, cu_q, cu_k, q, k, v = packed_sequences(dtype, 11)
     for opts in (dict(causal=True), dict(window_size=(100, 20))):
         out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                                         kernel="wgmma", block_m=128, num_threads=threads, **opts)
@@ -432,23 +447,10 @@ def test_backward_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype):
 def test_backward_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles,
                                                causal, window, softcap, alibi, dropout, seed):
     """Hypothesis over shapes, GQA groups, head dims, dtypes, both kernels' tiles and every option."""
-    if dtype == "bfloat16":
-        dtype = pytest.importorskip("ml_dtypes").bfloat16
-    rng = np.random.default_rng(seed)
-    nheads = nheads_k * group
-    q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, D, dtype)
-    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
-    opts = dict(causal=causal, softcap=softcap)
-    if window is not None:
-        opts["window_size"] = window
-    if alibi:
-        opts["alibi_slopes"] = rng.uniform(0.01, 1.0, nheads).astype(np.float32)
-    ref = dict(opts)
-    if dropout:
-        opts.update(dropout_p=dropout, dropout_seed=seed % 1000, dropout_offset=3)
-        ref["dropout_z"] = reference.dropout_z(seed % 1000, 3, batch, nheads, seqlen_q, seqlen_k, dropout)
+    rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
+                                         softcap, alibi, dropout, seed)
     out, lse = flashnumba.flash_attn_forward(q, k, v, **opts)
-    dout = rng.standard_normal(out.shape).astype(dtype)
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
     blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1])
     grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **blocks, **opts)
     check_backward(grads[:3], dout, q, k, v, out, lse, **ref)
@@ -459,16 +461,11 @@ def test_backward_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seq
 def test_backward_varlen_gpu(dtype):
     """Packed sequences of awkward lengths (one empty), GQA, causal and a window: each sequence's gradients
     checked as a batch of one."""
-    if dtype == "bfloat16":
-        dtype = pytest.importorskip("ml_dtypes").bfloat16
-    rng = np.random.default_rng(12)
-    lens_q, lens_k = [5, 0, 700, 129], [9, 3, 650, 300]
-    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
-    q = rng.standard_normal((cu_q[-1], 4, 128)).astype(dtype)
-    k, v = (rng.standard_normal((cu_k[-1], 2, 128)).astype(dtype) for _ in range(2))
+    lens_q, lens_k, cu_q, cu_k, q, k, v = packed_sequences(dtype, 12)
+    rng = np.random.default_rng(13)  # (dout)
     for opts in (dict(causal=True), dict(window_size=(100, 20))):
         out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **opts)
-        dout = rng.standard_normal(out.shape).astype(dtype)
+        dout = rng.standard_normal(out.shape).astype(q.dtype)
         dq, dk, dv = flashnumba.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q),
                                                            max(lens_k), kernel="wgmma", **opts)[:3]
         for b in range(len(lens_q)):
