@@ -54,6 +54,9 @@ MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
 # kernel=None takes the tensor cores at every head dim they are built for, each run on the H200 by
 # tests/test_tc.py::test_tc_every_head_dim_gpu (the multiples of 8 that are not of 16 padded in shared memory)
 MMA_DEFAULT_HEAD_DIMS = MMA_HEAD_DIMS
+# On compute capability 9.0, kernel=None takes the Hopper kernels (kernel="wgmma") at the head dims where they are
+# the faster (docs/benchmarks.md, "How fast is the Hopper forward?" and "... backward?")
+WGMMA_DEFAULT_HEAD_DIMS = {"forward": (128,), "backward": (64, 96, 128)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -487,7 +490,7 @@ def check(table: str, D: int, t: Tiles):
             raise ValueError(f"the wgmma forward takes num_threads in {allowed} at block_m {m} (128 a warpgroup of "
                              f"64 rows, and 32 a warp of the producer), got {t.num_threads}")
     elif table in ("wgmma_dq", "wgmma_dkdv"):
-        wgmma_backward.check(D, m, n, "float16", table[6:])
+        wgmma_backward.check(D, m, n, table[6:])
     elif table in ("tf32", "3xtf32"):
         if D not in mma_tf32.HEAD_DIMS:
             raise ValueError(f"the TF32 kernel supports head_dim in {mma_tf32.HEAD_DIMS}, got {D}")

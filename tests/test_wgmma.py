@@ -331,6 +331,16 @@ def test_backward_one_warpgroup_matches_reference(causal, dropout):
     check_backward(grads, dout, q, k, v, out, lse, causal=causal, **ref)
 
 
+def test_backward_keys_no_query_sees():
+    """A window that leaves the first two key tiles unseen by every query: the dK/dV kernel's blocks with no query
+    tile write zeros and return before any copy; the third tile's keys get their gradients."""
+    rng = np.random.default_rng(23)
+    q, k, v = random_qkv(rng, 1, 6, 150, 1, 64, np.float16)
+    grads, dout, out, lse = wgmma_backward(q, k, v, window_size=(3, 0))
+    check_backward(grads, dout, q, k, v, out, lse, window_size=(3, 0))
+    assert not np.asarray(grads[1])[:, :141].any() and np.asarray(grads[1])[:, 141:].any()
+
+
 def test_backward_two_warpgroups_every_option():
     """At the default tiles: two warpgroups sharing each tile in both kernels (dQ's key tiles and dK/dV's query
     tiles of 32, as the planner gives them with more than two per-entry options), GQA (the dK/dV kernel summing two

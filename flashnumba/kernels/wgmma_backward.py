@@ -75,8 +75,8 @@ def shared_bytes_dkdv(D, block_m, block_n):
     return (2 * block_n + 2 * STAGES * block_m) * D * 2
 
 
-def check(D, block_m, block_n, dtype, which):
-    """ValueError unless the tiles suit the kernel (``which``: "dq" or "dkdv")."""
+def check(D, block_m, block_n, which, dtype=None):
+    """ValueError unless the tiles suit the kernel (``which``: "dq" or "dkdv"), and the dtype where given."""
     if D not in HEAD_DIMS:
         raise ValueError(f"the wgmma backward supports head_dim in {HEAD_DIMS}, got {D}")
     rows, loop, loops = (block_m, block_n, DQ_BLOCK_NS) if which == "dq" else (block_n, block_m, DKDV_BLOCK_MS)
@@ -85,7 +85,7 @@ def check(D, block_m, block_n, dtype, which):
         raise ValueError(f"the wgmma {'dQ' if which == 'dq' else 'dK/dV'} kernel takes {names[0]} 64 or 128 (one or "
                          f"two warpgroups of 64 rows) and {names[1]} in {loops}, got block_m {block_m}, block_n "
                          f"{block_n}")
-    if dtype not in ("float16", "bfloat16"):
+    if dtype is not None and dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
 
 
@@ -158,7 +158,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     p_drop, rp_keep, seed, offset). Compiled for sm_90a. Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads),
     block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dq`."""
     B_R, B_C = 64 * warpgroups, block_n
-    check(D, B_R, B_C, dtype, "dq")
+    check(D, B_R, B_C, "dq", dtype)
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
@@ -324,7 +324,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k), block (:func:`threads`,),
     dynamic shared memory :func:`shared_bytes_dkdv`."""
     B_R, B_C = block_m, 64 * warpgroups
-    check(D, B_R, B_C, dtype, "dkdv")
+    check(D, B_R, B_C, "dkdv", dtype)
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
@@ -406,6 +406,20 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                 s[4 * n + x] = pz
                 dp[4 * n + x] = ds
 
+    @cuda.jit(device=True, inline=True)
+    def put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep):
+        """dK_j, dV_j of this lane's keys r0, r0 + 8 to dk, dv (dV_j = (P Z)^T dO: Z = keep / (1 - p_drop))."""
+        zscale = rp_keep if DROPOUT else float32(1.0)
+        for x in range(2):
+            j = j0 + r0 + 8 * x
+            if j < seqlen_k:
+                for n in range(NO // 4):
+                    c = 8 * n + 2 * t
+                    dk[bb, k0 + j, hk, c] = store(dka[4 * n + 2 * x] * scale)
+                    dk[bb, k0 + j, hk, c + 1] = store(dka[4 * n + 2 * x + 1] * scale)
+                    dv[bb, k0 + j, hk, c] = store(dva[4 * n + 2 * x] * zscale)
+                    dv[bb, k0 + j, hk, c + 1] = store(dva[4 * n + 2 * x + 1] * zscale)
+
     @cuda.jit
     def backward_dkdv_wgmma(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q,
                             cu_k, p_drop, rp_keep, seed, offset):
@@ -439,9 +453,6 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         pp = cuda.local.array((KC, 4), uint32)  # (P Z)^T packed: the A operand of dV_j += (P Z)^T dO_i
         pd = cuda.local.array((KC, 4), uint32)  # dS^T packed: that of dK_j += dS^T Q_i
         st = cuda.local.array((2, SR), float32)  # L_i, D_i of the next tile, on their way to shared memory
-        for n in range(NO):
-            dva[n] = 0.0
-            dka[n] = 0.0
         k_addr = hop.smem_address(smem, 0) + gw * 64 * 16  # this warpgroup's 64 keys: 8 core matrices further
         v_addr = hop.smem_address(smem, OFF_V) + gw * 64 * 16
         q_base = hop.smem_address(smem, OFF_Q)
@@ -456,35 +467,41 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             m_rows = max(0, min(seqlen_q, min(j0 + B_C, seqlen_k) - diag + left))
         nt = max(0, int64(uint32(m_rows + B_R - 1) // uint32(B_R)) - m_begin)  # query tiles per query head
         total = group * nt
+        if total == 0:  # no query sees these keys: dK_j = dV_j = 0 (and no condition on total below)
+            for n in range(NO):
+                dva[n] = 0.0
+                dka[n] = 0.0
+            put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep)
+            return
 
         load_core(smem, 0, k, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
         load_core(smem, OFF_V, v, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
-        if total > 0:
-            h, i0 = tile_of(0, hk, group, nt, m_begin)
-            load_tile(smem, 0, q, dout, bb, q0 + i0, q0 + seqlen_q, h, tid)
-            fetch_stats(st, lse, delta, bb, h, q0 + i0, q0 + seqlen_q, tid)
-            put_stats(lsm, dsm, 0, st, tid)
+        h, i0 = tile_of(0, hk, group, nt, m_begin)
+        load_tile(smem, 0, q, dout, bb, q0 + i0, q0 + seqlen_q, h, tid)
+        fetch_stats(st, lse, delta, bb, h, q0 + i0, q0 + seqlen_q, tid)
+        put_stats(lsm, dsm, 0, st, tid)
         ptx.cp_async_commit()
+        for n in range(NO):  # (zeroed after the copies are addressed: the prologue needs the registers)
+            dva[n] = 0.0
+            dka[n] = 0.0
 
         # The first tile: S^T, dP^T alone, the entries, packed
-        if total > 0:
-            h, i0 = tile_of(0, hk, group, nt, m_begin)
-            publish_tile()
-            if total > 1:
-                h2, i2 = tile_of(1, hk, group, nt, m_begin)
-                load_tile(smem, 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
-                fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
-            issue_sdp(s, dp, k_addr, v_addr, q_base, 0)
-            if total > 1:
-                put_stats(lsm, dsm, 1, st, tid)
-            bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
-            wait_s(0, s)
-            wait_s(0, dp)
-            slope = alibi[b, h] if ALIBI else float32(0.0)
-            entries(s, dp, lsm, dsm, 0, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
-            pack_a(pp, s)
-            pack_a(pd, dp)
+        publish_tile()
+        if total > 1:
+            h2, i2 = tile_of(1, hk, group, nt, m_begin)
+            load_tile(smem, 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
+            fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
+        issue_sdp(s, dp, k_addr, v_addr, q_base, 0)
+        if total > 1:
+            put_stats(lsm, dsm, 1, st, tid)
+        bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
+        wait_s(0, s)
+        wait_s(0, dp)
+        slope = alibi[b, h] if ALIBI else float32(0.0)
+        entries(s, dp, lsm, dsm, 0, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+                right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
+        pack_a(pp, s)
+        pack_a(pd, dp)
         # Tile i: S^T, dP^T issued, dV, dK of tile i - 1 behind them, the entries of tile i while those run
         sel = 0
         for it in range(1, total):
@@ -511,21 +528,11 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             pack_a(pp, s)
             pack_a(pd, dp)
         # The last tile's dV, dK products
-        if total > 0:
-            issue_dkdv(dva, dka, pp, pd, q_base, total - 1)
-            wait_o(0, dva)
-            wait_o(0, dka)
-        ptx.cp_async_wait_all()  # (with no tile, the prologue's copies are still in flight)
+        issue_dkdv(dva, dka, pp, pd, q_base, total - 1)
+        wait_o(0, dva)
+        wait_o(0, dka)
+        ptx.cp_async_wait_all()  # (every copy landed before the kernel ends)
 
-        zscale = rp_keep if DROPOUT else float32(1.0)  # dV_j = (P Z)^T dO with Z = keep / (1 - p_drop)
-        for x in range(2):
-            j = j0 + r0 + 8 * x
-            if j < seqlen_k:
-                for n in range(NO // 4):
-                    c = 8 * n + 2 * t
-                    dk[bb, k0 + j, hk, c] = store(dka[4 * n + 2 * x] * scale)
-                    dk[bb, k0 + j, hk, c + 1] = store(dka[4 * n + 2 * x + 1] * scale)
-                    dv[bb, k0 + j, hk, c] = store(dva[4 * n + 2 * x] * zscale)
-                    dv[bb, k0 + j, hk, c + 1] = store(dva[4 * n + 2 * x + 1] * zscale)
+        put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep)
 
     return backward_dkdv_wgmma

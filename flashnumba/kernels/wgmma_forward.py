@@ -126,7 +126,7 @@ def make_load_core(D, NT):
         @cuda.jit(device=True, inline=True)
         def load_core(smem, off, src, b, row0, row_end, h, rows, tid):
             lane = tid & 31
-            w = tid >> 5
+            w = uint32(tid) >> 5  # (unsigned: w % CB and w // CB need no sign fix-up)
             rl = lane & 7
             for cg in range(CG):
                 c = 4 * (w % CB + cg * NW) + (lane >> 3)  # (CB a constant: a shift or a multiply, once a call)
