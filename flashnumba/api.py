@@ -214,18 +214,19 @@ def flash_attn_forward(
     num_threads : threads per block (kernels v2, v3; "tc": 32 per 16 or per 32 query rows; the others derive
         their threads from their tiles).
     kernel : None (default): chosen by the plan (:mod:`flashnumba.planner`): "tc" for float16 / bfloat16 where the
-        tensor cores apply, else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with
+        tensor cores apply ("wgmma" at head_dim 128 on compute capability 9.0, unless the inputs are strided or a
+        block mask is given), else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with
         Numba's default signed indexing), "v1" (one thread per row, the readable one): the SIMT kernels of
         flashnumba.kernels.simt_forward; "tc": the tensor-core kernel (float16 or bfloat16, head_dim a multiple of
         8 up to 256, every option; block_m 16 to 256 as 1, 2, 4 or 8 warps of 16 or 32 rows, block_n a multiple
         of 16; compute capability >= 8.0), flashnumba.kernels.mma_forward; "tf32",
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
-        float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (opt-in;
-        compute capability 9.0 only, float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's
+        float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (the
+        default on compute capability 9.0 at head_dim 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS; 9.0 only, float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's
         score_mod / mask_mod and block masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128;
         num_threads 2 block_m, or + 32 or + 128 for a producer of one warp or four, the default),
-        flashnumba.kernels.wgmma_forward; not yet clearly faster than "tc" (docs/benchmarks.md).
+        flashnumba.kernels.wgmma_forward; at head_dim 64 and 96 "tc" is the faster (docs/benchmarks.md).
 
     stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'
         current stream (torch's for torch tensors, CuPy's for CuPy arrays). The outputs (and any temporary or
@@ -282,14 +283,15 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     block_m and block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
     flashnumba.kernels.mma_backward; "tf32", "3xtf32" (float32 on tensor cores, as ``precision=``); "wgmma"
-    (opt-in; Hopper's warpgroup MMA, compute capability 9.0 only: float16 or bfloat16, head_dim 64, 96 or 128,
+    (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at head_dim 64, 96 and 128: float16 or bfloat16, head_dim 64, 96 or 128,
     every option but a user's score_mod / mask_mod and block masks, deterministic; the dQ kernel takes 64 or 128
     query rows a block and tiles of 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block and tiles of 64
     queries; the plan gives them tiles of 32 where the per-entry options would spill (flashnumba.tiling,
     wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or block_n given applies to both, so block_m 64
     and block_n 64 or 128; no num_threads), see flashnumba.kernels.wgmma_backward.
     None
-    (default): "tc" where it applies (as for the forward), else "v2". stream: as for :func:`flash_attn_forward`.
+    (default): "tc" where it applies (as for the forward; "wgmma" on compute capability 9.0 where it applies,
+    unless deterministic=False, a block mask or strided inputs), else "v2". stream: as for :func:`flash_attn_forward`.
     precision: float32 only, "ieee" (None: the same), or "tf32" / "3xtf32": the TF32 backward kernels
     (flashnumba.kernels.mma_tf32_backward; head_dim 64 or 128, causal or not), as for the forward.
     deterministic: True (default); False, on the tensor cores, has the dK/dV kernel add dQ into a float32

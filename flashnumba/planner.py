@@ -15,7 +15,10 @@ How ``kernel=None`` chooses:
   (:data:`flashnumba.tiling.MMA_DEFAULT_HEAD_DIMS`; those not a multiple of 16, 8, 24, 40, ..., padded to 16 in
   shared memory with zero columns), and no tile arguments given
   (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
-  16-byte row copies).
+  16-byte row copies). On compute capability 9.0 the Hopper kernels (``wgmma``) instead, at the head dims where
+  they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at 128, the backward at 64,
+  96 and 128), unless a block mask, ``deterministic=False`` (the atomic dQ) or strided inputs (read in place by
+  ``tc``, copied by ``wgmma``) keep ``tc`` (:func:`_hopper_blocker`; the plan's ``why`` says so).
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
   ``fallback`` and a one-time :class:`SlowPathWarning` says so (``flashnumba.config.warn_slow_path = False``
   silences it). Under the simulator the SIMT kernels are chosen without a warning.
@@ -212,6 +215,28 @@ def _mma_blocker(tq, tensors, limits, tiles_given, pass_="forward") -> str | Non
     return None
 
 
+def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | None:
+    """Where the tensor-core kernels apply on a GPU of compute capability 9.0, whether ``kernel=None`` takes the
+    Hopper kernels (``wgmma``) instead: None where it does, else the reason (as "; ..." to append to the plan's
+    why; "" on other GPUs). The head dims are :data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`, those where the
+    Hopper kernel is the faster; block masks and ``deterministic=False`` (the atomic dQ) are the ``mma.sync``
+    kernels'; the Hopper kernels copy strided inputs to C-contiguous rows, which the ``mma.sync`` kernels read in
+    place, so a strided call keeps those."""
+    if tuple(limits.cc) != (9, 0):
+        return ""
+    D = tq.shape[-1]
+    if D not in tiling.WGMMA_DEFAULT_HEAD_DIMS[pass_]:
+        return f"; not wgmma: the Hopper {pass_} is the faster at head_dim " \
+               f"{', '.join(map(str, tiling.WGMMA_DEFAULT_HEAD_DIMS[pass_]))}"
+    if opts.block_mask is not None:
+        return "; not wgmma: a block mask"
+    if not deterministic:
+        return "; not wgmma: deterministic=False (the atomic dQ)"
+    if any(t.name in ("q", "k", "v", "dout") and t.kind != "numpy" and not _c_layout(t) for t in tensors):
+        return "; not wgmma: strided inputs (read in place here, copied by the Hopper kernels)"
+    return None
+
+
 def _c_layout(t) -> bool:
     return is_c_layout(t.shape, t.strides, t.dtype.itemsize)
 
@@ -241,7 +266,7 @@ def _warn_slow(pass_, reason):
 _warned: set = set()
 
 
-def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
+def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=True):
     """(family, why, fallback) of a forward or backward call."""
     families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
     simt = "v3" if pass_ == "forward" else "v2"
@@ -265,7 +290,10 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given):
     if tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype):
         blocker = _mma_blocker(tq, tensors, limits, tiles_given, pass_)
         if blocker is None:
-            return "tc", f"{_dtype_name(tq.dtype)} on tensor cores (mma.sync, cp.async, ldmatrix)", None
+            hopper = _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic)
+            if hopper is None:
+                return "wgmma", f"{_dtype_name(tq.dtype)} on Hopper's warpgroup MMA (wgmma)", None
+            return "tc", f"{_dtype_name(tq.dtype)} on tensor cores (mma.sync, cp.async, ldmatrix){hopper}", None
         return simt, "the register-tiled SIMT kernels", (None if SIMULATOR else blocker)
     return simt, "float32: the register-tiled SIMT kernels, exact float32 arithmetic (TF32 is opt-in)", None
 
@@ -740,7 +768,8 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     limits = resolve_device(device, (tdo, tq, tk, tv, to, tl))
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
-    family, why, fallback = choose("backward", kernel, tq, (tq, tk, tv, tdo, to), opts, limits, tiles_given)
+    family, why, fallback = choose("backward", kernel, tq, (tq, tk, tv, tdo, to), opts, limits, tiles_given,
+                                   deterministic)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
     lead_n, total_q, nheads, D = shape4

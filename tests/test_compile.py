@@ -10,7 +10,8 @@ sm_75 and for sm_80, and nvJitLink assembles them for each target: sm_80, sm_86 
 in which every kernel of their plans is compiled to PTX for sm_80 (once where plans share it) and assembled for
 its target, as the CUDA driver assembles PTX written for an older architecture. (Those assembled from sm_80's PTX
 for another target are not stored in the disk cache; the GPU profile compiles every kernel for the GPU's own
-architecture.)
+architecture.) The Hopper kernels that sm_90's default plans choose (wgmma, setmaxnreg) have only their own
+sm_90a PTX.
 
 Per push (the ``ci`` profile, conftest.FULL_COMPILE false) each architecture compiles the default plans of three
 cases, one a kernel family's tightest fit: float32 at d=256 (the SIMT kernels' largest tiles in shared memory),
@@ -40,6 +41,8 @@ ptx_of = {}  # a kernel's PTX, compiled once for sm_80 where its target is sm_80
 real_compile_ptx, real_store = _launch.compile_ptx, _launch._cache.store
 def compile_kernel(spec, sig, cc):
     cc = tuple(cc)[:2]
+    if spec.arch_specific:  # (the Hopper kernels: their own sm_90a PTX, no other target's)
+        return _launch.compile_kernel(spec, sig, cc)
     base = (8, 0) if cc >= (8, 0) else cc
     key = _launch._cache_key(spec, sig, base)
     def compile_ptx(pyfunc, signature, target, launch_bounds=None):
@@ -135,8 +138,10 @@ def _check_fit(arch, rows):
             else r["static_shared_bytes"]
         assert static <= tiling.STATIC_SHARED_LIMIT
         assert static + r["dynamic_shared"] <= lim.max_shared_per_block, r
-    # the tensor-core families where the architecture has mma.sync m16n8k16; the SIMT ones on sm_75
-    assert ("tc" in kinds) == (lim.cc >= (8, 0))
+    # the tensor-core families where the architecture has mma.sync m16n8k16 (on sm_90 the default plans take the
+    # Hopper kernels at some head dims, and on it alone); the SIMT ones on sm_75
+    assert bool(kinds & {"tc", "wgmma"}) == (lim.cc >= (8, 0))
+    assert "wgmma" not in kinds or tuple(lim.cc) == (9, 0)
     assert "v3" in kinds and "v2" in kinds
 
 

@@ -99,7 +99,7 @@ def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
     assert p.kernel == "tc" and p.fallback is None
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_75")
     assert p.kernel == "v3" and "compute capability 7.5" in p.fallback
-    q, k, v = _qkv(np.float16, 96)
+    q, k, v = _qkv(np.float16, 96)  # (the Hopper forward is the default at 128 only)
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
     assert p.kernel == "tc" and p.fallback is None
     q, k, v = _qkv(np.float16, 40)  # a multiple of 8, not of 16: padded in shared memory
@@ -114,6 +114,45 @@ def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
     with pytest.raises(ValueError, match="compute capability 8.0"):
         planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", _qkv(np.float16, 64))], _opts(q, k), kernel="tc",
                              device="sm_75")
+
+
+def test_hopper_default_choice(monkeypatch):
+    """On compute capability 9.0 kernel=None takes the Hopper kernels at their default head dims, and the
+    mma.sync kernels, with the reason in the plan, for block masks, deterministic=False and strided inputs."""
+    import dataclasses
+
+    from flashnumba._validate import check_options
+
+    monkeypatch.setattr(planmod, "SIMULATOR", False)
+    lse = np.zeros((1, 4, 64), np.float32)
+
+    def plans(d, **kw):
+        q, k, v = _qkv(np.float16, d)
+        return (flashnumba.plan(q, k, v, device="sm_90"),
+                flashnumba.plan_backward(q, q, k, v, q, lse, device="sm_90", **kw))
+
+    for d in (64, 96, 128):
+        fwd, bwd = plans(d)
+        assert fwd.kernel == ("wgmma" if d in tiling.WGMMA_DEFAULT_HEAD_DIMS["forward"] else "tc")
+        assert bwd.kernel == ("wgmma" if d in tiling.WGMMA_DEFAULT_HEAD_DIMS["backward"] else "tc")
+        assert fwd.fallback is None and bwd.fallback is None
+        if fwd.kernel == "tc":
+            assert "not wgmma" in fwd.why and "head_dim" in fwd.why
+    assert plans(40)[1].kernel == "tc"  # (built for 64, 96, 128 only)
+    fwd, bwd = plans(128, deterministic=False)
+    assert bwd.kernel == "tc" and "deterministic=False" in bwd.why
+    fwd, bwd = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", _qkv(np.float16, 128))],
+                                    _opts(*_qkv(np.float16, 128)[:2]), device="sm_80"), None
+    assert fwd.kernel == "tc" and "wgmma" not in fwd.why
+    # a strided q (heads before rows, read in place by the mma.sync kernels) and a block mask keep mma.sync
+    q, k, v = _qkv(np.float16, 128)
+    tq = dataclasses.replace(_t("q", q), kind="cai", strides=(64 * 4 * 256, 256, 64 * 256, 2))
+    lim = tiling.ARCHS["sm_90"]
+    assert "strided" in planmod._hopper_blocker("forward", tq, (tq,), _opts(q, k), lim, True)
+    opts = dataclasses.replace(check_options(tq, _t("k", k), False, (-1, -1), 0.0, None, 0.0, None),
+                               block_mask=(128, 128))
+    assert "block mask" in planmod._hopper_blocker("forward", _t("q", q), (_t("q", q),), opts, lim, True)
+    assert planmod._hopper_blocker("forward", _t("q", q), (_t("q", q),), _opts(q, k), lim, True) is None
 
 
 def test_slow_path_warning_once_and_silenced(monkeypatch):
