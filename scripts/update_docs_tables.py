@@ -202,7 +202,8 @@ def hopper_summary(d, prefix="docs/results/latest/"):
             f"{' '.join(map(str, tiles[h]))} (head_dim {h})" for h in dims)
     env = d["environment"]
     return [f"- Hopper: a forward on warpgroup MMA with a producer warpgroup and two consumers taking turns "
-            f"(`kernel=\"wgmma\"`, opt-in, `flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "
+            f"(`kernel=\"wgmma\"`, `kernel=None`'s on compute capability 9.0 at head_dim 128, "
+            f"`flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes), {mma} (float16 forward, seqlen 4096 and 16384, "
             f"{env['date'][:10]}: [bench-wgmma.json]({prefix}bench-wgmma.json); docs/benchmarks.md, \"How fast is "
@@ -237,11 +238,12 @@ def hopper_backward_summary(d, prefix="docs/results/latest/"):
     mma = " and ".join(f"{span('flashnumba', ('tflops',), h)} at head_dim {h}" for h in dims)
     env = d["environment"]
     return [f"- Hopper backward: dQ and dK/dV kernels on warpgroup MMA, deterministic (`kernel=\"wgmma\"` for the "
-            f"backward, opt-in, `flashnumba/kernels/wgmma_backward.py`), correct on the H200 at "
+            f"backward, `kernel=None`'s on compute capability 9.0 at head_dim 64, 96 and 128, "
+            f"`flashnumba/kernels/wgmma_backward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes), against the `mma.sync` backward {mma} (float16, seqlen 4096 and 16384, {env['date'][:10]}: "
             f"[bench-wgmma-bwd.json]({prefix}bench-wgmma-bwd.json); docs/benchmarks.md, \"How fast is the Hopper "
-            f"backward?\", which says which later changes have not yet run on the H200)."]
+            f"backward?\", which gives the later runs)."]
 
 
 def decode(d, prefix="results/latest/"):
