@@ -223,8 +223,8 @@ def flash_attn_forward(
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
         float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (the
-        default on compute capability 9.0 at head_dim 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS; 9.0 only, float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's
-        score_mod / mask_mod and block masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128;
+        default on compute capability 9.0 at head_dim 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS; 9.0 only,
+        float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128;
         num_threads 2 block_m, or + 32 or + 128 for a producer of one warp or four, the default),
         flashnumba.kernels.wgmma_forward; at head_dim 64 and 96 "tc" is the faster (docs/benchmarks.md).
 
@@ -283,8 +283,8 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     block_m and block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
     flashnumba.kernels.mma_backward; "tf32", "3xtf32" (float32 on tensor cores, as ``precision=``); "wgmma"
-    (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at head_dim 64, 96 and 128: float16 or bfloat16, head_dim 64, 96 or 128,
-    every option but a user's score_mod / mask_mod and block masks, deterministic; the dQ kernel takes 64 or 128
+    (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at head_dim 64, 96 and 128: float16
+    or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block masks, deterministic; the dQ kernel takes 64 or 128
     query rows a block and tiles of 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block and tiles of 64
     queries; the plan gives them tiles of 32 where the per-entry options would spill (flashnumba.tiling,
     wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or block_n given applies to both, so block_m 64

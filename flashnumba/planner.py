@@ -219,8 +219,9 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | No
     """Where the tensor-core kernels apply on a GPU of compute capability 9.0, whether ``kernel=None`` takes the
     Hopper kernels (``wgmma``) instead: None where it does, else the reason (as "; ..." to append to the plan's
     why; "" on other GPUs). The head dims are :data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`, those where the
-    Hopper kernel is the faster; block masks and ``deterministic=False`` (the atomic dQ) are the ``mma.sync``
-    kernels'; the Hopper kernels copy strided inputs to C-contiguous rows, which the ``mma.sync`` kernels read in
+    Hopper kernel is the faster; its tiles must fit the shared memory (a cap, ``FLASHNUMBA_MAX_SHARED_BYTES``,
+    may leave only the ``mma.sync`` kernels' room); block masks and ``deterministic=False`` (the atomic dQ) are
+    the ``mma.sync`` kernels'; the Hopper kernels copy strided inputs to C-contiguous rows, which the ``mma.sync`` kernels read in
     place, so a strided call keeps those."""
     if tuple(limits.cc) != (9, 0):
         return ""
@@ -228,6 +229,12 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | No
     if D not in tiling.WGMMA_DEFAULT_HEAD_DIMS[pass_]:
         return f"; not wgmma: the Hopper {pass_} is the faster at head_dim " \
                f"{', '.join(map(str, tiling.WGMMA_DEFAULT_HEAD_DIMS[pass_]))}"
+    for table in ("wgmma",) if pass_ == "forward" else ("wgmma_dq", "wgmma_dkdv"):
+        try:
+            tiling.default(table, D, limits)
+        except ValueError:
+            return (f"; not wgmma: its tiles need more than the {limits.max_shared_per_block} bytes of shared memory "
+                    f"a block may use here")
     if opts.block_mask is not None:
         return "; not wgmma: a block mask"
     if not deterministic:

@@ -131,6 +131,7 @@ def test_hopper_default_choice(monkeypatch):
         return (flashnumba.plan(q, k, v, device="sm_90"),
                 flashnumba.plan_backward(q, q, k, v, q, lse, device="sm_90", **kw))
 
+    assert tiling.WGMMA_DEFAULT_HEAD_DIMS == {"forward": (128,), "backward": (64, 96, 128)}  # (the measured choice)
     for d in (64, 96, 128):
         fwd, bwd = plans(d)
         assert fwd.kernel == ("wgmma" if d in tiling.WGMMA_DEFAULT_HEAD_DIMS["forward"] else "tc")
@@ -153,6 +154,11 @@ def test_hopper_default_choice(monkeypatch):
                                block_mask=(128, 128))
     assert "block mask" in planmod._hopper_blocker("forward", _t("q", q), (_t("q", q),), opts, lim, True)
     assert planmod._hopper_blocker("forward", _t("q", q), (_t("q", q),), _opts(q, k), lim, True) is None
+    # a shared-memory cap that leaves room for the mma.sync kernels only (a 99 KB GPU's, on the H200)
+    capped = dataclasses.replace(lim, max_shared_per_block=101376)
+    for pass_ in ("forward", "backward"):
+        why = planmod._hopper_blocker(pass_, _t("q", q), (_t("q", q),), _opts(q, k), capped, True)
+        assert "101376 bytes of shared memory" in why, why
 
 
 def test_slow_path_warning_once_and_silenced(monkeypatch):
