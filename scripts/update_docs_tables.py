@@ -193,7 +193,7 @@ def hopper_summary(d, prefix="docs/results/latest/"):
     over bench-wgmma.json's shapes (both timing modes against the peers)."""
     ours, span = _spans(d)
     dims = sorted({k[0] for k in ours})
-    mma = " and ".join(f"{span('flashnumba', ('tflops',), h)} at head_dim {h}" for h in dims)
+    mma = " and ".join(f"{span(_mma_impl(d), ('tflops',), h)} at head_dim {h}" for h in dims)
     mma = f"against the `mma.sync` kernel {mma}"
     tiles = {h: sorted({tuple(x[1:]) for k, r in ours.items() if k[0] == h for x in r.get("kernels", ())})
              for h in dims}  # (the rows of runs that record their kernels' tiles)
@@ -231,11 +231,17 @@ def _spans(d):
     return ours, span
 
 
+def _mma_impl(d):
+    """The mma.sync kernels' rows of a Hopper run: flashnumba_tc, or flashnumba in the runs made while it was the
+    default on the H200."""
+    return "flashnumba_tc" if any(r["impl"] == "flashnumba_tc" for r in d["rows"]) else "flashnumba"
+
+
 def hopper_backward_summary(d, prefix="docs/results/latest/"):
     """The README's line on the Hopper backward, over bench-wgmma-bwd.json's shapes."""
     ours, span = _spans(d)
     dims = sorted({k[0] for k in ours})
-    mma = " and ".join(f"{span('flashnumba', ('tflops',), h)} at head_dim {h}" for h in dims)
+    mma = " and ".join(f"{span(_mma_impl(d), ('tflops',), h)} at head_dim {h}" for h in dims)
     env = d["environment"]
     return [f"- Hopper backward: dQ and dK/dV kernels on warpgroup MMA, deterministic (`kernel=\"wgmma\"` for the "
             f"backward, `kernel=None`'s on compute capability 9.0 at head_dim 64, 96 and 128, "
