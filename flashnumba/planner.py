@@ -17,8 +17,10 @@ How ``kernel=None`` chooses:
   (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies). On compute capability 9.0 the Hopper kernels (``wgmma``) instead, at the head dims where
   they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at 128, the backward at 64,
-  96 and 128), unless a block mask, ``deterministic=False`` (the atomic dQ) or strided inputs (read in place by
-  ``tc``, copied by ``wgmma``) keep ``tc`` (:func:`_hopper_blocker`; the plan's ``why`` says so).
+  96 and 128), unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
+  (:func:`_hopper_blocker`; the plan's ``why`` says so). The choice does not depend on the inputs' strides (the
+  Hopper kernels copy strided inputs to C-contiguous rows), so a packed qkv gives the bits of the same values
+  unpacked; only without CuPy, which makes those copies, do strided inputs keep ``tc``.
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
   ``fallback`` and a one-time :class:`SlowPathWarning` says so (``flashnumba.config.warn_slow_path = False``
   silences it). Under the simulator the SIMT kernels are chosen without a warning.
@@ -221,8 +223,10 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | No
     why; "" on other GPUs). The head dims are :data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`, those where the
     Hopper kernel is the faster; its tiles must fit the shared memory (a cap, ``FLASHNUMBA_MAX_SHARED_BYTES``,
     may leave only the ``mma.sync`` kernels' room); block masks and ``deterministic=False`` (the atomic dQ) are
-    the ``mma.sync`` kernels'; the Hopper kernels copy strided inputs to C-contiguous rows, which the ``mma.sync`` kernels read in
-    place, so a strided call keeps those."""
+    the ``mma.sync`` kernels'. Strided inputs do not change the choice (the Hopper kernels copy them to C-contiguous
+    rows, where the ``mma.sync`` kernels read them in place): a call gives the same bits whatever its inputs'
+    layout (packed qkv or not), at the cost of the copies; only without CuPy, which makes them, do they keep
+    the ``mma.sync`` kernels."""
     if tuple(limits.cc) != (9, 0):
         return ""
     D = tq.shape[-1]
@@ -239,8 +243,9 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | No
         return "; not wgmma: a block mask"
     if not deterministic:
         return "; not wgmma: deterministic=False (the atomic dQ)"
-    if any(t.name in ("q", "k", "v", "dout") and t.kind != "numpy" and not _c_layout(t) for t in tensors):
-        return "; not wgmma: strided inputs (read in place here, copied by the Hopper kernels)"
+    if _arrays.cupy is None and any(t.name in ("q", "k", "v", "dout") and t.kind != "numpy" and not _c_layout(t)
+                                    for t in tensors):
+        return "; not wgmma: strided inputs (read in place here; the Hopper kernels' copies need CuPy)"
     return None
 
 

@@ -118,7 +118,8 @@ def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
 
 def test_hopper_default_choice(monkeypatch):
     """On compute capability 9.0 kernel=None takes the Hopper kernels at their default head dims, and the
-    mma.sync kernels, with the reason in the plan, for block masks, deterministic=False and strided inputs."""
+    mma.sync kernels, with the reason in the plan, for block masks, deterministic=False and (without CuPy only)
+    strided inputs."""
     import dataclasses
 
     from flashnumba._validate import check_options
@@ -145,10 +146,15 @@ def test_hopper_default_choice(monkeypatch):
     fwd, bwd = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", _qkv(np.float16, 128))],
                                     _opts(*_qkv(np.float16, 128)[:2]), device="sm_80"), None
     assert fwd.kernel == "tc" and "wgmma" not in fwd.why
-    # a strided q (heads before rows, read in place by the mma.sync kernels) and a block mask keep mma.sync
+    # a strided q (heads before rows) takes the Hopper kernels as a contiguous one does (they copy it: the same
+    # bits whatever the layout), and keeps mma.sync (which reads it in place) only without CuPy; a block mask
+    # keeps mma.sync
     q, k, v = _qkv(np.float16, 128)
     tq = dataclasses.replace(_t("q", q), kind="cai", strides=(64 * 4 * 256, 256, 64 * 256, 2))
     lim = tiling.ARCHS["sm_90"]
+    monkeypatch.setattr(planmod._arrays, "cupy", object())
+    assert planmod._hopper_blocker("forward", tq, (tq,), _opts(q, k), lim, True) is None
+    monkeypatch.setattr(planmod._arrays, "cupy", None)
     assert "strided" in planmod._hopper_blocker("forward", tq, (tq,), _opts(q, k), lim, True)
     opts = dataclasses.replace(check_options(tq, _t("k", k), False, (-1, -1), 0.0, None, 0.0, None),
                                block_mask=(128, 128))

@@ -255,11 +255,14 @@ def _unpacked_reference(fn, *args, **kw):
 
 
 @on_gpu
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_packed_variants_equal_unpacked_bitwise(dtype):
+def test_packed_variants_equal_unpacked_bitwise(dtype, d):
+    """A packed qkv (or kv) gives the bits of the same values unpacked, forward and backward: the default kernel
+    does not depend on the layout (on compute capability 9.0 the Hopper kernels copy the strided views)."""
     tdt = DTYPES[dtype]
     torch.manual_seed(3)
-    b, s, h, hk, d = 2, 77, 4, 2, 64
+    b, s, h, hk = 2, 77, 4, 2
     qkv = torch.randn(b, s, 3, h, d, device="cuda").to(tdt).requires_grad_()
     dout = torch.randn(b, s, h, d, device="cuda").to(tdt)
     out = ft.flash_attn_qkvpacked_func(qkv, causal=True, softcap=8.0)
