@@ -729,19 +729,20 @@ def test_tile_copy_rows_padding_and_zeros(row0, row_end, rows):
 
     DG, D, NT, MAX_ROWS = 56, 64, 32, 16
     LD = D + mma_tiles.PAD
+    SIZE = MAX_ROWS * LD  # (a shared array's size must be one constant: a product of two is not, on a GPU)
     load = mma_tiles.make_load_rows(D, NT, DG=DG)
 
     @cuda.jit
     def copy(src, init, out, b, row0, row_end, h, rows):
-        smem = cuda.shared.array(MAX_ROWS * LD, float16)
+        smem = cuda.shared.array(SIZE, float16)
         tid = cuda.threadIdx.x
-        for e in range(tid, MAX_ROWS * LD, NT):
+        for e in range(tid, SIZE, NT):
             smem[e] = init[e]
         cuda.syncthreads()
         load(smem, 0, src, b, row0, row_end, h, rows, tid)
         ptx.cp_async_wait_all()
         cuda.syncthreads()
-        for e in range(tid, MAX_ROWS * LD, NT):
+        for e in range(tid, SIZE, NT):
             out[e] = smem[e]
 
     rng = np.random.default_rng(row0 + rows)
