@@ -5,8 +5,7 @@ synccheck):
 
 sequences not a multiple of the tiles, causal and a window, float16 and bfloat16, one and two warpgroups, GQA,
 the dK/dV kernel's query tiles of 32 (ALiBi and dropout at head_dim 128), key tiles that no query sees,
-varlen with an empty sequence; each
-gradient's largest error against the float64 reference is printed.
+varlen with an empty sequence; each gradient's largest error against the float64 reference is printed.
 """
 
 import ml_dtypes
