@@ -29,9 +29,10 @@ for step in $STEPS; do
   echo "=== $step $(date -u +%FT%TZ)"
   case $step in
     info) python3 -m flashnumba info; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv ;;
-    tests) # pytest-xdist, where installed, spreads the (CPU-bound) Numba compilations over processes
+    tests) # pytest-xdist, where installed, spreads the (CPU-bound) Numba compilations over processes; -v names each
+           # test as it ends, so a part cut by its time limit still says which tests ran
            workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-16}" || echo "-o addopts=-ra")
-           FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $workers \
+           FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-330} python3 -m pytest -v -p no:cacheprovider --tb=short -rfE $workers \
              --durations=25 --hypothesis-show-statistics ${TESTS:-$SHARD_TESTS} > "$OUT/tests.log" 2>&1
            echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15
            grep -h "^FAILED" "$OUT/failures.log" 2>/dev/null ;;  # written as failures happen
