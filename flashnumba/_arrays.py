@@ -137,13 +137,20 @@ def _meta_torch(x):
     return (tuple(x.shape), x.stride(), x.dtype, x.device.index, x.data_ptr() % 16 == 0)
 
 
-def _meta_numpy(x):
-    return (x.shape, x.strides, x.dtype.str)
+def _meta_numpy(x):  # (copied to the current device, for which the call is planned)
+    return (x.shape, x.strides, x.dtype.str, current_device())
+
+
+def current_device() -> int:
+    """The id of the current CUDA device, on which a call launches (0 in the simulator): part of the key of a call
+    whose arrays do not say their device (NumPy arrays, which are copied there, and ``__cuda_array_interface__``
+    objects), so that a plan made for one GPU is not reused on another."""
+    return 0 if SIMULATOR else cuda.get_current_device().id
 
 
 def meta_key(x):
-    """A hashable summary of an array's type, shape, strides, dtype (and device): the part of a call's plan
-    key that an array gives. Cheap: a few attribute reads."""
+    """A hashable summary of an array's type, shape, strides, dtype and device (the current one for arrays that do
+    not carry theirs): the part of a call's plan key that an array gives. Cheap: a few attribute reads."""
     t = type(x)
     f = _META.get(t)
     if f is None:
@@ -155,7 +162,7 @@ def meta_key(x):
             f = _meta_torch
         else:
             shape, strides, dtype = shape_strides_dtype(x)
-            return (t, shape, strides, dtype.str, starts_aligned(x))
+            return (t, shape, strides, dtype.str, starts_aligned(x), current_device())
         _META[t] = f
     return (t, f(x))
 

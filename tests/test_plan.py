@@ -239,3 +239,20 @@ def test_arrays_on_another_gpu_are_refused(monkeypatch):
     for kind in ("cupy", "torch"):
         with pytest.raises(ValueError, match="q is on GPU 1, but the kernels run on GPU 0"):
             planmod.resolve_device(None, (on(kind, 1),))
+
+
+def test_call_key_names_the_device_of_arrays_that_do_not_carry_it(monkeypatch):
+    """A kept call is planned for a GPU: the key of NumPy arrays (copied to the current device) and of
+    ``__cuda_array_interface__`` objects (which say nothing of their device) holds the current device, so that a
+    process that switches GPUs plans afresh for the other (CuPy arrays and torch tensors carry their own)."""
+    from flashnumba import _arrays
+
+    class Cai:  # a bare __cuda_array_interface__ object
+        __cuda_array_interface__ = dict(shape=(2, 8), typestr="<f2", data=(4096, False), strides=None, version=3)
+
+    for x in (np.zeros((2, 8), np.float16), Cai()):
+        monkeypatch.setattr(_arrays, "current_device", lambda: 0)
+        on0 = _arrays.meta_key(x)
+        assert _arrays.meta_key(x) == on0
+        monkeypatch.setattr(_arrays, "current_device", lambda: 1)
+        assert _arrays.meta_key(x) != on0
