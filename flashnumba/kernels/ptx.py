@@ -43,8 +43,8 @@ use dynamic shared memory). The stand-ins check the index part (byte offset a mu
 The stand-ins. Under the simulator every CUDA thread is a Python thread and all threads of a block run at once
 (blocks run one after another), so the 32 lanes of a warp can meet: each warp-collective stand-in (mma,
 ldmatrix) puts its lane's registers in a slot, waits on a ``threading.Barrier(32)`` until the whole warp has,
-computes its own result from all 32 slots, and waits once more so that no lane reuses the slots before every
-lane has read them (``shfl_xor_f32`` likewise). As on the GPU, all 32 lanes must make the call (a warp whose
+takes its own result from all 32 slots (the mma's product is computed once, by lane 0, for the warp), and waits
+once more so that no lane reuses the slots before every lane has read them (``shfl_xor_f32`` likewise). As on the GPU, all 32 lanes must make the call (a warp whose
 lanes diverge around it waits until the barrier's timeout and fails). ``cp_async_16`` reads its 16 source bytes
 when issued but writes them only when a ``cp_async_wait``/``cp_async_wait_all`` retires their group, so a
 kernel that forgets the wait reads stale shared memory in the simulator, as it may on the GPU. The mma stand-in
@@ -133,22 +133,38 @@ class _Rendezvous:
     def __init__(self, size):
         self.barrier = threading.Barrier(size, timeout=_BARRIER_TIMEOUT_S)
         self.slots = [None] * size
+        self.result = None
 
-    def exchange(self, lane, value):
-        """Put this thread's value in, return all the threads' values once every one has put its own."""
+    def exchange(self, lane, value, combine=None):
+        """Put this thread's value in, return all the threads' values once every one has put its own; or, with
+        ``combine``, what ``combine(values)`` returns, computed once (by lane 0) for the whole group, as the
+        hardware computes a collective instruction's result once (a matrix product that every lane would
+        otherwise rebuild from every lane's registers). An exception in it is raised in every lane."""
         self.slots[lane] = value
         self.barrier.wait()  # every thread has written its slot
-        values = list(self.slots)
-        self.barrier.wait()  # every thread has read the slots: they may be reused
-        return values
+        if combine is None:
+            values = list(self.slots)
+        elif lane == 0:
+            try:
+                self.result = (True, combine(list(self.slots)))
+            except Exception as e:  # (every lane raises it: none waits for a lane that left)
+                self.result = (False, e)
+        self.barrier.wait()  # every thread has read the slots (and lane 0 combined them): they may be reused
+        if combine is None:
+            return values
+        ok, result = self.result
+        if not ok:
+            raise result
+        return result
 
 
 _rendezvous_lock = threading.Lock()
 
 
-def _group_exchange(value, size, what):
+def _group_exchange(value, size, what, combine=None):
     """(rank in the group, values of all ``size`` threads of the group) for the calling simulated CUDA thread,
-    the groups being threads size * i .. size * i + size - 1 of its block (a warp, a warpgroup)."""
+    the groups being threads size * i .. size * i + size - 1 of its block (a warp, a warpgroup); with
+    ``combine``, (rank, combine(values)) computed once for the group (:meth:`_Rendezvous.exchange`)."""
     thread = threading.current_thread()
     manager = thread._manager  # the simulator's BlockManager: one per launch, runs the blocks one by one
     tid = thread.thread_id  # threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
@@ -164,12 +180,12 @@ def _group_exchange(value, size, what):
             groups[key] = _Rendezvous(size)
         rendezvous = groups[key]
     rank = tid % size
-    return rank, rendezvous.exchange(rank, value)
+    return rank, rendezvous.exchange(rank, value, combine)
 
 
-def _warp_exchange(value):
-    """(lane, values of all 32 lanes) for the calling simulated CUDA thread."""
-    return _group_exchange(value, _WARP, "warp")
+def _warp_exchange(value, combine=None):
+    """(lane, values of all 32 lanes) for the calling simulated CUDA thread (or (lane, combine(values)))."""
+    return _group_exchange(value, _WARP, "warp", combine)
 
 
 def _host_array(ary):
@@ -198,42 +214,40 @@ def _u32(x):
     return int(x) & 0xFFFFFFFF
 
 
-def _halves_f16(reg):
-    """The two float16 of a packed register, (lo, hi), as float64."""
-    bits = np.array([reg & 0xFFFF, reg >> 16], np.uint16)
-    return bits.view(np.float16).astype(np.float64)
+def _f16_values(bits):
+    """float16 bit patterns (uint16, any shape) as float64 values."""
+    return np.asarray(bits, np.uint16).view(np.float16).astype(np.float64)
 
 
-def _halves_bf16(reg):
-    """The two bfloat16 of a packed register, (lo, hi), as float64 (a bf16 is the top half of a float32)."""
-    bits = np.array([(reg & 0xFFFF) << 16, reg & 0xFFFF0000], np.uint32)
-    return bits.view(np.float32).astype(np.float64)
+def _bf16_values(bits):
+    """bfloat16 bit patterns (uint16, any shape) as float64 values (a bfloat16 is the top half of a float32)."""
+    return (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def _sim_mma(halves, lane_regs):
-    """D for every lane, from all lanes' (a0..a3, b0, b1, c0..c3), following the layout in MMA_DOC."""
-    A = np.empty((16, 16))
-    B = np.empty((16, 8))
-    C = np.empty((16, 8))
-    for lane, regs in enumerate(lane_regs):
-        g, t = lane >> 2, lane & 3
-        a0, a1, a2, a3, b0, b1, c0, c1, c2, c3 = regs
-        A[g, 2 * t:2 * t + 2] = halves(a0)
-        A[g + 8, 2 * t:2 * t + 2] = halves(a1)
-        A[g, 2 * t + 8:2 * t + 10] = halves(a2)
-        A[g + 8, 2 * t + 8:2 * t + 10] = halves(a3)
-        B[2 * t:2 * t + 2, g] = halves(b0)
-        B[2 * t + 8:2 * t + 10, g] = halves(b1)
-        C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = c0, c1, c2, c3
+_LANES = np.arange(_WARP)
+_G, _T = _LANES >> 2, _LANES & 3  # each lane's groupID and threadID_in_group (MMA_DOC)
+
+
+def _sim_mma(values, lane_regs):
+    """D (16 x 8, float32) from all lanes' (a0..a3, b0, b1, c0..c3), following the layout in MMA_DOC; ``values``
+    turns 16-bit patterns into float64 (:func:`_f16_values`, :func:`_bf16_values`)."""
+    regs = np.array([r[:6] for r in lane_regs], np.uint32)  # (lane, a0 a1 a2 a3 b0 b1)
+    lo, hi = values(regs & 0xFFFF), values(regs >> 16)  # the lower element of each register, the upper one
+    A, B, C = np.empty((16, 16)), np.empty((16, 8)), np.empty((16, 8))
+    g, t2 = _G, 2 * _T
+    for i, (row, col) in enumerate(((g, t2), (g + 8, t2), (g, t2 + 8), (g + 8, t2 + 8))):  # a0 .. a3
+        A[row, col], A[row, col + 1] = lo[:, i], hi[:, i]
+    B[t2, g], B[t2 + 1, g], B[t2 + 8, g], B[t2 + 9, g] = lo[:, 4], hi[:, 4], lo[:, 5], hi[:, 5]
+    c = np.array([r[6:] for r in lane_regs], np.float64)
+    C[g, t2], C[g, t2 + 1], C[g + 8, t2], C[g + 8, t2 + 1] = c[:, 0], c[:, 1], c[:, 2], c[:, 3]
     # products of 16-bit floats are exact in float64, and so are sums of 16 of them in all but extreme cases
     return (A @ B + C).astype(np.float32)
 
 
-def _make_sim_mma(halves, dtype):
+def _make_sim_mma(values, dtype):
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         regs = tuple(_u32(r) for r in (a0, a1, a2, a3, b0, b1)) + tuple(float(c) for c in (c0, c1, c2, c3))
-        lane, everyone = _warp_exchange(regs)
-        D = _sim_mma(halves, everyone)
+        lane, D = _warp_exchange(regs, lambda everyone: _sim_mma(values, everyone))
         g, t = lane >> 2, lane & 3
         return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
 
@@ -398,7 +412,13 @@ def _sim_split_tf32(x):
 
 def _sim_mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     regs = tuple(_u32(r) for r in (a0, a1, a2, a3, b0, b1)) + tuple(float(c) for c in (c0, c1, c2, c3))
-    lane, everyone = _warp_exchange(regs)
+    lane, D = _warp_exchange(regs, _tf32_product)
+    g, t = lane >> 2, lane & 3
+    return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+
+
+def _tf32_product(everyone):
+    """D (16 x 8, float32) of m16n8k8 TF32 from all lanes' (a0..a3, b0, b1, c0..c3), as MMA_TF32_DOC lays them."""
     A = np.empty((16, 8))
     B = np.empty((8, 8))
     C = np.empty((16, 8))
@@ -408,9 +428,7 @@ def _sim_mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = (value(r) for r in (ra0, ra1, ra2, ra3))
         B[t, g], B[t + 4, g] = value(rb0), value(rb1)
         C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = rc0, rc1, rc2, rc3
-    D = (A @ B + C).astype(np.float32)  # products of tf32 values are exact in float64
-    g, t = lane >> 2, lane & 3
-    return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+    return (A @ B + C).astype(np.float32)  # products of tf32 values are exact in float64
 
 
 _sim_mma_tf32.__doc__ = MMA_TF32_DOC
@@ -707,8 +725,8 @@ def _gpu_intrinsics():
 
 def _simulator_stand_ins():
     return dict(
-        mma_m16n8k16_f16=_make_sim_mma(_halves_f16, "float16"),
-        mma_m16n8k16_bf16=_make_sim_mma(_halves_bf16, "bfloat16"),
+        mma_m16n8k16_f16=_make_sim_mma(_f16_values, "float16"),
+        mma_m16n8k16_bf16=_make_sim_mma(_bf16_values, "bfloat16"),
         ldmatrix_x4=_make_sim_ldmatrix(trans=False), ldmatrix_x4_trans=_make_sim_ldmatrix(trans=True),
         cp_async_16=_sim_cp_async_16, cp_async_16_at=_sim_cp_async_16_at, cp_async_commit=_sim_cp_async_commit,
         cp_async_wait=_sim_cp_async_wait,

@@ -91,6 +91,7 @@ kernels that use them are compiled for the architecture-specific target.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -172,6 +173,11 @@ def _sim_operand(desc, rows, halves, mn_major=False):
         raise NotImplementedError("the stand-in reads unswizzled operands only (swizzle mode 0)")
     if addr % 16:
         raise ValueError(f"an operand's address must be 16-byte aligned, got {addr}")
+    offsets, span = _operand_offsets(rows, lbo, sbo, mn_major)
+    try:  # (one gather where the operand lies within one shared array, as it does in the kernels)
+        return halves(_sim_smem_bytes(addr, span).view(np.uint16)[offsets])
+    except ValueError:
+        pass  # (else chunk by chunk, which names a chunk that lies in no shared array)
     out = np.empty((rows, K))
     if mn_major:
         for k in range(K):
@@ -186,6 +192,18 @@ def _sim_operand(desc, rows, halves, mn_major=False):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _operand_offsets(rows, lbo, sbo, mn_major):
+    """(16-bit element offsets from the operand's address of its elements (r, k), rows x K; the bytes from the
+    address to the last element's end): where :func:`_sim_operand` reads, as one index array."""
+    r, k = np.arange(rows)[:, None], np.arange(K)[None, :]
+    if mn_major:
+        byte = (r // 8) * sbo + (k // 8) * lbo + (k % 8) * 16 + (r % 8) * 2
+    else:
+        byte = (r // 8) * sbo + (k // 8) * lbo + (r % 8) * 16 + (k % 8) * 2
+    return byte // 2, int(byte.max()) + 2
+
+
 def _sim_register_operand(everyone_regs, halves):
     """The A operand (64 x 16, float64) held in the 128 threads' registers: thread r's four uint32 (two 16-bit
     elements each, the lower half first) at the places the module docstring draws."""
@@ -198,14 +216,6 @@ def _sim_register_operand(everyone_regs, halves):
             col = 2 * t + 8 * (i >> 1)
             out[row, col:col + 2] = halves(np.array([reg & 0xFFFF, (reg >> 16) & 0xFFFF], np.uint16))
     return out
-
-
-def _f16_values(bits):
-    return bits.view(np.float16).astype(np.float64)
-
-
-def _bf16_values(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def _fragment_index(N):
@@ -229,7 +239,7 @@ def _wgmma_results():
 
 
 def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
-    halves = _f16_values if kind == "f16" else _bf16_values
+    halves = ptx._f16_values if kind == "f16" else ptx._bf16_values
     rows, cols = _fragment_index(N)
 
     def issue(acc, operand_a, desc_b, scale_d):
@@ -264,24 +274,34 @@ def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
         while len(groups) > int(n):
             retired += groups.pop(0)
         mine = [(c, da, db, s) for _, c, da, db, s, _ in retired]
-        rank, everyone = ptx._group_exchange(mine, WARPGROUP, "warpgroup")
         results = _wgmma_results()  # the full D each accumulator last received, by this thread's array
-        for i, (a, c, da, db, s, seen) in enumerate(retired):
-            if c is None:
-                d = results[id(a)].copy()
-            else:
-                d = np.zeros((M, N))
-                d[rows, cols] = np.array([everyone[r][i][0] for r in range(WARPGROUP)], np.float64)
-            if regs_a:
-                A = _sim_register_operand([everyone[r][i][1] for r in range(WARPGROUP)], halves)
-            else:
-                A = _sim_operand(da, M, halves)
-            B = _sim_operand(db, N, halves, mn_major=trans_b)
-            if not ((regs_a or np.array_equal(A, seen[0], equal_nan=True)) and np.array_equal(B, seen[1],
-                                                                                              equal_nan=True)):
+
+        def products(everyone):
+            """The retired products' operands and full D, once for the warpgroup (from lane 0's view of the
+            chains: every thread's is the same)."""
+            latest, out = {}, []
+            for i, (a, c, da, db, s, _) in enumerate(retired):
+                if c is None:
+                    d = latest[id(a)] if id(a) in latest else results[id(a)]  # (chained on a retired D)
+                else:
+                    d = np.zeros((M, N))
+                    d[rows, cols] = np.array([everyone[r][i][0] for r in range(WARPGROUP)], np.float64)
+                if regs_a:
+                    A = _sim_register_operand([everyone[r][i][1] for r in range(WARPGROUP)], halves)
+                else:
+                    A = _sim_operand(da, M, halves)
+                B = _sim_operand(db, N, halves, mn_major=trans_b)
+                latest[id(a)] = A @ B.T + (d if s else 0.0)
+                out.append((A.tobytes(), B.tobytes(), latest[id(a)]))
+            return out
+
+        rank, done = ptx._group_exchange(mine, WARPGROUP, "warpgroup", products)
+        for (a, c, da, db, s, seen), (A, B, D) in zip(retired, done):
+            # (each thread's operands as it saw them at its issue, against those at the wait, bit for bit)
+            if not ((regs_a or seen[0].tobytes() == A) and seen[1].tobytes() == B):
                 raise RuntimeError("the shared memory a wgmma reads changed between its issue and its wait (or was "
                                    "not yet written, by every thread, at the issue: a missing barrier)")
-            results[id(a)] = A @ B.T + (d if s else 0.0)
+            results[id(a)] = D
         for a, *_ in retired:
             a[:] = results[id(a)][rows[rank], cols[rank]].astype(np.float32)
 
