@@ -81,9 +81,10 @@ N; with g = lane >> 2 and t = lane & 3, registers 4 j .. 4 j + 3 hold::
 
 **The stand-ins.** Under the simulator a wgmma records itself and fills the accumulator with NaN (reading it
 before the wait reads garbage on the GPU); ``wgmma_wait`` retires the groups as the hardware does: the 128
-threads meet at a barrier, exchange their accumulators and descriptors, and each computes the retired products
-in order from the shared memory as it is *at the wait* (float64 products, rounded once to float32), then keeps
-its own fragment. ``smem_address`` gives each shared array of a block an address of its own (1 KB aligned, below
+threads meet at a barrier, exchange their accumulators and descriptors, the retired products are computed once
+for the warpgroup, in order, from the shared memory as it is *at the wait* (float64 products, rounded once to
+float32), each thread checks that the operands it saw at its issue are those bit for bit (else a barrier is
+missing), and keeps its own fragment. ``smem_address`` gives each shared array of a block an address of its own (1 KB aligned, below
 the 256 KB that the descriptor's 14 bits reach) and the descriptor's address is looked up among them.
 ``fence_proxy_async`` does nothing there (the simulator has one view of memory). The instructions need sm_90a:
 kernels that use them are compiled for the architecture-specific target.
