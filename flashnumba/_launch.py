@@ -394,8 +394,17 @@ class Bound:
             self.launch(*self.prefix, stream, self.params_address, 0)
 
 
+SIM_SWITCH_INTERVAL_S = 0.0005  # the interpreter's thread switch interval while a simulated kernel runs
+
+
 class SimBound:
-    """One kernel of a plan under the simulator: Numba's dispatcher, arrays and NumPy scalars as they are."""
+    """One kernel of a plan under the simulator: Numba's dispatcher, arrays and NumPy scalars as they are.
+
+    The simulator runs each CUDA thread of a block as a Python thread, and its block manager polls them from the
+    launching thread; the threads hand the interpreter to one another every switch interval, and at Python's
+    default (5 ms) a thread that a barrier has released waits out the poller's whole turn. So the launch runs
+    with a tenth of it (:data:`SIM_SWITCH_INTERVAL_S`) and puts the caller's back after: simulated tensor-core
+    kernels then run about twice as fast (docs/testing.md)."""
 
     def __init__(self, spec: KernelLaunch, arrays: dict, scalars: dict):
         self.spec = spec
@@ -405,7 +414,12 @@ class SimBound:
     def __call__(self, values: dict, stream: int = 0):
         s = self.spec
         args = [values[p] if p in values else self.scalars[p] for p in s.params]
-        self.kernel[s.grid, s.block, 0, s.shared_bytes](*args)
+        saved = sys.getswitchinterval()
+        sys.setswitchinterval(min(saved, SIM_SWITCH_INTERVAL_S))
+        try:
+            self.kernel[s.grid, s.block, 0, s.shared_bytes](*args)
+        finally:
+            sys.setswitchinterval(saved)
 
 
 def bind(spec: KernelLaunch, arrays: dict, scalars: dict, device):

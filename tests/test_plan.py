@@ -256,3 +256,33 @@ def test_call_key_names_the_device_of_arrays_that_do_not_carry_it(monkeypatch):
         assert _arrays.meta_key(x) == on0
         monkeypatch.setattr(_arrays, "current_device", lambda: 1)
         assert _arrays.meta_key(x) != on0
+
+
+@pytest.mark.skipif(not flashnumba.SIMULATOR, reason="the simulator's launch")
+def test_a_simulated_launch_puts_back_the_switch_interval(monkeypatch):
+    """A simulated kernel runs with a short thread switch interval (_launch.SimBound) and leaves the caller's."""
+    import sys
+
+    from flashnumba import _launch
+
+    calls = []
+
+    class Sys:  # (sys, recording the intervals _launch sets)
+        modules = sys.modules
+        getswitchinterval = staticmethod(sys.getswitchinterval)
+
+        @staticmethod
+        def setswitchinterval(x):
+            calls.append(x)
+            sys.setswitchinterval(x)
+
+    q = np.random.default_rng(0).standard_normal((1, 5, 1, 8)).astype(np.float32)
+    saved = sys.getswitchinterval()
+    monkeypatch.setattr(_launch, "sys", Sys)
+    try:
+        sys.setswitchinterval(0.01)
+        flashnumba.flash_attn_forward(q, q, q)
+        assert sys.getswitchinterval() == pytest.approx(0.01)
+    finally:
+        sys.setswitchinterval(saved)
+    assert calls[0] == pytest.approx(_launch.SIM_SWITCH_INTERVAL_S) and calls[-1] == pytest.approx(0.01)
