@@ -44,8 +44,9 @@ The stand-ins. Under the simulator every CUDA thread is a Python thread and all 
 (blocks run one after another), so the 32 lanes of a warp can meet: each warp-collective stand-in (mma,
 ldmatrix) puts its lane's registers in a slot, waits on a ``threading.Barrier(32)`` until the whole warp has,
 takes its own result from all 32 slots (the mma's product is computed once, by lane 0, for the warp), and waits
-once more so that no lane reuses the slots before every lane has read them (``shfl_xor_f32`` likewise). As on the GPU, all 32 lanes must make the call (a warp whose
-lanes diverge around it waits until the barrier's timeout and fails). ``cp_async_16`` reads its 16 source bytes
+once more so that no lane reuses the slots before every lane has read them (``shfl_xor_f32`` likewise). As on
+the GPU, all 32 lanes must make the call (a warp whose lanes diverge around it waits until the barrier's timeout
+and fails). ``cp_async_16`` reads its 16 source bytes
 when issued but writes them only when a ``cp_async_wait``/``cp_async_wait_all`` retires their group, so a
 kernel that forgets the wait reads stale shared memory in the simulator, as it may on the GPU. The mma stand-in
 adds the exact products in float64 and rounds once to float32; the tensor cores' own summation rounds
@@ -244,12 +245,16 @@ def _sim_mma(values, lane_regs):
     return (A @ B + C).astype(np.float32)
 
 
+def _lane_fragment(lane, D):
+    """Lane ``lane``'s (d0, d1, d2, d3) of an mma's D (16 x 8), as MMA_DOC lays them."""
+    g, t = lane >> 2, lane & 3
+    return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+
+
 def _make_sim_mma(values, dtype):
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         regs = tuple(_u32(r) for r in (a0, a1, a2, a3, b0, b1)) + tuple(float(c) for c in (c0, c1, c2, c3))
-        lane, D = _warp_exchange(regs, lambda everyone: _sim_mma(values, everyone))
-        g, t = lane >> 2, lane & 3
-        return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+        return _lane_fragment(*_warp_exchange(regs, lambda everyone: _sim_mma(values, everyone)))
 
     mma.__doc__ = MMA_DOC.format(dtype=dtype)
     return mma
@@ -412,9 +417,7 @@ def _sim_split_tf32(x):
 
 def _sim_mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     regs = tuple(_u32(r) for r in (a0, a1, a2, a3, b0, b1)) + tuple(float(c) for c in (c0, c1, c2, c3))
-    lane, D = _warp_exchange(regs, _tf32_product)
-    g, t = lane >> 2, lane & 3
-    return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+    return _lane_fragment(*_warp_exchange(regs, _tf32_product))
 
 
 def _tf32_product(everyone):

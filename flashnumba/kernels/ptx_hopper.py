@@ -84,8 +84,9 @@ before the wait reads garbage on the GPU); ``wgmma_wait`` retires the groups as 
 threads meet at a barrier, exchange their accumulators and descriptors, the retired products are computed once
 for the warpgroup, in order, from the shared memory as it is *at the wait* (float64 products, rounded once to
 float32), each thread checks that the operands it saw at its issue are those bit for bit (else a barrier is
-missing), and keeps its own fragment. ``smem_address`` gives each shared array of a block an address of its own (1 KB aligned, below
-the 256 KB that the descriptor's 14 bits reach) and the descriptor's address is looked up among them.
+missing), and keeps its own fragment. ``smem_address`` gives each shared array of a block an address of its own
+(1 KB aligned, below the 256 KB that the descriptor's 14 bits reach) and the descriptor's address is looked up
+among them.
 ``fence_proxy_async`` does nothing there (the simulator has one view of memory). The instructions need sm_90a:
 kernels that use them are compiled for the architecture-specific target.
 """
