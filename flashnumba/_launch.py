@@ -108,6 +108,7 @@ class KernelLaunch:
     tiles: object = None
     reason: str = ""
     arch_specific: bool = False  # compiled for the architecture-specific target (sm_90a: wgmma, setmaxnreg)
+    whole_program: bool = False  # assembled as the whole program (a kernel with setmaxnreg: assemble_whole)
 
     def signature(self, arrays: dict, scalars: dict) -> tuple:
         sig = []
@@ -133,51 +134,118 @@ class _OfflineDevice:
         self.compute_capability = cc
 
 
-def compile_ptx(pyfunc, signature: str, cc, launch_bounds=None) -> str:
-    """``numba.cuda.compile_ptx``, also without a GPU: numba-cuda compiles the device functions a kernel calls
-    (the dropout generator) for the *current* device's compute capability, so where there is no device the
-    target's is supplied for the duration of the call. ``launch_bounds``: the block's threads, where the
-    assembler must keep the registers a thread within what that many threads may have (``.maxntid``)."""
+class _current_device_for:
+    """numba-cuda compiles the device functions a kernel calls (the dropout generator) for the *current* device's
+    compute capability; where there is no device, the target's is supplied for the duration of the block."""
+
+    def __init__(self, cc):
+        self.cc = cc
+
+    def __enter__(self):
+        from numba.cuda import dispatcher
+
+        self.saved = None
+        if not cuda.is_available():
+            self.saved = dispatcher.get_current_device
+            dispatcher.get_current_device = lambda: _OfflineDevice(self.cc)
+
+    def __exit__(self, *exc):
+        from numba.cuda import dispatcher
+
+        if self.saved is not None:
+            dispatcher.get_current_device = self.saved
+
+
+def _need_real_cuda():
     if SIMULATOR:
         raise RuntimeError("compiling needs the real numba.cuda: start Python with FLASHNUMBA_SIMULATOR=0 "
                            "(no GPU is needed)")
-    from numba.cuda import dispatcher
 
+
+def compile_ptx(pyfunc, signature: str, cc, launch_bounds=None) -> str:
+    """``numba.cuda.compile_ptx``, also without a GPU (:class:`_current_device_for`). ``launch_bounds``: the
+    block's threads, or (threads, blocks an SM), where the assembler must keep the registers a thread within what
+    that many threads may have (``.maxntid``; with blocks, ``.minnctapersm``)."""
+    _need_real_cuda()
     kw = {} if launch_bounds is None else {"launch_bounds": launch_bounds}
-    if cuda.is_available():
+    with _current_device_for(cc):
         return cuda.compile_ptx(pyfunc, signature, cc=cc, **kw)[0]
-    saved = dispatcher.get_current_device
-    dispatcher.get_current_device = lambda: _OfflineDevice(cc)
-    try:
-        return cuda.compile_ptx(pyfunc, signature, cc=cc, **kw)[0]
-    finally:
-        dispatcher.get_current_device = saved
 
 
-def assemble(ptx: str, cc) -> tuple[bytes, str]:
-    """PTX -> (cubin, the assembler's verbose log) with nvJitLink, which ships with numba-cuda's CUDA wheels and
-    is of the same CUDA version as the NVVM that wrote the PTX."""
+def compile_ltoir(pyfunc, signature: str, cc, launch_bounds=None) -> bytes:
+    """The kernel as NVVM's link-time-optimisation IR (LTO-IR) instead of PTX; otherwise as :func:`compile_ptx`."""
+    _need_real_cuda()
+    kw = {} if launch_bounds is None else {"launch_bounds": launch_bounds}
+    with _current_device_for(cc):
+        return bytes(cuda.compile(pyfunc, signature, device=False, cc=cc, abi="numba", output="ltoir", **kw)[0])
+
+
+def _arch(cc) -> str:
+    return f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"  # (9, 0, "a"): sm_90a, Hopper's own instructions
+
+
+def _jit_link(kind, data: bytes, options: list, what: str):
+    """One nvJitLink run over one input: (its output, cubin or PTX, as bytes; the info log)."""
     from cuda.bindings import nvjitlink
 
-    data = ptx.encode()
-    arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"  # (9, 0, "a"): sm_90a, Hopper's own instructions
-    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
+    handle = nvjitlink.create(len(options), options)
     try:
-        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
+        nvjitlink.add_data(handle, kind, data, len(data), "kernel")
         try:
             nvjitlink.complete(handle)
         except Exception as err:  # noqa: BLE001  (nvJitLinkError: show the assembler's own words)
             log = bytearray(nvjitlink.get_error_log_size(handle))
             nvjitlink.get_error_log(handle, log)
-            raise RuntimeError(f"nvJitLink could not assemble the kernel for {arch}: "
-                               f"{log.decode(errors='replace')}") from err
+            raise RuntimeError(f"nvJitLink could not {what}: {log.decode(errors='replace')}") from err
         log = bytearray(nvjitlink.get_info_log_size(handle))
         nvjitlink.get_info_log(handle, log)
-        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
-        nvjitlink.get_linked_cubin(handle, cubin)
+        if "-ptx" in options:
+            out = bytearray(nvjitlink.get_linked_ptx_size(handle))
+            nvjitlink.get_linked_ptx(handle, out)
+        else:
+            out = bytearray(nvjitlink.get_linked_cubin_size(handle))
+            nvjitlink.get_linked_cubin(handle, out)
     finally:
         nvjitlink.destroy(handle)
-    return bytes(cubin), log.decode(errors="replace")
+    return bytes(out), log.decode(errors="replace")
+
+
+def assemble(ptx: str, cc) -> tuple[bytes, str]:
+    """PTX -> (cubin, the assembler's verbose log) with nvJitLink, which ships with numba-cuda's CUDA wheels and
+    is of the same CUDA version as the NVVM that wrote the PTX. nvJitLink assembles PTX as one unit of a program
+    that may be linked with others (relocatable device code): see :func:`assemble_whole` for what that forbids."""
+    from cuda.bindings import nvjitlink
+
+    arch = _arch(cc)
+    return _jit_link(nvjitlink.InputType.PTX, ptx.encode(), [f"-arch={arch}", "-verbose"],
+                     f"assemble the kernel for {arch}")
+
+
+def assemble_whole(ltoir: bytes, cc) -> tuple[bytes, str, str]:
+    """LTO-IR -> (cubin, the assembler's verbose log, the PTX it assembled) with nvJitLink's link-time
+    optimisation, in which the assembler sees the kernel as the whole program. Only then does it honour
+    ``setmaxnreg`` (a warpgroup's register budget, changed at run time): assembling PTX as one unit of a program
+    it ignores it, "to maintain compatibility across compilation units" (its log's C7504), and keeps every thread
+    at the block's even share. The PTX comes from a second run (nvJitLink gives one output a run) and names the
+    entry and its parameters."""
+    from cuda.bindings import nvjitlink
+
+    arch = _arch(cc)
+    what = f"link the kernel for {arch}"
+    cubin, log = _jit_link(nvjitlink.InputType.LTOIR, ltoir, [f"-arch={arch}", "-lto", "-verbose"], what)
+    ptx, _ = _jit_link(nvjitlink.InputType.LTOIR, ltoir, [f"-arch={arch}", "-lto", "-ptx"], what)
+    return cubin, log, ptx.decode()
+
+
+def build(pyfunc, signature: str, cc, launch_bounds=None, whole_program=False) -> tuple[bytes, str, str]:
+    """A kernel's (cubin, assembler log, PTX) for compute capability ``cc``: compiled to PTX and assembled, or,
+    ``whole_program``, through LTO-IR (:func:`assemble_whole`). The one way the launches, the disk cache and the
+    offline compile tests make machine code."""
+    if whole_program:
+        return assemble_whole(compile_ltoir(pyfunc, signature, cc, launch_bounds), cc)
+    ptx = compile_ptx(pyfunc, signature, cc, launch_bounds)
+    cubin, log = assemble(ptx, cc)
+    return cubin, log, ptx
 
 
 def resources_from_log(log: str) -> dict:
@@ -215,11 +283,20 @@ class Compiled:
     seconds: float = 0.0  # compile time (0 when loaded)
 
 
+def bounds(threads: int, whole_program: bool = False):
+    """The launch bounds a kernel of ``threads`` threads a block is compiled with. Above 256 threads, the threads
+    (``.maxntid``): at up to 255 registers a thread, more threads than that would not fit the 64K registers of an
+    SM, and the launch would fail; None for the others. A kernel with ``setmaxnreg`` (``whole_program``) adds one
+    block an SM (``.minnctapersm``): the assembler then knows each thread's registers at the kernel's entry,
+    without which it ignores ``setmaxnreg`` (its log's C7508)."""
+    if threads <= 256:
+        return None
+    return (threads, 1) if whole_program else threads
+
+
 def launch_bounds(spec: KernelLaunch):
-    """The threads of a block larger than 256 (``.maxntid``): at up to 255 registers a thread, more threads than
-    that would not fit the 64K registers of an SM, and the launch would fail; None for the others."""
-    n = int(np.prod(spec.block))
-    return n if n > 256 else None
+    """:func:`bounds` of a plan's kernel."""
+    return bounds(int(np.prod(spec.block)), spec.whole_program)
 
 
 def _cache_key(spec: KernelLaunch, sig: tuple, cc) -> str:
@@ -229,6 +306,8 @@ def _cache_key(spec: KernelLaunch, sig: tuple, cc) -> str:
     bound = launch_bounds(spec)
     if bound is not None:
         key["launch_bounds"] = bound
+    if spec.whole_program:
+        key["whole_program"] = True
     return _cache.key_text(key)
 
 
@@ -259,8 +338,8 @@ def compile_kernel(spec: KernelLaunch, sig: tuple, cc) -> Compiled:
         else:
             t0 = time.perf_counter()
             fn = spec.factory(*spec.factory_args)
-            ptx = compile_ptx(fn.py_func, f"void({', '.join(sig)})", cc, launch_bounds(spec))
-            cubin, log = assemble(ptx, cc)
+            cubin, log, ptx = build(fn.py_func, f"void({', '.join(sig)})", cc, launch_bounds(spec),
+                                    whole_program=spec.whole_program)
             name, sizes = entry_and_params(ptx)
             result = Compiled(cubin, name, sizes, resources_from_log(log), seconds=time.perf_counter() - t0)
             if disk:

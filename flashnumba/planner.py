@@ -514,7 +514,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,
                                opts.scale > 0, wgmma_forward.producer_warps(t.block_m, t.num_threads)),
                               io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t, reason,
-                              arch_specific=True)
+                              arch_specific=True, whole_program=wgmma_forward.rebalances(
+                                  t.block_m // 64, wgmma_forward.producer_warps(t.block_m, t.num_threads)))
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

@@ -279,9 +279,11 @@ TABLES = {
         Candidate(64, Tiles(128, 128, 384), "fastest of the H200 tile runs at d = 64: two warpgroups of 64 query "
                   "rows sharing each K_j, V_j of 128 keys, copied by a producer warpgroup (1.09x B_c 64, causal "
                   "1.12x)", min_cc=(9, 0)),
-        Candidate(128, Tiles(128, 64, 384), "fastest of the H200 tile run at d = 128: two warpgroups of 64 "
-                  "query rows sharing each K_j, V_j of 64 keys, copied by a producer warpgroup (1.2x the same tiles "
-                  "without it; B_c 128 spills there)", min_cc=(9, 0)),
+        Candidate(128, Tiles(128, 128, 384), "two warpgroups of 64 query rows sharing each K_j, V_j of 128 keys, "
+                  "copied by a producer warpgroup whose registers the two take (setmaxnreg: 232 a thread)",
+                  min_cc=(9, 0)),
+        Candidate(128, Tiles(128, 64, 384), "B_c 64 with the producer warpgroup (1.2x the same tiles without it)",
+                  min_cc=(9, 0)),
         Candidate(128, Tiles(128, 64, 256), "two warpgroups, B_c 64, no producer: every warp copies",
                   min_cc=(9, 0)),
         Candidate(128, Tiles(128, 128, 256), "two warpgroups, B_c 128", min_cc=(9, 0)),
@@ -319,19 +321,25 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     ``given``: the names among "block_n" and "num_threads" that the caller chose (kept as they are).
 
     A block of 384 threads (the producer's warpgroup and the two that compute: three warps on each of the SM's
-    four schedulers, which share its 64K registers) gives a thread at most 168 registers. With more than two of the
-    variant's options (the window's left and right bounds counted apart, softcap, ALiBi, varlen, dropout) the
-    kernel may need more, and spill: it runs without a producer, at B_c 64 (without a producer the faster). A tile
-    of 128 keys (the table's at d = 64) holds twice the scores: it fits only with no softcap or ALiBi and at most
-    one of a window bound and dropout (varlen adds no per-score work); other variants take B_c 64."""
-    has_left, has_right, softcap, alibi, _, dropout = variant
+    four schedulers, which share its 64K registers) starts a thread at 168 registers; the producer gives most of
+    its own to the two warpgroups (``wgmma_forward.rebalances``: 224 each). With more than two of the variant's
+    options (the window's left and right bounds counted apart, softcap, ALiBi, varlen, dropout) some variants
+    still spill (both window bounds with dropout; all six even at B_c 64): those run without a producer, at
+    B_c 64 (without a producer the faster). With at most two, every variant but varlen with dropout (B_c 64)
+    fits 128 keys' scores beside O at d = 64, 96 and 128 (``scripts/wgmma_spills.py``). Without the rebalancing (a caller's 256 or 288 threads), a tile
+    of 128 keys fits only with no softcap or ALiBi and at most one of a window bound and dropout; other variants
+    take B_c 64 there."""
+    has_left, has_right, softcap, alibi, varlen, dropout = variant
     many = sum(bool(x) for x in variant) > 2
     per_score = softcap or alibi or int(has_left) + int(has_right) + int(dropout) > 1
     new = t
-    if "block_n" not in given and t.block_n > 64 and (many or per_score):
-        new = new._replace(block_n=64)
     if "num_threads" not in given and many:
         new = new._replace(num_threads=2 * t.block_m)
+    producer = wgmma_forward.producer_warps(new.block_m, new.num_threads) or 0
+    rebalanced = wgmma_forward.rebalances(new.block_m // 64, producer)
+    heavy = (varlen and dropout) if rebalanced else per_score
+    if "block_n" not in given and t.block_n > 64 and (many or heavy):
+        new = new._replace(block_n=64)
     why = []
     if new.num_threads != t.num_threads:
         why.append("without the producer: more than two options compiled in")

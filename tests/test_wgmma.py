@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 
 import flashnumba
 from conftest import FULL_COMPILE, GPU_SHAPES, check_backward, check_forward, compile_offline, random_qkv, shard
-from flashnumba import reference
+from flashnumba import reference, tiling
 from flashnumba._backend import cuda
 
 
@@ -128,23 +128,26 @@ def test_what_it_does_not_take_is_refused():
     (64, {}, (128, 128, 384), ""),
     (64, dict(causal=True), (128, 128, 384), ""),
     (64, dict(dropout_p=0.1), (128, 128, 384), ""),
-    (64, dict(window_size=(8, 0)), (128, 64, 384), "B_c 64"),
-    (64, dict(softcap=5.0), (128, 64, 384), "B_c 64"),
+    (64, dict(window_size=(8, 0)), (128, 128, 384), ""),
+    (64, dict(softcap=5.0), (128, 128, 384), ""),
     (64, dict(causal=True, softcap=5.0, dropout_p=0.1), (128, 64, 256), "without the producer + B_c 64"),
-    (128, dict(causal=True), (128, 64, 384), ""),
-    (128, dict(window_size=(8, 2), softcap=5.0), (128, 64, 256), "without the producer"),
+    (128, dict(causal=True), (128, 128, 384), ""),
+    (128, dict(softcap=5.0, alibi_slopes=np.ones(2, np.float32)), (128, 128, 384), ""),
+    (128, dict(window_size=(8, 2), softcap=5.0), (128, 64, 256), "without the producer + B_c 64"),
     # tiles partly given: what the caller left to the table is fitted to the options, what it gave is kept
-    (64, dict(softcap=5.0, block_m=128), (128, 64, 384), "B_c 64"),
+    (64, dict(softcap=5.0, block_m=128), (128, 128, 384), ""),
     (64, dict(softcap=5.0, block_m=64), (64, 64, 256), "B_c 64"),
+    (64, dict(softcap=5.0, num_threads=256), (128, 64, 256), "B_c 64"),
     (64, dict(causal=True, softcap=5.0, alibi_slopes=np.ones(2, np.float32), num_threads=384), (128, 64, 384),
      "B_c 64"),
     (64, dict(softcap=5.0, block_n=128), (128, 128, 384), ""),
     (64, dict(causal=True, softcap=5.0, dropout_p=0.1, block_n=128), (128, 128, 256), "without the producer"),
 ])
 def test_the_plan_fits_the_tiles_to_the_options(D, opts, tiles, note):
-    """The planner's tiles for the Hopper forward (tiling.wgmma_for_variant): B_c 128 at d = 64 where the
-    options' per-score work leaves it the registers, B_c 64 otherwise, no producer with more than two options;
-    the plan's reason says which. Tiles a caller gives are kept."""
+    """The planner's tiles for the Hopper forward (tiling.wgmma_for_variant): B_c 128 with the producer warpgroup
+    (whose registers the warpgroups take) and at most two options; no producer and B_c 64 with more; without the
+    producer warpgroup, B_c 64 where the options' per-score work needs the registers; the plan's reason says
+    which. Tiles a caller gives are kept."""
     q = np.zeros((1, 70, 2, D), np.float16)
     p = flashnumba.plan(q, q, q, kernel="wgmma", device="sm_90", **opts)
     (launch,) = p.launches
@@ -153,13 +156,24 @@ def test_the_plan_fits_the_tiles_to_the_options(D, opts, tiles, note):
     assert changed == [n + ":" for n in note.split(" + ") if n]
 
 
+def test_packed_sequences_with_dropout_take_64_keys():
+    """Varlen with dropout: the one variant of at most two options whose 128 keys' scores spill even with the
+    producer's registers moved to the warpgroups (scripts/wgmma_spills.py); alone, each keeps B_c 128."""
+    from flashnumba.kernels.common import Variant
+    t = tiling.Tiles(128, 128, 384)
+    both, reason = tiling.wgmma_for_variant(t, Variant(varlen=True, dropout=True))
+    assert both == tiling.Tiles(128, 64, 384) and reason.startswith("B_c 64")
+    for one in (Variant(varlen=True), Variant(dropout=True)):
+        assert tiling.wgmma_for_variant(t, one) == (t, "")
+
+
 COMPILE = r"""
 import json
 from flashnumba import _launch
 from flashnumba.kernels import wgmma_forward
 from flashnumba.kernels.common import Variant
 cases = [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat16", Variant(), False, False),
-         (128, 64, 2, "float16", Variant(), False, 4)]
+         (128, 64, 2, "float16", Variant(), False, 4), (128, 128, 2, "float16", Variant(), False, 4)]
 if FULL:
     cases += [(128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, False),
               (128, 64, 2, "float16", Variant(True, False, False, True, False, False), True, 4),
@@ -182,9 +196,9 @@ for D, n, wg, dt, var, gqa, producer in cases:
     # (the layouts the planner gives: ALiBi's slopes broadcast over the batch, the dummies of absent arrays)
     sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
            f"int32[:], int32[:], float32, float32, uint64, uint64)")
-    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"), nt if nt > 256 else None)
-    log = _launch.assemble(ptx, (9, 0, "a"))[1]
-    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer}"] = dict(ptx=ptx, log=log,
+    whole = wgmma_forward.rebalances(wg, producer)  # (as the planner compiles it: _launch.compile_kernel)
+    _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)
+    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer}"] = dict(ptx=ptx, log=log, whole=whole,
                                                                        **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
@@ -196,7 +210,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     registers apart)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (14 if FULL_COMPILE else 3)
+    assert len(compiled) == (15 if FULL_COMPILE else 4)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         for needle in ("wgmma.mma_async.sync.aligned", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
@@ -205,6 +219,10 @@ def test_wgmma_forward_compiles_for_sm90a():
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: {r['log'][-600:]}"
         assert "serialized" not in r["log"], f"{name}: {r['log'][-600:]}"
+        # a producer warpgroup's registers moved to the warpgroups that compute: the assembler honours setmaxnreg
+        # (it ignores it, C7504 or C7508, where the kernel is not the whole program or its entry count unknown)
+        assert ("setmaxnreg.inc.sync.aligned.u32 232" in r["ptx"]) == r["whole"], name
+        assert "setmaxnreg" not in r["log"], f"{name}: {r['log'][-600:]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -424,7 +442,7 @@ def test_wgmma_backward_compiles_for_sm90a():
     spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
-    assert len(compiled) == (14 if FULL_COMPILE else 3)
+    assert len(compiled) == (15 if FULL_COMPILE else 4)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")

@@ -87,6 +87,17 @@ STAGES = 3  # K_j, V_j buffers: tile j + 1 in flight while tile j's S and tile j
 
 
 PRODUCER_WARPS = (0, 1, 4)  # warps of the producer: none, one, or a warpgroup (one warp on each scheduler)
+# A block of two warpgroups and a producer warpgroup (384 threads) starts each thread at 168 registers (the SM's 64K
+# over 384, in steps of 8). The producer only copies: it gives registers back and the warpgroups that compute take
+# them (setmaxnreg; 128 x 56 + 256 x 224 = 64512 of 65536), which scores of 128 keys beside O of 128 head dims need.
+# (With 40 the producer's copies of packed sequences with dropout's arguments spill.)
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 56, 224
+
+
+def rebalances(warpgroups, producer) -> bool:
+    """Whether the block moves the producer's registers to the warpgroups (two of them and a producer
+    warpgroup). Such a kernel must be assembled as the whole program (``flashnumba._launch.assemble_whole``)."""
+    return warpgroups == 2 and int(producer) == 4
 
 
 def threads(warpgroups, producer=0):
@@ -235,6 +246,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     PW = int(producer)
     PRODUCER = PW > 0
     PINGPONG = PRODUCER and warpgroups == 2  # (without a producer a block-wide barrier a tile keeps them in step)
+    REBALANCE = rebalances(warpgroups, producer)
     NBARS = 2 * STAGES if PRODUCER else 1
     NS = B_c // 2  # S accumulator registers a thread: 64 x B_c over 128 threads
     NO = D // 2  # O accumulator registers a thread
@@ -434,10 +446,14 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             cuda.syncthreads()
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
         if PRODUCER and tid >= NC:
+            if REBALANCE:
+                hop.setmaxnreg_dec(PRODUCER_REGISTERS)
             produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0 + n_start, k0 + seqlen_k, hk, n_tiles,
                     tid - NC)
             return
 
+        if REBALANCE:
+            hop.setmaxnreg_inc(CONSUMER_REGISTERS)
         s = cuda.local.array(NS, float32)  # S_ij, then P_ij: this thread's part of the warpgroup's 64 x B_c
         o = cuda.local.array(NO, float32)  # O_i: its part of the warpgroup's 64 x D
         pa = cuda.local.array((KC, 4), uint32)  # P_ij packed: the A operand of O += P_ij V_j, step by step
