@@ -1,9 +1,10 @@
 """Launch: a plan's kernels, compiled (or loaded from the disk cache) once, launched with little Python per call.
 
 On a GPU, a kernel is compiled the way Numba compiles it (``numba.cuda.compile_ptx`` of the factory's Python
-function, for the argument types the plan names) and assembled to machine code (cubin) with nvJitLink; the cubin
-is kept in :mod:`flashnumba._cache` and loaded with the CUDA driver. A launch then costs one driver call: the
-kernel's parameters are laid out once per plan in one buffer, exactly as Numba passes them (an array is
+function, for the argument types the plan names) and assembled to machine code (cubin) with nvJitLink (a kernel
+that moves registers between its warpgroups through NVVM's LTO-IR instead, as the whole program: :func:`build`);
+the cubin is kept in :mod:`flashnumba._cache` and loaded with the CUDA driver. A launch then costs one driver call:
+the kernel's parameters are laid out once per plan in one buffer, exactly as Numba passes them (an array is
 ``meminfo, parent, nitems, itemsize, data, shape..., strides...``; the layout is read from the PTX's own parameter
 list), and each call writes only the data pointers (and the dropout seed and offset) into it. Kernels go on the
 stream the caller gives, else the caller's current stream: CuPy's for CuPy arrays, torch's for torch tensors, the

@@ -324,11 +324,11 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     four schedulers, which share its 64K registers) starts a thread at 168 registers; the producer gives most of
     its own to the two warpgroups (``wgmma_forward.rebalances``: 224 each). With more than two of the variant's
     options (the window's left and right bounds counted apart, softcap, ALiBi, varlen, dropout) some variants
-    still spill (both window bounds with dropout; all six even at B_c 64): those run without a producer, at
-    B_c 64 (without a producer the faster). With at most two, every variant but varlen with dropout (B_c 64)
-    fits 128 keys' scores beside O at d = 64, 96 and 128 (``scripts/wgmma_spills.py``). Without the rebalancing (a caller's 256 or 288 threads), a tile
-    of 128 keys fits only with no softcap or ALiBi and at most one of a window bound and dropout; other variants
-    take B_c 64 there."""
+    still spill (both window bounds with dropout; all six): those run without a producer, at B_c 64 (without a
+    producer the faster). With at most two, every variant but varlen with dropout (B_c 64) fits 128 keys' scores
+    beside O at d = 64, 96 and 128 (``scripts/wgmma_spills.py``). Without the rebalancing (a caller's 256 or 288
+    threads), a tile of 128 keys fits only with no softcap or ALiBi and at most one of a window bound and dropout;
+    other variants take B_c 64 there."""
     has_left, has_right, softcap, alibi, varlen, dropout = variant
     many = sum(bool(x) for x in variant) > 2
     per_score = softcap or alibi or int(has_left) + int(has_right) + int(dropout) > 1

@@ -193,8 +193,11 @@ def hopper_summary(d, prefix="docs/results/latest/"):
     over bench-wgmma.json's shapes (both timing modes against the peers)."""
     ours, span = _spans(d)
     dims = sorted({k[0] for k in ours})
-    mma = " and ".join(f"{span(_mma_impl(d), ('tflops',), h)} at head_dim {h}" for h in dims)
-    mma = f"against the `mma.sync` kernel {mma}"
+    if any(r["impl"] == _mma_impl(d) for r in d["rows"]):
+        mma = " and ".join(f"{span(_mma_impl(d), ('tflops',), h)} at head_dim {h}" for h in dims)
+        mma = f"against the `mma.sync` kernel {mma}"
+    else:  # (a run without the mma.sync kernel)
+        mma = "the `mma.sync` kernel not in that run"
     tiles = {h: sorted({tuple(x[1:]) for k, r in ours.items() if k[0] == h for x in r.get("kernels", ())})
              for h in dims}  # (the rows of runs that record their kernels' tiles)
     if all(tiles.values()):

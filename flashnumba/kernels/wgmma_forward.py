@@ -62,6 +62,13 @@ the other's products do::
 
 ([...]: issued in that warpgroup's turn.) The loop is the one above with the barrier and the copies replaced
 (``tile_ready``, ``tile_done``, ``my_turn``, ``their_turn``).
+
+**Registers where the work is.** The SM's 64K registers are shared by its threads: a block of 384 starts each at
+168. The producer only copies, so with two warpgroups it gives back all but 56 (``setmaxnreg.dec``) and each
+warpgroup that computes takes 224 (``setmaxnreg.inc``), which S_ij of 128 keys (64 a thread) beside O_i of 128
+head dims (64 a thread) and P_ij packed need. The assembler honours this only in a kernel it sees whole, with the
+block's threads and one block an SM in its launch bounds (:func:`rebalances`; ``flashnumba._launch.bounds``,
+``assemble_whole``).
 """
 
 from __future__ import annotations
