@@ -56,7 +56,7 @@ MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
 MMA_DEFAULT_HEAD_DIMS = MMA_HEAD_DIMS
 # On compute capability 9.0, kernel=None takes the Hopper kernels (kernel="wgmma") at the head dims where they are
 # the faster (docs/benchmarks.md, "How fast is the Hopper forward?" and "... backward?")
-WGMMA_DEFAULT_HEAD_DIMS = {"forward": (128,), "backward": (64, 96, 128)}
+WGMMA_DEFAULT_HEAD_DIMS = {"forward": (64, 128), "backward": (64, 96, 128)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
