@@ -40,9 +40,9 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import float32, uint64
+from numba import float32, uint32, uint64
 
-from . import bf16 as _bf16
+from . import bf16 as _bf16, ptx
 from .._backend import cuda
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_range, make_score_mod, make_sequence_geometry,
                      make_user_mods)
@@ -89,34 +89,32 @@ def make_backward_preprocess_warp(D, B_r, bf16=False):
     Lane l of a row's warp adds the products of columns l, l + 32, l + 64, ...: the 32 lanes read 32
     consecutive elements at each step, one contiguous segment of the row. (With a thread per row,
     :func:`make_backward_preprocess`, each load of a warp touches 32 rows, 32 separate segments: the kernel then
-    waits on memory most of its time; docs/benchmarks.md has the profile.) The 32 partial sums are then added in
-    shared memory, halving the number of lanes at each step."""
+    waits on memory most of its time; docs/benchmarks.md has the profile.) The 32 partial sums are then added
+    across the warp by shuffles: at each step a lane adds the sum of the lane ``s`` away (xor), s = 16, 8, 4, 2, 1,
+    after which every lane holds the row's sum; no shared memory, no barrier. The batch and head come from the
+    block by a 32-bit unsigned division (a signed 64-bit one is a subroutine of many instructions, which in a
+    kernel this short is most of its work)."""
     load, _ = _bf16.load_store(bf16)
 
     @cuda.jit
     def backward_preprocess_warp(dout, out, delta):
         nheads = out.shape[2]
         seqlen_q = out.shape[1]
-        b = cuda.blockIdx.y // nheads
-        h = cuda.blockIdx.y % nheads
-        w = cuda.threadIdx.x // 32  # this warp's row within the block
-        lane = cuda.threadIdx.x % 32
+        b = uint32(cuda.blockIdx.y) // uint32(nheads)
+        h = uint32(cuda.blockIdx.y) - b * uint32(nheads)
+        w = cuda.threadIdx.x >> 5  # this warp's row within the block
+        lane = cuda.threadIdx.x & 31
         i = cuda.blockIdx.x * B_r + w
-        part = cuda.shared.array((B_r, 32), float32)  # the lanes' partial sums, one row of them per warp, shared
         acc = float32(0.0)
         if i < seqlen_q:
             for c in range(lane, D, 32):
                 acc += load(dout[b, i, h, c]) * load(out[b, i, h, c])
-        part[w, lane] = acc
-        cuda.syncthreads()  # every partial sum is written before any lane adds another's
         s = 16
-        while s > 0:
-            if lane < s:
-                part[w, lane] += part[w, lane + s]
-            cuda.syncthreads()  # this step's sums are complete before the next step reads them
-            s //= 2
+        while s > 0:  # (every lane of the warp takes part in each shuffle)
+            acc += ptx.shfl_xor_f32(acc, s)
+            s >>= 1
         if lane == 0 and i < seqlen_q:
-            delta[b, h, i] = part[w, 0]
+            delta[b, h, i] = acc
 
     return backward_preprocess_warp
 
