@@ -215,18 +215,19 @@ def flash_attn_forward(
         their threads from their tiles).
     kernel : None (default): chosen by the plan (:mod:`flashnumba.planner`): "tc" for float16 / bfloat16 where the
         tensor cores apply ("wgmma" at head_dim 64 and 128 on compute capability 9.0, unless a block mask is
-        given), else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with Numba's default signed
-        indexing), "v1" (one thread per row, the readable one): the SIMT kernels of
+        given), else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with Numba's
+        default signed indexing), "v1" (one thread per row, the readable one): the SIMT kernels of
         flashnumba.kernels.simt_forward; "tc": the tensor-core kernel (float16 or bfloat16, head_dim a multiple of
         8 up to 256, every option; block_m 16 to 256 as 1, 2, 4 or 8 warps of 16 or 32 rows, block_n a multiple
         of 16; compute capability >= 8.0), flashnumba.kernels.mma_forward; "tf32",
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
         float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (the
-        default on compute capability 9.0 at head_dim 64 and 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS; 9.0 only,
-        float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128;
-        num_threads 2 block_m, or + 32 or + 128 for a producer of one warp or four, the default),
-        flashnumba.kernels.wgmma_forward; at head_dim 64 and 96 "tc" is the faster (docs/benchmarks.md).
+        default on compute capability 9.0 at head_dim 64 and 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS; 9.0
+        only, float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block
+        masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128; num_threads 2 block_m, or + 32 or
+        + 128 for a producer of one warp or four, the default), flashnumba.kernels.wgmma_forward; at head_dim 96
+        "tc" is the faster (docs/benchmarks.md).
 
     stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'
         current stream (torch's for torch tensors, CuPy's for CuPy arrays). The outputs (and any temporary or

@@ -16,8 +16,8 @@ How ``kernel=None`` chooses:
   shared memory with zero columns), and no tile arguments given
   (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies). On compute capability 9.0 the Hopper kernels (``wgmma``) instead, at the head dims where
-  they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at 64 and 128, the backward at 64,
-  96 and 128), unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
+  they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at 64 and 128, the
+  backward at 64, 96 and 128), unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
   (:func:`_hopper_blocker`; the plan's ``why`` says so). The choice does not depend on the inputs' strides (the
   Hopper kernels copy strided inputs to C-contiguous rows), so a packed qkv gives the bits of the same values
   unpacked; only without CuPy, which makes those copies, do strided inputs keep ``tc``.
@@ -514,8 +514,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,
                                opts.scale > 0, wgmma_forward.producer_warps(t.block_m, t.num_threads)),
                               io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t, reason,
-                              arch_specific=True, whole_program=wgmma_forward.rebalances(
-                                  t.block_m // 64, wgmma_forward.producer_warps(t.block_m, t.num_threads)))
+                              arch_specific=True, whole_program=tiling.wgmma_rebalances(t))
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

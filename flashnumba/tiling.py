@@ -317,6 +317,12 @@ BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkd
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def wgmma_rebalances(t: Tiles) -> bool:
+    """Whether the Hopper forward at tiles ``t`` moves its producer's registers to the warpgroups that compute
+    (:func:`flashnumba.kernels.wgmma_forward.rebalances`), and so is assembled as the whole program."""
+    return wgmma_forward.rebalances(t.block_m // 64, wgmma_forward.producer_warps(t.block_m, t.num_threads) or 0)
+
+
 def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     """The Hopper forward's default tiles for ``variant``, and why they differ from ``t`` ("" where not);
     ``given``: the names among "block_n" and "num_threads" that the caller chose (kept as they are).
@@ -336,8 +342,7 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     new = t
     if "num_threads" not in given and many:
         new = new._replace(num_threads=2 * t.block_m)
-    producer = wgmma_forward.producer_warps(new.block_m, new.num_threads) or 0
-    rebalanced = wgmma_forward.rebalances(new.block_m // 64, producer)
+    rebalanced = wgmma_rebalances(new)
     heavy = (varlen and dropout) if rebalanced else per_score
     if "block_n" not in given and t.block_n > 64 and (many or heavy):
         new = new._replace(block_n=64)
@@ -346,7 +351,8 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
         why.append("without the producer: more than two options compiled in")
     if new.block_n != t.block_n:
         why.append("B_c 64: " + ("more than two options compiled in" if many else
-                                 "the options' per-score work needs the registers of 128 keys' scores"))
+                                 "packed sequences with dropout need the registers of 128 keys' scores" if rebalanced
+                                 else "the options' per-score work needs the registers of 128 keys' scores"))
     return new, "; ".join(why)
 
 

@@ -162,7 +162,7 @@ def test_packed_sequences_with_dropout_take_64_keys():
     from flashnumba.kernels.common import Variant
     t = tiling.Tiles(128, 128, 384)
     both, reason = tiling.wgmma_for_variant(t, Variant(varlen=True, dropout=True))
-    assert both == tiling.Tiles(128, 64, 384) and reason.startswith("B_c 64")
+    assert both == tiling.Tiles(128, 64, 384) and reason.startswith("B_c 64: packed sequences with dropout")
     for one in (Variant(varlen=True), Variant(dropout=True)):
         assert tiling.wgmma_for_variant(t, one) == (t, "")
 
