@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, _cache, config
+from . import _arrays, _cache, _tensormap, config
 from ._backend import SIMULATOR, cuda
+from .kernels import ptx_hopper
 from .kernels.common import Mods
 
 STATIC_SHARED_LIMIT = 48 * 1024  # CUDA's limit on static shared memory; more needs an opt-in per kernel
@@ -110,6 +111,9 @@ class KernelLaunch:
     reason: str = ""
     arch_specific: bool = False  # compiled for the architecture-specific target (sm_90a: wgmma, setmaxnreg)
     whole_program: bool = False  # assembled as the whole program (a kernel with setmaxnreg: assemble_whole)
+    # (input name, box rows) of each tensor map the kernel's parameter "maps" holds, in order (flashnumba._tensormap);
+    # none: "maps", where the kernel takes it, is a dummy never read
+    tensor_maps: tuple = ()
 
     def signature(self, arrays: dict, scalars: dict) -> tuple:
         sig = []
@@ -628,6 +632,10 @@ class Call:
             for name, n in discarded:
                 self.base[name] = at
                 at += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        self.maps = [(b.spec.tensor_maps) for b in self.bound if b.spec.tensor_maps]
+        if any("maps" in b.spec.params for b in self.bound) and not self.maps:
+            d = dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64)
+            self.base["maps"] = _arrays.POINTER[_arrays.kind(d)](d)
         for b in self.bound:  # (the base's addresses written into the launches' parameters once)
             b.fix(self.base)
         self.host_results = [s.dtype for s in self.outputs if s.returned] if self.like == "numpy" else None
@@ -723,6 +731,9 @@ class Call:
         else:  # outputs, temporaries and copies on the given stream too: ordered with the kernels, and returned
             with self._on(stream):  # to the allocator's pool of that stream
                 values, outs, keep = self.prepare(arrays, seed, offset)
+        for entries in self.maps:  # (one kernel of a plan at most takes tensor maps)
+            values["maps"] = _tensormap.device_maps(
+                [(values[name], self.plan.arrays[name].shape, rows) for name, rows in entries], stream)
         for b in self.bound:
             b(values, stream)
         for x in keep:  # what the kernels wrote into the copy of an input, into the input itself
@@ -758,6 +769,10 @@ class Call:
             values[spec.name] = dev
             if spec.returned:
                 outs.append((user, dev, spec))
+        for b in self.bound:
+            if "maps" in b.spec.params:
+                values["maps"] = (_tensormap.sim_maps([(values[n], rows) for n, rows in b.spec.tensor_maps])
+                                  if b.spec.tensor_maps else dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64))
         for b in self.bound:
             b(values)
         result = []

@@ -48,7 +48,7 @@ def _key(tag, arrays, options):
     (:func:`_lookup`, :func:`_cached`: the call is then planned afresh). The key is hashed once, by the lookup."""
     try:
         meta = _arrays.meta_key
-        return tag, tuple([None if x is None else meta(x) for x in arrays]), _typed(options)
+        return tag, config.hopper_tma, tuple([None if x is None else meta(x) for x in arrays]), _typed(options)
     except (TypeError, AttributeError, ValueError, ImportError):
         return None
 
@@ -285,13 +285,12 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
     flashnumba.kernels.mma_backward; "tf32", "3xtf32" (float32 on tensor cores, as ``precision=``); "wgmma"
     (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at head_dim 64, 96 and 128: float16
-    or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block masks, deterministic; the dQ kernel takes 64 or 128
-    query rows a block and tiles of 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block and tiles of 64
-    queries; the plan gives them tiles of 32 where the per-entry options would spill (flashnumba.tiling,
-    wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or block_n given applies to both, so block_m 64
-    and block_n 64 or 128; no num_threads), see flashnumba.kernels.wgmma_backward.
-    None
-    (default): "tc" where it applies (as for the forward; "wgmma" on compute capability 9.0 where it applies,
+    or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block masks,
+    deterministic; the dQ kernel takes 64 or 128 query rows a block and tiles of 64 or 128 keys, the dK/dV
+    kernel 64 or 128 keys a block and tiles of 64 queries; the plan gives them tiles of 32 where the per-entry
+    options would spill (flashnumba.tiling, wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or
+    block_n given applies to both, so block_m 64 and block_n 64 or 128; no num_threads), see
+    flashnumba.kernels.wgmma_backward. None (default): "tc" where it applies (as for the forward; "wgmma" on compute capability 9.0 where it applies,
     unless deterministic=False, a block mask or strided inputs), else "v2". stream: as for :func:`flash_attn_forward`.
     precision: float32 only, "ieee" (None: the same), or "tf32" / "3xtf32": the TF32 backward kernels
     (flashnumba.kernels.mma_tf32_backward; head_dim 64 or 128, causal or not), as for the forward.

@@ -18,9 +18,14 @@ outside the cache, on a page outside the pool or in a cache entry outside the ca
 keys are clipped to the cache's capacity, a page outside the pool reads as zeros, an entry outside the cache gives
 the sequence no keys (out 0, lse -inf); a rotation past the rotary tables takes their last row. Values given as
 ints or NumPy arrays are always checked (no synchronisation).
+
+``hopper_tma``: the Hopper forward's producer copies its tiles with the copy engine (tensor maps) where it
+applies (``flashnumba.kernels.wgmma_forward.takes_tma``); False keeps its per-thread copies, to compare the two
+(a call's kept plan is that of the setting at the call).
 """
 
 poison_outputs = False
 warn_slow_path = True
 check_device_values = True
 check_cache_values = False
+hopper_tma = True

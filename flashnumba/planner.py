@@ -43,6 +43,7 @@ from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_ker
 from .kernels import (mma_backward, mma_decode, mma_forward, mma_tf32, mma_tf32_backward, simt_backward,
                       simt_forward, wgmma_backward, wgmma_forward)
 from .kernels.mma_tiles import WARP_ROWS
+from .kernels.ptx_hopper import MAP_WORDS
 from .kernels.common import MOD_ARGS
 from .kernels.simt_forward import LOG2E
 
@@ -509,12 +510,17 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         t_own, why_own = tiling.wgmma_for_variant(t, opts.variant, given)
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
-        smem, _ = tiling.shared_bytes(table, D, t)
+        producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
+        tma = config.hopper_tma and wgmma_forward.takes_tma(D, opts.variant, t.block_m // 64, producer)
+        smem = wgmma_forward.shared_bytes(D, t.block_n, t.block_m, tma)
+        arrays["maps"] = array_meta((3 if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,
-                               opts.scale > 0, wgmma_forward.producer_warps(t.block_m, t.num_threads)),
-                              io + ("scale_q",) + OPTION_PARAMS, grid, (t.num_threads,), smem, t, reason,
-                              arch_specific=True, whole_program=tiling.wgmma_rebalances(t))
+                               opts.scale > 0, producer, tma),
+                              io + ("scale_q",) + OPTION_PARAMS + ("maps",), grid, (t.num_threads,), smem, t,
+                              f"{reason}; tiles copied by the copy engine (tensor maps)" if tma else reason,
+                              arch_specific=True, whole_program=tiling.wgmma_rebalances(t),
+                              tensor_maps=(("q", t.block_m), ("k", t.block_n), ("v", t.block_n)) if tma else ())
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

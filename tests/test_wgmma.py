@@ -173,7 +173,13 @@ from flashnumba import _launch
 from flashnumba.kernels import wgmma_forward
 from flashnumba.kernels.common import Variant
 cases = [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat16", Variant(), False, False),
-         (128, 64, 2, "float16", Variant(), False, 4), (128, 128, 2, "float16", Variant(), False, 4)]
+         (128, 64, 2, "float16", Variant(), False, 4), (128, 128, 2, "float16", Variant(), False, 4),
+         # the tiles copied with tensor maps (wgmma_forward.takes_tma): the defaults at d = 128 and 64
+         (128, 128, 2, "float16", Variant(), False, "tma"), (64, 128, 2, "bfloat16", Variant(), True, "tma")]
+if FULL:
+    cases += [(128, 128, 2, "float16", Variant(False, True, False, False, False, True), True, "tma"),
+              (64, 128, 2, "bfloat16", Variant(True, True, True, False, False, False), False, "tma"),
+              (128, 128, 2, "float16", Variant(False, False, True, True, False, False), False, "tma")]
 if FULL:
     cases += [(128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, False),
               (128, 64, 2, "float16", Variant(True, False, False, True, False, False), True, 4),
@@ -191,17 +197,19 @@ if FULL:
               (128, 64, 2, "bfloat16", Variant(False, False, False, False, True, True), True, 4)]
 out = {}
 for D, n, wg, dt, var, gqa, producer in cases:
-    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, int(producer))
+    tma = producer == "tma"
+    producer = 4 if tma else int(producer)
+    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, producer, tma)
     nt = wgmma_forward.threads(wg, producer)
     el = "uint16" if dt == "bfloat16" else "float16"
     a4 = f"{el}[:, :, :, ::1]"
     # (the layouts the planner gives: ALiBi's slopes broadcast over the batch, the dummies of absent arrays)
     sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
-           f"int32[:], int32[:], float32, float32, uint64, uint64)")
+           f"int32[:], int32[:], float32, float32, uint64, uint64, uint64[:, ::1])")
     whole = wgmma_forward.rebalances(wg, producer)  # (as the planner compiles it: _launch.compile_kernel)
     _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)
-    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer}"] = dict(ptx=ptx, log=log, whole=whole,
-                                                                       **_launch.resources_from_log(log))
+    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer} tma={tma}"] = dict(
+        ptx=ptx, log=log, whole=whole, tma=tma, **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 
@@ -213,12 +221,16 @@ def test_wgmma_forward_compiles_for_sm90a():
     pytest.importorskip("cuda.bindings.nvjitlink")
     from flashnumba.kernels import wgmma_forward
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (16 if FULL_COMPILE else 4)
+    assert len(compiled) == (21 if FULL_COMPILE else 6)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
+        copies = (("cp.async.bulk.tensor.4d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire")
+                  if r["tma"] else ("fence.proxy.async.shared::cta", "cp.async.cg.shared.global"))
         for needle in ("wgmma.mma_async.sync.aligned", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
-                       "fence.proxy.async.shared::cta", "cp.async.cg.shared.global"):
+                       *copies):
             assert needle in r["ptx"], f"{name}: no {needle!r}"
+        if r["tma"]:  # (no per-thread copy left on the producer's path)
+            assert "cp.async.cg.shared.global" not in r["ptx"], name
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: {r['log'][-600:]}"
         assert "serialized" not in r["log"], f"{name}: {r['log'][-600:]}"

@@ -21,6 +21,7 @@ to the instruction's ("async proxy") reads with ``fence_proxy_async()`` and then
 | --- | --- | --- |
 | ``smem_address(ary, i)`` | ``cvta`` of ary.flat[i] to the shared window | uint32 byte address |
 | ``make_desc(addr, lbo, sbo)`` | (arithmetic; ``desc_bits`` on the host) | uint64 matrix descriptor, no swizzle |
+| ``make_desc_sw128(addr, lbo, sbo)`` | (arithmetic; ``desc_bits_sw128``) | the same, of a 128-byte swizzled operand |
 | ``fence_proxy_async()`` | ``fence.proxy.async.shared::cta`` | stores before it seen by wgmma after a barrier |
 | ``wgmma_ops(kind, N, regs_a, trans_b)`` | ``wgmma.*`` for m64nNk16, f32 += kind x kind | (mma, fence, wait) |
 | ``wgmma_commit()`` | ``wgmma.commit_group.sync.aligned`` | |
@@ -29,6 +30,9 @@ to the instruction's ("async proxy") reads with ``fence_proxy_async()`` and then
 | ``mbarrier_arrive_expect_tx(bar, b)`` | ``mbarrier.arrive.expect_tx.shared::cta.b64`` | and b bytes to come |
 | ``mbarrier_try_wait(bar, parity)`` | ``mbarrier.try_wait.parity.shared::cta.b64`` | 1 once that phase is done |
 | ``cp_async_bulk(dst, src, i, b, bar)`` | ``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes`` | |
+| ``tma_load_4d(dst, maps, i, c0, c1, c2, c3, bar)`` | ``cp.async.bulk.tensor.4d...complete_tx::bytes`` | a box |
+| ``fence_tensormap(maps, i)`` | ``fence.proxy.tensormap::generic.acquire.sys`` | a map written by the host, seen |
+| ``fence_mbarrier_init()`` | ``fence.mbarrier_init.release.cluster`` | initialised mbarriers seen by copies |
 | ``cp_async_mbarrier_arrive(bar)`` | ``cp.async.mbarrier.arrive.noinc.shared::cta.b64`` | arrive once cp.async landed |
 | ``named_barrier_sync(id, n)`` | ``bar.sync id, n`` | barrier ``id`` (1 .. 15) of ``n`` threads: arrive and wait |
 | ``named_barrier_arrive(id, n)`` | ``bar.arrive id, n`` | arrive without waiting |
@@ -42,8 +46,9 @@ the next phase then begins, and waiters name the phase they wait for by its pari
 ``while mbarrier_try_wait(bar, phase & 1) == 0: pass``.
 
 **The descriptor** (bits of the uint64): 0-13 the operand's shared address >> 4; 16-29 the *leading* byte
-offset >> 4; 32-45 the *stride* byte offset >> 4; 49-51 a base offset (0 here); 62-63 the swizzle mode (0: none;
-the 128-, 64- and 32-byte swizzles are not yet offered). An operand is read as *core matrices* of 8 rows of 16
+offset >> 4; 32-45 the *stride* byte offset >> 4; 49-51 a base offset (0 here); 62-63 the swizzle mode (0: none,
+1: 128-byte; the 64- and 32-byte swizzles are not offered). Without swizzle an operand is read as *core matrices*
+of 8 rows of 16
 bytes (8 x 8 16-bit elements), each 128 contiguous bytes, row after row. Both operands here are K-major (the K
 index runs along a row: A row-major 64 x 16, B stored N x 16, as Q and K are in attention), and element (r, k)
 of the operand lies at::
@@ -62,6 +67,30 @@ column of K, and element (r, k) lies at::
 (LBO still steps K by 8 and SBO the rows by 8). A tile of keys x head dim stored as core matrices of 8 keys x 8
 head dims, 128 bytes each, serves both products: read K-major it is K_j for S = Q K_j^T, read MN-major V_j for
 P V_j, with LBO and SBO exchanged.
+
+**The 128-byte swizzle** (``make_desc_sw128``), the layout a tensor-map copy writes (below): a tile of rows of 64
+16-bit elements (128 bytes a row), row after row, in which the 16-byte chunk c of row r is stored at chunk
+c ^ (r % 8) of its row. The hardware applies the exchange to the shared address itself (bits 4-6 of the byte
+address XOR bits 7-9), so a tile must start on 1024 bytes (8 rows) for row r % 8 to be the row within the tile.
+K-major (Q_i, K_j; 64 head dims a row), element (r, k) lies at the swizzle of::
+
+    start + (r // 8) * SBO + (r % 8) * 128 + k * 2                  SBO = 1024, LBO unused (16)
+
+and the next 16 of K are 32 bytes further (the start moves; a tile of 128 head dims is two such tiles, the second
+``rows`` x 128 bytes on). MN-major (V_j: a row is 64 head dims of one key, the N of P V), element (n, k) lies at::
+
+    start + (n % 64) * 2 + (n // 64) * LBO + (k % 8) * 128 + (k // 8) * SBO     SBO = 1024, LBO = the next 64 head dims
+
+so 16 keys are 2048 bytes on. Each row of 8 x 16 bytes a warp's tensor cores read spreads over the 32 banks.
+
+**Tensor-map copies (TMA).** ``tma_load_4d`` has the SM's copy engine fetch a whole *box* of a 4-D tensor (one
+thread issues it; no thread computes an address per 16 bytes, and nothing passes through L1) into shared memory,
+counted on an mbarrier like ``cp_async_bulk``. The tensor is named by a 128-byte *tensor map* the host encodes
+(``cuTensorMapEncodeTiled``: the base address, the dims innermost first, the byte strides, the box, the swizzle)
+and writes to global memory; a thread makes the host's write visible to the copy engine (``fence_tensormap``)
+before its first copy with it. Coordinates are elements, innermost first; a box reaching past a dim reads zeros
+there, and its bytes still count. With the 128-byte swizzle the box's inner dim is 64 16-bit elements and the box
+lands as the swizzled rows above.
 
 **A from registers** (``regs_a``), as P is in O += P V: thread (warp w, lane with g = lane >> 2, t = lane & 3)
 holds four uint32 of two 16-bit elements each (the lower half first), in ``mma.sync``'s A layout::
@@ -87,7 +116,9 @@ float32), each thread checks that the operands it saw at its issue are those bit
 missing), and keeps its own fragment. ``smem_address`` gives each shared array of a block an address of its own
 (1 KB aligned, below the 256 KB that the descriptor's 14 bits reach) and the descriptor's address is looked up
 among them.
-``fence_proxy_async`` does nothing there (the simulator has one view of memory). The instructions need sm_90a:
+``fence_proxy_async`` does nothing there (the simulator has one view of memory). A tensor map there is the
+stand-in :func:`sim_tensor_map` makes (its tensor kept by the process), and a copy lands, swizzled, with its
+barrier's phase. The instructions need sm_90a:
 kernels that use them are compiled for the architecture-specific target.
 """
 
@@ -117,6 +148,26 @@ def desc_bits(addr, lbo, sbo):
 
 
 make_desc = cuda.jit(device=True, inline=True)(desc_bits)
+
+SWIZZLE_128B = 1  # the descriptor's swizzle mode (bits 62-63) of the 128-byte swizzle
+SWIZZLE_SPAN = 128  # bytes a swizzled row holds (64 16-bit elements)
+SWIZZLE_ALIGN = 1024  # bytes on which a swizzled tile starts (the 8 rows of the pattern)
+
+
+def desc_bits_sw128(addr, lbo, sbo):
+    """The matrix descriptor of an operand stored with the 128-byte swizzle (module docstring) at shared address
+    ``addr``; ``lbo`` and ``sbo`` as drawn there. (In a kernel: ``make_desc_sw128``.)"""
+    return ((int64(addr) & 0x3FFFF) >> 4) | (((int64(lbo) & 0x3FFFF) >> 4) << 16) | (
+        ((int64(sbo) & 0x3FFFF) >> 4) << 32) | (int64(SWIZZLE_128B) << 62)
+
+
+make_desc_sw128 = cuda.jit(device=True, inline=True)(desc_bits_sw128)
+
+
+def swizzle_128b(byte_address):
+    """Where the 128-byte swizzle stores the byte at shared address ``byte_address`` (an int or an integer NumPy
+    array): bits 4-6 XOR bits 7-9."""
+    return byte_address ^ (((byte_address >> 7) & 7) << 4)
 
 
 def _decode(desc):
@@ -171,10 +222,15 @@ def _sim_operand(desc, rows, halves, mn_major=False):
     """The operand (rows x 16, float64: row r, column k) a descriptor names, read from shared memory now; K-major,
     or MN-major (``mn_major``: 8 consecutive rows of one column of K in each 16 bytes)."""
     addr, lbo, sbo, swizzle = _decode(desc)
-    if swizzle:
-        raise NotImplementedError("the stand-in reads unswizzled operands only (swizzle mode 0)")
+    if swizzle not in (0, SWIZZLE_128B):
+        raise NotImplementedError(f"the stand-in reads operands without swizzle or with the 128-byte one, got mode "
+                                  f"{swizzle}")
     if addr % 16:
         raise ValueError(f"an operand's address must be 16-byte aligned, got {addr}")
+    if swizzle:
+        phys = swizzle_128b(addr + _swizzled_offsets(rows, lbo, sbo, mn_major))
+        lo = int(phys.min())
+        return halves(_sim_smem_bytes(lo, int(phys.max()) + 2 - lo).view(np.uint16)[(phys - lo) // 2])
     offsets, span = _operand_offsets(rows, lbo, sbo, mn_major)
     try:  # (one gather where the operand lies within one shared array, as it does in the kernels)
         return halves(_sim_smem_bytes(addr, span).view(np.uint16)[offsets])
@@ -204,6 +260,18 @@ def _operand_offsets(rows, lbo, sbo, mn_major):
     else:
         byte = (r // 8) * sbo + (k // 8) * lbo + (r % 8) * 16 + (k % 8) * 2
     return byte // 2, int(byte.max()) + 2
+
+
+@functools.lru_cache(maxsize=None)
+def _swizzled_offsets(rows, lbo, sbo, mn_major):
+    """Byte offsets from the start, before the swizzle, of the elements (r, k) (rows x K) of a 128-byte swizzled
+    operand (module docstring)."""
+    r, k = np.arange(rows)[:, None], np.arange(K)[None, :]
+    if mn_major:
+        return (r % 64) * 2 + (r // 64) * lbo + (k % 8) * 128 + (k // 8) * sbo
+    if sbo % SWIZZLE_ALIGN:
+        raise ValueError(f"a K-major 128-byte swizzled operand steps 8 rows by a multiple of 1024 bytes, got {sbo}")
+    return (r // 8) * sbo + (r % 8) * 128 + k * 2
 
 
 def _sim_register_operand(everyone_regs, halves):
@@ -415,6 +483,99 @@ def _sim_cp_async_bulk(dst, src, src_index, nbytes, bar):
     target = _sim_smem_bytes(int(dst), int(nbytes))
     with _mbar_lock:
         _mbarrier(bar)[int(bar)].copies.append((target, data))
+
+
+_MAP_MAGIC = 0x7E45_0A11  # the first word of a stand-in tensor map
+MAP_WORDS = 16  # uint64 words of a tensor map (128 bytes)
+_sim_tensors: dict = {}  # a stand-in map's handle -> the strided view of its tensor (outermost dim first)
+_sim_tensors_lock = threading.Lock()
+_sim_next_handle = 0
+SIM_MAPS_KEPT = 256  # stand-in maps whose tensors the process keeps (the latest: a launch uses its maps at once)
+
+
+def sim_tensor_map(array, dims, strides, box, swizzle=SWIZZLE_SPAN):
+    """The simulator's tensor map (:data:`MAP_WORDS` uint64, as the driver's is 128 bytes) of ``array``'s memory
+    seen as a tensor of ``dims`` (elements, innermost first) with byte ``strides`` of the dims after the first, read
+    in boxes of ``box`` elements, with the 128-byte swizzle (``swizzle`` 128) or none (0). The same checks as the
+    driver's encoding; the process keeps the strided view the map names (the map holds its handle)."""
+    host = ptx._host_array(array)
+    rank = len(dims)
+    item = host.itemsize
+    if not 1 <= rank <= 5 or len(strides) != rank - 1 or len(box) != rank:
+        raise ValueError(f"a tensor map takes 1 to 5 dims, rank - 1 strides and a box of rank dims, got {dims}, "
+                         f"{strides}, {box}")
+    if any(s_ % 16 for s_ in strides) or (box[0] * item) % 16 or any(not 1 <= b <= 256 for b in box):
+        raise ValueError(f"tensor map: strides must be multiples of 16 bytes, the box's inner dim a multiple of 16 "
+                         f"bytes and every box dim in 1 .. 256, got strides {strides}, box {box}")
+    if swizzle not in (0, SWIZZLE_SPAN) or (swizzle and box[0] * item > swizzle):
+        raise ValueError(f"tensor map: swizzle 0 or 128 with the box's inner dim at most that many bytes, got "
+                         f"{swizzle}, {box[0] * item} bytes")
+    if not host.flags.c_contiguous or any(d < 1 for d in dims) or (
+            sum((d - 1) * s_ for d, s_ in zip(dims, (item,) + tuple(strides))) + item > host.nbytes):
+        raise ValueError(f"the stand-in's tensor map must lie within its C-contiguous array ({host.nbytes} bytes), "
+                         f"got dims {dims}, strides {strides}")
+    view = np.lib.stride_tricks.as_strided(host.reshape(-1), shape=tuple(reversed(dims)),
+                                           strides=tuple(reversed((item,) + tuple(strides))), writeable=False)
+    with _sim_tensors_lock:
+        global _sim_next_handle
+        _sim_next_handle += 1
+        handle = _sim_next_handle
+        _sim_tensors[handle] = view
+        _sim_tensors.pop(handle - SIM_MAPS_KEPT, None)
+    words = np.zeros(MAP_WORDS, np.uint64)
+    words[:5] = (_MAP_MAGIC, handle, rank, swizzle, item)
+    words[5:5 + rank] = box
+    return words
+
+
+def _sim_tma_load_4d(dst, maps, index, c0, c1, c2, c3, bar):
+    """``cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [dst], [map, {c0, c1, c2,
+    c3}], [bar]``: the box of the tensor map ``maps.flat[index:index + 16]`` at coordinates (c0, c1, c2, c3)
+    (elements, innermost first; zeros where the box reaches past a dim) to shared address ``dst`` (128-byte
+    aligned), rows of the box's inner dim after one another, with the map's swizzle; its bytes count against the
+    expected transactions of ``bar``. One thread issues it. (The stand-in reads the tensor now and writes shared
+    memory when the phase is settled.)"""
+    words = ptx._host_array(maps).reshape(-1)[int(index):int(index) + MAP_WORDS]
+    if words.size != MAP_WORDS or int(words[0]) != _MAP_MAGIC:
+        raise ValueError(f"no tensor map at word {index} (make one with sim_tensor_map)")
+    rank, swizzle, item = int(words[2]), int(words[3]), int(words[4])
+    if rank != 4:
+        raise ValueError(f"tma_load_4d takes a map of a 4-D tensor, got rank {rank}")
+    view = _sim_tensors[int(words[1])]
+    box = [int(b) for b in words[5:5 + rank]]
+    coords = [int(c0), int(c1), int(c2), int(c3)]
+    block = np.zeros(tuple(reversed(box)), view.dtype)
+    src, to = [], []
+    for d in reversed(range(rank)):
+        n = view.shape[rank - 1 - d]
+        lo, hi = max(coords[d], 0), min(coords[d] + box[d], n)
+        src.append(slice(lo, max(lo, hi)))
+        to.append(slice(lo - coords[d], max(lo, hi) - coords[d]))
+    block[tuple(to)] = view[tuple(src)]
+    data = block.reshape(-1).view(np.uint8)
+    dst = int(dst)
+    if dst % 128:
+        raise ValueError(f"a tensor-map copy lands on 128-byte aligned shared memory, got address {dst}")
+    if swizzle:
+        at = swizzle_128b(dst + np.arange(data.size)) - dst
+        moved = np.empty_like(data)
+        moved[at] = data
+        data = moved
+    target = _sim_smem_bytes(dst, data.size)
+    with _mbar_lock:
+        _mbarrier(bar)[int(bar)].copies.append((target, data))
+
+
+def _sim_fence_tensormap(maps, index):
+    """``fence.proxy.tensormap::generic.acquire.sys [map], 128``: the tensor map at ``maps.flat[index]``, written
+    by the host before the launch, is seen by this thread's tensor-map copies after it (a thread fences before its
+    first copy with the map)."""
+    ptx._host_array(maps)
+
+
+def _sim_fence_mbarrier_init():
+    """``fence.mbarrier_init.release.cluster``: the mbarriers this thread initialised are seen by the copy engine's
+    arrivals (tensor-map copies complete on them) after the barrier that follows."""
 
 
 def _sim_cp_async_mbarrier_arrive(bar):
@@ -661,6 +822,34 @@ def _gpu_intrinsics():
 
         return types.none(dst, src, src_index, nbytes, bar), codegen
 
+    @intrinsic
+    def tma_load_4d(typingctx, dst, maps, index, c0, c1, c2, c3, bar):
+        check_address(maps, index, "tma_load_4d's tensor map")
+        text = ("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                "[$0], [$1, {$2, $3, $4, $5}], [$6];")
+
+        def codegen(context, builder, sig, vals):
+            m = address(context, builder, sig.args[1], vals[1], sig.args[2], vals[2])
+            coords = [context.cast(builder, v, t, types.int32) for v, t in zip(vals[3:7], sig.args[3:7])]
+            ops = [u32(context, builder, vals[0], sig.args[0]), m] + coords + [u32(context, builder, vals[7],
+                                                                                   sig.args[7])]
+            asm(builder, ir.VoidType(), ops, text, "r,l,r,r,r,r,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(dst, maps, index, c0, c1, c2, c3, bar), codegen
+
+    @intrinsic
+    def fence_tensormap(typingctx, maps, index):
+        check_address(maps, index, "fence_tensormap")
+
+        def codegen(context, builder, sig, vals):
+            m = address(context, builder, sig.args[0], vals[0], sig.args[1], vals[1])
+            asm(builder, ir.VoidType(), [m], "fence.proxy.tensormap::generic.acquire.sys [$0], 128;",
+                "l,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(maps, index), codegen
+
     def make_named(name, text):
         def named(typingctx, bar_id, count):
             return types.none(bar_id, count), bar_codegen(text, 2)
@@ -685,6 +874,8 @@ def _gpu_intrinsics():
                     "mbarrier_arrive_expect_tx",
                     "{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1; }", 2),
                 mbarrier_try_wait=mbarrier_try_wait, cp_async_bulk=cp_async_bulk, elect_one=elect_one,
+                tma_load_4d=tma_load_4d, fence_tensormap=fence_tensormap,
+                fence_mbarrier_init=statement("fence_mbarrier_init", "fence.mbarrier_init.release.cluster;"),
                 cp_async_mbarrier_arrive=make_bar("cp_async_mbarrier_arrive",
                                                   "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 1),
                 named_barrier_sync=make_named("named_barrier_sync", "bar.sync $0, $1;"),
@@ -716,7 +907,8 @@ def wgmma_ops(kind, N, regs_a=False, trans_b=False):
 _STAND_INS = dict(smem_address=_sim_smem_address, wgmma_commit=_sim_commit, fence_proxy_async=_sim_fence_proxy_async,
                   mbarrier_init=_sim_mbarrier_init, mbarrier_arrive=_sim_mbarrier_arrive,
                   mbarrier_arrive_expect_tx=_sim_mbarrier_arrive_expect_tx, mbarrier_try_wait=_sim_mbarrier_try_wait,
-                  cp_async_bulk=_sim_cp_async_bulk, elect_one=_sim_elect_one,
+                  cp_async_bulk=_sim_cp_async_bulk, elect_one=_sim_elect_one, tma_load_4d=_sim_tma_load_4d,
+                  fence_tensormap=_sim_fence_tensormap, fence_mbarrier_init=_sim_fence_mbarrier_init,
                   cp_async_mbarrier_arrive=_sim_cp_async_mbarrier_arrive,
                   named_barrier_sync=_sim_named_barrier_sync, named_barrier_arrive=_sim_named_barrier_arrive,
                   setmaxnreg_inc=_make_sim_setmaxnreg(True), setmaxnreg_dec=_make_sim_setmaxnreg(False))
@@ -728,4 +920,6 @@ else:
         globals()[_name] = _GPU[_name]
         _GPU[_name].__doc__ = _stand_in.__doc__
 
-__all__ = ["desc_bits", "make_desc", "wgmma_ops", *_STAND_INS]
+__all__ = ["desc_bits", "make_desc", "desc_bits_sw128", "make_desc_sw128", "swizzle_128b", "sim_tensor_map",
+           "wgmma_ops",
+           *_STAND_INS]

@@ -63,6 +63,17 @@ the other's products do::
 ([...]: issued in that warpgroup's turn.) The loop is the one above with the barrier and the copies replaced
 (``tile_ready``, ``tile_done``, ``my_turn``, ``their_turn``).
 
+**Tensor-map copies** (``tma``). With a producer warpgroup, one thread of it may make every copy: a
+``tma_load_4d`` a box of B_c keys x 64 head dims (two at head_dim 128) that the SM's copy engine fetches with no
+address arithmetic a thread and no pass through L1 (the path the per-thread copies are bound by), writes with
+the 128-byte swizzle (:mod:`flashnumba.kernels.ptx_hopper`) and counts on the stage's ``full`` mbarrier, where
+the thread announces the stage's bytes first (``mbarrier_arrive_expect_tx``: the one arrival the phase waits
+for). A tile then lies as rows of 64 head dims (128 bytes; the 16-byte chunks of row r exchanged by r % 8), the
+second 64 head dims B_c rows on, and the descriptors say so (the 128-byte swizzle: K-major for Q_i and K_j,
+MN-major for V_j). Rows past the sequence come as zeros from the copy engine. The host encodes the tensor maps
+of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies (a box would reach into
+the next sequence, where the kernel needs zeros).
+
 **Registers where the work is.** The SM's 64K registers are shared by its threads: a block of 384 starts each at
 168. The producer only copies, so with two warpgroups it gives back all but 56 (``setmaxnreg.dec``) and each
 warpgroup that computes takes 224 (``setmaxnreg.inc``), which S_ij of 128 keys (64 a thread) beside O_i of 128
@@ -119,9 +130,20 @@ def producer_warps(block_m, num_threads):
     return extra // 32 if extra % 32 == 0 and extra // 32 in PRODUCER_WARPS else None
 
 
-def shared_bytes(D, B_c, B_r):
-    """Q_i (B_r rows) and :data:`STAGES` K_j, V_j buffers (B_c rows each), 16-bit elements, unpadded."""
-    return (B_r + 2 * STAGES * B_c) * D * 2
+def shared_bytes(D, B_c, B_r, tma=False):
+    """Q_i (B_r rows) and :data:`STAGES` K_j, V_j buffers (B_c rows each), 16-bit elements, unpadded; with
+    tensor-map copies, room to start them on 1024 bytes."""
+    return (B_r + 2 * STAGES * B_c) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
+
+
+TMA_HEAD_DIMS = (64, 128)  # head dims whose rows are whole 128-byte swizzled rows (one or two)
+
+
+def takes_tma(D, variant, warpgroups, producer) -> bool:
+    """Whether the forward copies with tensor maps: with a producer warpgroup beside two that compute, head_dim in
+    :data:`TMA_HEAD_DIMS`, and sequences of equal length (a box reaching past a packed sequence's end would read
+    the next sequence's rows where the kernel needs zeros)."""
+    return rebalances(warpgroups, producer) and D in TMA_HEAD_DIMS and not variant[4]
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,17 +235,20 @@ def make_load_stage(D, NT, rows, first, second, buf):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0):
+def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0,
+                       tma=False):
     """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`),
     ``warpgroups`` warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the
     options of ``variant`` (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen,
     dropout) compiled in as in :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes
     (without a user's score_mod or block mask): (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q,
-    cu_k, p_drop, rp_keep, seed, offset); q, k, v, out C-contiguous. With ``producer`` (warps, one of
+    cu_k, p_drop, rp_keep, seed, offset, maps); q, k, v, out C-contiguous. With ``producer`` (warps, one of
     :data:`PRODUCER_WARPS`) more warps of the block make every copy, the warpgroups wait for tiles on mbarriers
     and, two of them, take turns at the tensor cores (module docstring: warp specialisation). Compiled for sm_90a
-    (wgmma). Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared
-    memory :func:`shared_bytes`."""
+    (wgmma). With ``tma`` (:func:`takes_tma`) the producer's one thread copies each tile with the copy engine
+    (module docstring: tensor-map copies), ``maps`` holding the tensor maps of q, k and v
+    (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid (ceil(max_seqlen_q / B_r),
+    batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`."""
     if D not in HEAD_DIMS:
         raise ValueError(f"the wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
     if B_c not in BLOCK_NS:
@@ -236,6 +261,11 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
+    TMA = bool(tma)
+    if TMA and not takes_tma(D, variant, warpgroups, producer):
+        raise ValueError(f"the wgmma forward copies with tensor maps only with a producer warpgroup and two that "
+                         f"compute, head_dim in {TMA_HEAD_DIMS}, sequences of equal length; got head_dim {D}, "
+                         f"{warpgroups} warpgroups, producer {producer}, varlen {bool(VARLEN)}")
     SCORE_MOD = SOFTCAP or ALIBI
     FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (mma_forward's docstring)
     score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls=True)
@@ -264,6 +294,9 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     BUF = 2 * B_c * D
     # descriptor strides, bytes (module docstring): Q_i and K_j K-major, V_j MN-major
     LBO_Q, LBO_K, SBO_V = 16 * B_R, 16 * B_c, 16 * B_c
+    HALF = hop.SWIZZLE_SPAN // 2  # head dims of a swizzled row (tensor-map copies): a tile is D / HALF such tiles
+    TILE_BYTES = 2 * B_c * D * 2  # K_j and V_j: the bytes of a stage's copies
+    Q_BYTES = B_R * D * 2
     mma_s, fence_s, wait_s = hop.wgmma_ops(kind, B_c)
     mma_o, fence_o, wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
     load_core = make_load_core(D, NC)
@@ -369,13 +402,42 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         ptx.cp_async_wait_all()  # (no copy in flight when the warp exits)
 
     @cuda.jit(device=True, inline=True)
+    def copy_box_rows(smem, off, maps, m, bb, row0, h, rows, bar):
+        """Copy ``rows`` rows of tensor map m (of q, k, v) from row0, batch entry bb, head h, all D head dims,
+        into element ``off`` onwards: D / 64 boxes of swizzled rows, one after the other."""
+        for half in range(D // HALF):
+            hop.tma_load_4d(hop.smem_address(smem, off + half * rows * HALF), maps, m * hop.MAP_WORDS, half * HALF,
+                            h, row0, bb, bar)
+
+    @cuda.jit(device=True, inline=True)
+    def produce_tma(smem, q0ff, bars, maps, bb, q_row0, h, k_row0, hk, n_tiles):
+        """The producer's copies with the copy engine (one thread): Q_i with the first tile, then K_j, V_j of tile
+        jt into buffer jt % STAGES once the warpgroups have released the tile that was there, each stage's bytes
+        announced on its ``full`` mbarrier (the one arrival it waits for) and counted there as they land."""
+        for m in range(3):
+            hop.fence_tensormap(maps, m * hop.MAP_WORDS)
+        for jt in range(n_tiles):
+            st = jt % STAGES
+            if jt >= STAGES:
+                wait_phase(bars, STAGES + st, (jt // STAGES + 1) & 1)  # tile jt - STAGES released
+            full = hop.smem_address(bars, st)
+            hop.mbarrier_arrive_expect_tx(full, TILE_BYTES + (Q_BYTES if jt == 0 else 0))
+            if jt == 0:
+                copy_box_rows(smem, q0ff, maps, 0, bb, q_row0, h, B_R, full)
+            nb = q0ff + OFF_K + st * BUF
+            row0 = k_row0 + jt * B_c
+            copy_box_rows(smem, nb, maps, 1, bb, row0, hk, B_c, full)
+            copy_box_rows(smem, nb + OFF_V, maps, 2, bb, row0, hk, B_c, full)
+
+    @cuda.jit(device=True, inline=True)
     def tile_ready(smem, bars, jt, n_tiles, k, v, bb, row0, row_end, hk, tid):
         """Tile jt's K_j, V_j are in their buffer, seen by the tensor cores. With a producer: wait for its phase of
         ``full`` (fence.proxy.async: the landed copies seen by the tensor cores). Without: :func:`publish_tile`,
         then start the copies of tile jt + 1 (keys from row0 + B_c) into the buffer that barrier freed."""
         if PRODUCER:
             wait_phase(bars, jt % STAGES, (jt // STAGES) & 1)
-            hop.fence_proxy_async()
+            if not TMA:  # (the copy engine's writes are the tensor cores' proxy already)
+                hop.fence_proxy_async()
         else:
             publish_tile()
             if jt + 1 < n_tiles:
@@ -402,26 +464,41 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     @cuda.jit(device=True, inline=True)
     def issue_s(s, q_addr, kv_addr, jt):
         """Issue S_ij = Q_i K_j^T (K_j in buffer jt % STAGES): D / 16 wgmma on the accumulator s, one group."""
-        dq = hop.make_desc(q_addr, LBO_Q, 128)
-        dk = hop.make_desc(kv_addr + (jt % STAGES) * BUF * 2, LBO_K, 128)
-        fence_s(s)
-        for ks in range(KD):  # (the next 16 head dims: 2 LBO further on, in the descriptor's 16-byte units)
-            mma_s(s, dq + ks * (LBO_Q // 8), dk + ks * (LBO_K // 8), ks)
+        if TMA:  # (swizzled rows of 64 head dims: the next 16 are 32 bytes on, the next 64 a tile of rows on)
+            dq = hop.make_desc_sw128(q_addr, 16, hop.SWIZZLE_ALIGN)
+            dk = hop.make_desc_sw128(kv_addr + (jt % STAGES) * BUF * 2, 16, hop.SWIZZLE_ALIGN)
+            fence_s(s)
+            for ks in range(KD):
+                mma_s(s, dq + ((ks // 4) * B_R * HALF * 2 + (ks % 4) * 32) // 16,
+                      dk + ((ks // 4) * B_c * HALF * 2 + (ks % 4) * 32) // 16, ks)
+        else:
+            dq = hop.make_desc(q_addr, LBO_Q, 128)
+            dk = hop.make_desc(kv_addr + (jt % STAGES) * BUF * 2, LBO_K, 128)
+            fence_s(s)
+            for ks in range(KD):  # (the next 16 head dims: 2 LBO further on, in the descriptor's 16-byte units)
+                mma_s(s, dq + ks * (LBO_Q // 8), dk + ks * (LBO_K // 8), ks)
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
     def issue_pv(o, pa, kv_addr, jt):
         """Issue O_i += P V_j (V_j in buffer jt % STAGES, MN-major; P from the registers pa): B_c / 16 wgmma,
         one group."""
-        dv = hop.make_desc(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, 128, SBO_V)
-        fence_o(o)
-        for kc in range(KC):  # (the next 16 keys: 256 bytes further on)
-            mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], dv + kc * 16, 1)
+        if TMA:  # (swizzled rows of 64 head dims, one a key: the next 64 head dims a tile of rows on, 16 keys
+            # 2048 bytes on)
+            dv = hop.make_desc_sw128(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, B_c * HALF * 2, hop.SWIZZLE_ALIGN)
+            fence_o(o)
+            for kc in range(KC):
+                mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], dv + kc * (16 * HALF * 2 // 16), 1)
+        else:
+            dv = hop.make_desc(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, 128, SBO_V)
+            fence_o(o)
+            for kc in range(KC):  # (the next 16 keys: 256 bytes further on)
+                mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], dv + kc * 16, 1)
         hop.wgmma_commit()
 
     @cuda.jit
     def forward_wgmma(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
-                      offset):
+                      offset, maps):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         gw = tid >> 7  # warpgroup: rows 64 gw .. 64 gw + 63 of Q_i
@@ -443,20 +520,30 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         if i0 >= seqlen_q:
             return
 
-        smem = cuda.shared.array(0, elem)  # Q_i | K, V buffers 0, 1, 2 (dynamic), core matrices
+        smem = cuda.shared.array(0, elem)  # Q_i | K, V buffers 0, 1, 2 (dynamic), core matrices or swizzled rows
         bars = cuda.shared.array(NBARS, uint64)  # full[0 .. 2], empty[0 .. 2]: mbarriers
+        base = 0  # where Q_i starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes leaves room)
+        if TMA:
+            base = ((hop.SWIZZLE_ALIGN - (hop.smem_address(smem, 0) & (hop.SWIZZLE_ALIGN - 1)))
+                    & (hop.SWIZZLE_ALIGN - 1)) >> 1
         if PRODUCER:
             if tid == 0:
-                for st in range(STAGES):
-                    hop.mbarrier_init(hop.smem_address(bars, st), 32 * PW)  # the producer's copies landed
+                for st in range(STAGES):  # full: the producer's copies landed (with TMA: one arrival and the bytes)
+                    hop.mbarrier_init(hop.smem_address(bars, st), 1 if TMA else 32 * PW)
                     hop.mbarrier_init(hop.smem_address(bars, STAGES + st), NC)  # every consumer thread done
+                if TMA:
+                    hop.fence_mbarrier_init()
             cuda.syncthreads()
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
         if PRODUCER and tid >= NC:
             if REBALANCE:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
-            produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0 + n_start, k0 + seqlen_k, hk, n_tiles,
-                    tid - NC)
+            if TMA:
+                if tid == NC:
+                    produce_tma(smem, base, bars, maps, bb, i0, h, n_start, hk, n_tiles)
+            else:
+                produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0 + n_start, k0 + seqlen_k, hk,
+                        n_tiles, tid - NC)
             return
 
         if REBALANCE:
@@ -473,8 +560,9 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             l[r] = 0.0
         for n in range(NO):
             o[n] = 0.0
-        q_addr = hop.smem_address(smem, 0) + gw * 64 * 16  # this warpgroup's 64 rows: 8 core matrices further
-        kv_addr = hop.smem_address(smem, OFF_K)
+        # this warpgroup's 64 rows: 8 core matrices further, or 64 swizzled rows
+        q_addr = hop.smem_address(smem, base) + gw * 64 * (HALF * 2 if TMA else 16)
+        kv_addr = hop.smem_address(smem, base + OFF_K)
 
         if not PRODUCER:
             load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)

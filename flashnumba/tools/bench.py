@@ -28,7 +28,7 @@ import sys
 
 import numpy as np
 
-from .. import _backend, reference
+from .. import _backend, config, reference
 from ..api import (attention_with_grad, flash_attn_backward, flash_attn_forward, flash_attn_varlen_backward,
                   flash_attn_varlen_forward, plan, plan_backward)
 from .standard import _xp as array_module
@@ -187,6 +187,25 @@ _flashnumba_wgmma.features = True
 _flashnumba_wgmma.dtypes = ("float16", "bfloat16")
 
 
+def _flashnumba_wgmma_cp_async(q, k, v, dout, causal, window_size=(-1, -1)):
+    """The Hopper forward with its producer's per-thread copies (``config.hopper_tma = False`` around each call):
+    beside ``flashnumba_wgmma``, what the copy engine's tensor-map copies buy."""
+    opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
+
+    def forward():
+        saved, config.hopper_tma = config.hopper_tma, False
+        try:
+            return flash_attn_forward(q, k, v, **opts)
+        finally:
+            config.hopper_tma = saved
+
+    forward()  # unsupported GPUs, dtypes and head dims raise here
+    return {FWD: forward}
+
+
+_flashnumba_wgmma_cp_async.dtypes = ("float16", "bfloat16")
+
+
 def _flashnumba_tf32(precision):
     """The float32 forward on tensor cores (``kernel="tf32"`` or ``"3xtf32"``, head_dim 64 or 128)."""
 
@@ -307,6 +326,7 @@ def available_implementations(include_peers=True):
     impls["flashnumba_tc"] = _flashnumba_tc
     impls["flashnumba_atomic"] = _flashnumba_atomic
     impls["flashnumba_wgmma"] = _flashnumba_wgmma
+    impls["flashnumba_wgmma_cp_async"] = _flashnumba_wgmma_cp_async
     impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
     impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
     impls["standard_cupy"] = _standard
