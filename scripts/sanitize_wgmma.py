@@ -4,8 +4,9 @@ synccheck):
     compute-sanitizer --tool racecheck python scripts/sanitize_wgmma.py
 
 sequences not a multiple of the tiles, causal on and off, float16 and bfloat16, one and two warpgroups, B_c 64 and
-128, GQA with a window, varlen with an empty sequence; each result's largest error against the float64 reference
-is printed.
+128, GQA with a window, varlen with an empty sequence; the default tiles at head_dim 64 and 128 copy with tensor
+maps (with GQA and a window too), the others per thread; each result's largest error against the float64
+reference is printed.
 """
 
 import ml_dtypes
@@ -20,6 +21,7 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dty
     (1, 200, 333, 4, 2, 128, True, ml_dtypes.bfloat16, 64, 64, None),
     (1, 130, 270, 2, 1, 96, False, np.float16, 128, 64, (40, 7)),
     (1, 300, 129, 1, 1, 128, True, np.float16, 128, 128, None),
+    (2, 150, 260, 4, 1, 64, False, ml_dtypes.bfloat16, None, None, (60, 20)),  # tensor maps with GQA and a window
 ]
 for b, sq, sk, h, hk, d, causal, dtype, bm, bn, window in cases:
     q = rng.standard_normal((b, sq, h, d)).astype(dtype)
