@@ -198,13 +198,17 @@ def hopper_summary(d, prefix="docs/results/latest/"):
         mma = f"against the `mma.sync` kernel {mma}"
     else:  # (a run without the mma.sync kernel)
         mma = "the `mma.sync` kernel not in that run"
+    if any(r["impl"] == "flashnumba_wgmma_cp_async" for r in d["rows"]):
+        mma += (f"; the copy engine's tensor-map copies {span('flashnumba_wgmma_cp_async', ('tflops',))} the same "
+                f"kernel's per-thread copies")
     tiles = {h: sorted({tuple(x[1:]) for k, r in ours.items() if k[0] == h for x in r.get("kernels", ())})
              for h in dims}  # (the rows of runs that record their kernels' tiles)
     if all(tiles.values()):
         mma += ", at tiles (block_m, block_n, threads) " + " and ".join(
             f"{' '.join(map(str, tiles[h]))} (head_dim {h})" for h in dims)
     env = d["environment"]
-    return [f"- Hopper: a forward on warpgroup MMA with a producer warpgroup and two consumers taking turns "
+    return [f"- Hopper: a forward on warpgroup MMA with a producer warpgroup (tiles copied by the copy engine) and two "
+            f"consumers taking turns "
             f"(`kernel=\"wgmma\"`, `kernel=None`'s on compute capability 9.0 at head_dim 64 and 128, "
             f"`flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
