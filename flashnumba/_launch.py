@@ -111,8 +111,8 @@ class KernelLaunch:
     reason: str = ""
     arch_specific: bool = False  # compiled for the architecture-specific target (sm_90a: wgmma, setmaxnreg)
     whole_program: bool = False  # assembled as the whole program (a kernel with setmaxnreg: assemble_whole)
-    # (input name, box rows) of each tensor map the kernel's parameter "maps" holds, in order (flashnumba._tensormap);
-    # none: "maps", where the kernel takes it, is a dummy never read
+    # (input name, box rows, swizzled row bytes) of each tensor map the kernel's parameter "maps" holds, in order
+    # (flashnumba._tensormap); none: "maps", where the kernel takes it, is a dummy never read
     tensor_maps: tuple = ()
 
     def signature(self, arrays: dict, scalars: dict) -> tuple:
@@ -632,7 +632,7 @@ class Call:
             for name, n in discarded:
                 self.base[name] = at
                 at += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
-        self.maps = [(b.spec.tensor_maps) for b in self.bound if b.spec.tensor_maps]
+        self.maps = [b.spec.tensor_maps for b in self.bound if b.spec.tensor_maps]
         if any("maps" in b.spec.params for b in self.bound) and not self.maps:
             d = dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64)
             self.base["maps"] = _arrays.POINTER[_arrays.kind(d)](d)
@@ -733,7 +733,7 @@ class Call:
                 values, outs, keep = self.prepare(arrays, seed, offset)
         for entries in self.maps:  # (one kernel of a plan at most takes tensor maps)
             values["maps"] = _tensormap.device_maps(
-                [(values[name], self.plan.arrays[name].shape, rows) for name, rows in entries], stream)
+                [(values[name], self.plan.arrays[name].shape, rows, span) for name, rows, span in entries], stream)
         for b in self.bound:
             b(values, stream)
         for x in keep:  # what the kernels wrote into the copy of an input, into the input itself
@@ -771,8 +771,9 @@ class Call:
                 outs.append((user, dev, spec))
         for b in self.bound:
             if "maps" in b.spec.params:
-                values["maps"] = (_tensormap.sim_maps([(values[n], rows) for n, rows in b.spec.tensor_maps])
-                                  if b.spec.tensor_maps else dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64))
+                entries = [(values[n], rows, span) for n, rows, span in b.spec.tensor_maps]
+                values["maps"] = (_tensormap.sim_maps(entries) if entries
+                                  else dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64))
         for b in self.bound:
             b(values)
         result = []

@@ -7,11 +7,14 @@ function of the array's address and geometry alone, so the maps of a call are ke
 arrays, or new ones at the same addresses, reuses them) and written to the GPU once, by an asynchronous copy on
 the call's stream from pinned memory that is never rewritten: the copy is ordered before the kernel that reads it,
 and a CUDA graph that captured it replays the same bytes. A map is copied again where a later call runs on
-another stream, so that the copy is ordered before that stream's kernel too.
+another stream, so that the copy is ordered before that stream's kernel too. Up to :data:`MAX_KEPT` sets of maps
+are kept (on each device); past that they are all dropped, and a CUDA graph captured before then must be captured
+again.
 
 The layout the Hopper forward reads: a C-contiguous (batch, seqlen, nheads, head_dim) array of 16-bit elements as
-the 4-D tensor (head_dim, nheads, seqlen, batch), innermost first, boxes of (64, 1, rows, 1): ``rows`` rows of 64
-head dims (128 bytes, the 128-byte swizzle's span) of one head. Rows past seqlen read as zeros.
+the 4-D tensor (head_dim, nheads, seqlen, batch), innermost first, boxes of (E, 1, rows, 1): ``rows`` rows of E
+head dims of one head, where a row of the swizzle holds E (64 for the 128-byte swizzle, 32 for the 64-byte one).
+Rows past seqlen read as zeros.
 
 Under the simulator a map is :func:`flashnumba.kernels.ptx_hopper.sim_tensor_map`'s stand-in, made at every call.
 """
@@ -27,21 +30,21 @@ from ._backend import cuda
 from .kernels import ptx_hopper
 
 MAP_BYTES = 128
-SWIZZLE_BYTES = ptx_hopper.SWIZZLE_SPAN  # the 128-byte swizzle
-BOX_INNER = SWIZZLE_BYTES // 2  # 16-bit elements of a box's row
 MAX_KEPT = 4096  # map sets kept (each 128 bytes a map, on the GPU and pinned on the host)
 
 # cuda.h's enums (CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion, ...FloatOOBfill)
-_UINT16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO = 1, 0, 3, 3, 0
+_UINT16, _INTERLEAVE_NONE, _L2_PROMOTION_256B, _OOB_FILL_ZERO = 1, 0, 3, 0
+_SWIZZLE = {32: 1, 64: 2, 128: 3}  # CU_TENSOR_MAP_SWIZZLE_32B, _64B, _128B by the bytes of a row
 
 
-def geometry(shape, rows):
+def geometry(shape, rows, span):
     """(dims, byte strides, box) of a C-contiguous (batch, seqlen, nheads, head_dim) 16-bit array read in boxes of
-    ``rows`` rows of 64 head dims (module docstring)."""
+    ``rows`` rows of ``span`` bytes (span / 2 head dims; module docstring)."""
     b, s, h, d = (int(n) for n in shape)
-    if d % BOX_INNER:
-        raise ValueError(f"a tensor map of this layout takes head_dim a multiple of {BOX_INNER}, got {d}")
-    return (d, h, s, b), (2 * d, 2 * d * h, 2 * d * h * s), (BOX_INNER, 1, int(rows), 1)
+    if span not in _SWIZZLE or d % (span // 2):
+        raise ValueError(f"a tensor map of this layout takes rows of 32, 64 or 128 bytes dividing head_dim, got "
+                         f"{span} bytes, head_dim {d}")
+    return (d, h, s, b), (2 * d, 2 * d * h, 2 * d * h * s), (span // 2, 1, int(rows), 1)
 
 
 _encode_fn = None
@@ -62,12 +65,13 @@ def _encoder():
 
 def encode(address: int, dims, strides, box, out: np.ndarray) -> None:
     """Encode the map of 16-bit elements at device ``address`` with ``dims``, byte ``strides`` (of the dims after
-    the first) and ``box``, 128-byte swizzle, zeros out of bounds, into ``out`` (16 uint64, 64-byte aligned)."""
+    the first) and ``box``, swizzled in rows of the box's inner dim (32, 64 or 128 bytes), zeros out of bounds,
+    into ``out`` (16 uint64, 64-byte aligned)."""
     rank = len(dims)
     u64, u32 = ctypes.c_uint64 * rank, ctypes.c_uint32 * rank
     err = _encoder()(out.ctypes.data, _UINT16, rank, ctypes.c_void_p(address), u64(*dims),
                      (ctypes.c_uint64 * (rank - 1))(*strides), u32(*box), u32(*([1] * rank)), _INTERLEAVE_NONE,
-                     _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO)
+                     _SWIZZLE[2 * box[0]], _L2_PROMOTION_256B, _OOB_FILL_ZERO)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA error {err} (address {address:#x}, dims {dims}, "
                            f"strides {strides}, box {box})")
@@ -100,18 +104,19 @@ def _copy(maps: _Maps, stream: int) -> None:
 
 
 def device_maps(entries, stream: int) -> int:
-    """The device address of the maps of ``entries`` ((address, shape, rows) each: a C-contiguous 16-bit array of
-    that shape at that device address, read in boxes of ``rows`` rows), in that order (each 16 uint64), their
+    """The device address of the maps of ``entries`` ((address, shape, rows, span) each: a C-contiguous 16-bit
+    array of that shape at that device address, read in boxes of ``rows`` rows of ``span`` bytes), in that order
+    (each 16 uint64), their
     copy ordered on ``stream`` before anything enqueued there after the call."""
-    key = tuple((int(a), tuple(s), int(r)) for a, s, r in entries)
+    key = (cuda.get_current_device().id,) + tuple((int(a), tuple(s), int(r), int(sp)) for a, s, r, sp in entries)
     with _lock:
         maps = _kept.get(key)
         if maps is None:
             if len(_kept) >= MAX_KEPT:
                 _kept.clear()
-            maps = _Maps(len(key))
-            for i, (address, shape, rows) in enumerate(key):
-                encode(address, *geometry(shape, rows), maps.words[16 * i:16 * i + 16])
+            maps = _Maps(len(entries))
+            for i, (address, shape, rows, span) in enumerate(key[1:]):
+                encode(address, *geometry(shape, rows, span), maps.words[16 * i:16 * i + 16])
             _kept[key] = maps
         if stream not in maps.streams:
             _copy(maps, stream)
@@ -119,9 +124,10 @@ def device_maps(entries, stream: int) -> int:
 
 
 def sim_maps(entries):
-    """Under the simulator: the stand-in maps of ``entries`` ((array, rows) each) as one (n, 16) device array."""
-    words = np.stack([ptx_hopper.sim_tensor_map(a, *geometry(np.shape(a), rows), swizzle=SWIZZLE_BYTES)
-                      for a, rows in entries])
+    """Under the simulator: the stand-in maps of ``entries`` ((array, rows, span) each) as one (n, 16) device
+    array."""
+    words = np.stack([ptx_hopper.sim_tensor_map(a, *geometry(np.shape(a), rows, span), span=span)
+                      for a, rows, span in entries])
     return cuda.to_device(words)
 
 

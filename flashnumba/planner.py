@@ -520,7 +520,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               io + ("scale_q",) + OPTION_PARAMS + ("maps",), grid, (t.num_threads,), smem, t,
                               f"{reason}; tiles copied by the copy engine (tensor maps)" if tma else reason,
                               arch_specific=True, whole_program=tiling.wgmma_rebalances(t),
-                              tensor_maps=(("q", t.block_m), ("k", t.block_n), ("v", t.block_n)) if tma else ())
+                              tensor_maps=tuple((name, rows, wgmma_forward.swizzle_span(D)) for name, rows in (
+                                  ("q", t.block_m), ("k", t.block_n), ("v", t.block_n))) if tma else ())
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

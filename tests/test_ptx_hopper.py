@@ -209,7 +209,9 @@ for name, sig in (("bulk_copy_kernel", "void(float32[:, ::1], float32[:, ::1])")
                   ("ping_pong_kernel", "void(uint32[::1])"),
                   ("tma_kernel",
                    "void(uint64[:, ::1], int32[:, ::1], float16[::1], float32[:, ::1], float32[:, ::1])")):
-    ptx = _launch.compile_ptx(getattr(t, name).py_func, sig, (9, 0, "a"))
+    fn = getattr(t, name)
+    fn = fn(128) if name == "tma_kernel" else fn
+    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"))
     out[name] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
 for kind, N, ra, tb in (("f16", 64, False, False), ("bf16", 256, False, False), ("f16", 128, True, True)):
     el = "float16" if kind == "f16" else "uint16"
@@ -408,94 +410,105 @@ def test_two_warpgroups_take_turns_on_named_barriers():
 # tensor-map copies and the 128-byte swizzle
 # ---------------------------------------------------------------------------------------------------------------
 
-TMA_ROWS = 64  # rows of a box (64 head dims each)
-TMA_SMEM = 3 * TMA_ROWS * 64 + 512  # 16-bit elements: three boxes, and room to start them on 1024 bytes
+TMA_ROWS = 64  # rows of a box
+TMA_SMEM = TMA_ROWS * (64 + 128) + 512  # 16-bit elements: A and B (below), room to start them on 1024 bytes
 _mma_k64, _fence_k64, _wait_k64 = hop.wgmma_ops("f16", 64)
 _mma_mn128, _fence_mn128, _wait_mn128 = hop.wgmma_ops("f16", 128, trans_b=True)
 
 
-@cuda.jit
-def tma_kernel(maps, coords, raw, d_k, d_mn):
-    """One warpgroup. Thread 0 copies three boxes of TMA_ROWS rows x 64 head dims with one tensor map: A (head
-    dims 0-63 at coords[0]) and both halves of B (head dims 0-63 and 64-127 at coords[1]) into a 1024-byte aligned
-    tile A | B low | B high, counted on one mbarrier. Then raw: the shared bytes as they landed (the swizzle); d_k:
-    A[:, 16:32] B_high[:, 16:32]^T (K-major, both operands 32 bytes into their rows, N = 64 rows of B); d_mn:
-    A[:, 0:16] B[16:32, :] (B MN-major: N = 128 head dims over both halves, LBO between them; K = keys 16-31,
-    2048 bytes in)."""
-    smem = cuda.shared.array(TMA_SMEM, float16)
-    bar = cuda.shared.array(1, uint64)
-    tid = cuda.threadIdx.x
-    base = ((1024 - (hop.smem_address(smem, 0) & 1023)) & 1023) >> 1
-    b = hop.smem_address(bar, 0)
-    if tid == 0:
-        hop.mbarrier_init(b, 1)
-        hop.fence_mbarrier_init()
-    cuda.syncthreads()
-    if tid == 0:
-        hop.fence_tensormap(maps, 0)
-        hop.mbarrier_arrive_expect_tx(b, 3 * TMA_ROWS * 128)
-        hop.tma_load_4d(hop.smem_address(smem, base), maps, 0, 0, coords[0, 1], coords[0, 2], coords[0, 3], b)
-        for half in range(2):
-            hop.tma_load_4d(hop.smem_address(smem, base + (1 + half) * TMA_ROWS * 64), maps, 0, 64 * half,
-                            coords[1, 1], coords[1, 2], coords[1, 3], b)
-    while hop.mbarrier_try_wait(b, 0) == 0:
-        pass
-    for e in range(tid, 3 * TMA_ROWS * 64, 128):
-        raw[e] = smem[base + e]
-    a_addr = hop.smem_address(smem, base)
-    b_addr = hop.smem_address(smem, base + TMA_ROWS * 64)
-    acc = cuda.local.array(32, float32)
-    for i in range(32):
-        acc[i] = 0.0
-    _fence_k64(acc)
-    _mma_k64(acc, hop.make_desc_sw128(a_addr + 32, 16, 1024),
-             hop.make_desc_sw128(b_addr + TMA_ROWS * 128 + 32, 16, 1024), 0)
-    hop.wgmma_commit()
-    _wait_k64(0, acc)
-    w, g, t = tid // 32, (tid % 32) >> 2, tid & 3
-    for j in range(8):
-        for x in range(4):
-            d_k[16 * w + g + 8 * (x >> 1), 8 * j + 2 * t + (x & 1)] = acc[4 * j + x]
-    acc2 = cuda.local.array(64, float32)
-    for i in range(64):
-        acc2[i] = 0.0
-    _fence_mn128(acc2)
-    _mma_mn128(acc2, hop.make_desc_sw128(a_addr, 16, 1024),
-               hop.make_desc_sw128(b_addr + 16 * 128, TMA_ROWS * 128, 1024), 0)
-    hop.wgmma_commit()
-    _wait_mn128(0, acc2)
-    for j in range(16):
-        for x in range(4):
-            d_mn[16 * w + g + 8 * (x >> 1), 8 * j + 2 * t + (x & 1)] = acc2[4 * j + x]
+@functools.lru_cache(maxsize=None)
+def tma_kernel(span):
+    """One warpgroup; rows of ``span`` bytes (E = span / 2 head dims), swizzled. Thread 0 copies with one tensor
+    map a box of TMA_ROWS rows x E head dims for A (head dims 0 .. E - 1 at coords[0]) and the 128 / E boxes of B
+    (head dims 0 .. 127 at coords[1]) into a 1024-byte aligned tile A | B, counted on one mbarrier. Then raw: the
+    shared bytes as they landed (the swizzle); d_k: A[:, 16:32] B[:, E + 16:E + 32]^T (K-major: both operands 32
+    bytes into their rows, B's second box; N = 64 rows of B); d_mn: A[:, 0:16] B[16:32, :] (B MN-major: N = 128
+    head dims over B's boxes, LBO between them; K = keys 16-31, 16 rows in)."""
+    E, NB = span // 2, 128 // (span // 2)
+    mode = hop.SWIZZLE_MODES[span]
+    TOTAL = TMA_ROWS * (E + 128)
+
+    @cuda.jit
+    def kernel(maps, coords, raw, d_k, d_mn):
+        smem = cuda.shared.array(TMA_SMEM, float16)
+        bar = cuda.shared.array(1, uint64)
+        tid = cuda.threadIdx.x
+        base = ((1024 - (hop.smem_address(smem, 0) & 1023)) & 1023) >> 1
+        b = hop.smem_address(bar, 0)
+        if tid == 0:
+            hop.mbarrier_init(b, 1)
+            hop.fence_mbarrier_init()
+        cuda.syncthreads()
+        if tid == 0:
+            hop.fence_tensormap(maps, 0)
+            hop.mbarrier_arrive_expect_tx(b, 2 * TOTAL)
+            hop.tma_load_4d(hop.smem_address(smem, base), maps, 0, 0, coords[0, 1], coords[0, 2], coords[0, 3], b)
+            for part in range(NB):
+                hop.tma_load_4d(hop.smem_address(smem, base + TMA_ROWS * E * (1 + part)), maps, 0, E * part,
+                                coords[1, 1], coords[1, 2], coords[1, 3], b)
+        while hop.mbarrier_try_wait(b, 0) == 0:
+            pass
+        for e in range(tid, TOTAL, 128):
+            raw[e] = smem[base + e]
+        a_addr = hop.smem_address(smem, base)
+        b_addr = hop.smem_address(smem, base + TMA_ROWS * E)
+        acc = cuda.local.array(32, float32)
+        for i in range(32):
+            acc[i] = 0.0
+        _fence_k64(acc)
+        _mma_k64(acc, hop.make_desc_swizzled(a_addr + 32, 16, 8 * span, mode),
+                 hop.make_desc_swizzled(b_addr + TMA_ROWS * span + 32, 16, 8 * span, mode), 0)
+        hop.wgmma_commit()
+        _wait_k64(0, acc)
+        w, g, t = tid // 32, (tid % 32) >> 2, tid & 3
+        for j in range(8):
+            for x in range(4):
+                d_k[16 * w + g + 8 * (x >> 1), 8 * j + 2 * t + (x & 1)] = acc[4 * j + x]
+        acc2 = cuda.local.array(64, float32)
+        for i in range(64):
+            acc2[i] = 0.0
+        _fence_mn128(acc2)
+        _mma_mn128(acc2, hop.make_desc_swizzled(a_addr, 16, 8 * span, mode),
+                   hop.make_desc_swizzled(b_addr + 16 * span, TMA_ROWS * span, 8 * span, mode), 0)
+        hop.wgmma_commit()
+        _wait_mn128(0, acc2)
+        for j in range(16):
+            for x in range(4):
+                d_mn[16 * w + g + 8 * (x >> 1), 8 * j + 2 * t + (x & 1)] = acc2[4 * j + x]
+
+    return kernel
 
 
-def test_tensor_map_copies_land_swizzled_and_wgmma_reads_them():
-    """A box lands as rows of 128 bytes, chunk c of row r at chunk c ^ (r % 8), zeros past the tensor's rows
-    (rows 40 .. 103 of 100); wgmma reads such tiles K-major from 32 bytes into their rows and MN-major across two
-    64-dim halves (the Hopper forward's S = Q K^T and O += P V): exact on small integers."""
+@pytest.mark.parametrize("span", [128, 64])
+def test_tensor_map_copies_land_swizzled_and_wgmma_reads_them(span):
+    """A box lands as rows of ``span`` bytes, chunk c of row r at the swizzle's place (c ^ (r % 8) for 128 bytes,
+    c ^ ((r // 2) % 4) for 64), zeros past the tensor's rows (rows 40 .. 103 of 100); wgmma reads such tiles
+    K-major from 32 bytes into their rows and MN-major across several boxes of head dims (the Hopper forward's
+    S = Q K^T and O += P V): exact on small integers."""
     needs_hopper()
     from flashnumba import _tensormap
 
+    E = span // 2
     rng = np.random.default_rng(11)
     x = rng.integers(-4, 5, (2, 100, 3, 128)).astype(np.float16)  # (batch, seqlen, nheads, head_dim)
     coords = np.array([[0, 1, 40, 1], [0, 2, 10, 0]], np.int32)  # (dim, head, row, batch), innermost first
     dx = cuda.to_device(x)
     if SIMULATOR:
-        maps = _tensormap.sim_maps([(dx, TMA_ROWS)])
+        maps = _tensormap.sim_maps([(dx, TMA_ROWS, span)])
     else:
-        maps = _tensormap.device_maps([(dx.device_ctypes_pointer.value, x.shape, TMA_ROWS)], 0)
+        maps = _tensormap.device_maps([(dx.device_ctypes_pointer.value, x.shape, TMA_ROWS, span)], 0)
         maps = cuda.from_cuda_array_interface(dict(shape=(1, hop.MAP_WORDS), typestr="<u8", data=(maps, False),
                                                    version=3, strides=None), owner=None, sync=False)
-    raw = cuda.to_device(np.full(3 * TMA_ROWS * 64, np.nan, np.float16))
+    raw = cuda.to_device(np.full(TMA_ROWS * (E + 128), np.nan, np.float16))
     d_k, d_mn = (cuda.to_device(np.full((64, n), np.nan, np.float32)) for n in (64, 128))
-    tma_kernel[1, 128](maps, cuda.to_device(coords), raw, d_k, d_mn)
-    a = np.zeros((TMA_ROWS, 64))
-    a[:60] = x[1, 40:100, 1, :64]  # (rows 100 .. 103 past the tensor: zeros)
+    tma_kernel(span)[1, 128](maps, cuda.to_device(coords), raw, d_k, d_mn)
+    a = np.zeros((TMA_ROWS, E))
+    a[:60] = x[1, 40:100, 1, :E]  # (rows 100 .. 103 past the tensor: zeros)
     bt = x[0, 10:10 + TMA_ROWS, 2, :].astype(np.float64)  # 64 keys x 128 head dims
-    tiles = np.concatenate([a, bt[:, :64], bt[:, 64:]])  # the three boxes, row after row
+    tiles = np.concatenate([a] + [bt[:, E * p:E * p + E] for p in range(128 // E)])  # the boxes, row after row
     want = np.empty(tiles.size)
-    at = hop.swizzle_128b(np.arange(tiles.size) * 2) // 2  # element e of the rows lands at element at[e]
+    at = hop.swizzle(np.arange(tiles.size) * 2, span) // 2  # element e of the rows lands at element at[e]
     want[at] = tiles.reshape(-1)
     np.testing.assert_array_equal(raw.copy_to_host().astype(np.float64), want)
-    np.testing.assert_array_equal(d_k.copy_to_host(), a[:, 16:32] @ bt[:, 80:96].T)
+    np.testing.assert_array_equal(d_k.copy_to_host(), a[:, 16:32] @ bt[:, E + 16:E + 32].T)
     np.testing.assert_array_equal(d_mn.copy_to_host(), a[:, :16] @ bt[16:32, :])

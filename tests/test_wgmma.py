@@ -179,7 +179,8 @@ cases = [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat
 if FULL:
     cases += [(128, 128, 2, "float16", Variant(False, True, False, False, False, True), True, "tma"),
               (64, 128, 2, "bfloat16", Variant(True, True, True, False, False, False), False, "tma"),
-              (128, 128, 2, "float16", Variant(False, False, True, True, False, False), False, "tma")]
+              (128, 128, 2, "float16", Variant(False, False, True, True, False, False), False, "tma"),
+              (96, 128, 2, "bfloat16", Variant(False, True), True, "tma")]
 if FULL:
     cases += [(128, 64, 2, "float16", Variant(True, True, True, True, True, True), True, False),
               (128, 64, 2, "float16", Variant(True, False, False, True, False, False), True, 4),
@@ -221,7 +222,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     pytest.importorskip("cuda.bindings.nvjitlink")
     from flashnumba.kernels import wgmma_forward
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (21 if FULL_COMPILE else 6)
+    assert len(compiled) == (22 if FULL_COMPILE else 6)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         copies = (("cp.async.bulk.tensor.4d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire")

@@ -21,7 +21,7 @@ to the instruction's ("async proxy") reads with ``fence_proxy_async()`` and then
 | --- | --- | --- |
 | ``smem_address(ary, i)`` | ``cvta`` of ary.flat[i] to the shared window | uint32 byte address |
 | ``make_desc(addr, lbo, sbo)`` | (arithmetic; ``desc_bits`` on the host) | uint64 matrix descriptor, no swizzle |
-| ``make_desc_sw128(addr, lbo, sbo)`` | (arithmetic; ``desc_bits_sw128``) | the same, of a 128-byte swizzled operand |
+| ``make_desc_swizzled(addr, lbo, sbo, mode)`` | (arithmetic; ``desc_bits_swizzled``) | of a swizzled operand |
 | ``fence_proxy_async()`` | ``fence.proxy.async.shared::cta`` | stores before it seen by wgmma after a barrier |
 | ``wgmma_ops(kind, N, regs_a, trans_b)`` | ``wgmma.*`` for m64nNk16, f32 += kind x kind | (mma, fence, wait) |
 | ``wgmma_commit()`` | ``wgmma.commit_group.sync.aligned`` | |
@@ -68,20 +68,23 @@ column of K, and element (r, k) lies at::
 head dims, 128 bytes each, serves both products: read K-major it is K_j for S = Q K_j^T, read MN-major V_j for
 P V_j, with LBO and SBO exchanged.
 
-**The 128-byte swizzle** (``make_desc_sw128``), the layout a tensor-map copy writes (below): a tile of rows of 64
-16-bit elements (128 bytes a row), row after row, in which the 16-byte chunk c of row r is stored at chunk
-c ^ (r % 8) of its row. The hardware applies the exchange to the shared address itself (bits 4-6 of the byte
-address XOR bits 7-9), so a tile must start on 1024 bytes (8 rows) for row r % 8 to be the row within the tile.
-K-major (Q_i, K_j; 64 head dims a row), element (r, k) lies at the swizzle of::
+**The swizzled layouts** (``make_desc_swizzled``), those a tensor-map copy writes (below). With the 128-byte
+swizzle a tile is rows of 64 16-bit elements (128 bytes a row), row after row, in which the 16-byte chunk c of row
+r is stored at chunk c ^ (r % 8); the 64- and 32-byte swizzles are the same with rows of 32 and 16 elements and
+chunk c at c ^ ((r // 2) % 4), c ^ ((r // 4) % 2). The hardware applies the exchange to the shared address itself
+(bits 4 and up of the byte address XOR as many bits from bit 7: :func:`swizzle`), so a tile starts on 1024 bytes
+for the row within the pattern to be the row within the tile. With S bytes a row (E = S / 2 elements), K-major
+(Q_i, K_j; E head dims a row), element (r, k) lies at the swizzle of::
 
-    start + (r // 8) * SBO + (r % 8) * 128 + k * 2                  SBO = 1024, LBO unused (16)
+    start + (r // 8) * SBO + (r % 8) * S + k * 2                    SBO = 8 S, LBO unused (16)
 
-and the next 16 of K are 32 bytes further (the start moves; a tile of 128 head dims is two such tiles, the second
-``rows`` x 128 bytes on). MN-major (V_j: a row is 64 head dims of one key, the N of P V), element (n, k) lies at::
+and the next 16 of K are 32 bytes further along the row, or at the start of the next tile of rows (``rows`` x S
+bytes on) once a row's E are used (a tile of D head dims is D / E such tiles). MN-major (V_j: a row is E head dims
+of one key, the N of P V), element (n, k) lies at::
 
-    start + (n % 64) * 2 + (n // 64) * LBO + (k % 8) * 128 + (k // 8) * SBO     SBO = 1024, LBO = the next 64 head dims
+    start + (n % E) * 2 + (n // E) * LBO + (k % 8) * S + (k // 8) * SBO      SBO = 8 S, LBO = the next E head dims
 
-so 16 keys are 2048 bytes on. Each row of 8 x 16 bytes a warp's tensor cores read spreads over the 32 banks.
+so 16 keys are 16 S bytes on. Each row of 8 x 16 bytes a warp's tensor cores read spreads over the 32 banks.
 
 **Tensor-map copies (TMA).** ``tma_load_4d`` has the SM's copy engine fetch a whole *box* of a 4-D tensor (one
 thread issues it; no thread computes an address per 16 bytes, and nothing passes through L1) into shared memory,
@@ -89,8 +92,8 @@ counted on an mbarrier like ``cp_async_bulk``. The tensor is named by a 128-byte
 (``cuTensorMapEncodeTiled``: the base address, the dims innermost first, the byte strides, the box, the swizzle)
 and writes to global memory; a thread makes the host's write visible to the copy engine (``fence_tensormap``)
 before its first copy with it. Coordinates are elements, innermost first; a box reaching past a dim reads zeros
-there, and its bytes still count. With the 128-byte swizzle the box's inner dim is 64 16-bit elements and the box
-lands as the swizzled rows above.
+there, and its bytes still count. With a swizzle the box's inner dim is a row's E elements (at most S bytes) and the
+box lands as the swizzled rows above.
 
 **A from registers** (``regs_a``), as P is in O += P V: thread (warp w, lane with g = lane >> 2, t = lane & 3)
 holds four uint32 of two 16-bit elements each (the lower half first), in ``mma.sync``'s A layout::
@@ -149,25 +152,27 @@ def desc_bits(addr, lbo, sbo):
 
 make_desc = cuda.jit(device=True, inline=True)(desc_bits)
 
-SWIZZLE_128B = 1  # the descriptor's swizzle mode (bits 62-63) of the 128-byte swizzle
-SWIZZLE_SPAN = 128  # bytes a swizzled row holds (64 16-bit elements)
-SWIZZLE_ALIGN = 1024  # bytes on which a swizzled tile starts (the 8 rows of the pattern)
+SWIZZLE_MODES = {128: 1, 64: 2, 32: 3}  # the descriptor's swizzle mode (bits 62-63) by the bytes a row holds
+SWIZZLE_SPANS = {mode: span for span, mode in SWIZZLE_MODES.items()}
+SWIZZLE_ALIGN = 1024  # bytes on which a swizzled tile starts (the 8 rows of the widest pattern)
 
 
-def desc_bits_sw128(addr, lbo, sbo):
-    """The matrix descriptor of an operand stored with the 128-byte swizzle (module docstring) at shared address
-    ``addr``; ``lbo`` and ``sbo`` as drawn there. (In a kernel: ``make_desc_sw128``.)"""
+def desc_bits_swizzled(addr, lbo, sbo, mode):
+    """The matrix descriptor of an operand stored with a swizzle (module docstring) at shared address ``addr``;
+    ``lbo`` and ``sbo`` as drawn there, ``mode`` the swizzle's (:data:`SWIZZLE_MODES`). (In a kernel:
+    ``make_desc_swizzled``.)"""
     return ((int64(addr) & 0x3FFFF) >> 4) | (((int64(lbo) & 0x3FFFF) >> 4) << 16) | (
-        ((int64(sbo) & 0x3FFFF) >> 4) << 32) | (int64(SWIZZLE_128B) << 62)
+        ((int64(sbo) & 0x3FFFF) >> 4) << 32) | (int64(mode) << 62)
 
 
-make_desc_sw128 = cuda.jit(device=True, inline=True)(desc_bits_sw128)
+make_desc_swizzled = cuda.jit(device=True, inline=True)(desc_bits_swizzled)
 
 
-def swizzle_128b(byte_address):
-    """Where the 128-byte swizzle stores the byte at shared address ``byte_address`` (an int or an integer NumPy
-    array): bits 4-6 XOR bits 7-9."""
-    return byte_address ^ (((byte_address >> 7) & 7) << 4)
+def swizzle(byte_address, span):
+    """Where the swizzle of ``span``-byte rows (128, 64 or 32) stores the byte at shared address ``byte_address``
+    (an int or an integer NumPy array): bits 4-6 XOR bits 7-9 for 128 bytes, bits 4-5 XOR 7-8 for 64, bit 4 XOR
+    bit 7 for 32."""
+    return byte_address ^ (((byte_address >> 7) & (span // 16 - 1)) << 4)
 
 
 def _decode(desc):
@@ -221,14 +226,15 @@ def _sim_smem_bytes(address, nbytes):
 def _sim_operand(desc, rows, halves, mn_major=False):
     """The operand (rows x 16, float64: row r, column k) a descriptor names, read from shared memory now; K-major,
     or MN-major (``mn_major``: 8 consecutive rows of one column of K in each 16 bytes)."""
-    addr, lbo, sbo, swizzle = _decode(desc)
-    if swizzle not in (0, SWIZZLE_128B):
-        raise NotImplementedError(f"the stand-in reads operands without swizzle or with the 128-byte one, got mode "
-                                  f"{swizzle}")
+    addr, lbo, sbo, mode = _decode(desc)
+    if mode not in (0,) + tuple(SWIZZLE_SPANS):
+        raise NotImplementedError(f"the stand-in reads operands without swizzle or with the 128-, 64- or 32-byte "
+                                  f"one, got mode {mode}")
     if addr % 16:
         raise ValueError(f"an operand's address must be 16-byte aligned, got {addr}")
-    if swizzle:
-        phys = swizzle_128b(addr + _swizzled_offsets(rows, lbo, sbo, mn_major))
+    if mode:
+        span = SWIZZLE_SPANS[mode]
+        phys = swizzle(addr + _swizzled_offsets(rows, lbo, sbo, mn_major, span), span)
         lo = int(phys.min())
         return halves(_sim_smem_bytes(lo, int(phys.max()) + 2 - lo).view(np.uint16)[(phys - lo) // 2])
     offsets, span = _operand_offsets(rows, lbo, sbo, mn_major)
@@ -263,15 +269,17 @@ def _operand_offsets(rows, lbo, sbo, mn_major):
 
 
 @functools.lru_cache(maxsize=None)
-def _swizzled_offsets(rows, lbo, sbo, mn_major):
-    """Byte offsets from the start, before the swizzle, of the elements (r, k) (rows x K) of a 128-byte swizzled
-    operand (module docstring)."""
+def _swizzled_offsets(rows, lbo, sbo, mn_major, span):
+    """Byte offsets from the start, before the swizzle, of the elements (r, k) (rows x K) of an operand swizzled in
+    rows of ``span`` bytes (module docstring)."""
     r, k = np.arange(rows)[:, None], np.arange(K)[None, :]
+    if sbo % (8 * span):
+        raise ValueError(f"a swizzled operand of {span}-byte rows steps 8 rows (or keys) by a multiple of "
+                         f"{8 * span} bytes, got {sbo}")
     if mn_major:
-        return (r % 64) * 2 + (r // 64) * lbo + (k % 8) * 128 + (k // 8) * sbo
-    if sbo % SWIZZLE_ALIGN:
-        raise ValueError(f"a K-major 128-byte swizzled operand steps 8 rows by a multiple of 1024 bytes, got {sbo}")
-    return (r // 8) * sbo + (r % 8) * 128 + k * 2
+        e = span // 2
+        return (r % e) * 2 + (r // e) * lbo + (k % 8) * span + (k // 8) * sbo
+    return (r // 8) * sbo + (r % 8) * span + k * 2
 
 
 def _sim_register_operand(everyone_regs, halves):
@@ -493,11 +501,11 @@ _sim_next_handle = 0
 SIM_MAPS_KEPT = 256  # stand-in maps whose tensors the process keeps (the latest: a launch uses its maps at once)
 
 
-def sim_tensor_map(array, dims, strides, box, swizzle=SWIZZLE_SPAN):
+def sim_tensor_map(array, dims, strides, box, span=128):
     """The simulator's tensor map (:data:`MAP_WORDS` uint64, as the driver's is 128 bytes) of ``array``'s memory
     seen as a tensor of ``dims`` (elements, innermost first) with byte ``strides`` of the dims after the first, read
-    in boxes of ``box`` elements, with the 128-byte swizzle (``swizzle`` 128) or none (0). The same checks as the
-    driver's encoding; the process keeps the strided view the map names (the map holds its handle)."""
+    in boxes of ``box`` elements, with the swizzle of ``span``-byte rows (128, 64, 32) or none (0). The same checks
+    as the driver's encoding; the process keeps the strided view the map names (the map holds its handle)."""
     host = ptx._host_array(array)
     rank = len(dims)
     item = host.itemsize
@@ -507,9 +515,9 @@ def sim_tensor_map(array, dims, strides, box, swizzle=SWIZZLE_SPAN):
     if any(s_ % 16 for s_ in strides) or (box[0] * item) % 16 or any(not 1 <= b <= 256 for b in box):
         raise ValueError(f"tensor map: strides must be multiples of 16 bytes, the box's inner dim a multiple of 16 "
                          f"bytes and every box dim in 1 .. 256, got strides {strides}, box {box}")
-    if swizzle not in (0, SWIZZLE_SPAN) or (swizzle and box[0] * item > swizzle):
-        raise ValueError(f"tensor map: swizzle 0 or 128 with the box's inner dim at most that many bytes, got "
-                         f"{swizzle}, {box[0] * item} bytes")
+    if span not in (0,) + tuple(SWIZZLE_MODES) or (span and box[0] * item > span):
+        raise ValueError(f"tensor map: a swizzle of 32-, 64- or 128-byte rows (or 0, none) with the box's inner dim "
+                         f"at most that many bytes, got {span}, {box[0] * item} bytes")
     if not host.flags.c_contiguous or any(d < 1 for d in dims) or (
             sum((d - 1) * s_ for d, s_ in zip(dims, (item,) + tuple(strides))) + item > host.nbytes):
         raise ValueError(f"the stand-in's tensor map must lie within its C-contiguous array ({host.nbytes} bytes), "
@@ -523,7 +531,7 @@ def sim_tensor_map(array, dims, strides, box, swizzle=SWIZZLE_SPAN):
         _sim_tensors[handle] = view
         _sim_tensors.pop(handle - SIM_MAPS_KEPT, None)
     words = np.zeros(MAP_WORDS, np.uint64)
-    words[:5] = (_MAP_MAGIC, handle, rank, swizzle, item)
+    words[:5] = (_MAP_MAGIC, handle, rank, span, item)
     words[5:5 + rank] = box
     return words
 
@@ -538,7 +546,7 @@ def _sim_tma_load_4d(dst, maps, index, c0, c1, c2, c3, bar):
     words = ptx._host_array(maps).reshape(-1)[int(index):int(index) + MAP_WORDS]
     if words.size != MAP_WORDS or int(words[0]) != _MAP_MAGIC:
         raise ValueError(f"no tensor map at word {index} (make one with sim_tensor_map)")
-    rank, swizzle, item = int(words[2]), int(words[3]), int(words[4])
+    rank, span, item = int(words[2]), int(words[3]), int(words[4])
     if rank != 4:
         raise ValueError(f"tma_load_4d takes a map of a 4-D tensor, got rank {rank}")
     view = _sim_tensors[int(words[1])]
@@ -556,8 +564,8 @@ def _sim_tma_load_4d(dst, maps, index, c0, c1, c2, c3, bar):
     dst = int(dst)
     if dst % 128:
         raise ValueError(f"a tensor-map copy lands on 128-byte aligned shared memory, got address {dst}")
-    if swizzle:
-        at = swizzle_128b(dst + np.arange(data.size)) - dst
+    if span:
+        at = swizzle(dst + np.arange(data.size), span) - dst
         moved = np.empty_like(data)
         moved[at] = data
         data = moved
@@ -920,6 +928,6 @@ else:
         globals()[_name] = _GPU[_name]
         _GPU[_name].__doc__ = _stand_in.__doc__
 
-__all__ = ["desc_bits", "make_desc", "desc_bits_sw128", "make_desc_sw128", "swizzle_128b", "sim_tensor_map",
+__all__ = ["desc_bits", "make_desc", "desc_bits_swizzled", "make_desc_swizzled", "swizzle", "sim_tensor_map",
            "wgmma_ops",
            *_STAND_INS]

@@ -64,15 +64,15 @@ the other's products do::
 (``tile_ready``, ``tile_done``, ``my_turn``, ``their_turn``).
 
 **Tensor-map copies** (``tma``). With a producer warpgroup, one thread of it may make every copy: a
-``tma_load_4d`` a box of B_c keys x 64 head dims (two at head_dim 128) that the SM's copy engine fetches with no
-address arithmetic a thread and no pass through L1 (the path the per-thread copies are bound by), writes with
-the 128-byte swizzle (:mod:`flashnumba.kernels.ptx_hopper`) and counts on the stage's ``full`` mbarrier, where
-the thread announces the stage's bytes first (``mbarrier_arrive_expect_tx``: the one arrival the phase waits
-for). A tile then lies as rows of 64 head dims (128 bytes; the 16-byte chunks of row r exchanged by r % 8), the
-second 64 head dims B_c rows on, and the descriptors say so (the 128-byte swizzle: K-major for Q_i and K_j,
-MN-major for V_j). Rows past the sequence come as zeros from the copy engine. The host encodes the tensor maps
-of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies (a box would reach into
-the next sequence, where the kernel needs zeros).
+``tma_load_4d`` a box of B_c keys x 64 head dims (two at head_dim 128; at 96, three of 32) that the SM's copy
+engine fetches with no address arithmetic a thread and no pass through L1 (the path the per-thread copies are
+bound by), writes swizzled (:mod:`flashnumba.kernels.ptx_hopper`) and counts on the stage's ``full`` mbarrier,
+where the thread announces the stage's bytes first (``mbarrier_arrive_expect_tx``: the one arrival the phase waits
+for). A tile then lies as rows of 64 head dims (128 bytes; the 16-byte chunks of row r exchanged by r % 8; at
+head_dim 96 rows of 32, 64 bytes, the 64-byte swizzle), the next 64 head dims B_c rows on, and the descriptors say
+so (K-major for Q_i and K_j, MN-major for V_j). Rows past the sequence come as zeros from the copy engine. The host
+encodes the tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies
+(a box would reach into the next sequence, where the kernel needs zeros).
 
 **Registers where the work is.** The SM's 64K registers are shared by its threads: a block of 384 starts each at
 168. The producer only copies, so with two warpgroups it gives back all but 56 (``setmaxnreg.dec``) and each
@@ -136,7 +136,13 @@ def shared_bytes(D, B_c, B_r, tma=False):
     return (B_r + 2 * STAGES * B_c) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
 
 
-TMA_HEAD_DIMS = (64, 128)  # head dims whose rows are whole 128-byte swizzled rows (one or two)
+TMA_HEAD_DIMS = (64, 96, 128)  # head dims whose rows are whole swizzled rows (swizzle_span)
+
+
+def swizzle_span(D):
+    """Bytes of a swizzled row of the tiles copied with tensor maps: 128 (64 head dims) where they divide a row of
+    D head dims, else 64 (32; head_dim 96: three such rows)."""
+    return 128 if D % 64 == 0 else 64
 
 
 def takes_tma(D, variant, warpgroups, producer) -> bool:
@@ -294,7 +300,9 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     BUF = 2 * B_c * D
     # descriptor strides, bytes (module docstring): Q_i and K_j K-major, V_j MN-major
     LBO_Q, LBO_K, SBO_V = 16 * B_R, 16 * B_c, 16 * B_c
-    HALF = hop.SWIZZLE_SPAN // 2  # head dims of a swizzled row (tensor-map copies): a tile is D / HALF such tiles
+    SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
+    E = SPAN // 2  # head dims a swizzled row: a tile is D / E tiles of such rows
+    MODE = hop.SWIZZLE_MODES[SPAN]
     TILE_BYTES = 2 * B_c * D * 2  # K_j and V_j: the bytes of a stage's copies
     Q_BYTES = B_R * D * 2
     mma_s, fence_s, wait_s = hop.wgmma_ops(kind, B_c)
@@ -404,10 +412,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     @cuda.jit(device=True, inline=True)
     def copy_box_rows(smem, off, maps, m, bb, row0, h, rows, bar):
         """Copy ``rows`` rows of tensor map m (of q, k, v) from row0, batch entry bb, head h, all D head dims,
-        into element ``off`` onwards: D / 64 boxes of swizzled rows, one after the other."""
-        for half in range(D // HALF):
-            hop.tma_load_4d(hop.smem_address(smem, off + half * rows * HALF), maps, m * hop.MAP_WORDS, half * HALF,
-                            h, row0, bb, bar)
+        into element ``off`` onwards: D / E boxes of swizzled rows, one after the other."""
+        for part in range(D // E):
+            hop.tma_load_4d(hop.smem_address(smem, off + part * rows * E), maps, m * hop.MAP_WORDS, part * E, h,
+                            row0, bb, bar)
 
     @cuda.jit(device=True, inline=True)
     def produce_tma(smem, q0ff, bars, maps, bb, q_row0, h, k_row0, hk, n_tiles):
@@ -464,13 +472,13 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     @cuda.jit(device=True, inline=True)
     def issue_s(s, q_addr, kv_addr, jt):
         """Issue S_ij = Q_i K_j^T (K_j in buffer jt % STAGES): D / 16 wgmma on the accumulator s, one group."""
-        if TMA:  # (swizzled rows of 64 head dims: the next 16 are 32 bytes on, the next 64 a tile of rows on)
-            dq = hop.make_desc_sw128(q_addr, 16, hop.SWIZZLE_ALIGN)
-            dk = hop.make_desc_sw128(kv_addr + (jt % STAGES) * BUF * 2, 16, hop.SWIZZLE_ALIGN)
+        if TMA:  # (swizzled rows of E head dims: the next 16 are 32 bytes on, the next E a tile of rows on)
+            dq = hop.make_desc_swizzled(q_addr, 16, 8 * SPAN, MODE)
+            dk = hop.make_desc_swizzled(kv_addr + (jt % STAGES) * BUF * 2, 16, 8 * SPAN, MODE)
             fence_s(s)
             for ks in range(KD):
-                mma_s(s, dq + ((ks // 4) * B_R * HALF * 2 + (ks % 4) * 32) // 16,
-                      dk + ((ks // 4) * B_c * HALF * 2 + (ks % 4) * 32) // 16, ks)
+                mma_s(s, dq + ((16 * ks // E) * B_R * SPAN + (32 * ks) % SPAN) // 16,
+                      dk + ((16 * ks // E) * B_c * SPAN + (32 * ks) % SPAN) // 16, ks)
         else:
             dq = hop.make_desc(q_addr, LBO_Q, 128)
             dk = hop.make_desc(kv_addr + (jt % STAGES) * BUF * 2, LBO_K, 128)
@@ -483,12 +491,12 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     def issue_pv(o, pa, kv_addr, jt):
         """Issue O_i += P V_j (V_j in buffer jt % STAGES, MN-major; P from the registers pa): B_c / 16 wgmma,
         one group."""
-        if TMA:  # (swizzled rows of 64 head dims, one a key: the next 64 head dims a tile of rows on, 16 keys
-            # 2048 bytes on)
-            dv = hop.make_desc_sw128(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, B_c * HALF * 2, hop.SWIZZLE_ALIGN)
+        if TMA:  # (swizzled rows of E head dims, one a key: the next E head dims a tile of rows on, 16 keys
+            # 16 rows on)
+            dv = hop.make_desc_swizzled(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, B_c * SPAN, 8 * SPAN, MODE)
             fence_o(o)
             for kc in range(KC):
-                mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], dv + kc * (16 * HALF * 2 // 16), 1)
+                mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], dv + kc * SPAN, 1)
         else:
             dv = hop.make_desc(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, 128, SBO_V)
             fence_o(o)
@@ -561,7 +569,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         for n in range(NO):
             o[n] = 0.0
         # this warpgroup's 64 rows: 8 core matrices further, or 64 swizzled rows
-        q_addr = hop.smem_address(smem, base) + gw * 64 * (HALF * 2 if TMA else 16)
+        q_addr = hop.smem_address(smem, base) + gw * 64 * (SPAN if TMA else 16)
         kv_addr = hop.smem_address(smem, base + OFF_K)
 
         if not PRODUCER:
