@@ -214,8 +214,8 @@ def flash_attn_forward(
     num_threads : threads per block (kernels v2, v3; "tc": 32 per 16 or per 32 query rows; the others derive
         their threads from their tiles).
     kernel : None (default): chosen by the plan (:mod:`flashnumba.planner`): "tc" for float16 / bfloat16 where the
-        tensor cores apply ("wgmma" at head_dim 64 and 128 on compute capability 9.0, unless a block mask is
-        given), else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with Numba's
+        tensor cores apply ("wgmma" at head_dim 64, 96 and 128 on compute capability 9.0, unless a block mask is
+        given; at 96 only with its tensor-map copies), else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with Numba's
         default signed indexing), "v1" (one thread per row, the readable one): the SIMT kernels of
         flashnumba.kernels.simt_forward; "tc": the tensor-core kernel (float16 or bfloat16, head_dim a multiple of
         8 up to 256, every option; block_m 16 to 256 as 1, 2, 4 or 8 warps of 16 or 32 rows, block_n a multiple
@@ -223,11 +223,12 @@ def flash_attn_forward(
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
         float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (the
-        default on compute capability 9.0 at head_dim 64 and 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS; 9.0
+        default on compute capability 9.0 at head_dim 64, 96 and 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS
+        (at 96 where it copies with tensor maps: sequences of equal length, at most two options); 9.0
         only, float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block
         masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128; num_threads 2 block_m, or + 32 or
         + 128 for a producer of one warp or four, the default), flashnumba.kernels.wgmma_forward; at head_dim 96
-        "tc" is the faster (docs/benchmarks.md).
+        without its tensor-map copies "tc" is the faster (docs/benchmarks.md).
 
     stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'
         current stream (torch's for torch tensors, CuPy's for CuPy arrays). The outputs (and any temporary or
@@ -290,8 +291,9 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     kernel 64 or 128 keys a block and tiles of 64 queries; the plan gives them tiles of 32 where the per-entry
     options would spill (flashnumba.tiling, wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or
     block_n given applies to both, so block_m 64 and block_n 64 or 128; no num_threads), see
-    flashnumba.kernels.wgmma_backward. None (default): "tc" where it applies (as for the forward; "wgmma" on compute capability 9.0 where it applies,
-    unless deterministic=False, a block mask or strided inputs), else "v2". stream: as for :func:`flash_attn_forward`.
+    flashnumba.kernels.wgmma_backward. None (default): "tc" where it applies (as for the forward; "wgmma" on
+    compute capability 9.0 where it applies, unless deterministic=False, a block mask or strided inputs), else
+    "v2". stream: as for :func:`flash_attn_forward`.
     precision: float32 only, "ieee" (None: the same), or "tf32" / "3xtf32": the TF32 backward kernels
     (flashnumba.kernels.mma_tf32_backward; head_dim 64 or 128, causal or not), as for the forward.
     deterministic: True (default); False, on the tensor cores, has the dK/dV kernel add dQ into a float32

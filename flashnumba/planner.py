@@ -16,8 +16,9 @@ How ``kernel=None`` chooses:
   shared memory with zero columns), and no tile arguments given
   (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies). On compute capability 9.0 the Hopper kernels (``wgmma``) instead, at the head dims where
-  they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at 64 and 128, the
-  backward at 64, 96 and 128), unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
+  they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward and the backward at 64, 96
+  and 128; the forward at 96 only where it copies with tensor maps, :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`),
+  unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
   (:func:`_hopper_blocker`; the plan's ``why`` says so). The choice does not depend on the inputs' strides (the
   Hopper kernels copy strided inputs to C-contiguous rows), so a packed qkv gives the bits of the same values
   unpacked; only without CuPy, which makes those copies, do strided inputs keep ``tc``.
@@ -236,10 +237,17 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | No
                f"{', '.join(map(str, tiling.WGMMA_DEFAULT_HEAD_DIMS[pass_]))}"
     for table in ("wgmma",) if pass_ == "forward" else ("wgmma_dq", "wgmma_dkdv"):
         try:
-            tiling.default(table, D, limits)
+            t = tiling.default(table, D, limits).tiles
         except ValueError:
             return (f"; not wgmma: its tiles need more than the {limits.max_shared_per_block} bytes of shared memory "
                     f"a block may use here")
+        if pass_ == "forward" and D in tiling.WGMMA_FORWARD_NEEDS_TMA:
+            t, _ = tiling.wgmma_for_variant(t, opts.variant)
+            if not (config.hopper_tma and wgmma_forward.takes_tma(
+                    D, opts.variant, t.block_m // 64, wgmma_forward.producer_warps(t.block_m, t.num_threads) or 0)):
+                return (f"; not wgmma: at head_dim {D} the Hopper forward is the faster only with its tensor-map "
+                        f"copies, which these options do not take (packed sequences, more than two options, or "
+                        f"config.hopper_tma off)")
     if opts.block_mask is not None:
         return "; not wgmma: a block mask"
     if not deterministic:

@@ -209,7 +209,7 @@ def hopper_summary(d, prefix="docs/results/latest/"):
     env = d["environment"]
     return [f"- Hopper: a forward on warpgroup MMA with a producer warpgroup (tiles copied by the copy engine) and two "
             f"consumers taking turns "
-            f"(`kernel=\"wgmma\"`, `kernel=None`'s on compute capability 9.0 at head_dim 64 and 128, "
+            f"(`kernel=\"wgmma\"`, `kernel=None`'s on compute capability 9.0 at head_dim 64, 96 and 128, "
             f"`flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes), {mma} (float16 forward, seqlen 4096 and 16384, "

@@ -99,7 +99,7 @@ def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
     assert p.kernel == "tc" and p.fallback is None
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_75")
     assert p.kernel == "v3" and "compute capability 7.5" in p.fallback
-    q, k, v = _qkv(np.float16, 96)  # (the Hopper forward is the default at 128 only)
+    q, k, v = _qkv(np.float16, 80)  # (the Hopper forward is built for 64, 96 and 128 only)
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
     assert p.kernel == "tc" and p.fallback is None
     q, k, v = _qkv(np.float16, 40)  # a multiple of 8, not of 16: padded in shared memory
@@ -132,7 +132,7 @@ def test_hopper_default_choice(monkeypatch):
         return (flashnumba.plan(q, k, v, device="sm_90"),
                 flashnumba.plan_backward(q, q, k, v, q, lse, device="sm_90", **kw))
 
-    assert tiling.WGMMA_DEFAULT_HEAD_DIMS == {"forward": (64, 128), "backward": (64, 96, 128)}  # (the measured choice)
+    assert tiling.WGMMA_DEFAULT_HEAD_DIMS == {"forward": (64, 96, 128), "backward": (64, 96, 128)}  # (measured)
     for d in (64, 96, 128):
         fwd, bwd = plans(d)
         assert fwd.kernel == ("wgmma" if d in tiling.WGMMA_DEFAULT_HEAD_DIMS["forward"] else "tc")
@@ -160,6 +160,20 @@ def test_hopper_default_choice(monkeypatch):
                                block_mask=(128, 128))
     assert "block mask" in planmod._hopper_blocker("forward", _t("q", q), (_t("q", q),), opts, lim, True)
     assert planmod._hopper_blocker("forward", _t("q", q), (_t("q", q),), _opts(q, k), lim, True) is None
+    # at head_dim 96 the Hopper forward only with its tensor-map copies: packed sequences, more than two options
+    # compiled in, or the copies switched off keep mma.sync (the backward is the Hopper one there still)
+    q96, k96 = _qkv(np.float16, 96)[:2]
+    o96 = _opts(q96, k96)
+    assert planmod._hopper_blocker("forward", _t("q", q96), (), o96, lim, True) is None
+    for changed in (dict(varlen=True), dict(left=8, right=0, softcap=2.0)):
+        why = planmod._hopper_blocker("forward", _t("q", q96), (), dataclasses.replace(o96, **changed), lim, True)
+        assert "tensor-map copies" in why, changed
+        assert planmod._hopper_blocker("backward", _t("q", q96), (), dataclasses.replace(o96, **changed), lim,
+                                       True) is None
+    monkeypatch.setattr(planmod.config, "hopper_tma", False)
+    assert "tensor-map copies" in planmod._hopper_blocker("forward", _t("q", q96), (), o96, lim, True)
+    assert planmod._hopper_blocker("forward", _t("q", q), (), _opts(q, k), lim, True) is None
+    monkeypatch.setattr(planmod.config, "hopper_tma", True)
     # a shared-memory cap that leaves room for the mma.sync kernels only (a 99 KB GPU's, on the H200)
     capped = dataclasses.replace(lim, max_shared_per_block=101376)
     for pass_ in ("forward", "backward"):
