@@ -633,6 +633,8 @@ class Call:
                 self.base[name] = at
                 at += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
         self.maps = [b.spec.tensor_maps for b in self.bound if b.spec.tensor_maps]
+        if len(self.maps) > 1:  # (the kernel argument "maps" is one per call)
+            raise RuntimeError("a plan with more than one kernel that takes tensor maps")
         if any("maps" in b.spec.params for b in self.bound) and not self.maps:
             d = dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64)
             self.base["maps"] = _arrays.POINTER[_arrays.kind(d)](d)

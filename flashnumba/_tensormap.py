@@ -4,12 +4,14 @@ A tensor-map copy (``flashnumba.kernels.ptx_hopper.tma_load_4d``) names its sour
 the tensor's base address, its dims (innermost first), byte strides, the box a copy fetches and the swizzle it
 writes. The driver encodes one (``cuTensorMapEncodeTiled``); the kernel reads it from global memory. A map is a
 function of the array's address and geometry alone, so the maps of a call are kept by those (a call with the same
-arrays, or new ones at the same addresses, reuses them) and written to the GPU once, by an asynchronous copy on
-the call's stream from pinned memory that is never rewritten: the copy is ordered before the kernel that reads it,
-and a CUDA graph that captured it replays the same bytes. A map is copied again where a later call runs on
-another stream, so that the copy is ordered before that stream's kernel too. Up to :data:`MAX_KEPT` sets of maps
-are kept (on each device); past that they are all dropped, and a CUDA graph captured before then must be captured
-again.
+arrays, or new ones at the same addresses, reuses them), in slots of memory allocated once a device, and written
+to the GPU once, by an asynchronous copy on the call's stream from pinned memory that is not rewritten while the
+slot is in use: the copy is ordered before the kernel that reads it, and a CUDA graph that captured it replays the
+same bytes. A set is copied again where a later call runs on another stream, so that the copy is ordered before
+that stream's kernel too, and where its copy was only recorded by a capture. A call first made inside a capture
+allocates nothing (the slots exist from the first call with maps). Up to :data:`MAX_KEPT` sets are kept a device;
+past that, the slots are written afresh once the GPU has run what was queued (:func:`reset`; inside a capture that
+is an error), and a CUDA graph captured before then must be captured again.
 
 The layout the Hopper forward reads: a C-contiguous (batch, seqlen, nheads, head_dim) array of 16-bit elements as
 the 4-D tensor (head_dim, nheads, seqlen, batch), innermost first, boxes of (E, 1, rows, 1): ``rows`` rows of E
@@ -30,7 +32,7 @@ from ._backend import cuda
 from .kernels import ptx_hopper
 
 MAP_BYTES = 128
-MAX_KEPT = 4096  # map sets kept (each 128 bytes a map, on the GPU and pinned on the host)
+MAX_KEPT = 4096  # sets of maps kept a device (SET_MAPS maps of 128 bytes each, on the GPU and pinned on the host)
 
 # cuda.h's enums (CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion, ...FloatOOBfill)
 _UINT16, _INTERLEAVE_NONE, _L2_PROMOTION_256B, _OOB_FILL_ZERO = 1, 0, 3, 0
@@ -77,50 +79,96 @@ def encode(address: int, dims, strides, box, out: np.ndarray) -> None:
                            f"strides {strides}, box {box})")
 
 
-class _Maps:
-    """One set of maps on the GPU: the device copy, the pinned host bytes it is copied from, the streams that
-    copy was ordered on."""
+SET_MAPS = 4  # maps a set holds at most (the forward's: q, k, v)
 
-    def __init__(self, n):
-        self.host = cuda.pinned_array((n * (ptx_hopper.MAP_WORDS + 8),), np.uint64)  # (room to align on 64 B)
+
+class _Slab:
+    """The sets of maps of one device, in slots of :data:`SET_MAPS` maps: the device memory the kernels read, the
+    pinned host memory each slot is copied from (never rewritten while its slot is in use), the slot of each key
+    and, of each slot, the streams its copy was ordered on (none while only a capture recorded it). Allocated once,
+    at the first call that needs maps, so that a call first made inside a CUDA graph capture allocates nothing."""
+
+    def __init__(self, slots):
+        words = SET_MAPS * ptx_hopper.MAP_WORDS
+        self.host = cuda.pinned_array((slots * words + 8,), np.uint64)  # (room to start on 64 bytes)
         skip = (-self.host.ctypes.data % 64) // 8
-        self.words = self.host[skip:skip + n * ptx_hopper.MAP_WORDS]
-        self.device = cuda.device_array((n, ptx_hopper.MAP_WORDS), np.uint64)
+        self.words = self.host[skip:skip + slots * words].reshape(slots, words)
+        self.device = cuda.device_array((slots, words), np.uint64)
         self.address = self.device.device_ctypes_pointer.value
-        self.streams = set()
+        self.slot = {}  # key -> slot
+        self.streams = [set() for _ in range(slots)]
 
 
-_kept: dict = {}
+_slabs: dict = {}  # device id -> _Slab
 _lock = threading.Lock()
 
 
-def _copy(maps: _Maps, stream: int) -> None:
+def _capturing(stream: int) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph (where a copy is only recorded). A query the driver
+    refuses (the legacy stream while another is capturing) counts as capturing."""
+    from ._launch import _driver
+
+    err, status = _driver().cuStreamIsCapturing(stream)
+    return int(err) != 0 or int(status) != 0
+
+
+def _copy(slab: _Slab, slot: int, stream: int) -> None:
+    """The copy of a slot's maps to the GPU, ordered on ``stream``; remembered for that stream unless it is being
+    captured (then the copy runs only when the graph does)."""
     from ._launch import _check, _driver
 
-    drv = _driver()
-    _check(drv.cuMemcpyHtoDAsync(maps.address, maps.words.ctypes.data, maps.words.nbytes, stream),
-           "cuMemcpyHtoDAsync (tensor maps)")
-    maps.streams.add(stream)
+    words = slab.words[slot]
+    _check(_driver().cuMemcpyHtoDAsync(slab.address + slot * words.nbytes, words.ctypes.data, words.nbytes,
+                                       stream), "cuMemcpyHtoDAsync (tensor maps)")
+    if not _capturing(stream):
+        slab.streams[slot].add(stream)
 
 
 def device_maps(entries, stream: int) -> int:
     """The device address of the maps of ``entries`` ((address, shape, rows, span) each: a C-contiguous 16-bit
     array of that shape at that device address, read in boxes of ``rows`` rows of ``span`` bytes), in that order
-    (each 16 uint64), their
-    copy ordered on ``stream`` before anything enqueued there after the call."""
-    key = (cuda.get_current_device().id,) + tuple((int(a), tuple(s), int(r), int(sp)) for a, s, r, sp in entries)
+    (each 16 uint64), their copy ordered on ``stream`` before anything enqueued there after the call."""
+    if len(entries) > SET_MAPS:
+        raise ValueError(f"a set holds at most {SET_MAPS} tensor maps, got {len(entries)}")
+    device = cuda.get_current_device().id
+    key = tuple((int(a), tuple(s), int(r), int(sp)) for a, s, r, sp in entries)
     with _lock:
-        maps = _kept.get(key)
-        if maps is None:
-            if len(_kept) >= MAX_KEPT:
-                _kept.clear()
-            maps = _Maps(len(entries))
-            for i, (address, shape, rows, span) in enumerate(key[1:]):
-                encode(address, *geometry(shape, rows, span), maps.words[16 * i:16 * i + 16])
-            _kept[key] = maps
-        if stream not in maps.streams:
-            _copy(maps, stream)
-        return maps.address
+        slab = _slabs.get(device)
+        if slab is None:
+            slab = _slabs[device] = _Slab(MAX_KEPT)
+        slot = slab.slot.get(key)
+        if slot is None:
+            slot = len(slab.slot)
+            if slot == MAX_KEPT:  # every slot taken: start over once every kernel that reads one has run
+                if _capturing(stream):
+                    raise RuntimeError(f"the {MAX_KEPT} sets of tensor maps are taken and a CUDA graph is being "
+                                       f"captured: capture after fewer distinct input arrays, or call "
+                                       f"flashnumba._tensormap.reset() outside the capture")
+                _forget(slab)
+                slot = 0
+            for i, (address, shape, rows, span) in enumerate(key):
+                encode(address, *geometry(shape, rows, span), slab.words[slot, 16 * i:16 * i + 16])
+            slab.slot[key] = slot
+            slab.streams[slot].clear()
+        if stream not in slab.streams[slot]:
+            _copy(slab, slot, stream)
+        return slab.address + slot * slab.words[slot].nbytes
+
+
+def _forget(slab: _Slab) -> None:
+    cuda.synchronize()  # (no kernel queued may still read a slot about to be written afresh)
+    slab.slot.clear()
+    for streams in slab.streams:
+        streams.clear()
+
+
+def reset() -> None:
+    """Forget every set of maps of the current device once the GPU has finished what was queued (the slots are
+    then written afresh); a CUDA graph captured before must be captured again."""
+    with _lock:
+        slab = _slabs.get(cuda.get_current_device().id)
+        if slab is not None:
+            _forget(slab)
 
 
 def sim_maps(entries):
@@ -131,4 +179,4 @@ def sim_maps(entries):
     return cuda.to_device(words)
 
 
-__all__ = ["geometry", "encode", "device_maps", "sim_maps"]
+__all__ = ["geometry", "encode", "device_maps", "reset", "sim_maps"]

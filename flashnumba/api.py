@@ -214,9 +214,10 @@ def flash_attn_forward(
     num_threads : threads per block (kernels v2, v3; "tc": 32 per 16 or per 32 query rows; the others derive
         their threads from their tiles).
     kernel : None (default): chosen by the plan (:mod:`flashnumba.planner`): "tc" for float16 / bfloat16 where the
-        tensor cores apply ("wgmma" at head_dim 64, 96 and 128 on compute capability 9.0, unless a block mask is
-        given; at 96 only with its tensor-map copies), else "v3". Or: "v3" (register-tiled with unsigned index arithmetic), "v2" (the same with Numba's
-        default signed indexing), "v1" (one thread per row, the readable one): the SIMT kernels of
+        tensor cores apply ("wgmma" at head_dim 64, 96 and 128 on compute capability 9.0, unless a block mask
+        is given; at 96 only with its tensor-map copies), else "v3". Or: "v3" (register-tiled with unsigned index
+        arithmetic), "v2" (the same with Numba's default signed indexing), "v1" (one thread per row, the readable
+        one): the SIMT kernels of
         flashnumba.kernels.simt_forward; "tc": the tensor-core kernel (float16 or bfloat16, head_dim a multiple of
         8 up to 256, every option; block_m 16 to 256 as 1, 2, 4 or 8 warps of 16 or 32 rows, block_n a multiple
         of 16; compute capability >= 8.0), flashnumba.kernels.mma_forward; "tf32",

@@ -237,17 +237,10 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | No
                f"{', '.join(map(str, tiling.WGMMA_DEFAULT_HEAD_DIMS[pass_]))}"
     for table in ("wgmma",) if pass_ == "forward" else ("wgmma_dq", "wgmma_dkdv"):
         try:
-            t = tiling.default(table, D, limits).tiles
+            tiling.default(table, D, limits)
         except ValueError:
             return (f"; not wgmma: its tiles need more than the {limits.max_shared_per_block} bytes of shared memory "
                     f"a block may use here")
-        if pass_ == "forward" and D in tiling.WGMMA_FORWARD_NEEDS_TMA:
-            t, _ = tiling.wgmma_for_variant(t, opts.variant)
-            if not (config.hopper_tma and wgmma_forward.takes_tma(
-                    D, opts.variant, t.block_m // 64, wgmma_forward.producer_warps(t.block_m, t.num_threads) or 0)):
-                return (f"; not wgmma: at head_dim {D} the Hopper forward is the faster only with its tensor-map "
-                        f"copies, which these options do not take (packed sequences, more than two options, or "
-                        f"config.hopper_tma off)")
     if opts.block_mask is not None:
         return "; not wgmma: a block mask"
     if not deterministic:
@@ -255,7 +248,21 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | No
     if _arrays.cupy is None and any(t.name in ("q", "k", "v", "dout") and t.kind != "numpy" and not _c_layout(t)
                                     for t in tensors):
         return "; not wgmma: strided inputs (read in place here; the Hopper kernels' copies need CuPy)"
+    if pass_ == "forward" and D in tiling.WGMMA_FORWARD_NEEDS_TMA:
+        t, _ = tiling.wgmma_for_variant(tiling.default("wgmma", D, limits).tiles, opts.variant)
+        if not _takes_tma(D, opts, t, tensors):
+            return (f"; not wgmma: at head_dim {D} the Hopper forward is the faster only with its tensor-map copies, "
+                    f"which this call does not take (packed sequences, more than two options, tiles without the "
+                    f"producer warpgroup, no keys, or config.hopper_tma off)")
     return None
+
+
+def _takes_tma(D, opts, t, tensors) -> bool:
+    """Whether the Hopper forward at tiles ``t`` copies with tensor maps (``wgmma_forward.takes_tma``, and keys to
+    copy: a map's dims are not zero)."""
+    nk = [x.shape[-3] for x in tensors if x.name == "k"]
+    return (config.hopper_tma and (not nk or nk[0] > 0) and wgmma_forward.takes_tma(
+        D, opts.variant, t.block_m // 64, wgmma_forward.producer_warps(t.block_m, t.num_threads) or 0))
 
 
 def _c_layout(t) -> bool:
@@ -519,7 +526,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
-        tma = config.hopper_tma and wgmma_forward.takes_tma(D, opts.variant, t.block_m // 64, producer)
+        tma = _takes_tma(D, opts, t, (tk,))
         smem = wgmma_forward.shared_bytes(D, t.block_n, t.block_m, tma)
         arrays["maps"] = array_meta((3 if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,

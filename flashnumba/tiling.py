@@ -437,8 +437,8 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
         return mma_tf32_backward.shared_bytes_dq(D, m, n), False
     if table == "tf32_dkdv":
         return mma_tf32_backward.shared_bytes_dkdv(D, m, n), False
-    if table == "wgmma":
-        return wgmma_forward.shared_bytes(D, n, m), False
+    if table == "wgmma":  # (with the room the tensor-map copies' alignment takes, whether they apply or not)
+        return wgmma_forward.shared_bytes(D, n, m, tma=True), False
     if table == "wgmma_dq":
         return wgmma_backward.shared_bytes_dq(D, m, n), False
     if table == "wgmma_dkdv":

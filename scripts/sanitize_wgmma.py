@@ -4,9 +4,9 @@ synccheck):
     compute-sanitizer --tool racecheck python scripts/sanitize_wgmma.py
 
 sequences not a multiple of the tiles, causal on and off, float16 and bfloat16, one and two warpgroups, B_c 64 and
-128, GQA with a window, varlen with an empty sequence; the default tiles at head_dim 64 and 128 copy with tensor
-maps (with GQA and a window too), the others per thread; each result's largest error against the float64
-reference is printed.
+128, GQA with a window, varlen with an empty sequence; the cases of two warpgroups and the producer warpgroup (the
+default threads) copy with tensor maps (head_dim 64, 96 and 128, GQA with a window too), the one of one warpgroup
+and varlen per thread; each result's largest error against the float64 reference is printed.
 """
 
 import ml_dtypes

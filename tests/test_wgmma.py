@@ -156,6 +156,20 @@ def test_the_plan_fits_the_tiles_to_the_options(D, opts, tiles, note):
     assert changed == [n + ":" for n in note.split(" + ") if n]
 
 
+def test_tensor_maps_where_there_are_keys():
+    """The default tiles copy with tensor maps (q, k, v; rows of 128 bytes, of 64 at head_dim 96); with no keys
+    (a map's dims cannot be zero) the kernel copies per thread and gives out 0, lse -inf."""
+    for D, span in ((64, 128), (96, 64), (128, 128)):
+        q = np.zeros((1, 70, 2, D), np.float16)
+        (launch,) = flashnumba.plan(q, q, q, kernel="wgmma", device="sm_90").launches
+        assert launch.tensor_maps == (("q", 128, span), ("k", 128, span), ("v", 128, span))
+    q, k = np.ones((1, 5, 2, 64), np.float16), np.ones((1, 0, 2, 64), np.float16)
+    (launch,) = flashnumba.plan(q, k, k, kernel="wgmma", device="sm_90").launches
+    assert launch.tensor_maps == ()
+    out, lse = flashnumba.flash_attn_forward(q, k, k, kernel="wgmma")
+    assert (np.asarray(out, np.float32) == 0).all() and np.isneginf(lse).all()
+
+
 def test_packed_sequences_with_dropout_take_64_keys():
     """Varlen with dropout: the one variant of at most two options whose 128 keys' scores spill even with the
     producer's registers moved to the warpgroups (scripts/wgmma_spills.py); alone, each keeps B_c 128."""

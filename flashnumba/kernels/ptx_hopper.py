@@ -47,8 +47,7 @@ the next phase then begins, and waiters name the phase they wait for by its pari
 
 **The descriptor** (bits of the uint64): 0-13 the operand's shared address >> 4; 16-29 the *leading* byte
 offset >> 4; 32-45 the *stride* byte offset >> 4; 49-51 a base offset (0 here); 62-63 the swizzle mode (0: none,
-1: 128-byte; the 64- and 32-byte swizzles are not offered). Without swizzle an operand is read as *core matrices*
-of 8 rows of 16
+1: 128-byte, 2: 64-byte, 3: 32-byte). Without swizzle an operand is read as *core matrices* of 8 rows of 16
 bytes (8 x 8 16-bit elements), each 128 contiguous bytes, row after row. Both operands here are K-major (the K
 index runs along a row: A row-major 64 x 16, B stored N x 16, as Q and K are in attention), and element (r, k)
 of the operand lies at::
@@ -91,7 +90,8 @@ thread issues it; no thread computes an address per 16 bytes, and nothing passes
 counted on an mbarrier like ``cp_async_bulk``. The tensor is named by a 128-byte *tensor map* the host encodes
 (``cuTensorMapEncodeTiled``: the base address, the dims innermost first, the byte strides, the box, the swizzle)
 and writes to global memory; a thread makes the host's write visible to the copy engine (``fence_tensormap``)
-before its first copy with it. Coordinates are elements, innermost first; a box reaching past a dim reads zeros
+before its first copy with it (``fence.proxy.tensormap`` needs PTX ISA 8.3: CUDA 12.3's compilers or later).
+Coordinates are elements, innermost first; a box reaching past a dim reads zeros
 there, and its bytes still count. With a swizzle the box's inner dim is a row's E elements (at most S bytes) and the
 box lands as the swizzled rows above.
 

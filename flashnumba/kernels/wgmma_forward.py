@@ -63,16 +63,16 @@ the other's products do::
 ([...]: issued in that warpgroup's turn.) The loop is the one above with the barrier and the copies replaced
 (``tile_ready``, ``tile_done``, ``my_turn``, ``their_turn``).
 
-**Tensor-map copies** (``tma``). With a producer warpgroup, one thread of it may make every copy: a
-``tma_load_4d`` a box of B_c keys x 64 head dims (two at head_dim 128; at 96, three of 32) that the SM's copy
-engine fetches with no address arithmetic a thread and no pass through L1 (the path the per-thread copies are
-bound by), writes swizzled (:mod:`flashnumba.kernels.ptx_hopper`) and counts on the stage's ``full`` mbarrier,
-where the thread announces the stage's bytes first (``mbarrier_arrive_expect_tx``: the one arrival the phase waits
-for). A tile then lies as rows of 64 head dims (128 bytes; the 16-byte chunks of row r exchanged by r % 8; at
-head_dim 96 rows of 32, 64 bytes, the 64-byte swizzle), the next 64 head dims B_c rows on, and the descriptors say
-so (K-major for Q_i and K_j, MN-major for V_j). Rows past the sequence come as zeros from the copy engine. The host
-encodes the tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies
-(a box would reach into the next sequence, where the kernel needs zeros).
+**Tensor-map copies** (``tma``). With a producer warpgroup beside two that compute, one thread of it may make every
+copy: a ``tma_load_4d`` a box of B_c keys x 64 head dims (two at head_dim 128; at 96, three of 32) that the SM's
+copy engine fetches with no address arithmetic a thread and no pass through L1 (the path the per-thread copies are
+bound by), writes swizzled (:mod:`flashnumba.kernels.ptx_hopper`) and counts on the stage's ``full`` mbarrier, where
+the thread announces the stage's bytes first (``mbarrier_arrive_expect_tx``: the one arrival the phase waits for). A
+tile then lies as rows of 64 head dims (128 bytes; the 16-byte chunks of row r exchanged by r % 8; at head_dim 96
+rows of 32, 64 bytes, the 64-byte swizzle), the next 64 head dims B_c rows on, and the descriptors say so (K-major
+for Q_i and K_j, MN-major for V_j). Rows past the sequence come as zeros from the copy engine. The host encodes the
+tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies (a box would
+reach into the next sequence, where the kernel needs zeros).
 
 **Registers where the work is.** The SM's 64K registers are shared by its threads: a block of 384 starts each at
 168. The producer only copies, so with two warpgroups it gives back all but 56 (``setmaxnreg.dec``) and each
