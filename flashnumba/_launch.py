@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _arrays, _cache, _tensormap, config
+from ._driver import check as _check, driver as _driver
 from ._backend import SIMULATOR, cuda
 from .kernels import ptx_hopper
 from .kernels.common import Mods
@@ -357,19 +358,6 @@ def compile_kernel(spec: KernelLaunch, sig: tuple, cc) -> Compiled:
 # ---------------------------------------------------------------------------------------------------------------
 # the GPU launch: one parameter buffer per kernel of a plan, pointers written per call
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(result, what):
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA driver error {int(err)} ({err!r}) in {what}")
-    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
 
 _functions: dict = {}

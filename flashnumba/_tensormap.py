@@ -28,10 +28,10 @@ import threading
 
 import numpy as np
 
+from . import _driver
 from ._backend import cuda
 from .kernels import ptx_hopper
 
-MAP_BYTES = 128
 MAX_KEPT = 4096  # sets of maps kept a device (SET_MAPS maps of 128 bytes each, on the GPU and pinned on the host)
 
 # cuda.h's enums (CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion, ...FloatOOBfill)
@@ -106,20 +106,16 @@ _lock = threading.Lock()
 def _capturing(stream: int) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph (where a copy is only recorded). A query the driver
     refuses (the legacy stream while another is capturing) counts as capturing."""
-    from ._launch import _driver
-
-    err, status = _driver().cuStreamIsCapturing(stream)
+    err, status = _driver.driver().cuStreamIsCapturing(stream)
     return int(err) != 0 or int(status) != 0
 
 
 def _copy(slab: _Slab, slot: int, stream: int) -> None:
     """The copy of a slot's maps to the GPU, ordered on ``stream``; remembered for that stream unless it is being
     captured (then the copy runs only when the graph does)."""
-    from ._launch import _check, _driver
-
     words = slab.words[slot]
-    _check(_driver().cuMemcpyHtoDAsync(slab.address + slot * words.nbytes, words.ctypes.data, words.nbytes,
-                                       stream), "cuMemcpyHtoDAsync (tensor maps)")
+    _driver.check(_driver.driver().cuMemcpyHtoDAsync(slab.address + slot * words.nbytes, words.ctypes.data,
+                                                     words.nbytes, stream), "cuMemcpyHtoDAsync (tensor maps)")
     if not _capturing(stream):
         slab.streams[slot].add(stream)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashnumba import _launch, _tensormap as tm
+from flashnumba import _driver, _tensormap as tm
 
 
 class _Driver:
@@ -33,7 +33,7 @@ class _Slab(tm._Slab):
 @pytest.fixture
 def driver(monkeypatch):
     drv = _Driver()
-    monkeypatch.setattr(_launch, "_driver", lambda: drv)
+    monkeypatch.setattr(_driver, "driver", lambda: drv)
     monkeypatch.setattr(tm, "encode", lambda address, dims, strides, box, out: out.fill(address))
     monkeypatch.setattr(tm.cuda, "get_current_device", lambda: type("Device", (), {"id": 0}))
     monkeypatch.setattr(tm.cuda, "synchronize", lambda: drv.copies.append("synchronize"))
