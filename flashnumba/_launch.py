@@ -112,9 +112,15 @@ class KernelLaunch:
     reason: str = ""
     arch_specific: bool = False  # compiled for the architecture-specific target (sm_90a: wgmma, setmaxnreg)
     whole_program: bool = False  # assembled as the whole program (a kernel with setmaxnreg: assemble_whole)
-    # (input name, box rows, swizzled row bytes) of each tensor map the kernel's parameter "maps" holds, in order
-    # (flashnumba._tensormap); none: "maps", where the kernel takes it, is a dummy never read
+    # (input name, box rows, swizzled row bytes) of each tensor map the kernel's maps parameter (:attr:`maps_param`)
+    # holds, in order (flashnumba._tensormap); none: that parameter, where the kernel takes one, is a dummy never read
     tensor_maps: tuple = ()
+
+    @property
+    def maps_param(self):
+        """The name of the kernel's tensor-map parameter ("maps", or "maps_" and a suffix where a plan's kernels
+        each take their own), or None."""
+        return next((p for p in self.params if p == "maps" or p.startswith("maps_")), None)
 
     def signature(self, arrays: dict, scalars: dict) -> tuple:
         sig = []
@@ -620,12 +626,12 @@ class Call:
             for name, n in discarded:
                 self.base[name] = at
                 at += -(-n // SCRATCH_ALIGN) * SCRATCH_ALIGN
-        self.maps = [b.spec.tensor_maps for b in self.bound if b.spec.tensor_maps]
-        if len(self.maps) > 1:  # (the kernel argument "maps" is one per call)
-            raise RuntimeError("a plan with more than one kernel that takes tensor maps")
-        if any("maps" in b.spec.params for b in self.bound) and not self.maps:
-            d = dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64)
-            self.base["maps"] = _arrays.POINTER[_arrays.kind(d)](d)
+        # (maps parameter, entries) of each kernel with tensor maps; the others' maps parameters get a dummy
+        self.maps = [(b.spec.maps_param, b.spec.tensor_maps) for b in self.bound if b.spec.tensor_maps]
+        for b in self.bound:
+            if b.spec.maps_param is not None and not b.spec.tensor_maps:
+                d = dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64)
+                self.base[b.spec.maps_param] = _arrays.POINTER[_arrays.kind(d)](d)
         for b in self.bound:  # (the base's addresses written into the launches' parameters once)
             b.fix(self.base)
         self.host_results = [s.dtype for s in self.outputs if s.returned] if self.like == "numpy" else None
@@ -721,8 +727,8 @@ class Call:
         else:  # outputs, temporaries and copies on the given stream too: ordered with the kernels, and returned
             with self._on(stream):  # to the allocator's pool of that stream
                 values, outs, keep = self.prepare(arrays, seed, offset)
-        for entries in self.maps:  # (one kernel of a plan at most takes tensor maps)
-            values["maps"] = _tensormap.device_maps(
+        for param, entries in self.maps:
+            values[param] = _tensormap.device_maps(
                 [(values[name], self.plan.arrays[name].shape, rows, span) for name, rows, span in entries], stream)
         for b in self.bound:
             b(values, stream)
@@ -760,10 +766,10 @@ class Call:
             if spec.returned:
                 outs.append((user, dev, spec))
         for b in self.bound:
-            if "maps" in b.spec.params:
+            if b.spec.maps_param is not None:
                 entries = [(values[n], rows, span) for n, rows, span in b.spec.tensor_maps]
-                values["maps"] = (_tensormap.sim_maps(entries) if entries
-                                  else dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64))
+                values[b.spec.maps_param] = (_tensormap.sim_maps(entries) if entries
+                                             else dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64))
         for b in self.bound:
             b(values)
         result = []

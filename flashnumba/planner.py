@@ -265,6 +265,14 @@ def _takes_tma(D, opts, t, tensors) -> bool:
         D, opts.variant, t.block_m // 64, wgmma_forward.producer_warps(t.block_m, t.num_threads) or 0))
 
 
+def _takes_tma_backward(D, opts, which, t, n) -> bool:
+    """Whether the Hopper backward kernel ``which`` ("dq", "dkdv") at tiles ``t`` copies with tensor maps
+    (``wgmma_backward.takes_tma``, config.hopper_tma, and ``n`` > 0 queries and keys: a map's dims are not
+    zero)."""
+    rows = t.block_m if which == "dq" else t.block_n
+    return config.hopper_tma and n > 0 and wgmma_backward.takes_tma(D, opts.variant, rows // 64, which, t.block_m)
+
+
 def _c_layout(t) -> bool:
     return is_c_layout(t.shape, t.strides, t.dtype.itemsize)
 
@@ -880,14 +888,32 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             tq_t, rq = tq_own, f"{rq}; {why_own}"
         tail = ("scale_log2", "scale") + OPTION_PARAMS
         name, gqa = _dtype_name(dt), nk != nheads
-        dq = KernelLaunch("dQ wgmma", "wgmma_dq", wgmma_backward.make_backward_dq_wgmma,
-                          (D, opts.variant, tq_t.block_n, tq_t.block_m // 64, name, gqa), io_dq + tail,
-                          (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
-                          tiling.shared_bytes("wgmma_dq", D, tq_t)[0], tq_t, rq, arch_specific=True)
-        kv = KernelLaunch("dK/dV wgmma", "wgmma_dkdv", wgmma_backward.make_backward_dkdv_wgmma,
-                          (D, opts.variant, tk_t.block_m, tk_t.block_n // 64, name, gqa), io_kv + tail,
-                          (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
-                          tiling.shared_bytes("wgmma_dkdv", D, tk_t)[0], tk_t, rk, arch_specific=True)
+        span = wgmma_forward.swizzle_span(D)
+        launched = []
+        for which, t, reason, rows, loop, maps in (("dq", tq_t, rq, tq_t.block_m, tq_t.block_n,
+                                                    wgmma_backward.DQ_MAPS),
+                                                   ("dkdv", tk_t, rk, tk_t.block_n, tk_t.block_m,
+                                                    wgmma_backward.DKDV_MAPS)):
+            # a producer warpgroup copies with tensor maps where the kernel takes them (rows: the tiles loaded
+            # once, loop: those of the pipeline)
+            tma = _takes_tma_backward(D, opts, which, t, min(total_q, total_k))
+            param = f"maps_{which}"
+            arrays[param] = array_meta((len(maps) if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
+            wg = rows // 64
+            if tma:
+                t = t._replace(num_threads=wgmma_backward.threads(wg, True))
+                reason = f"{reason}; a producer warpgroup copies the tiles with the copy engine (tensor maps)"
+            rows_of = dict(zip(maps, (rows, rows, loop, loop)))
+            smem = (wgmma_backward.shared_bytes_dq(D, t.block_m, t.block_n, tma) if which == "dq"
+                    else wgmma_backward.shared_bytes_dkdv(D, t.block_m, t.block_n, tma))
+            grid = ((_cdiv(max_q, t.block_m), bsz * nheads) if which == "dq" else (_cdiv(max_k, t.block_n), bsz * nk))
+            launched.append(KernelLaunch(
+                "dQ wgmma" if which == "dq" else "dK/dV wgmma", f"wgmma_{which}",
+                wgmma_backward.make_backward_dq_wgmma if which == "dq" else wgmma_backward.make_backward_dkdv_wgmma,
+                (D, opts.variant, loop, wg, name, gqa, tma), (io_dq if which == "dq" else io_kv) + tail + (param,),
+                grid, (t.num_threads,), smem, t, reason, arch_specific=True, whole_program=tma,
+                tensor_maps=tuple((m, rows_of[m], span) for m in maps) if tma else ()))
+        dq, kv = launched
     elif family in mma_tf32.PRECISIONS:
         tq_t, rq = tiling.resolve("tf32_dq", D, limits, block_m, block_n, num_threads)
         tk_t, rk = tiling.resolve("tf32_dkdv", D, limits, block_m, block_n, num_threads)

@@ -439,10 +439,10 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
         return mma_tf32_backward.shared_bytes_dkdv(D, m, n), False
     if table == "wgmma":  # (with the room the tensor-map copies' alignment takes, whether they apply or not)
         return wgmma_forward.shared_bytes(D, n, m, tma=True), False
-    if table == "wgmma_dq":
-        return wgmma_backward.shared_bytes_dq(D, m, n), False
+    if table == "wgmma_dq":  # (as the forward's, with the room of the tensor-map copies' alignment)
+        return wgmma_backward.shared_bytes_dq(D, m, n, tma=True), False
     if table == "wgmma_dkdv":
-        return wgmma_backward.shared_bytes_dkdv(D, m, n), False
+        return wgmma_backward.shared_bytes_dkdv(D, m, n, tma=True), False
     raise ValueError(f"unknown tile table {table!r}")
 
 

@@ -408,14 +408,16 @@ def test_backward_two_warpgroups_every_option():
 
 
 @pytest.mark.parametrize("D, opts, dq, dkdv, note", [
-    (128, {}, (128, 64, 256), (64, 128, 256), False),
-    (128, dict(dropout_p=0.1), (128, 64, 256), (32, 128, 256), True),
-    (96, dict(alibi_slopes=np.ones(2, np.float32)), (128, 64, 256), (32, 128, 256), True),
-    (64, dict(dropout_p=0.1, causal=True), (128, 64, 256), (64, 128, 256), False),
+    # (two warpgroups: a producer warpgroup copying with tensor maps, 384 threads; the dK/dV kernel at d = 128 only
+    # with query tiles of 32, wgmma_backward.takes_tma)
+    (128, {}, (128, 64, 384), (64, 128, 256), False),
+    (128, dict(dropout_p=0.1), (128, 64, 384), (32, 128, 384), True),
+    (96, dict(alibi_slopes=np.ones(2, np.float32)), (128, 64, 384), (32, 128, 384), True),
+    (64, dict(dropout_p=0.1, causal=True), (128, 64, 384), (64, 128, 384), False),
     (128, dict(dropout_p=0.1, block_m=64), (64, 64, 128), (64, 128, 256), False),
-    (128, dict(block_n=64), (128, 64, 256), (64, 64, 128), False),
-    (64, dict(window_size=(9, 4), softcap=3.0), (128, 32, 256), (32, 128, 256), True),
-    (64, dict(window_size=(9, 4), softcap=3.0, block_n=64), (128, 64, 256), (32, 64, 128), True),
+    (128, dict(block_n=64), (128, 64, 384), (64, 64, 128), False),
+    (64, dict(window_size=(9, 4), softcap=3.0), (128, 32, 384), (32, 128, 384), True),
+    (64, dict(window_size=(9, 4), softcap=3.0, block_n=64), (128, 64, 384), (32, 64, 128), True),
 ])
 def test_the_backward_plan_fits_the_tiles(D, opts, dq, dkdv, note):
     """The Hopper backward's tiles: each kernel's table, the dK/dV kernel's query tiles of 32 where ALiBi or

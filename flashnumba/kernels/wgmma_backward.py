@@ -51,7 +51,8 @@ from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_sequence_geometry
 from .mma_backward import _store_bf16, make_entry, make_stats
-from .wgmma_forward import HEAD_DIMS, STAGES, make_load_core, make_load_stage, publish_tile
+from .wgmma_forward import (HEAD_DIMS, STAGES, make_load_core, make_load_stage, make_swizzled_products,
+                            make_tma_producer, publish_tile, swizzle_span, takes_tma as forward_takes_tma, wait_phase)
 from numba.cuda.types import float16
 
 WARPGROUPS = (1, 2)
@@ -59,20 +60,40 @@ DQ_BLOCK_NS = (32, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
 DKDV_BLOCK_MS = (32, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)
 
 
-def threads(warpgroups):
-    """Threads of a block: 128 a warpgroup."""
-    return 128 * warpgroups
+# With tensor-map copies the producer warpgroup (one thread copying, one warp fetching L_i and D_i) keeps 40
+# registers a thread (with 24 its loops spill) and the two warpgroups that compute take 232 (128 x 40 + 256 x 232 =
+# 64512 of 65536). The dK/dV kernel holds dK_j, dV_j, S^T and dP^T of its keys: at head_dim 128 with query tiles
+# of 64 that spills under 232 (and under 240), so there it copies with tensor maps only with query tiles of 32.
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
+NBARS = 2 * STAGES  # (tensor maps) the full and empty mbarriers of the stages
+DQ_MAPS = ("q", "dout", "k", "v")  # the tensor maps of each kernel, in the order of its ``maps`` argument
+DKDV_MAPS = ("k", "v", "q", "dout")
 
 
-def shared_bytes_dq(D, block_m, block_n):
-    """Q_i and dO_i (block_m rows), :data:`STAGES` K_j, V_j buffers (block_n rows), 16-bit elements."""
-    return (2 * block_m + 2 * STAGES * block_n) * D * 2
+def threads(warpgroups, tma=False):
+    """Threads of a block: 128 a warpgroup, and 128 more for the producer of the tensor-map copies."""
+    return 128 * warpgroups + (128 if tma else 0)
 
 
-def shared_bytes_dkdv(D, block_m, block_n):
+def takes_tma(D, variant, warpgroups, which="dq", block_m=64) -> bool:
+    """Whether a backward kernel (``which``: "dq" or "dkdv", the latter with query tiles of ``block_m``) copies with
+    tensor maps (a producer warpgroup beside two that compute): as the forward
+    (:func:`flashnumba.kernels.wgmma_forward.takes_tma`), head_dim in its TMA_HEAD_DIMS and sequences of equal
+    length; the dK/dV kernel above head_dim 96 only with query tiles of 32 (:data:`CONSUMER_REGISTERS`)."""
+    return forward_takes_tma(D, variant, warpgroups, 4) and (which == "dq" or D <= 96 or block_m <= 32)
+
+
+def shared_bytes_dq(D, block_m, block_n, tma=False):
+    """Q_i and dO_i (block_m rows), :data:`STAGES` K_j, V_j buffers (block_n rows), 16-bit elements; with
+    tensor-map copies, room to start them on 1024 bytes."""
+    return (2 * block_m + 2 * STAGES * block_n) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
+
+
+def shared_bytes_dkdv(D, block_m, block_n, tma=False):
     """K_j and V_j (block_n rows), :data:`STAGES` Q_i, dO_i buffers (block_m rows), 16-bit elements (dynamic; log2(e)
-    L_i and D_i of each buffer's queries, 2 STAGES block_m float32, are static arrays besides)."""
-    return (2 * block_n + 2 * STAGES * block_m) * D * 2
+    L_i and D_i of each buffer's queries, 2 STAGES block_m float32, are static arrays besides); with tensor-map
+    copies, room to start them on 1024 bytes."""
+    return (2 * block_n + 2 * STAGES * block_m) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
 
 
 def check(D, block_m, block_n, which, dtype=None):
@@ -150,21 +171,28 @@ def make_pieces(D, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa=False):
+def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa=False, tma=False):
     """The dQ kernel (module docstring) for head_dim D (:data:`HEAD_DIMS`), block_n keys a tile
     (:data:`DQ_BLOCK_NS`), ``warpgroups`` warpgroups of 64 query rows, the options of ``variant`` compiled in as in
     :func:`flashnumba.kernels.mma_backward.make_backward_dq_tc`, whose arguments it takes but the user's functions'
     and a block mask's: (dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
-    p_drop, rp_keep, seed, offset). Compiled for sm_90a. Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads),
-    block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dq`."""
+    p_drop, rp_keep, seed, offset, maps). With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles
+    with the copy engine (module docstring), ``maps`` holding the tensor maps of :data:`DQ_MAPS`; without, every
+    thread copies and ``maps`` is not read. Compiled for sm_90a. Launch: grid (ceil(max_seqlen_q / B_r),
+    batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dq`."""
     B_R, B_C = 64 * warpgroups, block_n
     check(D, B_R, B_C, "dq", dtype)
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
+    TMA = bool(tma)
+    if TMA and not takes_tma(D, variant, warpgroups):
+        raise ValueError(f"the wgmma dQ kernel copies with tensor maps only with two warpgroups, head_dim in "
+                         f"(64, 96, 128) and sequences of equal length; got head_dim {D}, {warpgroups} warpgroups, "
+                         f"varlen {bool(VARLEN)}")
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant, no_calls=True, keep_given=True)
     kind, store, _, elem = _common(D, dtype)
-    NT = threads(warpgroups)
+    NC = threads(warpgroups)  # the threads that compute (with tensor maps, the producer's 128 follow them)
     NS = B_C // 2  # S and dP accumulator registers a thread: 64 x B_c over 128 threads
     NO = D // 2  # dQ accumulator registers a thread
     KC = B_C // 16  # k-steps of dQ += dS K
@@ -173,29 +201,60 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     OFF_V = B_C * D
     BUF = 2 * B_C * D
     LBO_Q, LBO_K = 16 * B_R, 16 * B_C  # descriptor strides, bytes (wgmma_forward's layout)
+    SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
     make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
     issue_abt = make_issue_abt(B_C)
     issue_ab = make_issue_ab(KC)
+    make_abt_sw, make_ab_sw = make_swizzled_products(kind, D)
+    issue_abt_sw = make_abt_sw(B_C)
+    issue_ab_sw = make_ab_sw(KC)
     pack_a = make_pack(KC)
     wait_s = hop.wgmma_ops(kind, B_C)[2]
     wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
-    load_core = make_load_core(D, NT)
-    load_tile = make_load_stage(D, NT, B_C, OFF_K, OFF_V, BUF)  # K_j, V_j of tile jt into buffer jt % STAGES
+    load_core = make_load_core(D, NC)
+    load_tile = make_load_stage(D, NC, B_C, OFF_K, OFF_V, BUF)  # K_j, V_j of tile jt into buffer jt % STAGES
     key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
+
+    @cuda.jit(device=True, inline=True)
+    def key_tile(jt, hk, k_row0, _c2, _c3):
+        """(head, first key) of tile jt: the producer's coordinates of K_j, V_j."""
+        return hk, k_row0 + jt * B_C
+
+    # the producer's copies (one thread): Q_i, dO_i with the first tile, then K_j, V_j
+    produce = make_tma_producer(D, 2, B_R, OFF_DO, B_C, OFF_K, OFF_V, BUF, key_tile)
 
     @cuda.jit(device=True, inline=True)
     def issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt):
         """Group 1: S_ij = Q_i K_j^T and dP_ij = dO_i V_j^T (tile jt's buffer), one commit."""
         nb = kv_addr + (jt % STAGES) * BUF * 2
-        issue_abt(s, q_addr, LBO_Q, nb, LBO_K)
-        issue_abt(dp, do_addr, LBO_Q, nb + OFF_V * 2, LBO_K)
+        if TMA:  # (swizzled rows)
+            issue_abt_sw(s, q_addr, B_R, nb, B_C)
+            issue_abt_sw(dp, do_addr, B_R, nb + OFF_V * 2, B_C)
+        else:
+            issue_abt(s, q_addr, LBO_Q, nb, LBO_K)
+            issue_abt(dp, do_addr, LBO_Q, nb + OFF_V * 2, LBO_K)
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
     def issue_dq(acc, pa, kv_addr, jt):
         """Group 2: dQ_i += dS_ij K_j (K_j of tile jt's buffer read MN-major), one commit."""
-        issue_ab(acc, pa, kv_addr + (jt % STAGES) * BUF * 2, 16 * B_C)
+        if TMA:
+            issue_ab_sw(acc, pa, kv_addr + (jt % STAGES) * BUF * 2, B_C)
+        else:
+            issue_ab(acc, pa, kv_addr + (jt % STAGES) * BUF * 2, 16 * B_C)
         hop.wgmma_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, row0, row_end, hk, tid):
+        """Tile jt's K_j, V_j (and with the first, Q_i, dO_i) are in their buffer, seen by the tensor cores. With
+        tensor maps: wait for its phase of ``full``. Without: :func:`publish_tile`, then start the copies of tile
+        jt + 1 (keys from row0 + B_c) into the buffer that barrier freed."""
+        if TMA:
+            wait_phase(bars, jt % STAGES, (jt // STAGES) & 1)
+        else:
+            publish_tile()
+            if jt + 1 < n_tiles:
+                load_tile(smem, jt + 1, k, v, bb, row0 + B_C, row_end, hk, tid)
 
     @cuda.jit(device=True, inline=True)
     def keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh):
@@ -225,7 +284,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
 
     @cuda.jit
     def backward_dq_wgmma(dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
-                          p_drop, rp_keep, seed, offset):
+                          p_drop, rp_keep, seed, offset, maps):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         gw = tid >> 7  # warpgroup: rows 64 gw .. 64 gw + 63 of Q_i
@@ -247,7 +306,26 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         if i0 >= seqlen_q:
             return
 
-        smem = cuda.shared.array(0, elem)  # Q_i | dO_i | K, V buffers 0, 1, 2 (dynamic), core matrices
+        smem = cuda.shared.array(0, elem)  # Q_i | dO_i | K, V buffers 0, 1, 2 (dynamic), core matrices or swizzled
+        bars = cuda.shared.array(NBARS, uint64)  # (tensor maps) full[0 .. 2], empty[0 .. 2]: mbarriers
+        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
+        base = 0  # where Q_i starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes_dq leaves room)
+        if TMA:
+            base = ((hop.SWIZZLE_ALIGN - (hop.smem_address(smem, 0) & (hop.SWIZZLE_ALIGN - 1)))
+                    & (hop.SWIZZLE_ALIGN - 1)) >> 1
+            if tid == 0:
+                for st in range(STAGES):  # full: the producer's one arrival and the bytes; empty: every consumer
+                    hop.mbarrier_init(hop.smem_address(bars, st), 1)
+                    hop.mbarrier_init(hop.smem_address(bars, STAGES + st), NC)
+                hop.fence_mbarrier_init()
+            cuda.syncthreads()
+            if tid >= NC:
+                hop.setmaxnreg_dec(PRODUCER_REGISTERS)
+                if tid == NC:
+                    produce(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, 0, 0)
+                return
+            hop.setmaxnreg_inc(CONSUMER_REGISTERS)
+
         s = cuda.local.array(NS, float32)  # S_ij, then nothing (P is not kept)
         dp = cuda.local.array(NS, float32)  # dP_ij, then dS_ij
         acc = cuda.local.array(NO, float32)  # dQ_i
@@ -261,23 +339,22 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             drow[x] = delta[bb, h, q0 + i] if i < seqlen_q else float32(0.0)
         for n in range(NO):
             acc[n] = 0.0
-        q_addr = hop.smem_address(smem, 0) + gw * 64 * 16  # this warpgroup's 64 rows: 8 core matrices further
-        do_addr = hop.smem_address(smem, OFF_DO) + gw * 64 * 16
-        kv_addr = hop.smem_address(smem, OFF_K)
+        # this warpgroup's 64 rows: 8 core matrices further, or 64 swizzled rows
+        q_addr = hop.smem_address(smem, base) + gw * 64 * (SPAN if TMA else 16)
+        do_addr = hop.smem_address(smem, base + OFF_DO) + gw * 64 * (SPAN if TMA else 16)
+        kv_addr = hop.smem_address(smem, base + OFF_K)
         bh = b * nheads + h
 
-        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
-        load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
-        load_core(smem, OFF_DO, dout, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
-        if n_tiles > 0:
-            load_tile(smem, 0, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
-        ptx.cp_async_commit()
+        if not TMA:
+            load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
+            load_core(smem, OFF_DO, dout, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
+            if n_tiles > 0:
+                load_tile(smem, 0, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+            ptx.cp_async_commit()
 
         # The first tile: S, dP alone, dS, packed
         if n_tiles > 0:
-            publish_tile()
-            if n_tiles > 1:
-                load_tile(smem, 1, k, v, bb, k0 + n_start + B_C, k0 + seqlen_k, hk, tid)
+            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, 0)
             bits = keep_bits(i0, r0, t, n_start, p_drop, seed, offset, bh)
             wait_s(0, s)
@@ -288,9 +365,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         # Tile j: S, dP issued, dQ_i += dS_i,j-1 K_j-1 behind them, dS of tile j while that runs
         for jt in range(1, n_tiles):
             j0 = n_start + jt * B_C
-            publish_tile()
-            if jt + 1 < n_tiles:
-                load_tile(smem, jt + 1, k, v, bb, k0 + j0 + B_C, k0 + seqlen_k, hk, tid)
+            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0 + j0, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt)
             issue_dq(acc, pa, kv_addr, jt - 1)
             bits = keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh)
@@ -299,12 +374,15 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
                     softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits)
             wait_o(0, acc)
+            if TMA:  # (tile jt - 1 read by its products: its buffer free for the producer)
+                hop.mbarrier_arrive(hop.smem_address(bars, STAGES + (jt - 1) % STAGES))
             pack_a(pa, dp)
         # The last tile's dQ product
         if n_tiles > 0:
             issue_dq(acc, pa, kv_addr, n_tiles - 1)
             wait_o(0, acc)
-        ptx.cp_async_wait_all()  # (with no tile, the prologue's copies are still in flight)
+        if not TMA:
+            ptx.cp_async_wait_all()  # (with no tile, the prologue's copies are still in flight)
 
         for x in range(2):
             i = i0 + r0 + 8 * x
@@ -317,36 +395,48 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", gqa=False):
+def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", gqa=False, tma=False):
     """The dK/dV kernel (module docstring) for head_dim D, block_m queries a tile (:data:`DKDV_BLOCK_MS`),
     ``warpgroups`` warpgroups of 64 keys, the options of ``variant`` compiled in; arguments (dout, q, k, v, lse,
-    delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset).
-    Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k), block (:func:`threads`,),
-    dynamic shared memory :func:`shared_bytes_dkdv`."""
+    delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset, maps).
+    With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles with the copy engine and one warp of it
+    fetches L_i and D_i (module docstring), ``maps`` holding the tensor maps of :data:`DKDV_MAPS`; without, every
+    thread copies and ``maps`` is not read. Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c),
+    batch * nheads_k), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dkdv`."""
     B_R, B_C = block_m, 64 * warpgroups
     check(D, B_R, B_C, "dkdv", dtype)
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
+    TMA = bool(tma)
+    if TMA and not takes_tma(D, variant, warpgroups, "dkdv", B_R):
+        raise ValueError(f"the wgmma dK/dV kernel copies with tensor maps only with two warpgroups, head_dim in "
+                         f"(64, 96, 128) (128 with query tiles of 32) and sequences of equal length; got head_dim "
+                         f"{D}, {warpgroups} warpgroups, query tiles of {B_R}, varlen {bool(VARLEN)}")
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant, no_calls=True, keep_given=True)
     kind, store, _, elem = _common(D, dtype)
-    NT = threads(warpgroups)
+    NC = threads(warpgroups)  # the threads that compute (with tensor maps, the producer's 128 follow them)
     NS = B_R // 2  # S^T and dP^T accumulator registers a thread: 64 x B_r over 128 threads
     NO = D // 2  # dK and dV accumulator registers a thread
     KC = B_R // 16  # k-steps of dV += P^T dO, dK += dS^T Q
-    SR = -(-B_R // NT)  # queries of L_i and D_i a thread fetches a tile
+    SR = -(-B_R // NC)  # queries of L_i and D_i a thread fetches a tile
+    SRP = -(-B_R // 32)  # the same for the producer's warp that fetches them (tensor maps)
     OFF_V = B_C * D  # V_j after K_j
     OFF_Q = 2 * B_C * D  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_R * D
     BUF = 2 * B_R * D
     LBO_K, LBO_Q = 16 * B_C, 16 * B_R
+    SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
     make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
     issue_abt = make_issue_abt(B_R)
     issue_ab = make_issue_ab(KC)
+    make_abt_sw, make_ab_sw = make_swizzled_products(kind, D)
+    issue_abt_sw = make_abt_sw(B_R)
+    issue_ab_sw = make_ab_sw(KC)
     pack_a = make_pack(KC)
     wait_s = hop.wgmma_ops(kind, B_R)[2]
     wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
-    load_core = make_load_core(D, NT)
+    load_core = make_load_core(D, NC)
 
     @cuda.jit(device=True, inline=True)
     def tile_of(it, hk, group, nt, m_begin):
@@ -356,25 +446,51 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             return hk * group + int64(u), (m_begin + int64(uint32(it) - u * uint32(nt))) * B_R
         return hk, (m_begin + it) * B_R
 
-    load_tile = make_load_stage(D, NT, B_R, OFF_Q, OFF_DO, BUF)  # Q_i, dO_i of iteration it into buffer it % STAGES
+    load_tile = make_load_stage(D, NC, B_R, OFF_Q, OFF_DO, BUF)  # Q_i, dO_i of iteration it into buffer it % STAGES
     # L_i and D_i of a query tile, fetched while the products are issued and put before the wait for S^T (not held
-    # through the entries, whose registers d = 128 needs)
-    fetch_stats, put_stats = make_stats(B_R, NT)
+    # through the entries, whose registers d = 128 needs); with tensor maps, by a warp of the producer
+    fetch_stats, put_stats = make_stats(B_R, NC)
+    fetch_stats_p, put_stats_p = make_stats(B_R, 32)
+    # the producer's copies (one thread): K_j, V_j with the first tile, then Q_i, dO_i of each
+    produce = make_tma_producer(D, 2, B_C, OFF_V, B_R, OFF_Q, OFF_DO, BUF, tile_of)
+
+    @cuda.jit(device=True, inline=True)
+    def produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, total, lane):
+        """The producer's second warp (thread ``lane``): log2(e) L_i and D_i of iteration it's queries into row
+        it % STAGES of lsm, dsm once the consumers have released the tile that was there, then one arrival each
+        on that stage's ``full`` mbarrier (which the copies' thread announces the bytes on)."""
+        stp = cuda.local.array((2, SRP), float32)
+        for it in range(total):
+            st = it % STAGES
+            if it >= STAGES:
+                wait_phase(bars, STAGES + st, (it // STAGES + 1) & 1)
+            h, i0 = tile_of(it, hk, group, nt, m_begin)
+            fetch_stats_p(stp, lse, delta, bb, h, q0 + i0, q0 + seqlen_q, lane)
+            put_stats_p(lsm, dsm, st, stp, lane)
+            hop.mbarrier_arrive(hop.smem_address(bars, st))
 
     @cuda.jit(device=True, inline=True)
     def issue_sdp(s, dp, k_addr, v_addr, q_base, it):
         """Group 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (Q_i, dO_i of iteration it's buffer), one commit."""
         nb = q_base + (it % STAGES) * BUF * 2
-        issue_abt(s, k_addr, LBO_K, nb, LBO_Q)
-        issue_abt(dp, v_addr, LBO_K, nb + OFF_DO * 2, LBO_Q)
+        if TMA:  # (swizzled rows)
+            issue_abt_sw(s, k_addr, B_C, nb, B_R)
+            issue_abt_sw(dp, v_addr, B_C, nb + OFF_DO * 2, B_R)
+        else:
+            issue_abt(s, k_addr, LBO_K, nb, LBO_Q)
+            issue_abt(dp, v_addr, LBO_K, nb + OFF_DO * 2, LBO_Q)
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
     def issue_dkdv(dva, dka, pp, pd, q_base, it):
         """Group 2: dV_j += (P Z)^T dO_i and dK_j += dS^T Q_i (iteration it's buffer, read MN-major), one commit."""
         nb = q_base + (it % STAGES) * BUF * 2
-        issue_ab(dva, pp, nb + OFF_DO * 2, 16 * B_R)
-        issue_ab(dka, pd, nb, 16 * B_R)
+        if TMA:
+            issue_ab_sw(dva, pp, nb + OFF_DO * 2, B_R)
+            issue_ab_sw(dka, pd, nb, B_R)
+        else:
+            issue_ab(dva, pp, nb + OFF_DO * 2, 16 * B_R)
+            issue_ab(dka, pd, nb, 16 * B_R)
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
@@ -422,7 +538,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
 
     @cuda.jit
     def backward_dkdv_wgmma(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q,
-                            cu_k, p_drop, rp_keep, seed, offset):
+                            cu_k, p_drop, rp_keep, seed, offset, maps):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         gw = tid >> 7  # warpgroup: keys 64 gw .. 64 gw + 63 of K_j
@@ -443,9 +559,10 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         if j0 >= seqlen_k:
             return
 
-        smem = cuda.shared.array(0, elem)  # K_j | V_j | Q, dO buffers 0, 1, 2 (dynamic), core matrices
+        smem = cuda.shared.array(0, elem)  # K_j | V_j | Q, dO buffers 0, 1, 2 (dynamic), core matrices or swizzled
         lsm = cuda.shared.array((STAGES, B_R), float32)  # log2(e) L_i of each buffer's queries
         dsm = cuda.shared.array((STAGES, B_R), float32)  # D_i
+        bars = cuda.shared.array(NBARS, uint64)  # (tensor maps) full[0 .. 2], empty[0 .. 2]: mbarriers
         s = cuda.local.array(NS, float32)  # S^T, then (P Z)^T: this thread's part of its warpgroup's 64 x B_r
         dp = cuda.local.array(NS, float32)  # dP^T, then dS^T
         dva = cuda.local.array(NO, float32)  # dV_j
@@ -453,9 +570,6 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         pp = cuda.local.array((KC, 4), uint32)  # (P Z)^T packed: the A operand of dV_j += (P Z)^T dO_i
         pd = cuda.local.array((KC, 4), uint32)  # dS^T packed: that of dK_j += dS^T Q_i
         st = cuda.local.array((2, SR), float32)  # L_i, D_i of the next tile, on their way to shared memory
-        k_addr = hop.smem_address(smem, 0) + gw * 64 * 16  # this warpgroup's 64 keys: 8 core matrices further
-        v_addr = hop.smem_address(smem, OFF_V) + gw * 64 * 16
-        q_base = hop.smem_address(smem, OFF_Q)
 
         # Query tiles that meet the band of these keys: rows j0 - diag - right .. j_last - diag + left
         # (unsigned divisions: both are >= 0, and a signed one by a power of two keeps a rounding term)
@@ -468,31 +582,60 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         nt = max(0, int64(uint32(m_rows + B_R - 1) // uint32(B_R)) - m_begin)  # query tiles per query head
         total = group * nt
         if total == 0:  # no query sees these keys: dK_j = dV_j = 0 (and no condition on total below)
-            for n in range(NO):
-                dva[n] = 0.0
-                dka[n] = 0.0
-            put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep)
+            if tid < NC:
+                for n in range(NO):
+                    dva[n] = 0.0
+                    dka[n] = 0.0
+                put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep)
             return
 
-        load_core(smem, 0, k, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
-        load_core(smem, OFF_V, v, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
+        base = 0  # where K_j starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes_dkdv leaves room)
+        if TMA:
+            base = ((hop.SWIZZLE_ALIGN - (hop.smem_address(smem, 0) & (hop.SWIZZLE_ALIGN - 1)))
+                    & (hop.SWIZZLE_ALIGN - 1)) >> 1
+            if tid == 0:
+                for i in range(STAGES):  # full: the copies' thread and the statistics' warp; empty: every consumer
+                    hop.mbarrier_init(hop.smem_address(bars, i), 1 + 32)
+                    hop.mbarrier_init(hop.smem_address(bars, STAGES + i), NC)
+                hop.fence_mbarrier_init()
+            cuda.syncthreads()
+            if tid >= NC:
+                hop.setmaxnreg_dec(PRODUCER_REGISTERS)
+                if tid == NC:
+                    produce(smem, base, bars, maps, bb, hk, j0, total, hk, group, nt, m_begin)
+                elif tid >= NC + 32 and tid < NC + 64:
+                    produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, total,
+                                  tid - NC - 32)
+                return
+            hop.setmaxnreg_inc(CONSUMER_REGISTERS)
+        # this warpgroup's 64 keys: 8 core matrices further, or 64 swizzled rows
+        k_addr = hop.smem_address(smem, base) + gw * 64 * (SPAN if TMA else 16)
+        v_addr = hop.smem_address(smem, base + OFF_V) + gw * 64 * (SPAN if TMA else 16)
+        q_base = hop.smem_address(smem, base + OFF_Q)
+
         h, i0 = tile_of(0, hk, group, nt, m_begin)
-        load_tile(smem, 0, q, dout, bb, q0 + i0, q0 + seqlen_q, h, tid)
-        fetch_stats(st, lse, delta, bb, h, q0 + i0, q0 + seqlen_q, tid)
-        put_stats(lsm, dsm, 0, st, tid)
-        ptx.cp_async_commit()
+        if not TMA:
+            load_core(smem, 0, k, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
+            load_core(smem, OFF_V, v, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
+            load_tile(smem, 0, q, dout, bb, q0 + i0, q0 + seqlen_q, h, tid)
+            fetch_stats(st, lse, delta, bb, h, q0 + i0, q0 + seqlen_q, tid)
+            put_stats(lsm, dsm, 0, st, tid)
+            ptx.cp_async_commit()
         for n in range(NO):  # (zeroed after the copies are addressed: the prologue needs the registers)
             dva[n] = 0.0
             dka[n] = 0.0
 
         # The first tile: S^T, dP^T alone, the entries, packed
-        publish_tile()
-        if total > 1:
-            h2, i2 = tile_of(1, hk, group, nt, m_begin)
-            load_tile(smem, 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
-            fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
+        if TMA:
+            wait_phase(bars, 0, 0)
+        else:
+            publish_tile()
+            if total > 1:
+                h2, i2 = tile_of(1, hk, group, nt, m_begin)
+                load_tile(smem, 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
+                fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
         issue_sdp(s, dp, k_addr, v_addr, q_base, 0)
-        if total > 1:
+        if not TMA and total > 1:
             put_stats(lsm, dsm, 1, st, tid)
         bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
         wait_s(0, s)
@@ -504,18 +647,25 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         pack_a(pd, dp)
         # Tile i: S^T, dP^T issued, dV, dK of tile i - 1 behind them, the entries of tile i while those run
         sel = 0
+        phase = 0  # (tensor maps) the parity of buffer sel's phase of ``full``: flips as sel comes round
         for it in range(1, total):
             h, i0 = tile_of(it, hk, group, nt, m_begin)
             # (it % STAGES, stepped: the remainder each tile spills under CUDA 13.0's assembler at d = 128)
+            done = sel
             sel = sel + 1 if sel < STAGES - 1 else 0
-            publish_tile()
-            if it + 1 < total:
-                h2, i2 = tile_of(it + 1, hk, group, nt, m_begin)
-                load_tile(smem, it + 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
-                fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
+            if TMA:
+                if sel == 0:
+                    phase ^= 1
+                wait_phase(bars, sel, phase)
+            else:
+                publish_tile()
+                if it + 1 < total:
+                    h2, i2 = tile_of(it + 1, hk, group, nt, m_begin)
+                    load_tile(smem, it + 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
+                    fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
             issue_sdp(s, dp, k_addr, v_addr, q_base, it)
             issue_dkdv(dva, dka, pp, pd, q_base, it - 1)
-            if it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this tile's barrier)
+            if not TMA and it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this barrier)
                 put_stats(lsm, dsm, (it + 1) % STAGES, st, tid)
             bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
             wait_s(1, s)
@@ -525,13 +675,16 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                     right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
             wait_o(0, dva)
             wait_o(0, dka)
+            if TMA:  # (tile it - 1 read by its products, its statistics by its entries: its buffer free)
+                hop.mbarrier_arrive(hop.smem_address(bars, STAGES + done))
             pack_a(pp, s)
             pack_a(pd, dp)
         # The last tile's dV, dK products
         issue_dkdv(dva, dka, pp, pd, q_base, total - 1)
         wait_o(0, dva)
         wait_o(0, dka)
-        ptx.cp_async_wait_all()  # (every copy landed before the kernel ends)
+        if not TMA:
+            ptx.cp_async_wait_all()  # (every copy landed before the kernel ends)
 
         put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep)
 

@@ -240,6 +240,112 @@ def make_load_stage(D, NT, rows, first, second, buf):
     return load_stage
 
 
+@cuda.jit(device=True, inline=True)
+def wait_phase(bars, i, parity):
+    """Until the phase of parity ``parity`` of mbarrier bars[i] has completed."""
+    addr = hop.smem_address(bars, i)
+    while hop.mbarrier_try_wait(addr, parity) == 0:
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def make_copy_box_rows(D):
+    """copy_box_rows(smem, off, maps, m, bb, row0, h, rows, bar): copy ``rows`` rows of tensor map m of ``maps``
+    (a (batch, seqlen, nheads, D) tensor) from row0, batch entry bb, head h, all D head dims, into element ``off``
+    onwards, counted on the mbarrier at address ``bar``: D / E boxes of swizzled rows of E head dims
+    (:func:`swizzle_span`), one after the other."""
+    E = swizzle_span(D) // 2
+
+    @cuda.jit(device=True, inline=True)
+    def copy_box_rows(smem, off, maps, m, bb, row0, h, rows, bar):
+        for part in range(D // E):
+            hop.tma_load_4d(hop.smem_address(smem, off + part * rows * E), maps, m * hop.MAP_WORDS, part * E, h,
+                            row0, bb, bar)
+
+    return copy_box_rows
+
+
+@functools.lru_cache(maxsize=None)
+def make_swizzled_products(kind, D):
+    """The products on tiles copied with tensor maps (swizzled rows of E head dims, a tile of R rows being D / E
+    such tiles of R rows one after the other), as two factories of device functions:
+
+    * ``make_abt(N)`` -> ``issue_abt(acc, a_addr, rows_a, b_addr, rows_b)``: acc = A B^T (64 x N, K = D), D / 16
+      wgmma with A (64 rows at a_addr of a tile of rows_a) and B (N rows of a tile of rows_b) K-major: the next 16
+      head dims 32 bytes on within a swizzled row, the next E a tile of rows on; not committed;
+    * ``make_ab(N, regs)`` -> ``issue_ab(acc, pa, b_addr, rows_b)``: acc += A B (64 x D, K = 16 ``regs``), A from
+      the registers pa (``regs`` k-steps), B MN-major (a tile of rows_b rows: the next E head dims a tile of rows
+      on, the next 16 rows 16 swizzled rows on); not committed."""
+    SPAN = swizzle_span(D)
+    E = SPAN // 2
+    MODE = hop.SWIZZLE_MODES[SPAN]
+    KD = D // 16
+
+    def make_abt(N):
+        mma, fence, _ = hop.wgmma_ops(kind, N)
+
+        @cuda.jit(device=True, inline=True)
+        def issue_abt(acc, a_addr, rows_a, b_addr, rows_b):
+            da = hop.make_desc_swizzled(a_addr, 16, 8 * SPAN, MODE)
+            db = hop.make_desc_swizzled(b_addr, 16, 8 * SPAN, MODE)
+            fence(acc)
+            for ks in range(KD):
+                mma(acc, da + ((16 * ks // E) * rows_a * SPAN + (32 * ks) % SPAN) // 16,
+                    db + ((16 * ks // E) * rows_b * SPAN + (32 * ks) % SPAN) // 16, ks)
+
+        return issue_abt
+
+    def make_ab(regs):
+        mma, fence, _ = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
+
+        @cuda.jit(device=True, inline=True)
+        def issue_ab(acc, pa, b_addr, rows_b):
+            db = hop.make_desc_swizzled(b_addr, rows_b * SPAN, 8 * SPAN, MODE)
+            fence(acc)
+            for kc in range(regs):
+                mma(acc, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], db + kc * SPAN, 1)
+
+        return issue_ab
+
+    return make_abt, make_ab
+
+
+def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at, stage_gap, buf, coords):
+    """produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3): the copies of a producer
+    thread with the copy engine, for the forward and both backward kernels. With tile 0 it copies the tiles a block
+    loads once: ``first_maps`` tiles of ``first_rows`` rows (maps 0, 1, ...: the forward's Q_i; the dQ kernel's
+    Q_i, dO_i; the dK/dV kernel's K_j, V_j), ``first_gap`` elements apart from ``base``. Then the pipeline stage
+    of tile jt, two tiles of ``stage_rows`` rows (the next two maps, head and first row ``coords(jt, c0, c1, c2,
+    c3)``), into buffer jt % STAGES at element base + ``stage_at`` + (jt % STAGES) ``buf``, ``stage_gap`` apart,
+    once the consumers have released the tile that was there (bars[STAGES + jt % STAGES], ``empty``). Each stage's
+    bytes are announced on its ``full`` mbarrier (bars[jt % STAGES]: the one arrival of this thread) and counted
+    there as they land."""
+    copy_box_rows = make_copy_box_rows(D)
+    N_MAPS = first_maps + 2
+    FIRST_BYTES = first_maps * first_rows * D * 2
+    STAGE_BYTES = 2 * stage_rows * D * 2
+
+    @cuda.jit(device=True, inline=True)
+    def produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3):
+        for m in range(N_MAPS):
+            hop.fence_tensormap(maps, m * hop.MAP_WORDS)
+        for jt in range(n_tiles):
+            st = jt % STAGES
+            if jt >= STAGES:
+                wait_phase(bars, STAGES + st, (jt // STAGES + 1) & 1)  # tile jt - STAGES released
+            full = hop.smem_address(bars, st)
+            hop.mbarrier_arrive_expect_tx(full, STAGE_BYTES + (FIRST_BYTES if jt == 0 else 0))
+            if jt == 0:
+                for m in range(first_maps):
+                    copy_box_rows(smem, base + m * first_gap, maps, m, bb, first_row0, first_h, first_rows, full)
+            h, row0 = coords(jt, c0, c1, c2, c3)
+            nb = base + stage_at + st * buf
+            copy_box_rows(smem, nb, maps, first_maps, bb, row0, h, stage_rows, full)
+            copy_box_rows(smem, nb + stage_gap, maps, first_maps + 1, bb, row0, h, stage_rows, full)
+
+    return produce
+
+
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0,
                        tma=False):
@@ -301,14 +407,13 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     # descriptor strides, bytes (module docstring): Q_i and K_j K-major, V_j MN-major
     LBO_Q, LBO_K, SBO_V = 16 * B_R, 16 * B_c, 16 * B_c
     SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
-    E = SPAN // 2  # head dims a swizzled row: a tile is D / E tiles of such rows
-    MODE = hop.SWIZZLE_MODES[SPAN]
-    TILE_BYTES = 2 * B_c * D * 2  # K_j and V_j: the bytes of a stage's copies
-    Q_BYTES = B_R * D * 2
     mma_s, fence_s, wait_s = hop.wgmma_ops(kind, B_c)
     mma_o, fence_o, wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
     load_core = make_load_core(D, NC)
     load_core_p = make_load_core(D, 32 * max(PW, 1))  # the producer's
+    make_abt_sw, make_ab_sw = make_swizzled_products(kind, D)
+    issue_abt_sw = make_abt_sw(B_c)
+    issue_ab_sw = make_ab_sw(KC)
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
     quad_max, new_max, prob = make_online_softmax(FOLD)  # (mma_forward's steps, on the same register layout)
 
@@ -382,13 +487,6 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     load_tile = make_load_stage(D, NC, B_c, OFF_K, OFF_V, BUF)
 
     @cuda.jit(device=True, inline=True)
-    def wait_phase(bars, i, parity):
-        """Until the phase of parity ``parity`` of mbarrier bars[i] has completed."""
-        addr = hop.smem_address(bars, i)
-        while hop.mbarrier_try_wait(addr, parity) == 0:
-            pass
-
-    @cuda.jit(device=True, inline=True)
     def produce(smem, bars, q, k, v, bb, q_row0, q_end, h, k_row0, k_end, hk, n_tiles, lane):
         """The producer (thread ``lane`` of its warps): Q_i with the first tile, then K_j, V_j of tile jt into
         buffer jt % STAGES once the warpgroups have released the tile that was there (bars[STAGES + jt % STAGES],
@@ -410,32 +508,12 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         ptx.cp_async_wait_all()  # (no copy in flight when the warp exits)
 
     @cuda.jit(device=True, inline=True)
-    def copy_box_rows(smem, off, maps, m, bb, row0, h, rows, bar):
-        """Copy ``rows`` rows of tensor map m (of q, k, v) from row0, batch entry bb, head h, all D head dims,
-        into element ``off`` onwards: D / E boxes of swizzled rows, one after the other."""
-        for part in range(D // E):
-            hop.tma_load_4d(hop.smem_address(smem, off + part * rows * E), maps, m * hop.MAP_WORDS, part * E, h,
-                            row0, bb, bar)
+    def key_tile(jt, hk, k_row0, _c2, _c3):
+        """(head, first key) of tile jt: the producer's coordinates of K_j, V_j."""
+        return hk, k_row0 + jt * B_c
 
-    @cuda.jit(device=True, inline=True)
-    def produce_tma(smem, q0ff, bars, maps, bb, q_row0, h, k_row0, hk, n_tiles):
-        """The producer's copies with the copy engine (one thread): Q_i with the first tile, then K_j, V_j of tile
-        jt into buffer jt % STAGES once the warpgroups have released the tile that was there, each stage's bytes
-        announced on its ``full`` mbarrier (the one arrival it waits for) and counted there as they land."""
-        for m in range(3):
-            hop.fence_tensormap(maps, m * hop.MAP_WORDS)
-        for jt in range(n_tiles):
-            st = jt % STAGES
-            if jt >= STAGES:
-                wait_phase(bars, STAGES + st, (jt // STAGES + 1) & 1)  # tile jt - STAGES released
-            full = hop.smem_address(bars, st)
-            hop.mbarrier_arrive_expect_tx(full, TILE_BYTES + (Q_BYTES if jt == 0 else 0))
-            if jt == 0:
-                copy_box_rows(smem, q0ff, maps, 0, bb, q_row0, h, B_R, full)
-            nb = q0ff + OFF_K + st * BUF
-            row0 = k_row0 + jt * B_c
-            copy_box_rows(smem, nb, maps, 1, bb, row0, hk, B_c, full)
-            copy_box_rows(smem, nb + OFF_V, maps, 2, bb, row0, hk, B_c, full)
+    # the producer's copies with the copy engine (one thread): Q_i with the first tile, then K_j, V_j
+    produce_tma = make_tma_producer(D, 1, B_R, 0, B_c, OFF_K, OFF_V, BUF, key_tile)
 
     @cuda.jit(device=True, inline=True)
     def tile_ready(smem, bars, jt, n_tiles, k, v, bb, row0, row_end, hk, tid):
@@ -472,13 +550,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     @cuda.jit(device=True, inline=True)
     def issue_s(s, q_addr, kv_addr, jt):
         """Issue S_ij = Q_i K_j^T (K_j in buffer jt % STAGES): D / 16 wgmma on the accumulator s, one group."""
-        if TMA:  # (swizzled rows of E head dims: the next 16 are 32 bytes on, the next E a tile of rows on)
-            dq = hop.make_desc_swizzled(q_addr, 16, 8 * SPAN, MODE)
-            dk = hop.make_desc_swizzled(kv_addr + (jt % STAGES) * BUF * 2, 16, 8 * SPAN, MODE)
-            fence_s(s)
-            for ks in range(KD):
-                mma_s(s, dq + ((16 * ks // E) * B_R * SPAN + (32 * ks) % SPAN) // 16,
-                      dk + ((16 * ks // E) * B_c * SPAN + (32 * ks) % SPAN) // 16, ks)
+        if TMA:  # (swizzled rows)
+            issue_abt_sw(s, q_addr, B_R, kv_addr + (jt % STAGES) * BUF * 2, B_c)
         else:
             dq = hop.make_desc(q_addr, LBO_Q, 128)
             dk = hop.make_desc(kv_addr + (jt % STAGES) * BUF * 2, LBO_K, 128)
@@ -491,12 +564,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     def issue_pv(o, pa, kv_addr, jt):
         """Issue O_i += P V_j (V_j in buffer jt % STAGES, MN-major; P from the registers pa): B_c / 16 wgmma,
         one group."""
-        if TMA:  # (swizzled rows of E head dims, one a key: the next E head dims a tile of rows on, 16 keys
-            # 16 rows on)
-            dv = hop.make_desc_swizzled(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, B_c * SPAN, 8 * SPAN, MODE)
-            fence_o(o)
-            for kc in range(KC):
-                mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], dv + kc * SPAN, 1)
+        if TMA:  # (swizzled rows, one a key)
+            issue_ab_sw(o, pa, kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, B_c)
         else:
             dv = hop.make_desc(kv_addr + ((jt % STAGES) * BUF + OFF_V) * 2, 128, SBO_V)
             fence_o(o)
@@ -548,7 +617,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
             if TMA:
                 if tid == NC:
-                    produce_tma(smem, base, bars, maps, bb, i0, h, n_start, hk, n_tiles)
+                    produce_tma(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, 0, 0)
             else:
                 produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0 + n_start, k0 + seqlen_k, hk,
                         n_tiles, tid - NC)
