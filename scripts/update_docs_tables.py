@@ -248,13 +248,16 @@ def hopper_backward_summary(d, prefix="docs/results/latest/"):
     """The README's line on the Hopper backward, over bench-wgmma-bwd.json's shapes."""
     ours, span = _spans(d)
     dims = sorted({k[0] for k in ours})
-    mma = " and ".join(f"{span(_mma_impl(d), ('tflops',), h)} at head_dim {h}" for h in dims)
+    impl = _mma_impl(d)
+    mma = (", against the `mma.sync` backward " + " and ".join(f"{span(impl, ('tflops',), h)} at head_dim {h}"
+                                                               for h in dims)
+           if any(r["impl"] == impl for r in d["rows"]) else "")  # (a run without the mma.sync rows: none)
     env = d["environment"]
     return [f"- Hopper backward: dQ and dK/dV kernels on warpgroup MMA, deterministic (`kernel=\"wgmma\"` for the "
             f"backward, `kernel=None`'s on compute capability 9.0 at head_dim 64, 96 and 128, "
             f"`flashnumba/kernels/wgmma_backward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
-            f"modes), against the `mma.sync` backward {mma} (float16, seqlen 4096 and 16384, {env['date'][:10]}: "
+            f"modes){mma} (float16, seqlen 4096 and 16384, {env['date'][:10]}: "
             f"[bench-wgmma-bwd.json]({prefix}bench-wgmma-bwd.json); docs/benchmarks.md, \"How fast is the Hopper "
             f"backward?\", which gives the later runs)."]
 

@@ -39,6 +39,17 @@ kernel makes any subroutine call (a 64-bit integer division, libdevice's tanhf: 
 ``make_entry(..., no_calls=True)``). With dropout, a tile's mask is drawn into one bit an entry while its S and
 dP products run, before its entries are computed (the generator's rounds inside the loop over the entries would
 leave that loop rolled and the tile's accumulators in local memory, which serialises the wgmma).
+
+**Tensor-map copies** (``tma``, :func:`takes_tma`). With two warpgroups, a third, the producer, makes the copies
+as the forward's does (:mod:`flashnumba.kernels.wgmma_forward`, "Tensor-map copies"): one thread copies the tiles
+loaded once with the first stage (Q_i, dO_i; or K_j, V_j) and then each stage's two tiles with the copy engine,
+swizzled rows of 64 head dims (32 at head_dim 96), announcing each stage's bytes on its ``full`` mbarrier; in the
+dK/dV kernel a second warp of it writes the stage's log2(e) L_i and D_i and arrives there too (33 arrivals). The
+warpgroups wait for ``full`` instead of the block's barrier, read the tiles through swizzled descriptors, and
+arrive on the stage's ``empty`` mbarrier once the products of group 2 of that tile retired; the producer waits
+for it before it refills the buffer. No thread of the two computes an address of a copy, and they no longer wait
+for each other at a barrier a tile. The producer gives its registers to them (``setmaxnreg``:
+:data:`PRODUCER_REGISTERS`, :data:`CONSUMER_REGISTERS`).
 """
 
 from __future__ import annotations
