@@ -440,7 +440,9 @@ from flashnumba.kernels import wgmma_backward as wb
 from flashnumba.kernels.common import Variant
 plain = Variant()
 cases = [("dq", 128, 64, 2, "float16", plain, False), ("dkdv", 128, 64, 2, "float16", plain, False),
-         ("dkdv", 64, 64, 2, "bfloat16", plain, False)]
+         ("dkdv", 64, 64, 2, "bfloat16", plain, False),
+         # the tensor-map copies with the producer warpgroup (wgmma_backward.takes_tma): the defaults at d = 128, 64
+         ("dq", 128, 64, 2, "float16", plain, "tma"), ("dkdv", 64, 64, 2, "bfloat16", plain, "tma")]
 if FULL:
     every = Variant(True, True, True, True, True, True)
     # (the tiles the planner gives: with more than two per-entry options, dQ's key tiles and dK/dV's query tiles
@@ -453,19 +455,26 @@ if FULL:
               ("dq", 96, 64, 2, "float16", Variant(False, True), False),
               ("dkdv", 96, 64, 2, "float16", Variant(False, True), True),
               ("dq", 64, 128, 2, "float16", Variant(False, True), False),
-              ("dkdv", 64, 64, 1, "float16", Variant(False, True, False, False, True, True), True)]
+              ("dkdv", 64, 64, 1, "float16", Variant(False, True, False, False, True, True), True),
+              ("dq", 128, 32, 2, "bfloat16", Variant(True, True, True, True, False, True), "tma"),
+              ("dkdv", 128, 32, 2, "bfloat16", Variant(True, True, True, True, False, True), "tma"),
+              ("dkdv", 128, 32, 2, "float16", Variant(False, False, False, False, False, True), "tma"),
+              ("dkdv", 96, 64, 2, "float16", Variant(False, True), "tma")]
 out = {}
 for which, D, loop, wg, dt, var, gqa in cases:
+    tma = gqa == "tma"
     el = "uint16" if dt == "bfloat16" else "float16"
     a4 = f"{el}[:, :, :, ::1]"
     make = wb.make_backward_dq_wgmma if which == "dq" else wb.make_backward_dkdv_wgmma
-    fn = make(D, var, loop, wg, dt, gqa)
+    fn = make(D, var, loop, wg, dt, bool(gqa), tma)
     outs = a4 if which == "dq" else f"{a4}, {a4}"
     sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32[:, :, ::1], {outs}, float32, float32, "
-           f"float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64)")
-    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"), wb.threads(wg))
-    log = _launch.assemble(ptx, (9, 0, "a"))[1]
-    out[f"{which} {dt} D={D} loop={loop} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+           f"float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64, "
+           f"uint64[:, ::1])")
+    # (as the planner compiles them: with the producer's setmaxnreg, the whole program)
+    _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(wb.threads(wg, tma), tma), tma)
+    out[f"{which} {dt} D={D} loop={loop} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, tma=tma,
+                                                                  **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 
@@ -475,9 +484,12 @@ def test_wgmma_backward_compiles_for_sm90a():
     spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
-    assert len(compiled) == (14 if FULL_COMPILE else 3)
+    assert len(compiled) == (20 if FULL_COMPILE else 5)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
+        assert ("cp.async.bulk.tensor.4d" in r["ptx"]) == r["tma"], name
+        assert ("cp.async.cg.shared.global" in r["ptx"]) != r["tma"], name
+        assert "setmaxnreg" not in r["log"], f"{name}: {r['log'][-600:]}"
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: {r['log'][-600:]}"
         assert "serialized" not in r["log"], f"{name}: {r['log'][-600:]}"
