@@ -62,8 +62,9 @@ from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_sequence_geometry
 from .mma_backward import _store_bf16, make_entry, make_stats
-from .wgmma_forward import (HEAD_DIMS, STAGES, make_load_core, make_load_stage, make_swizzled_products,
-                            make_tma_producer, publish_tile, swizzle_span, takes_tma as forward_takes_tma, wait_phase)
+from .wgmma_forward import (HEAD_DIMS, STAGES, init_stages, make_load_core, make_load_stage, make_swizzled_products,
+                            make_tma_producer, publish_tile, swizzle_base, swizzle_span, takes_tma as forward_takes_tma,
+                            wait_phase)
 from numba.cuda.types import float16
 
 WARPGROUPS = (1, 2)
@@ -182,6 +183,29 @@ def make_pieces(D, dtype):
 
 
 @functools.lru_cache(maxsize=None)
+def make_issue_sdp(D, dtype, tma, rows_a, rows_b, gap):
+    """issue_sdp(s, dp, a1, a2, b): group 1 of both kernels, one commit: s = A1 B^T and dp = A2 B'^T (64 x rows_b,
+    K = D), A1 and A2 this warpgroup's 64 rows (at byte addresses a1, a2) of tiles of rows_a rows, B a tile of rows_b
+    rows at byte address b and B' ``gap`` bytes after it: S_ij = Q_i K_j^T, dP_ij = dO_i V_j^T (dQ kernel) or
+    S^T = K_j Q_i^T, dP^T = V_j dO_i^T (dK/dV kernel); swizzled rows with ``tma``, else core matrices."""
+    kind = _common(D, dtype)[0]
+    if tma:
+        issue = make_swizzled_products(kind, D)[0](rows_b)
+        A, B = rows_a, rows_b  # (the tiles' rows)
+    else:
+        issue = make_pieces(D, dtype)[0](rows_b)
+        A, B = 16 * rows_a, 16 * rows_b  # (the LBO of each)
+
+    @cuda.jit(device=True, inline=True)
+    def issue_sdp(s, dp, a1, a2, b):
+        issue(s, a1, A, b, B)
+        issue(dp, a2, A, b + gap, B)
+        hop.wgmma_commit()
+
+    return issue_sdp
+
+
+@functools.lru_cache(maxsize=None)
 def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa=False, tma=False):
     """The dQ kernel (module docstring) for head_dim D (:data:`HEAD_DIMS`), block_n keys a tile
     (:data:`DQ_BLOCK_NS`), ``warpgroups`` warpgroups of 64 query rows, the options of ``variant`` compiled in as in
@@ -211,13 +235,10 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     OFF_K = 2 * B_R * D  # K buffer 0; buffer 1 lies BUF further on; V_j lies OFF_V after its K_j
     OFF_V = B_C * D
     BUF = 2 * B_C * D
-    LBO_Q, LBO_K = 16 * B_R, 16 * B_C  # descriptor strides, bytes (wgmma_forward's layout)
     SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
-    make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
-    issue_abt = make_issue_abt(B_C)
+    _, make_issue_ab, make_pack = make_pieces(D, dtype)
     issue_ab = make_issue_ab(KC)
-    make_abt_sw, make_ab_sw = make_swizzled_products(kind, D)
-    issue_abt_sw = make_abt_sw(B_C)
+    _, make_ab_sw = make_swizzled_products(kind, D)
     issue_ab_sw = make_ab_sw(KC)
     pack_a = make_pack(KC)
     wait_s = hop.wgmma_ops(kind, B_C)[2]
@@ -234,17 +255,12 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     # the producer's copies (one thread): Q_i, dO_i with the first tile, then K_j, V_j
     produce = make_tma_producer(D, 2, B_R, OFF_DO, B_C, OFF_K, OFF_V, BUF, key_tile)
 
+    issue_two = make_issue_sdp(D, dtype, TMA, B_R, B_C, OFF_V * 2)
+
     @cuda.jit(device=True, inline=True)
     def issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt):
         """Group 1: S_ij = Q_i K_j^T and dP_ij = dO_i V_j^T (tile jt's buffer), one commit."""
-        nb = kv_addr + (jt % STAGES) * BUF * 2
-        if TMA:  # (swizzled rows)
-            issue_abt_sw(s, q_addr, B_R, nb, B_C)
-            issue_abt_sw(dp, do_addr, B_R, nb + OFF_V * 2, B_C)
-        else:
-            issue_abt(s, q_addr, LBO_Q, nb, LBO_K)
-            issue_abt(dp, do_addr, LBO_Q, nb + OFF_V * 2, LBO_K)
-        hop.wgmma_commit()
+        issue_two(s, dp, q_addr, do_addr, kv_addr + (jt % STAGES) * BUF * 2)
 
     @cuda.jit(device=True, inline=True)
     def issue_dq(acc, pa, kv_addr, jt):
@@ -322,14 +338,8 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
         base = 0  # where Q_i starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes_dq leaves room)
         if TMA:
-            base = ((hop.SWIZZLE_ALIGN - (hop.smem_address(smem, 0) & (hop.SWIZZLE_ALIGN - 1)))
-                    & (hop.SWIZZLE_ALIGN - 1)) >> 1
-            if tid == 0:
-                for st in range(STAGES):  # full: the producer's one arrival and the bytes; empty: every consumer
-                    hop.mbarrier_init(hop.smem_address(bars, st), 1)
-                    hop.mbarrier_init(hop.smem_address(bars, STAGES + st), NC)
-                hop.fence_mbarrier_init()
-            cuda.syncthreads()
+            base = swizzle_base(smem)
+            init_stages(bars, 1, NC, True, tid)  # full: the producer's one arrival and the bytes; empty: consumers
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
@@ -436,13 +446,10 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     OFF_Q = 2 * B_C * D  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_R * D
     BUF = 2 * B_R * D
-    LBO_K, LBO_Q = 16 * B_C, 16 * B_R
     SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
-    make_issue_abt, make_issue_ab, make_pack = make_pieces(D, dtype)
-    issue_abt = make_issue_abt(B_R)
+    _, make_issue_ab, make_pack = make_pieces(D, dtype)
     issue_ab = make_issue_ab(KC)
-    make_abt_sw, make_ab_sw = make_swizzled_products(kind, D)
-    issue_abt_sw = make_abt_sw(B_R)
+    _, make_ab_sw = make_swizzled_products(kind, D)
     issue_ab_sw = make_ab_sw(KC)
     pack_a = make_pack(KC)
     wait_s = hop.wgmma_ops(kind, B_R)[2]
@@ -480,17 +487,12 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             put_stats_p(lsm, dsm, st, stp, lane)
             hop.mbarrier_arrive(hop.smem_address(bars, st))
 
+    issue_two = make_issue_sdp(D, dtype, TMA, B_C, B_R, OFF_DO * 2)
+
     @cuda.jit(device=True, inline=True)
     def issue_sdp(s, dp, k_addr, v_addr, q_base, it):
         """Group 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (Q_i, dO_i of iteration it's buffer), one commit."""
-        nb = q_base + (it % STAGES) * BUF * 2
-        if TMA:  # (swizzled rows)
-            issue_abt_sw(s, k_addr, B_C, nb, B_R)
-            issue_abt_sw(dp, v_addr, B_C, nb + OFF_DO * 2, B_R)
-        else:
-            issue_abt(s, k_addr, LBO_K, nb, LBO_Q)
-            issue_abt(dp, v_addr, LBO_K, nb + OFF_DO * 2, LBO_Q)
-        hop.wgmma_commit()
+        issue_two(s, dp, k_addr, v_addr, q_base + (it % STAGES) * BUF * 2)
 
     @cuda.jit(device=True, inline=True)
     def issue_dkdv(dva, dka, pp, pd, q_base, it):
@@ -602,14 +604,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
 
         base = 0  # where K_j starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes_dkdv leaves room)
         if TMA:
-            base = ((hop.SWIZZLE_ALIGN - (hop.smem_address(smem, 0) & (hop.SWIZZLE_ALIGN - 1)))
-                    & (hop.SWIZZLE_ALIGN - 1)) >> 1
-            if tid == 0:
-                for i in range(STAGES):  # full: the copies' thread and the statistics' warp; empty: every consumer
-                    hop.mbarrier_init(hop.smem_address(bars, i), 1 + 32)
-                    hop.mbarrier_init(hop.smem_address(bars, STAGES + i), NC)
-                hop.fence_mbarrier_init()
-            cuda.syncthreads()
+            base = swizzle_base(smem)
+            init_stages(bars, 1 + 32, NC, True, tid)  # full: the copies' thread and the statistics' warp
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:

@@ -248,6 +248,28 @@ def wait_phase(bars, i, parity):
         pass
 
 
+@cuda.jit(device=True, inline=True)
+def swizzle_base(smem):
+    """The element of ``smem`` (16-bit elements) from which tiles start on :data:`SWIZZLE_ALIGN` bytes, as the
+    swizzled copies need (the kernels' shared_bytes leave the room)."""
+    return ((hop.SWIZZLE_ALIGN - (hop.smem_address(smem, 0) & (hop.SWIZZLE_ALIGN - 1)))
+            & (hop.SWIZZLE_ALIGN - 1)) >> 1
+
+
+@cuda.jit(device=True, inline=True)
+def init_stages(bars, full, empty, fence, tid):
+    """Thread 0 makes bars[0 .. STAGES - 1] the stages' ``full`` mbarriers (``full`` arrivals a phase) and
+    bars[STAGES ..] their ``empty`` ones (``empty`` arrivals), the inits made visible to the copy engine where
+    ``fence`` (tensor-map copies); then every thread of the block past a barrier."""
+    if tid == 0:
+        for st in range(STAGES):
+            hop.mbarrier_init(hop.smem_address(bars, st), full)
+            hop.mbarrier_init(hop.smem_address(bars, STAGES + st), empty)
+        if fence:
+            hop.fence_mbarrier_init()
+    cuda.syncthreads()
+
+
 @functools.lru_cache(maxsize=None)
 def make_copy_box_rows(D):
     """copy_box_rows(smem, off, maps, m, bb, row0, h, rows, bar): copy ``rows`` rows of tensor map m of ``maps``
@@ -601,16 +623,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         bars = cuda.shared.array(NBARS, uint64)  # full[0 .. 2], empty[0 .. 2]: mbarriers
         base = 0  # where Q_i starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes leaves room)
         if TMA:
-            base = ((hop.SWIZZLE_ALIGN - (hop.smem_address(smem, 0) & (hop.SWIZZLE_ALIGN - 1)))
-                    & (hop.SWIZZLE_ALIGN - 1)) >> 1
-        if PRODUCER:
-            if tid == 0:
-                for st in range(STAGES):  # full: the producer's copies landed (with TMA: one arrival and the bytes)
-                    hop.mbarrier_init(hop.smem_address(bars, st), 1 if TMA else 32 * PW)
-                    hop.mbarrier_init(hop.smem_address(bars, STAGES + st), NC)  # every consumer thread done
-                if TMA:
-                    hop.fence_mbarrier_init()
-            cuda.syncthreads()
+            base = swizzle_base(smem)
+        if PRODUCER:  # full: the producer's copies landed (with TMA: one arrival and the bytes); empty: every
+            # consumer thread done
+            init_stages(bars, 1 if TMA else 32 * PW, NC, TMA, tid)
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
         if PRODUCER and tid >= NC:
             if REBALANCE:
