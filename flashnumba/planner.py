@@ -880,10 +880,14 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     elif family == "wgmma":  # (deterministic either way: no atomics)
         tq_t, rq = tiling.resolve("wgmma_dq", D, limits, block_m, block_n, num_threads)
         tk_t, rk = tiling.resolve("wgmma_dkdv", D, limits, block_m, block_n, num_threads)
-        tk_own, why_own = tiling.wgmma_dkdv_for_variant(tk_t, opts.variant, D, ["block_m"] if block_m else [])
+        n = min(total_q, total_k)
+        tk_own, why_own = tiling.wgmma_dkdv_for_variant(
+            tk_t, opts.variant, D, ["block_m"] if block_m else [],
+            tma=_takes_tma_backward(D, opts, "dkdv", tk_t._replace(block_m=32), n))
         if why_own:
             tk_t, rk = tk_own, f"{rk}; {why_own}"
-        tq_own, why_own = tiling.wgmma_dq_for_variant(tq_t, opts.variant, ["block_n"] if block_n else [])
+        tq_own, why_own = tiling.wgmma_dq_for_variant(tq_t, opts.variant, ["block_n"] if block_n else [], D,
+                                                      tma=_takes_tma_backward(D, opts, "dq", tq_t, n))
         if why_own:
             tq_t, rq = tq_own, f"{rq}; {why_own}"
         tail = ("scale_log2", "scale") + OPTION_PARAMS
@@ -896,7 +900,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                                                     wgmma_backward.DKDV_MAPS)):
             # a producer warpgroup copies with tensor maps where the kernel takes them (rows: the tiles loaded
             # once, loop: those of the pipeline)
-            tma = _takes_tma_backward(D, opts, which, t, min(total_q, total_k))
+            tma = _takes_tma_backward(D, opts, which, t, n)
             param = f"maps_{which}"
             arrays[param] = array_meta((len(maps) if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
             wg = rows // 64

@@ -367,28 +367,42 @@ def _per_entry_options(variant) -> int:
     return sum(bool(x) for x in (has_left, has_right, softcap, alibi, dropout))
 
 
-def wgmma_dkdv_for_variant(t: Tiles, variant, D, given=()) -> tuple[Tiles, str]:
+def wgmma_dkdv_for_variant(t: Tiles, variant, D, given=(), tma=False) -> tuple[Tiles, str]:
     """The Hopper dK/dV kernel's tiles for ``variant`` at head dim D, and why they differ from ``t`` ("" where not);
-    ``given``: the names the caller chose (kept). A thread holds dK_j and dV_j of its keys (two D / 2 float32)
+    ``given``: the names the caller chose (kept); ``tma``: whether the kernel can copy with tensor maps at query
+    tiles of 32 (``wgmma_backward.takes_tma``). A thread holds dK_j and dV_j of its keys (two D / 2 float32)
     beside S^T and dP^T of 64 queries: above d = 64, ALiBi's or dropout's per-entry work then spills (compiled for
-    sm_90a), and so do more than two per-entry options at any head dim; those variants take query tiles of 32."""
+    sm_90a), and so do more than two per-entry options at any head dim; those variants take query tiles of 32.
+    Above d = 96 a producer warpgroup leaves the two that compute too few registers for query tiles of 64
+    (``wgmma_backward.CONSUMER_REGISTERS``): where the tensor maps can copy, query tiles of 32 with the producer are
+    faster than tiles of 64 with every thread copying (docs/benchmarks.md, "How fast is the Hopper backward?")."""
     _, _, _, alibi, _, dropout = variant
     heavy = (D > 64 and (alibi or dropout)) or _per_entry_options(variant) > 2
-    if "block_m" in given or not heavy or t.block_m <= 32:
+    producer = tma and D > 96
+    if "block_m" in given or not (heavy or producer) or t.block_m <= 32:
         return t, ""
     return t._replace(block_m=32), ("query tiles of 32: " + ("more than two per-entry options"
                                                               if _per_entry_options(variant) > 2 else
                                                               "ALiBi's or dropout's per-entry work beside dK_j, dV_j "
-                                                              "of d > 64"))
+                                                              "of d > 64" if heavy else
+                                                              "room for the producer warpgroup's tensor-map copies "
+                                                              "beside dK_j, dV_j of d > 96"))
 
 
-def wgmma_dq_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
+def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tuple[Tiles, str]:
     """The Hopper dQ kernel's tiles for ``variant``: with more than two per-entry options the loop over a tile's
     64 keys is too long for the compiler to unroll, S and dP then go to local memory and the assembler serialises
-    the wgmma (compiled for sm_90a); those variants take key tiles of 32."""
-    if "block_n" in given or _per_entry_options(variant) <= 2 or t.block_n <= 32:
+    the wgmma (compiled for sm_90a); those variants take key tiles of 32. At head dim D = 64 with the tensor-map
+    copies (``tma``) and a causal-like right bound alone, tiles of 128 keys halve the tiles of the rows' short
+    loops (S, dP, dQ_i and dS packed within the producer's rebalanced registers)."""
+    if "block_n" in given:
         return t, ""
-    return t._replace(block_n=32), "key tiles of 32: more than two per-entry options"
+    if _per_entry_options(variant) > 2 and t.block_n > 32:
+        return t._replace(block_n=32), "key tiles of 32: more than two per-entry options"
+    has_left, has_right, softcap, alibi, _, dropout = variant
+    if tma and D == 64 and has_right and not (has_left or softcap or alibi or dropout) and t.block_n < 128:
+        return t._replace(block_n=128), "key tiles of 128: a right bound alone at d = 64 (fewer, longer tiles)"
+    return t, ""
 
 
 def plain_rows_per_warp(t: Tiles, variant, user_every_score=False) -> Tiles:

@@ -5,8 +5,8 @@ synccheck):
 
 sequences not a multiple of the tiles, causal and a window, float16 and bfloat16, one and two warpgroups, GQA,
 the dK/dV kernel's query tiles of 32 (ALiBi and dropout at head_dim 128), key tiles that no query sees, the
-tensor-map copies of two warpgroups and a producer at head_dim 64, 96 and 128,
-varlen with an empty sequence; each gradient's largest error against the float64 reference is printed.
+defaults at head_dim 128 and 64 (causal), the tensor-map copies of two warpgroups and a producer at head_dim 64,
+96 and 128, varlen with an empty sequence; each gradient's largest error against the float64 reference is printed.
 """
 
 import ml_dtypes
@@ -22,6 +22,10 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, tile
     (1, 90, 150, 2, 1, 128, np.float16, None, dict(causal=True, alibi_slopes=np.array([0.2, 0.5], np.float32))),
     # key tiles that no query sees (the dK/dV kernel's early return with zeros), a right bound and softcap
     (1, 40, 300, 2, 2, 128, np.float16, None, dict(window_size=(5, 3), softcap=8.0)),
+    # the defaults at head_dim 128 (the dK/dV kernel's query tiles of 32 with the producer) and 64 causal (the dQ
+    # kernel's key tiles of 128 with the producer)
+    (1, 130, 200, 2, 2, 128, np.float16, None, {}),
+    (2, 300, 300, 2, 1, 64, np.float16, None, dict(causal=True)),
     # the tensor-map copies at head_dim 96 (the 64-byte swizzle), GQA, a window
     (2, 150, 211, 4, 2, 96, ml_dtypes.bfloat16, None, dict(window_size=(60, 10))),
 ]

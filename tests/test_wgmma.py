@@ -409,8 +409,11 @@ def test_backward_two_warpgroups_every_option():
 
 @pytest.mark.parametrize("D, opts, dq, dkdv, note", [
     # (two warpgroups: a producer warpgroup copying with tensor maps, 384 threads; the dK/dV kernel at d = 128 only
-    # with query tiles of 32, wgmma_backward.takes_tma)
-    (128, {}, (128, 64, 384), (64, 128, 256), False),
+    # with query tiles of 32, wgmma_backward.takes_tma, which it takes for them; a caller's query tiles of 64 keep
+    # every thread copying)
+    (128, {}, (128, 64, 384), (32, 128, 384), True),
+    (128, dict(causal=True), (128, 64, 384), (32, 128, 384), True),
+    (64, dict(causal=True), (128, 128, 384), (64, 128, 384), False),
     (128, dict(dropout_p=0.1), (128, 64, 384), (32, 128, 384), True),
     (96, dict(alibi_slopes=np.ones(2, np.float32)), (128, 64, 384), (32, 128, 384), True),
     (64, dict(dropout_p=0.1, causal=True), (128, 64, 384), (64, 128, 384), False),
@@ -423,7 +426,8 @@ def test_the_backward_plan_fits_the_tiles(D, opts, dq, dkdv, note):
     """The Hopper backward's tiles: each kernel's table, the dK/dV kernel's query tiles of 32 where ALiBi or
     dropout would spill above d = 64 or more than two per-entry options at any head dim, the dQ kernel's key
     tiles of 32 with more than two (tiling.wgmma_dkdv_for_variant, wgmma_dq_for_variant; said in the plan), the
-    tiles a caller gives applied to both kernels."""
+    dK/dV kernel's query tiles of 32 at d = 128 where a producer copies with tensor maps, the dQ kernel's key tiles
+    of 128 at d = 64 with a right bound alone, the tiles a caller gives applied to both kernels."""
     q = np.zeros((1, 70, 2, D), np.float16)
     lse = np.zeros((1, 2, 70), np.float32)
     p = flashnumba.plan_backward(q, q, q, q, q, lse, kernel="wgmma", device="sm_90", **opts)
@@ -442,7 +446,9 @@ plain = Variant()
 cases = [("dq", 128, 64, 2, "float16", plain, False), ("dkdv", 128, 64, 2, "float16", plain, False),
          ("dkdv", 64, 64, 2, "bfloat16", plain, False),
          # the tensor-map copies with the producer warpgroup (wgmma_backward.takes_tma): the defaults at d = 128, 64
-         ("dq", 128, 64, 2, "float16", plain, "tma"), ("dkdv", 64, 64, 2, "bfloat16", plain, "tma")]
+         # (the dK/dV kernel's query tiles of 32 at d = 128; the dQ kernel's key tiles of 128 at d = 64, causal)
+         ("dq", 128, 64, 2, "float16", plain, "tma"), ("dkdv", 64, 64, 2, "bfloat16", plain, "tma"),
+         ("dkdv", 128, 32, 2, "float16", plain, "tma"), ("dq", 64, 128, 2, "float16", Variant(False, True), "tma")]
 if FULL:
     every = Variant(True, True, True, True, True, True)
     # (the tiles the planner gives: with more than two per-entry options, dQ's key tiles and dK/dV's query tiles
@@ -484,7 +490,7 @@ def test_wgmma_backward_compiles_for_sm90a():
     spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
-    assert len(compiled) == (20 if FULL_COMPILE else 5)
+    assert len(compiled) == (22 if FULL_COMPILE else 7)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
         assert ("cp.async.bulk.tensor.4d" in r["ptx"]) == r["tma"], name
