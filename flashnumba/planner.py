@@ -883,7 +883,8 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         n = min(total_q, total_k)
         tk_own, why_own = tiling.wgmma_dkdv_for_variant(
             tk_t, opts.variant, D, ["block_m"] if block_m else [],
-            tma=_takes_tma_backward(D, opts, "dkdv", tk_t._replace(block_m=32), n))
+            tma=(_takes_tma_backward(D, opts, "dkdv", tk_t._replace(block_m=32), n)
+                 and not _takes_tma_backward(D, opts, "dkdv", tk_t, n)))
         if why_own:
             tk_t, rk = tk_own, f"{rk}; {why_own}"
         tq_own, why_own = tiling.wgmma_dq_for_variant(tq_t, opts.variant, ["block_n"] if block_n else [], D,

@@ -369,24 +369,24 @@ def _per_entry_options(variant) -> int:
 
 def wgmma_dkdv_for_variant(t: Tiles, variant, D, given=(), tma=False) -> tuple[Tiles, str]:
     """The Hopper dK/dV kernel's tiles for ``variant`` at head dim D, and why they differ from ``t`` ("" where not);
-    ``given``: the names the caller chose (kept); ``tma``: whether the kernel can copy with tensor maps at query
-    tiles of 32 (``wgmma_backward.takes_tma``). A thread holds dK_j and dV_j of its keys (two D / 2 float32)
-    beside S^T and dP^T of 64 queries: above d = 64, ALiBi's or dropout's per-entry work then spills (compiled for
-    sm_90a), and so do more than two per-entry options at any head dim; those variants take query tiles of 32.
+    ``given``: the names the caller chose (kept); ``tma``: whether query tiles of 32 let a producer warpgroup copy
+    with tensor maps where ``t``'s tiles do not (``wgmma_backward.takes_tma``). A thread holds dK_j and dV_j of its
+    keys (two D / 2 float32) beside S^T and dP^T of 64 queries: above d = 64, ALiBi's or dropout's per-entry work
+    then spills (compiled for sm_90a), and so do more than two per-entry options at any head dim; those variants
+    take query tiles of 32.
     Above d = 96 a producer warpgroup leaves the two that compute too few registers for query tiles of 64
     (``wgmma_backward.CONSUMER_REGISTERS``): where the tensor maps can copy, query tiles of 32 with the producer are
     faster than tiles of 64 with every thread copying (docs/benchmarks.md, "How fast is the Hopper backward?")."""
     _, _, _, alibi, _, dropout = variant
     heavy = (D > 64 and (alibi or dropout)) or _per_entry_options(variant) > 2
-    producer = tma and D > 96
-    if "block_m" in given or not (heavy or producer) or t.block_m <= 32:
+    if "block_m" in given or not (heavy or tma) or t.block_m <= 32:
         return t, ""
     return t._replace(block_m=32), ("query tiles of 32: " + ("more than two per-entry options"
                                                               if _per_entry_options(variant) > 2 else
                                                               "ALiBi's or dropout's per-entry work beside dK_j, dV_j "
                                                               "of d > 64" if heavy else
                                                               "room for the producer warpgroup's tensor-map copies "
-                                                              "beside dK_j, dV_j of d > 96"))
+                                                              "beside dK_j, dV_j"))
 
 
 def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tuple[Tiles, str]:
@@ -399,8 +399,8 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tupl
         return t, ""
     if _per_entry_options(variant) > 2 and t.block_n > 32:
         return t._replace(block_n=32), "key tiles of 32: more than two per-entry options"
-    has_left, has_right, softcap, alibi, _, dropout = variant
-    if tma and D == 64 and has_right and not (has_left or softcap or alibi or dropout) and t.block_n < 128:
+    has_right = variant[1]
+    if tma and D == 64 and has_right and _per_entry_options(variant) == 1 and t.block_n < 128:
         return t._replace(block_n=128), "key tiles of 128: a right bound alone at d = 64 (fewer, longer tiles)"
     return t, ""
 
