@@ -38,7 +38,9 @@ the assembler serialises every wgmma of a kernel where one sits behind a branch 
 kernel makes any subroutine call (a 64-bit integer division, libdevice's tanhf: the options use call-free forms,
 ``make_entry(..., no_calls=True)``). With dropout, a tile's mask is drawn into one bit an entry while its S and
 dP products run, before its entries are computed (the generator's rounds inside the loop over the entries would
-leave that loop rolled and the tile's accumulators in local memory, which serialises the wgmma).
+leave that loop rolled and the tile's accumulators in local memory, which serialises the wgmma). The entries are
+computed unmasked, and a second pass (:func:`make_mask_tile`) zeroes those past a sequence or out of the band only
+in the tiles that reach there, as the forward masks its scores.
 
 **Tensor-map copies** (``tma``, :func:`takes_tma`). With two warpgroups, a third, the producer, makes the copies
 as the forward's does (:mod:`flashnumba.kernels.wgmma_forward`, "Tensor-map copies"): one thread copies the tiles
@@ -183,6 +185,30 @@ def make_pieces(D, dtype):
 
 
 @functools.lru_cache(maxsize=None)
+def make_mask_tile(NS, has_left, has_right, keys_are_rows):
+    """mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, diag, left, right): 0 into this lane's entries of x and y
+    (accumulators of S-shaped tiles, NS registers: rows row0 and row0 + 8, columns col0 + 8 n and col0 + 8 n + 1)
+    that lie past a sequence or outside their query's band; the rows are keys and the columns queries where
+    ``keys_are_rows`` (the dK/dV kernel's S^T). Both kernels compute a tile's entries unmasked and call this only
+    for the tiles that reach past a sequence or a band (the forward's way): with the tests inside the loop over the
+    entries, the compiler turns their branch into predicated instructions that every tile would then execute."""
+
+    @cuda.jit(device=True, inline=True)
+    def mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, diag, left, right):
+        for n in range(NS // 4):
+            for e in range(4):
+                r = row0 + 8 * (e >> 1)
+                c = col0 + 8 * n + (e & 1)
+                i, j = (c, r) if keys_are_rows else (r, c)
+                if (i >= seqlen_q or j >= seqlen_k or (has_left and j < i + diag - left)
+                        or (has_right and j > i + diag + right)):
+                    x[4 * n + e] = float32(0.0)
+                    y[4 * n + e] = float32(0.0)
+
+    return mask_tile
+
+
+@functools.lru_cache(maxsize=None)
 def make_issue_sdp(D, dtype, tma, rows_a, rows_b, gap):
     """issue_sdp(s, dp, a1, a2, b): group 1 of both kernels, one commit: s = A1 B^T and dp = A2 B'^T (64 x rows_b,
     K = D), A1 and A2 this warpgroup's 64 rows (at byte addresses a1, a2) of tiles of rows_a rows, B a tile of rows_b
@@ -246,6 +272,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     load_core = make_load_core(D, NC)
     load_tile = make_load_stage(D, NC, B_C, OFF_K, OFF_V, BUF)  # K_j, V_j of tile jt into buffer jt % STAGES
     key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
+    mask_tile = make_mask_tile(NS, HAS_LEFT, HAS_RIGHT, False)
 
     @cuda.jit(device=True, inline=True)
     def key_tile(jt, hk, k_row0, _c2, _c3):
@@ -304,10 +331,12 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         for n in range(NS // 4):
             for x in range(4):
                 _, ds = entry(s[4 * n + x], dp[4 * n + x], i0 + r0 + 8 * (x >> 1), j0 + 8 * n + 2 * t + (x & 1),
-                              lrow[x >> 1], drow[x >> 1], masked, False, seqlen_q, seqlen_k, diag, scale_log2, scale,
+                              lrow[x >> 1], drow[x >> 1], False, False, seqlen_q, seqlen_k, diag, scale_log2, scale,
                               softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0,
                               (bits >> uint64(4 * n + x)) & uint64(1) != 0)
                 dp[4 * n + x] = ds
+        if masked:
+            mask_tile(dp, dp, i0 + r0, j0 + 2 * t, seqlen_q, seqlen_k, diag, left, right)
 
     @cuda.jit
     def backward_dq_wgmma(dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
@@ -455,6 +484,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     wait_s = hop.wgmma_ops(kind, B_R)[2]
     wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
     load_core = make_load_core(D, NC)
+    mask_tile = make_mask_tile(NS, HAS_LEFT, HAS_RIGHT, True)
 
     @cuda.jit(device=True, inline=True)
     def tile_of(it, hk, group, nt, m_begin):
@@ -529,11 +559,13 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             for x in range(4):
                 c = 8 * n + 2 * t + (x & 1)  # query column inside Q_i
                 pz, ds = entry(s[4 * n + x], dp[4 * n + x], i0 + c, j0 + r0 + 8 * (x >> 1), lsm[sel, c],
-                               dsm[sel, c], masked, False, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
+                               dsm[sel, c], False, False, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
                                right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0,
                                (bits >> uint64(4 * n + x)) & uint64(1) != 0)
                 s[4 * n + x] = pz
                 dp[4 * n + x] = ds
+        if masked:
+            mask_tile(s, dp, j0 + r0, i0 + 2 * t, seqlen_q, seqlen_k, diag, left, right)
 
     @cuda.jit(device=True, inline=True)
     def put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep):
