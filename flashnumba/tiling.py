@@ -394,7 +394,8 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tupl
     64 keys is too long for the compiler to unroll, S and dP then go to local memory and the assembler serialises
     the wgmma (compiled for sm_90a); those variants take key tiles of 32. At head dim D = 64 with the tensor-map
     copies (``tma``) and a causal-like right bound alone, tiles of 128 keys halve the tiles of the rows' short
-    loops (S, dP, dQ_i and dS packed within the producer's rebalanced registers)."""
+    loops (S, dP, dQ_i and dS packed within the producer's rebalanced registers; without the producer, in 255
+    registers a thread, they spill)."""
     if "block_n" in given:
         return t, ""
     if _per_entry_options(variant) > 2 and t.block_n > 32:
