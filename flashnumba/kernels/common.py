@@ -163,6 +163,18 @@ def make_key_range(B_r, B_c, has_left, has_right):
     return key_range
 
 
+def make_outside(has_left, has_right):
+    """outside(i, j, seqlen_q, seqlen_k, diag, left, right): whether the entry of query i and key j lies past a
+    sequence or out of the query's band (keys i + diag - left .. i + diag + right): the backward kernels' mask."""
+
+    @cuda.jit(device=True, inline=True)
+    def outside(i, j, seqlen_q, seqlen_k, diag, left, right):
+        return (i >= seqlen_q or j >= seqlen_k or (has_left and j < i + diag - left)
+                or (has_right and j > i + diag + right))
+
+    return outside
+
+
 @functools.lru_cache(maxsize=None)
 def make_key_tiles(B_r, B_c, has_left, has_right):
     """key_tiles(i0, seqlen_q, seqlen_k, diag, left, right) -> (last_row, n_start, n_tiles): the key range of

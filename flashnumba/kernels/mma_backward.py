@@ -55,8 +55,8 @@ import functools
 from . import bf16, ptx
 from .._backend import cuda
 from .block_mask import make_block_full, make_block_tiles
-from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_score_mod, make_sequence_geometry,
-                     make_user_mods)
+from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_score_mod,
+                     make_sequence_geometry, make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
                         make_mma_atb, padded, tile_landed)
 from numba import float32, uint16, uint32
@@ -148,6 +148,7 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
     user_score, user_mask = make_user_mods(mods)
     SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE
     score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls)
+    outside = make_outside(HAS_LEFT, HAS_RIGHT)
 
     @cuda.jit(device=True, inline=True)
     def entry_kept(sv, dpv, i, j, l2, di, masked, partial, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
@@ -165,8 +166,7 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
         else:  # one FMA and the exponential
             p = ptx.exp2_ftz(cuda.fma(sv, scale_log2, -l2))
         if masked:
-            if (i >= seqlen_q or j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
-                    or (HAS_RIGHT and j > i + diag + right)):
+            if outside(i, j, seqlen_q, seqlen_k, diag, left, right):
                 p = float32(0.0)
         if USER_MASK and not shown:
             p = float32(0.0)

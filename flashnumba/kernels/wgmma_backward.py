@@ -62,7 +62,7 @@ from numba import float32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
-from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_sequence_geometry
+from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_sequence_geometry
 from .mma_backward import _store_bf16, make_entry, make_stats
 from .wgmma_forward import (HEAD_DIMS, STAGES, init_stages, make_load_core, make_load_stage, make_swizzled_products,
                             make_tma_producer, publish_tile, swizzle_base, swizzle_span, takes_tma as forward_takes_tma,
@@ -192,6 +192,7 @@ def make_mask_tile(NS, has_left, has_right, keys_are_rows):
     ``keys_are_rows`` (the dK/dV kernel's S^T). Both kernels compute a tile's entries unmasked and call this only
     for the tiles that reach past a sequence or a band (the forward's way): with the tests inside the loop over the
     entries, the compiler turns their branch into predicated instructions that every tile would then execute."""
+    outside = make_outside(has_left, has_right)
 
     @cuda.jit(device=True, inline=True)
     def mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, diag, left, right):
@@ -200,8 +201,7 @@ def make_mask_tile(NS, has_left, has_right, keys_are_rows):
                 r = row0 + 8 * (e >> 1)
                 c = col0 + 8 * n + (e & 1)
                 i, j = (c, r) if keys_are_rows else (r, c)
-                if (i >= seqlen_q or j >= seqlen_k or (has_left and j < i + diag - left)
-                        or (has_right and j > i + diag + right)):
+                if outside(i, j, seqlen_q, seqlen_k, diag, left, right):
                     x[4 * n + e] = float32(0.0)
                     y[4 * n + e] = float32(0.0)
 
