@@ -26,7 +26,7 @@ NumPy scalar view; everything else below runs unchanged in both.
 from __future__ import annotations
 
 import numpy as np
-from numba import float32, int32, uint16, uint32
+from .scalars import float32, int32, uint16, uint32
 
 from .._backend import SIMULATOR, cuda
 

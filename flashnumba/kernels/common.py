@@ -32,7 +32,7 @@ import types
 
 from . import philox, ptx
 from .._backend import cuda
-from numba import float32, uint64
+from .scalars import float32, uint64
 
 # The dropout mask's random numbers (see philox.py), as device functions.
 dropout_uniform = cuda.jit(device=True)(philox.make_uniform(cuda.jit(device=True)(philox.philox4x32_10)))

@@ -59,8 +59,7 @@ from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outsi
                      make_sequence_geometry, make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
                         make_mma_atb, padded, tile_landed)
-from numba import float32, uint16, uint32
-from numba.cuda.types import float16
+from .scalars import float16, float32, uint16, uint32
 
 TILES = (16, 32, 64, 128)  # block_m and block_n: multiples of the 16 rows of one warp
 BACKWARD_HEAD_DIMS = HEAD_DIMS  # every multiple of 8 up to 256

@@ -48,8 +48,7 @@ from . import bf16, ptx
 from .._backend import cuda
 from .common import LN2, LOG2E, NEG_INF, make_score_mod
 from .mma_tiles import HEAD_DIMS, PAD, WARP_ROWS, make_mma_ab_rows, make_mma_abt_rows, padded
-from numba import float32, uint16, uint32
-from numba.cuda.types import float16
+from .scalars import float16, float32, uint16, uint32
 
 ROWS = WARP_ROWS  # rows (query position, head) of a block: one m16 block
 # K_j, V_j buffers by default: one tile in flight while the warps compute on the other. The blocks of an SM together

@@ -63,8 +63,7 @@ from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_
                      make_score_mod, make_sequence_geometry, make_user_mods)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
-from numba import float32, uint16, uint32, uint64
-from numba.cuda.types import float16  # numba-cuda's own float16 (numba.types.float16 does not type in kernels)
+from .scalars import float16, float32, uint16, uint32, uint64
 
 
 def shared_bytes(D, B_c, B_r):

@@ -34,7 +34,7 @@ from . import ptx
 from .._backend import cuda
 from .common import LN2, NEG_INF, make_key_range
 from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
-from numba import float32, uint32
+from .scalars import float32, uint32
 
 HEAD_DIMS = (64, 128)  # the head dims the TF32 kernels are built and tuned for
 

@@ -39,7 +39,7 @@ from .._backend import cuda
 from .common import LOG2E, NEG_INF, make_key_range
 from .mma_tf32 import HEAD_DIMS, PAD_K, PRECISIONS, make_load_a_step, make_tf32_ops
 from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
-from numba import float32, uint32
+from .scalars import float32, uint32
 
 
 def shared_bytes_dq(D, block_m, block_n):

@@ -131,7 +131,7 @@ import functools
 import threading
 
 import numpy as np
-from numba import int64
+from .scalars import int64
 
 from .._backend import SIMULATOR, cuda
 from . import ptx

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import float32, uint32, uint64
+from .scalars import float32, uint32, uint64
 
 from . import bf16 as _bf16, ptx
 from .._backend import cuda

@@ -48,7 +48,7 @@ from . import bf16 as _bf16
 from .._backend import cuda
 from .common import (LN2, LOG2E, NEG_INF, Variant, dropout_uniform, make_key_range, make_score_mod,
                      make_sequence_geometry, make_user_mods)
-from numba import float32, int64, uint64
+from .scalars import float32, int64, uint64
 
 
 # ---------------------------------------------------------------------------------------------------------------

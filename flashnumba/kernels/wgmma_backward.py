@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import functools
 
-from numba import float32, int64, uint16, uint32, uint64
+from .scalars import float16, float32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
@@ -67,7 +67,6 @@ from .mma_backward import _store_bf16, make_entry, make_stats
 from .wgmma_forward import (HEAD_DIMS, STAGES, init_stages, make_load_core, make_load_stage, make_swizzled_products,
                             make_tma_producer, publish_tile, swizzle_base, swizzle_span, takes_tma as forward_takes_tma,
                             wait_phase)
-from numba.cuda.types import float16
 
 WARPGROUPS = (1, 2)
 DQ_BLOCK_NS = (32, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)

@@ -87,13 +87,12 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import float32, uint16, uint32, uint64
+from .scalars import float16, float32, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
                      make_sequence_geometry)
-from numba.cuda.types import float16
 
 HEAD_DIMS = (64, 96, 128)  # head dims a multiple of 32 (the copies' 4 column blocks a warp) with S and O in registers
 BLOCK_NS = (64, 128)  # keys a tile (N of S's wgmma)
