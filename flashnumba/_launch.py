@@ -475,14 +475,64 @@ class Bound:
 SIM_SWITCH_INTERVAL_S = 0.0005  # the interpreter's thread switch interval while a simulated kernel runs
 
 
+def _yielding_block_manager():
+    """Numba's simulator's block manager with a poll that hands over the interpreter (built on first use).
+
+    The simulator runs each CUDA thread of a block as a Python thread and releases them from ``syncthreads``
+    once a loop in the launching thread has seen every live one blocked there. That loop never blocks, so each
+    time a simulated thread waits (at a barrier, or at a warp's or warpgroup's rendezvous of :mod:`.kernels.ptx`)
+    the interpreter may pass to the loop, which keeps it for a whole switch interval: a rendezvous of 32 threads
+    cost some 32 intervals. This manager's loop sleeps for zero seconds on every round, which lets a waiting
+    thread run at once; what it checks, and when it releases a barrier, are unchanged: every live thread blocked
+    in ``syncthreads``, an exception in any thread aborts the block."""
+    global _YieldingBlockManager
+    if _YieldingBlockManager is not None:
+        return _YieldingBlockManager
+    import time
+
+    from numba.cuda.simulator import kernel as simkernel
+
+    class Manager(simkernel.BlockManager):
+        def run(self, grid_point, *args):
+            def target():
+                self._f(*args)
+
+            threads = [simkernel.BlockThread(target, self, grid_point, p, self._debug)
+                       for p in np.ndindex(*self._block_dim)]
+            for t in threads:
+                t.start()
+            live = threads
+            while live:
+                time.sleep(0)  # (releases the interpreter: a thread that can run now runs)
+                failed = next((t for t in live if t.exception), None)
+                if failed is not None:
+                    for t in threads:  # the others stop at their next syncthreads
+                        t.abort, t.syncthreads_blocked = True, False
+                        t.syncthreads_event.set()
+                    raise failed.exception[0].with_traceback(failed.exception[1])
+                live = [t for t in live if t.is_alive()]
+                if live and all(t.syncthreads_blocked for t in live):
+                    for t in live:
+                        t.syncthreads_blocked = False
+                        t.syncthreads_event.set()
+            for t in threads:
+                if t.exception:
+                    raise t.exception[0].with_traceback(t.exception[1])
+
+    _YieldingBlockManager = Manager
+    return Manager
+
+
+_YieldingBlockManager = None
+
+
 class SimBound:
     """One kernel of a plan under the simulator: Numba's dispatcher, arrays and NumPy scalars as they are.
 
     The simulator runs each CUDA thread of a block as a Python thread, and its block manager polls them from the
-    launching thread; the threads hand the interpreter to one another every switch interval, and at Python's
-    default (5 ms) a thread that a barrier has released waits out the poller's whole turn. So the launch runs
-    with a tenth of it (:data:`SIM_SWITCH_INTERVAL_S`) and puts the caller's back after: simulated tensor-core
-    kernels then run about twice as fast (docs/testing.md)."""
+    launching thread. The launch runs with :func:`_yielding_block_manager`'s manager, whose poll hands the
+    interpreter over at once, and with a tenth of Python's default thread switch interval
+    (:data:`SIM_SWITCH_INTERVAL_S`), so that a thread a barrier released soon runs; both are put back after."""
 
     def __init__(self, spec: KernelLaunch, arrays: dict, scalars: dict):
         self.spec = spec
@@ -490,13 +540,17 @@ class SimBound:
         self.scalars = scalars
 
     def __call__(self, values: dict, stream: int = 0):
+        from numba.cuda.simulator import kernel as simkernel
+
         s = self.spec
         args = [values[p] if p in values else self.scalars[p] for p in s.params]
-        saved = sys.getswitchinterval()
+        saved, manager = sys.getswitchinterval(), simkernel.BlockManager
         sys.setswitchinterval(min(saved, SIM_SWITCH_INTERVAL_S))
+        simkernel.BlockManager = _yielding_block_manager()
         try:
             self.kernel[s.grid, s.block, 0, s.shared_bytes](*args)
         finally:
+            simkernel.BlockManager = manager
             sys.setswitchinterval(saved)
 
 
