@@ -24,7 +24,8 @@ How ``kernel=None`` chooses:
   unpacked; only without CuPy, which makes those copies, do strided inputs keep ``tc``.
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
   ``fallback`` and a one-time :class:`SlowPathWarning` says so (``flashnumba.config.warn_slow_path = False``
-  silences it). Under the simulator the SIMT kernels are chosen without a warning.
+  silences it). Under the simulator the SIMT kernels are chosen without a warning, with one warp on 16 x 16
+  tiles unless tiles are given (:data:`flashnumba.tiling.SIMULATED`).
 * float32: the SIMT kernels (``v3`` / ``v2``), exact float32 arithmetic; the TF32 kernels are opt-in
   (``kernel="tf32"`` or ``"3xtf32"``), since they round the operands.
 
@@ -493,7 +494,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     lse_spec, arrays["lse"] = _output("lse", lse_user, np.dtype(np.float32), lead)
     scalars = _option_scalars(opts)
     table = family
-    t, reason = tiling.resolve(table, D, limits, block_m, block_n, num_threads)
+    t, reason = tiling.resolve(table, D, limits, block_m, block_n, num_threads,
+                               simulated=SIMULATOR and device is None)
     nk = tk.shape[-2]
     grid = (_cdiv(max_q, t.block_m), bsz * nheads)
     io = ("q", "k", "v", "out", "lse")
@@ -932,7 +934,8 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                           (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
                           tiling.shared_bytes("tf32_dkdv", D, tk_t)[0], tk_t, rk)
     elif family == "v1":
-        t, reason = tiling.resolve("bwd_v1", D, limits, block_m, block_n, num_threads)
+        t, reason = tiling.resolve("bwd_v1", D, limits, block_m, block_n, num_threads,
+                                   simulated=SIMULATOR and device is None)
         dq = KernelLaunch("dQ v1", "bwd_v1", simt_backward.make_backward_dq_v1,
                           (D, t.block_m, t.block_n, opts.right == 0, bf16), io_dq + ("scale",),
                           (_cdiv(max_q, t.block_m), bsz * nheads), (t.block_m,), 0, t, reason)
@@ -940,7 +943,8 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                           (D, t.block_m, t.block_n, opts.right == 0, bf16), io_kv + ("scale",),
                           (_cdiv(max_k, t.block_n), bsz * nk), (t.block_n,), 0, t, reason)
     else:
-        t, reason = tiling.resolve("bwd_v2", D, limits, block_m, block_n, num_threads)
+        t, reason = tiling.resolve("bwd_v2", D, limits, block_m, block_n, num_threads,
+                                   simulated=SIMULATOR and device is None)
         args = (D, t.block_m, t.block_n, t.num_threads, opts.variant, bf16, opts.mods)
         dq = KernelLaunch("dQ v2", "bwd_v2", simt_backward.make_backward_dq_v2, args,
                           io_dq + ("scale",) + OPTION_PARAMS + MOD_PARAMS, (_cdiv(max_q, t.block_m), bsz * nheads),

@@ -309,6 +309,14 @@ TABLES = {
 }
 TABLES["v3"] = TABLES["v2"]
 
+# The default tiles of the SIMT families when the simulator runs the kernels (the planner's ``simulated``): each
+# simulated thread is a Python thread that works through its whole share of a tile, padding included, so the GPU's
+# tiles (up to 128 x 64 with 128 or 256 threads) cost the small shapes the simulator runs 8 to 30 times the
+# simulated work of one warp on 16 x 16. The kernels take any valid tiles; tests that name the GPU's tiles run them
+# in the simulator too.
+SIMULATED = {"v2": Tiles(16, 16, 32), "v3": Tiles(16, 16, 32), "bwd_v2": Tiles(16, 16, 32), "v1": Tiles(16, 16, 16),
+             "bwd_v1": Tiles(16, 16, 16)}
+
 FORWARD_FAMILIES = ("v1", "v2", "v3", "tc", "tf32", "3xtf32", "wgmma")
 BACKWARD_FAMILIES = ("v1", "v2", "tc", "tf32", "3xtf32", "wgmma")
 BACKWARD_TABLES = {"v1": ("bwd_v1",), "v2": ("bwd_v2",), "tc": ("tc_dq", "tc_dkdv"),
@@ -593,10 +601,17 @@ def largest_fitting(table: str, D: int, limits: DeviceLimits) -> str:
     return ", ".join(f"(block_m {t.block_m}, block_n {t.block_n})" for t in ok[:3]) or "none"
 
 
-def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None, num_threads=None):
+def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None, num_threads=None,
+            simulated=False):
     """(Tiles, reason) for a family: the table's default where the caller gives nothing, else the caller's
-    values (what is not given taken from the default) checked against the family's rules and the device."""
+    values (what is not given taken from the default) checked against the family's rules and the device.
+    ``simulated``: the call runs in the simulator, whose default tiles for the SIMT families are
+    :data:`SIMULATED` where they fit."""
     if block_m is None and block_n is None and num_threads is None:
+        if simulated and table in SIMULATED and fits(table, D, SIMULATED[table], limits):
+            t = SIMULATED[table]
+            return t, f"the simulator's tiles: B_r {t.block_m}, B_c {t.block_n}, one warp (each simulated thread " \
+                      f"is a Python thread)"
         c = default(table, D, limits)
         return threads_of(table, c.tiles, D), c.reason
     try:

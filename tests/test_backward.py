@@ -119,6 +119,21 @@ def test_backward_large_logits(causal, kw):
     check_backward(grads, dout, q, k, v, out, lse, causal=causal)
 
 
+def test_the_gpus_default_tiles():
+    """The tiles the default backward plan gives on a GPU (the simulator's own default is one warp on 16 x 16
+    tiles; these take 256 simulated threads, so one tile of each, part full): causal."""
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, 1, 45, 40, 1, 40)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
+    launches = flashnumba.plan_backward(dout, q, k, v, out, lse, causal=True, device="sm_90").launches
+    (t,) = {x.tiles for x in launches if x.tiles is not None}
+    assert [x.name for x in launches] == ["D_i preprocess", "dQ v2", "dK/dV v2"] and t.num_threads == 256
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True, block_m=t.block_m,
+                                           block_n=t.block_n, num_threads=t.num_threads)
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+
+
 def test_attention_with_grad_equals_forward_then_backward():
     rng = np.random.default_rng(4)
     q, k, v = random_qkv(rng, 1, 19, 23, 2, 8)
@@ -195,11 +210,11 @@ def test_preprocess_kernels_match_numpy(seqlen, head_dim, rows, bf16):
         pytest.skip("ml_dtypes is not installed")
     rng = np.random.default_rng(seqlen + head_dim)
     dtype = bfloat16() if bf16 else np.float32
-    dout, out = (rng.standard_normal((2, seqlen, 3, head_dim)).astype(dtype) for _ in range(2))
+    dout, out = (rng.standard_normal((2, seqlen, 2, head_dim)).astype(dtype) for _ in range(2))
     want = (dout.astype(np.float64) * out.astype(np.float64)).sum(-1).transpose(0, 2, 1)
     dev = [cuda.to_device(x.view(BITS) if bf16 else x) for x in (dout, out)]
     for make, block, per_block in ((backward.make_backward_preprocess, 64, 64),
                                    (backward.make_backward_preprocess_warp, 32 * rows, rows)):
-        delta = cuda.to_device(np.full((2, 3, seqlen), np.nan, np.float32))
-        make(head_dim, per_block, bf16=bf16)[(-(-seqlen // per_block), 6), block](*dev, delta)
+        delta = cuda.to_device(np.full((2, 2, seqlen), np.nan, np.float32))
+        make(head_dim, per_block, bf16=bf16)[(-(-seqlen // per_block), 4), block](*dev, delta)
         np.testing.assert_allclose(delta.copy_to_host(), want, rtol=1e-5, atol=1e-5 * np.sqrt(head_dim))

@@ -168,6 +168,20 @@ def test_blocks_larger_than_the_sequence(kernel):
     check_forward(out, lse, q, k, v)
 
 
+def test_the_gpus_default_tiles():
+    """The tiles the default plan gives on a GPU (the simulator's own default is one warp on 16 x 16 tiles):
+    query and key tiles each part full, causal, GQA."""
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, 1, 150, 90, 2, 40)
+    k, v = k[:, :, :1].copy(), v[:, :, :1].copy()
+    (launch,) = flashnumba.plan(q, k, v, causal=True, device="sm_90").launches
+    t = launch.tiles
+    assert (launch.name, t.block_m, t.block_n, t.num_threads) == ("forward v3", 128, 64, 128)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True, block_m=t.block_m, block_n=t.block_n,
+                                             num_threads=t.num_threads)
+    check_forward(out, lse, q, k, v, causal=True)
+
+
 @pytest.mark.parametrize("seqlen,d", [(0, 8), (5, 8)])
 def test_zero_batch_or_seqlen_returns_empty(seqlen, d):
     q = np.zeros((2, seqlen, 3, d), np.float32)
