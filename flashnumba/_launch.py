@@ -475,8 +475,9 @@ class Bound:
 SIM_SWITCH_INTERVAL_S = 0.0005  # the interpreter's thread switch interval while a simulated kernel runs
 
 
-def _yielding_block_manager():
-    """Numba's simulator's block manager with a poll that hands over the interpreter (built on first use).
+def _install_yielding_block_manager():
+    """Give Numba's simulator a block manager whose poll hands over the interpreter (flashnumba does this on
+    import, under the simulator; it changes how fast simulated kernels run, not what they compute).
 
     The simulator runs each CUDA thread of a block as a Python thread and releases them from ``syncthreads``
     once a loop in the launching thread has seen every live one blocked there. That loop never blocks, so each
@@ -484,15 +485,12 @@ def _yielding_block_manager():
     the interpreter may pass to the loop, which keeps it for a whole switch interval: a rendezvous of 32 threads
     cost some 32 intervals. This manager's loop sleeps for zero seconds on every round, which lets a waiting
     thread run at once; what it checks, and when it releases a barrier, are unchanged: every live thread blocked
-    in ``syncthreads``, an exception in any thread aborts the block."""
-    global _YieldingBlockManager
-    if _YieldingBlockManager is not None:
-        return _YieldingBlockManager
+    in ``syncthreads``; an exception in any thread aborts the block."""
     import time
 
     from numba.cuda.simulator import kernel as simkernel
 
-    class Manager(simkernel.BlockManager):
+    class YieldingBlockManager(simkernel.BlockManager):
         def run(self, grid_point, *args):
             def target():
                 self._f(*args)
@@ -519,20 +517,20 @@ def _yielding_block_manager():
                 if t.exception:
                     raise t.exception[0].with_traceback(t.exception[1])
 
-    _YieldingBlockManager = Manager
-    return Manager
+    simkernel.BlockManager = YieldingBlockManager
 
 
-_YieldingBlockManager = None
+if SIMULATOR:
+    _install_yielding_block_manager()
 
 
 class SimBound:
     """One kernel of a plan under the simulator: Numba's dispatcher, arrays and NumPy scalars as they are.
 
     The simulator runs each CUDA thread of a block as a Python thread, and its block manager polls them from the
-    launching thread. The launch runs with :func:`_yielding_block_manager`'s manager, whose poll hands the
-    interpreter over at once, and with a tenth of Python's default thread switch interval
-    (:data:`SIM_SWITCH_INTERVAL_S`), so that a thread a barrier released soon runs; both are put back after."""
+    launching thread (:func:`_install_yielding_block_manager`). The launch runs with a tenth of Python's default
+    thread switch interval (:data:`SIM_SWITCH_INTERVAL_S`), so that a thread a barrier released soon runs, and
+    puts the caller's back after."""
 
     def __init__(self, spec: KernelLaunch, arrays: dict, scalars: dict):
         self.spec = spec
@@ -540,17 +538,13 @@ class SimBound:
         self.scalars = scalars
 
     def __call__(self, values: dict, stream: int = 0):
-        from numba.cuda.simulator import kernel as simkernel
-
         s = self.spec
         args = [values[p] if p in values else self.scalars[p] for p in s.params]
-        saved, manager = sys.getswitchinterval(), simkernel.BlockManager
+        saved = sys.getswitchinterval()
         sys.setswitchinterval(min(saved, SIM_SWITCH_INTERVAL_S))
-        simkernel.BlockManager = _yielding_block_manager()
         try:
             self.kernel[s.grid, s.block, 0, s.shared_bytes](*args)
         finally:
-            simkernel.BlockManager = manager
             sys.setswitchinterval(saved)
 
 

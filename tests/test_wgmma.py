@@ -186,12 +186,14 @@ import json
 from flashnumba import _launch
 from flashnumba.kernels import wgmma_forward
 from flashnumba.kernels.common import Variant
-cases = [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat16", Variant(), False, False),
-         (128, 64, 2, "float16", Variant(), False, 4), (128, 128, 2, "float16", Variant(), False, 4),
-         # the tiles copied with tensor maps (wgmma_forward.takes_tma): the defaults at d = 128 and 64
-         (128, 128, 2, "float16", Variant(), False, "tma"), (64, 128, 2, "bfloat16", Variant(), True, "tma")]
+# per push: the defaults at d = 128 and 64 (tiles copied with tensor maps, wgmma_forward.takes_tma) and the
+# producer's per-thread copies
+cases = [(128, 128, 2, "float16", Variant(), False, "tma"), (64, 128, 2, "bfloat16", Variant(), True, "tma"),
+         (128, 64, 2, "float16", Variant(), False, 4)]
 if FULL:
-    cases += [(128, 128, 2, "float16", Variant(False, True, False, False, False, True), True, "tma"),
+    cases += [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat16", Variant(), False, False),
+              (128, 128, 2, "float16", Variant(), False, 4),
+              (128, 128, 2, "float16", Variant(False, True, False, False, False, True), True, "tma"),
               (64, 128, 2, "bfloat16", Variant(True, True, True, False, False, False), False, "tma"),
               (128, 128, 2, "float16", Variant(False, False, True, True, False, False), False, "tma"),
               (96, 128, 2, "bfloat16", Variant(False, True), True, "tma")]
@@ -236,7 +238,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     pytest.importorskip("cuda.bindings.nvjitlink")
     from flashnumba.kernels import wgmma_forward
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (22 if FULL_COMPILE else 6)
+    assert len(compiled) == (22 if FULL_COMPILE else 3)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         copies = (("cp.async.bulk.tensor.4d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire")
@@ -443,13 +445,14 @@ from flashnumba import _launch
 from flashnumba.kernels import wgmma_backward as wb
 from flashnumba.kernels.common import Variant
 plain = Variant()
-cases = [("dq", 128, 64, 2, "float16", plain, False), ("dkdv", 128, 64, 2, "float16", plain, False),
-         ("dkdv", 64, 64, 2, "bfloat16", plain, False),
-         # the tensor-map copies with the producer warpgroup (wgmma_backward.takes_tma): the defaults at d = 128, 64
-         # (the dK/dV kernel's query tiles of 32 at d = 128; the dQ kernel's key tiles of 128 at d = 64, causal)
-         ("dq", 128, 64, 2, "float16", plain, "tma"), ("dkdv", 64, 64, 2, "bfloat16", plain, "tma"),
-         ("dkdv", 128, 32, 2, "float16", plain, "tma"), ("dq", 64, 128, 2, "float16", Variant(False, True), "tma")]
+# per push: the defaults, with the tensor-map copies and the producer warpgroup (wgmma_backward.takes_tma), at
+# d = 128 (the dK/dV kernel's query tiles of 32) and at d = 64 (the dQ kernel's key tiles of 128, causal), and the
+# per-thread copies of one kernel
+cases = [("dq", 128, 64, 2, "float16", plain, "tma"), ("dkdv", 128, 32, 2, "float16", plain, "tma"),
+         ("dq", 64, 128, 2, "float16", Variant(False, True), "tma"), ("dkdv", 64, 64, 2, "bfloat16", plain, False)]
 if FULL:
+    cases += [("dq", 128, 64, 2, "float16", plain, False), ("dkdv", 128, 64, 2, "float16", plain, False),
+              ("dkdv", 64, 64, 2, "bfloat16", plain, "tma")]
     every = Variant(True, True, True, True, True, True)
     # (the tiles the planner gives: with more than two per-entry options, dQ's key tiles and dK/dV's query tiles
     # of 32; above d = 64 the same for dK/dV with ALiBi or dropout: tiling.wgmma_dq_for_variant, _dkdv_for_variant)
@@ -492,7 +495,7 @@ def test_wgmma_backward_compiles_for_sm90a():
     spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
-    assert len(compiled) == (22 if FULL_COMPILE else 7)
+    assert len(compiled) == (22 if FULL_COMPILE else 4)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
         assert ("cp.async.bulk.tensor.4d" in r["ptx"]) == r["tma"], name
