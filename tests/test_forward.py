@@ -37,7 +37,10 @@ BLOCKS = [
 
 
 def _padded_work(batch, nheads, seqlen_q, seqlen_k, head_dim, kernel, block_m, block_n):
-    bm, bn, _ = tiling.default(kernel, head_dim, flashnumba.planner.current_device()).tiles
+    if flashnumba.SIMULATOR and block_m is None and block_n is None:  # (the simulator's own default tiles)
+        bm, bn, _ = tiling.SIMULATED[kernel]
+    else:
+        bm, bn, _ = tiling.default(kernel, head_dim, flashnumba.planner.current_device()).tiles
     bm, bn = block_m or bm, block_n or bn
     pq = -(-seqlen_q // bm) * bm
     pk = -(-seqlen_k // bn) * bn
