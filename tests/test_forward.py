@@ -36,12 +36,11 @@ BLOCKS = [
 ]
 
 
-def _padded_work(batch, nheads, seqlen_q, seqlen_k, head_dim, kernel, block_m, block_n):
-    if flashnumba.SIMULATOR and block_m is None and block_n is None:  # (the simulator's own default tiles)
-        bm, bn, _ = tiling.SIMULATED[kernel]
-    else:
-        bm, bn, _ = tiling.default(kernel, head_dim, flashnumba.planner.current_device()).tiles
-    bm, bn = block_m or bm, block_n or bn
+def _padded_work(batch, nheads, seqlen_q, seqlen_k, head_dim, kernel, block_m, block_n, num_threads):
+    """The simulated work of one example: the tiles the call will run (the planner's, the simulator's own default
+    where none are drawn), padding included."""
+    (bm, bn, _), _ = tiling.resolve(kernel, head_dim, flashnumba.planner.current_device(), block_m, block_n,
+                                    num_threads, simulated=flashnumba.SIMULATOR)
     pq = -(-seqlen_q // bm) * bm
     pk = -(-seqlen_k // bn) * bn
     return batch * nheads * pq * pk * max(head_dim, 8)
@@ -74,7 +73,8 @@ def test_forward_matches_reference(batch, nheads, seqlen_q, seqlen_k, head_dim, 
                                    array_type, seed):
     kernel, block_m, block_n, num_threads = blocks
     assume(_fits(kernel, head_dim, block_m, block_n, num_threads))
-    assume(_padded_work(batch, nheads, seqlen_q, seqlen_k, head_dim, kernel, block_m, block_n) <= WORK_BUDGET)
+    assume(_padded_work(batch, nheads, seqlen_q, seqlen_k, head_dim, kernel, block_m, block_n, num_threads)
+           <= WORK_BUDGET)
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
     out, lse = flashnumba.flash_attn_forward(
