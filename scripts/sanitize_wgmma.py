@@ -5,7 +5,7 @@ synccheck):
 
 sequences not a multiple of the tiles, causal on and off, float16 and bfloat16, one and two warpgroups, B_c 64 and
 128, GQA with a window, varlen with an empty sequence; the cases of two warpgroups and the producer warpgroup (the
-default threads) copy with tensor maps (head_dim 64, 96 and 128, GQA with a window too), the one of one warpgroup
+default threads) copy with tensor maps (head_dim 32, 64, 96 and 128, GQA with a window too), the one of one warpgroup
 and varlen per thread; each result's largest error against the float64 reference is printed.
 """
 
@@ -22,6 +22,7 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dty
     (1, 130, 270, 2, 1, 96, False, np.float16, 128, 64, (40, 7)),
     (1, 300, 129, 1, 1, 128, True, np.float16, 128, 128, None),
     (2, 150, 260, 4, 1, 64, False, ml_dtypes.bfloat16, None, None, (60, 20)),  # tensor maps with GQA and a window
+    (1, 140, 300, 2, 1, 32, True, np.float16, None, None, None),  # head_dim 32: one 64-byte swizzled box a row
 ]
 for b, sq, sk, h, hk, d, causal, dtype, bm, bn, window in cases:
     q = rng.standard_normal((b, sq, h, d)).astype(dtype)

@@ -5,8 +5,8 @@ synccheck):
 
 sequences not a multiple of the tiles, causal and a window, float16 and bfloat16, one and two warpgroups, GQA,
 the dK/dV kernel's query tiles of 32 (ALiBi and dropout at head_dim 128), key tiles that no query sees, the
-defaults at head_dim 128 and 64 (causal), the tensor-map copies of two warpgroups and a producer at head_dim 64,
-96 and 128, varlen with an empty sequence; each gradient's largest error against the float64 reference is printed.
+defaults at head_dim 128 and 64 (causal), the tensor-map copies of two warpgroups and a producer at head_dim 32,
+64, 96 and 128, varlen with an empty sequence; each gradient's largest error against the float64 reference is printed.
 """
 
 import ml_dtypes
@@ -28,6 +28,8 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, tile
     (2, 300, 300, 2, 1, 64, np.float16, None, dict(causal=True)),
     # the tensor-map copies at head_dim 96 (the 64-byte swizzle), GQA, a window
     (2, 150, 211, 4, 2, 96, ml_dtypes.bfloat16, None, dict(window_size=(60, 10))),
+    # head_dim 32 (one 64-byte swizzled box a row), causal, GQA
+    (1, 140, 300, 2, 1, 32, np.float16, None, dict(causal=True)),
 ]
 for b, sq, sk, h, hk, d, dtype, tiles, opts in cases:
     q = rng.standard_normal((b, sq, h, d)).astype(dtype)

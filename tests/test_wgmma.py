@@ -98,6 +98,34 @@ def test_varlen_bfloat16_and_scale():
                           softmax_scale=-0.2)
 
 
+def test_head_dim_32():
+    """Head_dim 32, forward and backward at the default tiles: rows of one 64-byte swizzled box copied with tensor
+    maps by the producer warpgroup, causal; and packed sequences (one empty), where eight warps copy per thread in
+    load_core's general form (its constant steps would cover 64 rows a pass, more than a tile of 32)."""
+    rng = np.random.default_rng(32)
+    q, k, v = random_qkv(rng, 1, 70, 150, 1, 32, np.float16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True, kernel="wgmma")
+    check_forward(out, lse, q, k, v, causal=True)
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="wgmma")[:3]
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+    lens_q, lens_k = [5, 0, 70], [9, 3, 66]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 1, 32)).astype(np.float16)
+    k, v = (rng.standard_normal((cu_k[-1], 1, 32)).astype(np.float16) for _ in range(2))
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, *args, causal=True, kernel="wgmma")
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    dq, dk, dv = flashnumba.flash_attn_varlen_backward(dout, q, k, v, out, lse, *args, causal=True, kernel="wgmma")[:3]
+    for b in range(3):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rq.stop > rq.start:
+            one = (q[None, rq], k[None, rk], v[None, rk])
+            check_forward(out[None, rq], lse[None, :, rq], *one, causal=True)
+            check_backward((dq[None, rq], dk[None, rk], dv[None, rk]), dout[None, rq], *one, out[None, rq],
+                           lse[None, :, rq], causal=True)
+
+
 def test_what_it_does_not_take_is_refused():
     q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 80, np.float16)
     with pytest.raises(ValueError, match="head_dim"):
@@ -211,7 +239,11 @@ if FULL:
               (64, 128, 2, "float16", Variant(False, True, False, False, True, False), True, 4),
               (64, 128, 2, "bfloat16", Variant(False, False, False, False, False, True), False, 4),
               # packed sequences with dropout: B_c 64 with the producer's registers moved (tiling.wgmma_for_variant)
-              (128, 64, 2, "bfloat16", Variant(False, False, False, False, True, True), True, 4)]
+              (128, 64, 2, "bfloat16", Variant(False, False, False, False, True, True), True, 4),
+              # head_dim 32: rows of one 64-byte swizzled box; eight warps copying per thread take load_core's
+              # general form
+              (32, 128, 2, "bfloat16", Variant(False, True), True, "tma"),
+              (32, 64, 2, "float16", Variant(True, True, True, True, True, True), False, False)]
 out = {}
 for D, n, wg, dt, var, gqa, producer in cases:
     tma = producer == "tma"
@@ -238,7 +270,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     pytest.importorskip("cuda.bindings.nvjitlink")
     from flashnumba.kernels import wgmma_forward
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (22 if FULL_COMPILE else 3)
+    assert len(compiled) == (24 if FULL_COMPILE else 3)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         copies = (("cp.async.bulk.tensor.4d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire")
@@ -264,7 +296,7 @@ def test_wgmma_forward_compiles_for_sm90a():
 
 @gpu_only
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES)
-@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("threads", [None, 288, 384])
 def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, threads):
@@ -319,7 +351,7 @@ def packed_sequences(dtype, seed):
 @pytest.mark.parametrize("part", range(SHARDS))
 @shard(SHARDS)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-       seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from([64, 96, 128]),
+       seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from([32, 64, 96, 128]),
        dtype=st.sampled_from(["float16", "bfloat16"]),
        tiles=st.sampled_from([None, (128, 128, 256), (128, 64, 256), (64, 64, 128), (128, 64, 288), (64, 64, 160),
                               (128, 64, 384), (128, 128, 384)]),
@@ -470,7 +502,9 @@ if FULL:
               ("dq", 128, 32, 2, "bfloat16", Variant(True, True, True, True, False, True), "tma"),
               ("dkdv", 128, 32, 2, "bfloat16", Variant(True, True, True, True, False, True), "tma"),
               ("dkdv", 128, 32, 2, "float16", Variant(False, False, False, False, False, True), "tma"),
-              ("dkdv", 96, 64, 2, "float16", Variant(False, True), "tma")]
+              ("dkdv", 96, 64, 2, "float16", Variant(False, True), "tma"),
+              ("dq", 32, 64, 2, "float16", plain, "tma"), ("dkdv", 32, 64, 2, "bfloat16", Variant(False, True), "tma"),
+              ("dkdv", 32, 64, 2, "float16", Variant(False, True, False, False, True), False)]
 out = {}
 for which, D, loop, wg, dt, var, gqa in cases:
     tma = gqa == "tma"
@@ -495,7 +529,7 @@ def test_wgmma_backward_compiles_for_sm90a():
     spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
-    assert len(compiled) == (22 if FULL_COMPILE else 4)
+    assert len(compiled) == (25 if FULL_COMPILE else 4)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
         assert ("cp.async.bulk.tensor.4d" in r["ptx"]) == r["tma"], name
@@ -508,7 +542,7 @@ def test_wgmma_backward_compiles_for_sm90a():
 
 @gpu_only
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES)
-@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_backward_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype):
     if dtype == "bfloat16":
@@ -523,7 +557,7 @@ def test_backward_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype):
 @pytest.mark.parametrize("part", range(SHARDS))
 @shard(SHARDS)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from([64, 96, 128]),
+       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from([32, 64, 96, 128]),
        dtype=st.sampled_from(["float16", "bfloat16"]),
        tiles=st.sampled_from([None, (64, 64), (64, 128)]),
        causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),

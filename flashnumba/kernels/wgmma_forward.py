@@ -94,7 +94,7 @@ from .._backend import cuda
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
                      make_sequence_geometry)
 
-HEAD_DIMS = (64, 96, 128)  # head dims a multiple of 32 (the copies' 4 column blocks a warp) with S and O in registers
+HEAD_DIMS = (32, 64, 96, 128)  # multiples of 32 (the copies' 4 column blocks a warp) with S and O in registers
 BLOCK_NS = (64, 128)  # keys a tile (N of S's wgmma)
 WARPGROUPS = (1, 2)
 CORE = 64  # elements (16-bit) of a core matrix: 8 rows x 8 head dims, 128 bytes
@@ -135,12 +135,12 @@ def shared_bytes(D, B_c, B_r, tma=False):
     return (B_r + 2 * STAGES * B_c) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
 
 
-TMA_HEAD_DIMS = (64, 96, 128)  # head dims whose rows are whole swizzled rows (swizzle_span)
+TMA_HEAD_DIMS = (32, 64, 96, 128)  # head dims whose rows are whole swizzled rows (swizzle_span)
 
 
 def swizzle_span(D):
     """Bytes of a swizzled row of the tiles copied with tensor maps: 128 (64 head dims) where they divide a row of
-    D head dims, else 64 (32; head_dim 96: three such rows)."""
+    D head dims, else 64 (32; head_dim 96: three such rows, head_dim 32: one)."""
     return 128 if D % 64 == 0 else 64
 
 
@@ -164,7 +164,9 @@ def make_load_core(D, NT):
     CB = D // 32  # groups of 4 column blocks per row
     NW = NT // 32
 
-    if NW % CB == 0 or CB % NW == 0:
+    # (passes of at most 32 rows: the tiles' rows are multiples of 32; eight warps on rows of 32 head dims, 64 a
+    # pass, take the general form)
+    if (NW % CB == 0 and NW // CB <= 4) or CB % NW == 0:
         RB = max(NW // CB, 1)  # 8-row blocks the warps cover at a time
         CG = max(CB // NW, 1)  # column groups each warp takes, NW apart
 
