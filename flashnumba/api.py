@@ -643,11 +643,13 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     bfloat16; nheads_k < nheads needs ``enable_gqa=True``. Returns out like q, or (out, lse) with
     ``return_lse``; a row that sees no key has out 0 and lse -inf. The functions run on the tensor-core forward
     for float16 / bfloat16 on a GPU (``kernel`` None or "tc") and on the register-tiled SIMT kernels otherwise
-    (None, "v3" or "v2"); ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
+    (None, "v3" or "v2"); a mask_mod without a score_mod also on the Hopper forward (``kernel="wgmma"``, compute
+    capability 9.0: the mask_mod in the forward's mask pass, run only in the tiles it may hide entries of);
+    ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
     ``block_mask``: a :class:`flashnumba.blockmask.BlockMask` of the mask_mod (``create_block_mask``, with the
-    same score_mod_args): the tensor-core forward then skips the key blocks it hides entirely and evaluates the
-    mask_mod only in the blocks it hides in part (the SIMT kernels evaluate it everywhere, as without it); pass it
-    to :func:`flex_attention_backward` too. mask_mod may then be left out. Checked against
+    same score_mod_args): the tensor-core and Hopper forwards then skip the key blocks it hides entirely and
+    evaluate the mask_mod only in the blocks it hides in part (the SIMT kernels evaluate it everywhere, as without
+    it); pass it to :func:`flex_attention_backward` too. mask_mod may then be left out. Checked against
     :func:`flashnumba.reference.flex_attention_forward`.
     """
     mask_mod, score_mod_args = _block_mask_for(block_mask, mask_mod, score_mod_args)

@@ -308,13 +308,15 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=
     families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
     simt = "v3" if pass_ == "forward" else "v2"
     if opts.mods is not None:  # a user's score_mod / mask_mod: the tensor-core forward or the register-tiled SIMT
-        takes = (None, "v2", "v3", "tc") if pass_ == "forward" else (None, "v2", "tc")
+        # (a mask_mod alone: the Hopper forward too, asked for)
+        takes = (None, "v2", "v3", "tc", "wgmma") if pass_ == "forward" else (None, "v2", "tc")
         if kernel not in takes:
             raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels "
                              f"{', '.join(repr(x) for x in takes[1:])} (or None), not {kernel!r}")
-        if kernel == "tc":
+        if kernel in ("tc", "wgmma"):
             _check_family(kernel, tq, opts, limits, pass_)
-            return "tc", "a user's score_mod / mask_mod on the tensor cores: asked for by kernel=", None
+            return kernel, f"a user's {'score_mod / ' if kernel == 'tc' else ''}mask_mod on the tensor cores" \
+                           f"{'' if kernel == 'tc' else ' (Hopper)'}: asked for by kernel=", None
         if (kernel is None and (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))
                 and _mma_blocker(tq, tensors, limits, tiles_given, pass_) is None):
             return "tc", "a user's score_mod / mask_mod on the tensor cores", None
@@ -352,8 +354,11 @@ def _check_family(kernel, tq, opts, limits, pass_):
         if tq.shape[-1] not in wgmma_forward.HEAD_DIMS:
             raise ValueError(f"the wgmma {pass_} supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
                              f"{tq.shape[-1]}")
-        if opts.mods is not None or opts.block_mask is not None:
-            raise ValueError(f"the wgmma {pass_} takes no score_mod, mask_mod or block mask (kernel='tc' does)")
+        if pass_ == "backward" and (opts.mods is not None or opts.block_mask is not None):
+            raise ValueError("the wgmma backward takes no score_mod, mask_mod or block mask (kernel='tc' does)")
+        if opts.mods is not None and opts.mods.score_mod is not None:
+            raise ValueError("the wgmma forward takes a mask_mod and a block mask, not a score_mod (kernel='tc' "
+                             "does)")
         if not SIMULATOR and tuple(limits.cc) != (9, 0):
             raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "
                              f"sm_90a); this is {limits.name}")
@@ -467,6 +472,14 @@ MOD_PARAMS = tuple(f"a{n}" for n in range(MOD_ARGS))  # the register-tiled SIMT 
 BLOCK_MASK_PARAMS = ("bm_num", "bm_idx", "bm_state", "bm_qnum", "bm_qidx")
 
 
+def _check_block_mask_tiles(opts, t):
+    """ValueError unless a forward's tiles divide its block mask's blocks (a tile never straddles two blocks)."""
+    if opts.block_mask is not None and (opts.block_mask[0] % t.block_m or opts.block_mask[1] % t.block_n):
+        raise ValueError(f"the block mask's blocks ({opts.block_mask[0]}, {opts.block_mask[1]}) must be multiples of "
+                         f"the kernel's tiles (block_m {t.block_m}, block_n {t.block_n}): make it with BLOCK_SIZE a "
+                         f"multiple of those, or give block_m and block_n")
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -517,10 +530,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
             raise ValueError(f"with a mask_mod the tensor-core forward takes at most 128 keys a tile with warps of 16 "
                              f"rows and 64 with warps of 32 (a lane's mask bits: one 64-bit word), got block_n "
                              f"{t.block_n} with {16 * wm}-row warps")
-        if opts.block_mask is not None and (opts.block_mask[0] % t.block_m or opts.block_mask[1] % t.block_n):
-            raise ValueError(f"the block mask's blocks ({opts.block_mask[0]}, {opts.block_mask[1]}) must be "
-                             f"multiples of the kernel's tiles (block_m {t.block_m}, block_n {t.block_n}): make it "
-                             f"with BLOCK_SIZE a multiple of those, or give block_m and block_n")
+        _check_block_mask_tiles(opts, t)
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch("forward tc", table, mma_forward.make_forward_tc,
                               (D, opts.variant, t.block_n, t.num_threads // 32, _dtype_name(dt), nk != nheads,
@@ -535,14 +545,21 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         t_own, why_own = tiling.wgmma_for_variant(t, opts.variant, given)
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
+        t_own, why_own = tiling.wgmma_for_block_mask(t, D, None if opts.block_mask is None else opts.block_mask[:2],
+                                                     given)
+        if why_own:
+            t, reason = t_own, f"{reason}; {why_own}"
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
         tma = _takes_tma(D, opts, t, (tk,))
         smem = wgmma_forward.shared_bytes(D, t.block_n, t.block_m, tma)
         arrays["maps"] = array_meta((3 if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
+        _check_block_mask_tiles(opts, t)
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,
-                               opts.scale > 0, producer, tma),
-                              io + ("scale_q",) + OPTION_PARAMS + ("maps",), grid, (t.num_threads,), smem, t,
+                               opts.scale > 0, producer, tma, opts.mods,
+                               None if opts.block_mask is None else opts.block_mask[:2]),
+                              io + ("scale_q",) + OPTION_PARAMS + ("maps",) + MOD_PARAMS + BLOCK_MASK_PARAMS[:3],
+                              grid, (t.num_threads,), smem, t,
                               f"{reason}; tiles copied by the copy engine (tensor maps)" if tma else reason,
                               arch_specific=True, whole_program=tiling.wgmma_rebalances(t),
                               tensor_maps=tuple((name, rows, wgmma_forward.swizzle_span(D)) for name, rows in (

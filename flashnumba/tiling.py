@@ -368,6 +368,21 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     return new, "; ".join(why)
 
 
+def wgmma_for_block_mask(t: Tiles, D, blocks, given=()) -> tuple[Tiles, str]:
+    """The Hopper forward's tiles with a block mask of ``blocks`` (query block, key block; None: none), and why they
+    differ from ``t`` ("" where not); ``given``: the names the caller chose (kept). Its key tiles divide the key
+    blocks (64 where 128 does not); above head_dim 64 they are 64: the lists and states a block mask adds beside 128
+    keys' scores and O spill there (compiled for sm_90a, the causal and documents masks 220-336 bytes; at 64 keys,
+    none)."""
+    if blocks is None or "block_n" in given or t.block_n <= 64:
+        return t, ""
+    if blocks[1] % t.block_n:
+        return t._replace(block_n=64), f"B_c 64: to divide the block mask's key blocks of {blocks[1]}"
+    if D > 64:
+        return t._replace(block_n=64), "B_c 64: a block mask's lists beside 128 keys' scores spill above head_dim 64"
+    return t, ""
+
+
 def _per_entry_options(variant) -> int:
     """The options of a variant that add work at every entry: the window's two bounds counted apart, softcap,
     ALiBi, dropout (varlen adds none)."""

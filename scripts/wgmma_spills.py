@@ -26,7 +26,8 @@ def compile_one(job):
     nt = wgmma_forward.threads(2, producer)
     a4 = f"{'uint16' if dtype == 'bfloat16' else 'float16'}[:, :, :, ::1]"
     sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
-           f"int32[:], int32[:], float32, float32, uint64, uint64, uint64[:, ::1])")
+           f"int32[:], int32[:], float32, float32, uint64, uint64, uint64[:, ::1], float32[:], float32[:], "
+           f"float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], int8[:, :, :, :])")
     whole = wgmma_forward.rebalances(2, producer)
     log = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)[1]
     r = _launch.resources_from_log(log)

@@ -14,6 +14,13 @@ import flashnumba
 from conftest import assert_close_to_truth, random_qkv, shard, to_numpy
 from flashnumba import reference as ref
 
+def _skip_unless_hopper():
+    """kernel="wgmma" runs on compute capability 9.0, and in the simulator."""
+    from flashnumba._backend import cuda
+    if not flashnumba.SIMULATOR and tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        pytest.skip("kernel 'wgmma' runs on compute capability 9.0 (sm_90a) only")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the examples: each a (score_mod, score_mod_grad, mask_mod, args maker)
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,6 +370,57 @@ def test_each_example_compiles_for_the_gpu():
     assert r.stdout.count("compiled") == (len(EXAMPLES) if FULL_COMPILE else len(COMPILED_PER_PUSH))
 
 
+HOPPER_COMPILE_SCRIPT = r"""
+import dataclasses, json, sys
+import numpy as np
+sys.path.insert(0, "tests")
+import test_flex as t
+from flashnumba import _launch, _validate, planner
+from flashnumba.api import _check_block_mask, check_forward_args
+from flashnumba.blockmask import BlockMask
+rng = np.random.default_rng(0)
+cases = [("documents", 128, True), ("causal", 64, True)]
+if FULL:
+    cases += [(name, D, bm) for name in ("causal", "window", "prefix-lm", "documents") for D in (64, 128)
+              for bm in (True, False) if (name, D, bm) not in cases]
+out = {}
+for name, D, with_bm in cases:
+    mask_mod, make_args = t.EXAMPLES[name][2:]
+    q, k, v = (rng.standard_normal((1, 256, 2, D)).astype(np.float16) for _ in range(3))
+    args = make_args(256, 256, rng)
+    (tq, tk, tv), opts = check_forward_args(q, k, v)
+    mods, targs = _validate.check_mods(tq, tk, None, None, mask_mod, args, False)
+    opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
+    if with_bm:  # (its arrays made here: no GPU to classify)
+        z = np.zeros((1, 1, 2, 2), np.int32)
+        bm = BlockMask(mask_mod, args, (256, 256), 128, 128, z[..., 0].copy(), z, z.astype(np.int8), z[..., 0].copy(),
+                       z)
+        opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
+    (s,) = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90").launches
+    p = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90")
+    fn = s.factory(*s.factory_args)
+    _, log, ptx = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})", (9, 0, "a"),
+                                _launch.launch_bounds(s), s.whole_program)
+    out[f"{name} d={D} block mask={with_bm} tiles={tuple(s.tiles)}"] = dict(
+        log=log, serialised="serialized" in log, **_launch.resources_from_log(log))
+print(json.dumps(out))
+"""
+
+
+def test_mask_mods_compile_into_the_hopper_forward():
+    """The examples' mask_mods compiled into the Hopper forward for sm_90a (no GPU needed) at the planner's tiles,
+    with and without a block mask: no spills and no serialised wgmma (per push the heaviest, documents at head_dim
+    128 with a block mask, and causal at 64; every mask at 64 and 128 in the GPU profile)."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    from conftest import FULL_COMPILE, compile_offline
+
+    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{HOPPER_COMPILE_SCRIPT}")
+    assert len(compiled) == (16 if FULL_COMPILE else 2)
+    for name, r in compiled.items():
+        print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and not r["serialised"], f"{name}: {r['log'][-600:]}"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # block masks: the mask_mod classified in blocks; the tensor-core forward skips the empty ones
 # ---------------------------------------------------------------------------------------------------------------
@@ -461,6 +519,69 @@ def test_block_mask_backward_on_the_tensor_cores(name, batch, nheads_k, groups, 
         assert_close_to_truth(gname, to_numpy(g), t, b.astype(np.float16), reduction=max(d, sq, sk))
     if name == "head-varying":  # (query rows 0 .. 19 of head 2 see no key: zero gradient; keys 16 .. of head 2
         assert not to_numpy(grads[0])[0, :20, 2].any()  # are seen by heads 0 and 1 of the same key/value head)
+
+
+def after_64(b, h, i, j):  # the first 64 queries see no key: a query block with no key block listed
+    return i >= 64 and j <= i
+
+
+HOPPER_CASES = [  # (mask name, sq, sk, nheads_k, groups, head_dim, tiles, block mask's blocks or None)
+    ("documents", 70, 150, 1, 2, 32, dict(block_m=64, block_n=64, num_threads=128), None),
+    ("causal", 70, 150, 1, 1, 32, dict(block_m=64, block_n=64, num_threads=128), 64),
+    ("after-64", 150, 140, 1, 1, 32, dict(block_m=64, block_n=64, num_threads=128), 64),
+    ("prefix-lm", 140, 150, 1, 1, 32, {}, 128),  # the default tiles: the producer's tensor-map copies
+    ("window", 100, 230, 1, 1, 32, dict(block_m=128, block_n=64, num_threads=256), (128, 64)),  # no producer
+]
+
+
+def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0):
+    """A mask_mod on the Hopper forward (kernel="wgmma"), with or without a block mask, against the float64
+    reference, the tolerance from the same computation in float16."""
+    mask_mod, make_args = (after_64, None) if name == "after-64" else EXAMPLES[name][2:]
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, np.float16)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    args = make_args(sq, sk, rng) if make_args else ()
+    kw = dict(score_mod_args=args, enable_gqa=groups > 1, kernel="wgmma", return_lse=True, **tiles)
+    if blocks is not None:
+        bm = flashnumba.create_block_mask(mask_mod, 1, 1, sq, sk, score_mod_args=args, BLOCK_SIZE=blocks, like=q)
+        out, lse = flashnumba.flex_attention(q, k, v, block_mask=bm, **kw)
+    else:
+        out, lse = flashnumba.flex_attention(q, k, v, mask_mod=mask_mod, **kw)
+    rkw = dict(mask_mod=mask_mod, score_mod_args=args)
+    truth_o, truth_l = ref.flex_attention_forward(q, k, v, **rkw)
+    base_o, base_l = ref.flex_attention_forward(q, k, v, dtype=np.float16, **rkw)
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert_close_to_truth("out", out, truth_o, base_o.astype(np.float16), reduction=max(d, sk))
+    assert_close_to_truth("lse", lse, truth_l, base_l.astype(np.float32), reduction=max(d, sk))
+    return out, lse
+
+
+@pytest.mark.parametrize("name, sq, sk, nheads_k, groups, d, tiles, blocks", HOPPER_CASES)
+def test_mask_mods_on_the_hopper_forward(name, sq, sk, nheads_k, groups, d, tiles, blocks):
+    """A mask_mod compiled into the Hopper forward's mask pass: without a block mask in every tile (GQA), with one
+    only in its partial blocks, the key loop and the producer's copies walking its lists (blocks of one and of two
+    tiles, the producer's tensor-map copies and every thread's copies); a query block with no key block listed
+    gives out 0 and lse -inf."""
+    _skip_unless_hopper()
+    out, lse = _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks)
+    if name == "after-64":
+        assert not out[0, :64].any() and np.isneginf(lse[0, :, :64]).all()
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
+@given(name=st.sampled_from(["causal", "window", "prefix-lm", "documents", "after-64"]),
+       sq=st.sampled_from([1, 63, 200, 513]), sk=st.sampled_from([1, 80, 200, 700]),
+       nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]), d=st.sampled_from([32, 64, 96, 128]),
+       tiles=st.sampled_from([{}, dict(block_n=64), dict(block_m=64, block_n=64, num_threads=128)]),
+       blocks=st.sampled_from([None, 128, (128, 64)]), seed=st.integers(0, 99))
+def test_drawn_masks_on_the_hopper_forward_gpu(part, name, sq, sk, nheads_k, groups, d, tiles, blocks, seed):
+    _skip_unless_hopper()
+    if blocks is not None and "block_m" in tiles:
+        blocks = 64
+    _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed)
 
 
 def _documents_block_mask(seed, d, dtype):

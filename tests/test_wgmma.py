@@ -254,7 +254,8 @@ for D, n, wg, dt, var, gqa, producer in cases:
     a4 = f"{el}[:, :, :, ::1]"
     # (the layouts the planner gives: ALiBi's slopes broadcast over the batch, the dummies of absent arrays)
     sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
-           f"int32[:], int32[:], float32, float32, uint64, uint64, uint64[:, ::1])")
+           f"int32[:], int32[:], float32, float32, uint64, uint64, uint64[:, ::1], float32[:], float32[:], "
+           f"float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], int8[:, :, :, :])")
     whole = wgmma_forward.rebalances(wg, producer)  # (as the planner compiles it: _launch.compile_kernel)
     _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)
     out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer} tma={tma}"] = dict(

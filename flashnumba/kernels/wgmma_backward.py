@@ -274,7 +274,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     mask_tile = make_mask_tile(NS, HAS_LEFT, HAS_RIGHT, False)
 
     @cuda.jit(device=True, inline=True)
-    def key_tile(jt, hk, k_row0, _c2, _c3):
+    def key_tile(jt, hk, k_row0, _c2, _c3, _idx):
         """(head, first key) of tile jt: the producer's coordinates of K_j, V_j."""
         return hk, k_row0 + jt * B_C
 
@@ -371,7 +371,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
-                    produce(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, 0, 0)
+                    produce(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, 0, 0, maps)
                 return
             hop.setmaxnreg_inc(CONSUMER_REGISTERS)
 
@@ -498,8 +498,13 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     # through the entries, whose registers d = 128 needs); with tensor maps, by a warp of the producer
     fetch_stats, put_stats = make_stats(B_R, NC)
     fetch_stats_p, put_stats_p = make_stats(B_R, 32)
+    @cuda.jit(device=True, inline=True)
+    def query_tile(it, hk, group, nt, m_begin, _idx):
+        """The producer's coordinates of Q_i, dO_i: :func:`tile_of`."""
+        return tile_of(it, hk, group, nt, m_begin)
+
     # the producer's copies (one thread): K_j, V_j with the first tile, then Q_i, dO_i of each
-    produce = make_tma_producer(D, 2, B_C, OFF_V, B_R, OFF_Q, OFF_DO, BUF, tile_of)
+    produce = make_tma_producer(D, 2, B_C, OFF_V, B_R, OFF_Q, OFF_DO, BUF, query_tile)
 
     @cuda.jit(device=True, inline=True)
     def produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, total, lane):
@@ -640,7 +645,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
-                    produce(smem, base, bars, maps, bb, hk, j0, total, hk, group, nt, m_begin)
+                    produce(smem, base, bars, maps, bb, hk, j0, total, hk, group, nt, m_begin, maps)
                 elif tid >= NC + 32 and tid < NC + 64:
                     produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, total,
                                   tid - NC - 32)

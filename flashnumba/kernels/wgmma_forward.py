@@ -91,8 +91,9 @@ from .scalars import float16, float32, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
+from .block_mask import FULL, make_block_tiles
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
-                     make_sequence_geometry)
+                     make_sequence_geometry, make_user_mods)
 
 HEAD_DIMS = (32, 64, 96, 128)  # multiples of 32 (the copies' 4 column blocks a warp) with S and O in registers
 BLOCK_NS = (64, 128)  # keys a tile (N of S's wgmma)
@@ -334,12 +335,12 @@ def make_swizzled_products(kind, D):
 
 
 def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at, stage_gap, buf, coords):
-    """produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3): the copies of a producer
+    """produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3, idx): the copies of a producer
     thread with the copy engine, for the forward and both backward kernels. With tile 0 it copies the tiles a block
     loads once: ``first_maps`` tiles of ``first_rows`` rows (maps 0, 1, ...: the forward's Q_i; the dQ kernel's
     Q_i, dO_i; the dK/dV kernel's K_j, V_j), ``first_gap`` elements apart from ``base``. Then the pipeline stage
     of tile jt, two tiles of ``stage_rows`` rows (the next two maps, head and first row ``coords(jt, c0, c1, c2,
-    c3)``), into buffer jt % STAGES at element base + ``stage_at`` + (jt % STAGES) ``buf``, ``stage_gap`` apart,
+    c3, idx)``; idx: an array the coordinates may read, a block mask's list), into buffer jt % STAGES at element base + ``stage_at`` + (jt % STAGES) ``buf``, ``stage_gap`` apart,
     once the consumers have released the tile that was there (bars[STAGES + jt % STAGES], ``empty``). Each stage's
     bytes are announced on its ``full`` mbarrier (bars[jt % STAGES]: the one arrival of this thread) and counted
     there as they land."""
@@ -349,7 +350,7 @@ def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at
     STAGE_BYTES = 2 * stage_rows * D * 2
 
     @cuda.jit(device=True, inline=True)
-    def produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3):
+    def produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3, idx):
         for m in range(N_MAPS):
             hop.fence_tensormap(maps, m * hop.MAP_WORDS)
         for jt in range(n_tiles):
@@ -361,7 +362,7 @@ def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at
             if jt == 0:
                 for m in range(first_maps):
                     copy_box_rows(smem, base + m * first_gap, maps, m, bb, first_row0, first_h, first_rows, full)
-            h, row0 = coords(jt, c0, c1, c2, c3)
+            h, row0 = coords(jt, c0, c1, c2, c3, idx)
             nb = base + stage_at + st * buf
             copy_box_rows(smem, nb, maps, first_maps, bb, row0, h, stage_rows, full)
             copy_box_rows(smem, nb + stage_gap, maps, first_maps + 1, bb, row0, h, stage_rows, full)
@@ -371,13 +372,18 @@ def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0,
-                       tma=False):
+                       tma=False, mods=None, block_mask=None):
     """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`),
     ``warpgroups`` warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the
     options of ``variant`` (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen,
-    dropout) compiled in as in :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes
-    (without a user's score_mod or block mask): (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q,
-    cu_k, p_drop, rp_keep, seed, offset, maps); q, k, v, out C-contiguous. With ``producer`` (warps, one of
+    dropout) compiled in as in :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes,
+    with the tensor maps after the options': (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k,
+    p_drop, rp_keep, seed, offset, maps, a0, a1, a2, a3, bm_num, bm_idx, bm_state); q, k, v, out C-contiguous.
+    ``mods``: a user's mask_mod (:class:`flashnumba.kernels.common.Mods`; a score_mod is the ``mma.sync`` kernel's),
+    evaluated in the mask's own pass of the tiles it may hide entries of, for the entries within the sequences,
+    reading the arrays a0 .. a3. ``block_mask``: (QB, KB) as in make_forward_tc (multiples of B_r and B_c): the
+    key loop, the producer's copies among it, visits only the key blocks bm_idx lists for the query block, and
+    the mask_mod runs only in the partial ones. With ``producer`` (warps, one of
     :data:`PRODUCER_WARPS`) more warps of the block make every copy, the warpgroups wait for tiles on mbarriers
     and, two of them, take turns at the tensor cores (module docstring: warp specialisation). Compiled for sm_90a
     (wgmma). With ``tma`` (:func:`takes_tma`) the producer's one thread copies each tile with the copy engine
@@ -395,6 +401,16 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         raise ValueError(f"the wgmma forward's tiles must be multiples of 32 rows, got {64 * warpgroups}, {B_c}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    if mods is not None and mods.score_mod is not None:
+        raise ValueError("the wgmma forward takes a mask_mod, not a score_mod (the 'tc' kernel takes both)")
+    BM = block_mask is not None
+    QB, KB = block_mask if BM else (64 * warpgroups, B_c)
+    if QB % (64 * warpgroups) or KB % B_c:
+        raise ValueError(f"the block mask's blocks ({QB}, {KB}) must be multiples of the tiles "
+                         f"({64 * warpgroups}, {B_c})")
+    SUB = KB // B_c  # key tiles a block of the block mask
+    USER_MASK = mods is not None and mods.mask_mod is not None
+    _, user_mask = make_user_mods(mods)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups, producer):
@@ -441,12 +457,12 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     quad_max, new_max, prob = make_online_softmax(FOLD)  # (mma_forward's steps, on the same register layout)
 
     @cuda.jit(device=True, inline=True)
-    def softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_k, diag, last_row, scale_q, softcap,
-                     slope, left, right, p_drop, seed, offset):
+    def softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row, scale_q,
+                     softcap, slope, left, right, p_drop, seed, offset, partial, a0, a1, a2, a3):
         """The online softmax of mma_forward on this lane's rows g and g + 8 of S_ij (registers s): scores in
         base 2 (softcap and ALiBi in natural units first), masked where the tile reaches past the sequence or out
-        of a row's band, m_i, alpha = exp2(m_old - m_new), P_ij = exp2(S_ij - m_new) into s (0 where masked;
-        dropout applied after l_i has summed it), l_i."""
+        of a row's band, and where the user's mask_mod hides them in a ``partial`` tile, m_i, alpha = exp2(m_old -
+        m_new), P_ij = exp2(S_ij - m_new) into s (0 where masked; dropout applied after l_i has summed it), l_i."""
         masked = (j0 + B_c > seqlen_k or (HAS_RIGHT and j0 + B_c - 1 > i0 + diag + right)
                   or (HAS_LEFT and j0 < last_row + diag - left))
         if not FOLD:
@@ -458,13 +474,15 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                         val, _ = score_mod(val, softcap, slope, i, j0 + 8 * n + 2 * t + (x & 1), diag)
                         val *= LOG2E
                     s[4 * n + x] = val
-        if masked:
+        if masked or partial:
             for n in range(NS // 4):
                 for x in range(4):
                     i = i0 + r0 + 8 * (x >> 1)
                     j = j0 + 8 * n + 2 * t + (x & 1)
                     if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                             or (HAS_RIGHT and j > i + diag + right)):
+                        s[4 * n + x] = NEG_INF
+                    elif USER_MASK and partial and i < seqlen_q and not user_mask(b, h, i, j, a0, a1, a2, a3):
                         s[4 * n + x] = NEG_INF
         mx0 = NEG_INF
         mx1 = NEG_INF
@@ -510,8 +528,25 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     load_tile = make_load_stage(D, NC, B_c, OFF_K, OFF_V, BUF)
 
     @cuda.jit(device=True, inline=True)
-    def produce(smem, bars, q, k, v, bb, q_row0, q_end, h, k_row0, k_end, hk, n_tiles, lane):
-        """The producer (thread ``lane`` of its warps): Q_i with the first tile, then K_j, V_j of tile jt into
+    def first_key(jt, n_start, qb, blocks):
+        """The first key of the jt-th key tile the block visits: from n_start on one after the other, or with a
+        block mask the tiles of the key blocks blocks[qb] lists (blocks: bm_idx[b, h], read only then)."""
+        if BM:
+            return blocks[qb, jt // SUB] * KB + (jt % SUB) * B_c
+        return n_start + jt * B_c
+
+    @cuda.jit(device=True, inline=True)
+    def part_of(state, bbm, hbm, qb, j0):
+        """Whether the user's mask_mod runs in the tile from key j0: with a mask_mod, in every tile but a block
+        mask's full ones."""
+        if BM:
+            return USER_MASK and state[bbm, hbm, qb, j0 // KB] != FULL
+        return USER_MASK
+
+    @cuda.jit(device=True, inline=True)
+    def produce(smem, bars, q, k, v, bb, q_row0, q_end, h, k0, n_start, qb, blocks, k_end, hk, n_tiles, lane):
+        """The producer (thread ``lane`` of its warps): Q_i with the first tile, then K_j, V_j of tile jt (keys from
+        k0 + :func:`first_key`) into
         buffer jt % STAGES once the warpgroups have released the tile that was there (bars[STAGES + jt % STAGES],
         ``empty``), arriving on bars[jt % STAGES] (``full``) when its copies land. It never waits for a copy
         itself; where a tile reaches past the sequence's end, the zeros it stored are made visible to the tensor
@@ -522,7 +557,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             if jt >= STAGES:
                 wait_phase(bars, STAGES + st, (jt // STAGES + 1) & 1)  # tile jt - STAGES released
             nb = OFF_K + st * BUF
-            row0 = k_row0 + jt * B_c
+            row0 = k0 + first_key(jt, n_start, qb, blocks)
             load_core_p(smem, nb, k, bb, row0, k_end, hk, B_c, lane)
             load_core_p(smem, nb + OFF_V, v, bb, row0, k_end, hk, B_c, lane)
             if row0 + B_c > k_end or (jt == 0 and q_row0 + B_R > q_end):
@@ -531,18 +566,19 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         ptx.cp_async_wait_all()  # (no copy in flight when the warp exits)
 
     @cuda.jit(device=True, inline=True)
-    def key_tile(jt, hk, k_row0, _c2, _c3):
+    def key_tile(jt, hk, n_start, qb, _c3, blocks):
         """(head, first key) of tile jt: the producer's coordinates of K_j, V_j."""
-        return hk, k_row0 + jt * B_c
+        return hk, first_key(jt, n_start, qb, blocks)
 
     # the producer's copies with the copy engine (one thread): Q_i with the first tile, then K_j, V_j
     produce_tma = make_tma_producer(D, 1, B_R, 0, B_c, OFF_K, OFF_V, BUF, key_tile)
 
     @cuda.jit(device=True, inline=True)
-    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, row0, row_end, hk, tid):
+    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, row_end, hk, tid):
         """Tile jt's K_j, V_j are in their buffer, seen by the tensor cores. With a producer: wait for its phase of
         ``full`` (fence.proxy.async: the landed copies seen by the tensor cores). Without: :func:`publish_tile`,
-        then start the copies of tile jt + 1 (keys from row0 + B_c) into the buffer that barrier freed."""
+        then start the copies of tile jt + 1 (keys from k0 + :func:`first_key`) into the buffer that barrier
+        freed."""
         if PRODUCER:
             wait_phase(bars, jt % STAGES, (jt // STAGES) & 1)
             if not TMA:  # (the copy engine's writes are the tensor cores' proxy already)
@@ -550,7 +586,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         else:
             publish_tile()
             if jt + 1 < n_tiles:
-                load_tile(smem, jt + 1, k, v, bb, row0 + B_c, row_end, hk, tid)
+                load_tile(smem, jt + 1, k, v, bb, k0 + first_key(jt + 1, n_start, qb, blocks), row_end, hk, tid)
 
     @cuda.jit(device=True, inline=True)
     def tile_done(bars, jt):
@@ -598,7 +634,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
 
     @cuda.jit
     def forward_wgmma(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
-                      offset, maps):
+                      offset, maps, a0, a1, a2, a3, bm_num, bm_idx, bm_state):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         gw = tid >> 7  # warpgroup: rows 64 gw .. 64 gw + 63 of Q_i
@@ -629,15 +665,22 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             # consumer thread done
             init_stages(bars, 1 if TMA else 32 * PW, NC, TMA, tid)
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
+        # with a block mask, its listed key blocks (a block mask made for B = 1 or H = 1 serves every entry)
+        qb = i0 // QB
+        bbm = uint32(b) if bm_num.shape[0] > 1 else uint32(0)  # (both sides one unsigned type: not a float64)
+        hbm = uint32(h) if bm_num.shape[1] > 1 else uint32(0)
+        blocks = bm_idx[bbm, hbm]  # (within the dummy's bounds without a block mask: read only with one)
+        if BM:
+            n_tiles = bm_num[bbm, hbm, qb] * SUB
         if PRODUCER and tid >= NC:
             if REBALANCE:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
             if TMA:
                 if tid == NC:
-                    produce_tma(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, 0, 0)
+                    produce_tma(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, qb, 0, blocks)
             else:
-                produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0 + n_start, k0 + seqlen_k, hk,
-                        n_tiles, tid - NC)
+                produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0, n_start, qb, blocks, k0 + seqlen_k,
+                        hk, n_tiles, tid - NC)
             return
 
         if REBALANCE:
@@ -661,32 +704,35 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         if not PRODUCER:
             load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
             if n_tiles > 0:
-                load_tile(smem, 0, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+                load_tile(smem, 0, k, v, bb, k0 + first_key(0, n_start, qb, blocks), k0 + seqlen_k, hk, tid)
             ptx.cp_async_commit()
         if PINGPONG and gw == 1:
             their_turn(gw)  # warpgroup 0 takes the first turn
 
         # The first tile: S_i0 alone, its softmax, P_i0 packed (module docstring: the pipeline)
         if n_tiles > 0:
-            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+            j0 = first_key(0, n_start, qb, blocks)
+            partial = part_of(bm_state, bbm, hbm, qb, j0)
+            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, 0)
             their_turn(gw)
             wait_s(0, s)
-            softmax_tile(s, m, l, alpha, m_use, i0, r0, t, n_start, b, h, nheads, seqlen_k, diag, last_row,
-                         scale_q, softcap, slope, left, right, p_drop, seed, offset)
+            softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
+                         scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, a0, a1, a2, a3)
             rescale_and_pack(o, pa, s, alpha)
         # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs
         for jt in range(1, n_tiles):
-            j0 = n_start + jt * B_c
-            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0 + j0, k0 + seqlen_k, hk, tid)
+            j0 = first_key(jt, n_start, qb, blocks)
+            partial = part_of(bm_state, bbm, hbm, qb, j0)  # (read before the waits: its latency hides behind them)
+            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, jt)
             issue_pv(o, pa, kv_addr, jt - 1)
             their_turn(gw)
             wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
-            softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_k, diag, last_row,
-                         scale_q, softcap, slope, left, right, p_drop, seed, offset)
+            softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
+                         scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, a0, a1, a2, a3)
             wait_o(0, o)
             tile_done(bars, jt - 1)
             rescale_and_pack(o, pa, s, alpha)
