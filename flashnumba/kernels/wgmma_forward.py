@@ -74,6 +74,13 @@ for Q_i and K_j, MN-major for V_j). Rows past the sequence come as zeros from th
 tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies (a box would
 reach into the next sequence, where the kernel needs zeros).
 
+**A user's mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention` with
+``kernel="wgmma"``). The mask_mod is one more test in the mask's own pass, which then runs in every tile that it
+may hide entries of: every tile without a block mask, a block mask's partial blocks with one. With a block mask the
+key loop visits the tiles of the key blocks it lists for the query block, in order; the producer reads the same
+list for its copies, and the warpgroups read each tile's first key and its block's state at the top of their
+iteration, before they wait for the tile, so that those loads' latency hides behind the wait.
+
 **Registers where the work is.** The SM's 64K registers are shared by its threads: a block of 384 starts each at
 168. The producer only copies, so with two warpgroups it gives back all but 56 (``setmaxnreg.dec``) and each
 warpgroup that computes takes 224 (``setmaxnreg.inc``), which S_ij of 128 keys (64 a thread) beside O_i of 128
