@@ -722,10 +722,12 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
     right, and the call raises. Gradients with respect to the arrays of ``score_mod_args`` are not computed.
     Runs on the tensor cores for float16 / bfloat16 on a GPU (``kernel`` None or "tc": the functions compiled
     into :mod:`flashnumba.kernels.mma_backward`) and on the register-tiled SIMT backward otherwise (None or
-    "v2"); ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_backward`. ``block_mask``:
-    as in :func:`flex_attention` (the one the forward took): the tensor-core kernels skip the blocks it hides
-    entirely and evaluate the mask_mod only in those it hides in part; their tiles are then the largest of theirs
-    (at most block_m, block_n) that divide its blocks."""
+    "v2"); a mask_mod without a score_mod also on the Hopper backward (``kernel="wgmma"``, compute capability 9.0;
+    with fewer key/value heads than query heads, a block mask made for every head, H = 1); ``block_m``,
+    ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_backward`. ``block_mask``: as in
+    :func:`flex_attention` (the one the forward took): the tensor-core and Hopper kernels skip the blocks it hides
+    entirely and evaluate the mask_mod only in those it hides in part; the tensor-core kernels' tiles are then the
+    largest of theirs (at most block_m, block_n) that divide its blocks, the Hopper kernels' must divide them."""
     mask_mod, score_mod_args = _block_mask_for(block_mask, mask_mod, score_mod_args)
     args = mod_args_tuple(score_mod_args)
     bm = () if block_mask is None else tuple(getattr(block_mask, n) for n in _BLOCK_MASK_ARRAYS)

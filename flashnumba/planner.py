@@ -308,8 +308,8 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=
     families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
     simt = "v3" if pass_ == "forward" else "v2"
     if opts.mods is not None:  # a user's score_mod / mask_mod: the tensor-core forward or the register-tiled SIMT
-        # (a mask_mod alone: the Hopper forward too, asked for)
-        takes = (None, "v2", "v3", "tc", "wgmma") if pass_ == "forward" else (None, "v2", "tc")
+        # (a mask_mod alone: the Hopper kernels too, asked for)
+        takes = (None, "v2", "v3", "tc", "wgmma") if pass_ == "forward" else (None, "v2", "tc", "wgmma")
         if kernel not in takes:
             raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels "
                              f"{', '.join(repr(x) for x in takes[1:])} (or None), not {kernel!r}")
@@ -354,11 +354,9 @@ def _check_family(kernel, tq, opts, limits, pass_):
         if tq.shape[-1] not in wgmma_forward.HEAD_DIMS:
             raise ValueError(f"the wgmma {pass_} supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
                              f"{tq.shape[-1]}")
-        if pass_ == "backward" and (opts.mods is not None or opts.block_mask is not None):
-            raise ValueError("the wgmma backward takes no score_mod, mask_mod or block mask (kernel='tc' does)")
         if opts.mods is not None and opts.mods.score_mod is not None:
-            raise ValueError("the wgmma forward takes a mask_mod and a block mask, not a score_mod (kernel='tc' "
-                             "does)")
+            raise ValueError(f"the wgmma {pass_} takes a mask_mod and a block mask, not a score_mod (kernel='tc' "
+                             f"does)")
         if not SIMULATOR and tuple(limits.cc) != (9, 0):
             raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "
                              f"sm_90a); this is {limits.name}")
@@ -913,6 +911,13 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         tail = ("scale_log2", "scale") + OPTION_PARAMS
         name, gqa = _dtype_name(dt), nk != nheads
         span = wgmma_forward.swizzle_span(D)
+        blocks = None if opts.block_mask is None else opts.block_mask[:2]
+        if blocks is not None:
+            for t in (tq_t, tk_t):  # (ValueError where the tiles do not divide the blocks)
+                wgmma_backward.check_mods(opts.mods, blocks, t.block_m, t.block_n)
+            if gqa and opts.block_mask[2].shape[1] > 1:
+                raise ValueError("the wgmma backward takes, with fewer key/value heads than query heads, a block "
+                                 "mask made for every head (H = 1); one per head: kernel='tc'")
         launched = []
         for which, t, reason, rows, loop, maps in (("dq", tq_t, rq, tq_t.block_m, tq_t.block_n,
                                                     wgmma_backward.DQ_MAPS),
@@ -934,7 +939,9 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             launched.append(KernelLaunch(
                 "dQ wgmma" if which == "dq" else "dK/dV wgmma", f"wgmma_{which}",
                 wgmma_backward.make_backward_dq_wgmma if which == "dq" else wgmma_backward.make_backward_dkdv_wgmma,
-                (D, opts.variant, loop, wg, name, gqa, tma), (io_dq if which == "dq" else io_kv) + tail + (param,),
+                (D, opts.variant, loop, wg, name, gqa, tma, opts.mods, blocks),
+                (io_dq if which == "dq" else io_kv) + tail + (param,) + MOD_PARAMS
+                + (BLOCK_MASK_PARAMS[:3] if which == "dq" else BLOCK_MASK_PARAMS[3:] + BLOCK_MASK_PARAMS[2:3]),
                 grid, (t.num_threads,), smem, t, reason, arch_specific=True, whole_program=tma,
                 tensor_maps=tuple((m, rows_of[m], span) for m in maps) if tma else ()))
         dq, kv = launched

@@ -379,10 +379,21 @@ from flashnumba import _launch, _validate, planner
 from flashnumba.api import _check_block_mask, check_forward_args
 from flashnumba.blockmask import BlockMask
 rng = np.random.default_rng(0)
-cases = [("documents", 128, True), ("causal", 64, True)]
+cases = [("documents", 128, True)]
 if FULL:
     cases += [(name, D, bm) for name in ("causal", "window", "prefix-lm", "documents") for D in (64, 128)
               for bm in (True, False) if (name, D, bm) not in cases]
+
+
+def build(s, p, what):
+    fn = s.factory(*s.factory_args)
+    _, log, ptx = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})", (9, 0, "a"),
+                                _launch.launch_bounds(s), s.whole_program)
+    out[f"{what} {s.name} tiles={tuple(s.tiles)}"] = dict(log=log, serialised="serialized" in log,
+                                                         **_launch.resources_from_log(log))
+
+
+
 out = {}
 for name, D, with_bm in cases:
     mask_mod, make_args = t.EXAMPLES[name][2:]
@@ -396,26 +407,26 @@ for name, D, with_bm in cases:
         bm = BlockMask(mask_mod, args, (256, 256), 128, 128, z[..., 0].copy(), z, z.astype(np.int8), z[..., 0].copy(),
                        z)
         opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
-    (s,) = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90").launches
     p = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90")
-    fn = s.factory(*s.factory_args)
-    _, log, ptx = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})", (9, 0, "a"),
-                                _launch.launch_bounds(s), s.whole_program)
-    out[f"{name} d={D} block mask={with_bm} tiles={tuple(s.tiles)}"] = dict(
-        log=log, serialised="serialized" in log, **_launch.resources_from_log(log))
+    build(p.launches[0], p, f"{name} d={D} block mask={with_bm}")
+    lse = np.zeros((1, 2, 256), np.float32)
+    tdo, to, tl = (_validate.inspect(n, x, nd) for n, x, nd in (("dout", q, 4), ("out", q, 4), ("lse", lse, 3)))
+    p = planner.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel="wgmma", device="sm_90")
+    for s in p.launches[1:]:  # (the dQ and dK/dV kernels; the D_i preprocess is the built-in one)
+        build(s, p, f"{name} d={D} block mask={with_bm}")
 print(json.dumps(out))
 """
 
 
 def test_mask_mods_compile_into_the_hopper_forward():
-    """The examples' mask_mods compiled into the Hopper forward for sm_90a (no GPU needed) at the planner's tiles,
-    with and without a block mask: no spills and no serialised wgmma (per push the heaviest, documents at head_dim
-    128 with a block mask, and causal at 64; every mask at 64 and 128 in the GPU profile)."""
+    """The examples' mask_mods compiled into the Hopper forward and backward for sm_90a (no GPU needed) at the
+    planner's tiles, with and without a block mask: no spills and no serialised wgmma (per push the heaviest,
+    documents at head_dim 128 with a block mask; every mask at 64 and 128 in the GPU profile)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     from conftest import FULL_COMPILE, compile_offline
 
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{HOPPER_COMPILE_SCRIPT}")
-    assert len(compiled) == (16 if FULL_COMPILE else 2)
+    assert len(compiled) == 3 * (16 if FULL_COMPILE else 1)
     for name, r in compiled.items():
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and not r["serialised"], f"{name}: {r['log'][-600:]}"
@@ -534,9 +545,10 @@ HOPPER_CASES = [  # (mask name, sq, sk, nheads_k, groups, head_dim, tiles, block
 ]
 
 
-def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0):
+def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0, backward=None):
     """A mask_mod on the Hopper forward (kernel="wgmma"), with or without a block mask, against the float64
-    reference, the tolerance from the same computation in float16."""
+    reference, the tolerance from the same computation in float16; with ``backward`` (the backward's tiles, a
+    dict) the Hopper backward's gradients too."""
     mask_mod, make_args = (after_64, None) if name == "after-64" else EXAMPLES[name][2:]
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, np.float16)
@@ -551,10 +563,21 @@ def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0):
     rkw = dict(mask_mod=mask_mod, score_mod_args=args)
     truth_o, truth_l = ref.flex_attention_forward(q, k, v, **rkw)
     base_o, base_l = ref.flex_attention_forward(q, k, v, dtype=np.float16, **rkw)
-    out, lse = to_numpy(out), to_numpy(lse)
-    assert_close_to_truth("out", out, truth_o, base_o.astype(np.float16), reduction=max(d, sk))
-    assert_close_to_truth("lse", lse, truth_l, base_l.astype(np.float32), reduction=max(d, sk))
-    return out, lse
+    assert_close_to_truth("out", to_numpy(out), truth_o, base_o.astype(np.float16), reduction=max(d, sk))
+    assert_close_to_truth("lse", to_numpy(lse), truth_l, base_l.astype(np.float32), reduction=max(d, sk))
+    grads = None
+    if backward is not None:
+        dout = rng.standard_normal(q.shape).astype(np.float16)
+        for x in ("return_lse", "block_m", "block_n", "num_threads"):
+            kw.pop(x, None)
+        grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, None, None if blocks else mask_mod,
+                                                   **({"block_mask": bm} if blocks else {}), **backward, **kw)
+        truth = ref.flex_attention_backward(dout, q, k, v, **rkw)
+        base = ref.flex_attention_backward(dout, q, k, v, dtype=np.float16, **rkw)
+        for gname, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
+            assert_close_to_truth(gname, to_numpy(g), t, b.astype(np.float16), reduction=max(d, sq, sk))
+        grads = [to_numpy(g) for g in grads]
+    return to_numpy(out), to_numpy(lse), grads
 
 
 @pytest.mark.parametrize("name, sq, sk, nheads_k, groups, d, tiles, blocks", HOPPER_CASES)
@@ -564,9 +587,29 @@ def test_mask_mods_on_the_hopper_forward(name, sq, sk, nheads_k, groups, d, tile
     tiles, the producer's tensor-map copies and every thread's copies); a query block with no key block listed
     gives out 0 and lse -inf."""
     _skip_unless_hopper()
-    out, lse = _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks)
+    out, lse, _ = _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks)
     if name == "after-64":
         assert not out[0, :64].any() and np.isneginf(lse[0, :, :64]).all()
+
+
+HOPPER_BACKWARD_CASES = [  # as HOPPER_CASES, then the backward's tiles
+    ("documents", 70, 150, 1, 2, 32, dict(block_m=64, block_n=64, num_threads=128), None,
+     dict(block_m=64, block_n=64)),
+    ("after-64", 150, 70, 1, 2, 32, dict(block_m=64, block_n=64, num_threads=128), 64, dict(block_m=64, block_n=64)),
+    ("causal", 70, 128, 1, 1, 32, {}, 128, {}),  # the default tiles: the producers' tensor-map copies
+]
+
+
+@pytest.mark.parametrize("name, sq, sk, nheads_k, groups, d, tiles, blocks, backward", HOPPER_BACKWARD_CASES)
+def test_mask_mods_on_the_hopper_backward(name, sq, sk, nheads_k, groups, d, tiles, blocks, backward):
+    """A mask_mod compiled into the Hopper backward's mask passes (the dQ kernel's and the dK/dV kernel's), without
+    a block mask in every tile (GQA), with one only in its partial blocks, the dQ kernel walking each query block's
+    key blocks, the dK/dV kernel each key block's query blocks over the query heads of its key/value head (GQA);
+    queries that see no key get zero gradient."""
+    _skip_unless_hopper()
+    _, _, grads = _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, backward=backward)
+    if name == "after-64":
+        assert not grads[0][0, :64].any()
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
@@ -582,6 +625,36 @@ def test_drawn_masks_on_the_hopper_forward_gpu(part, name, sq, sk, nheads_k, gro
     if blocks is not None and "block_m" in tiles:
         blocks = 64
     _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed)
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
+@given(name=st.sampled_from(["causal", "window", "prefix-lm", "documents", "after-64"]),
+       sq=st.sampled_from([1, 63, 200, 513]), sk=st.sampled_from([1, 80, 200, 700]),
+       nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]), d=st.sampled_from([32, 64, 96, 128]),
+       blocks=st.sampled_from([None, 128]), seed=st.integers(0, 99))
+def test_drawn_masks_on_the_hopper_backward_gpu(part, name, sq, sk, nheads_k, groups, d, blocks, seed):
+    _skip_unless_hopper()
+    _run_hopper(name, sq, sk, nheads_k, groups, d, {}, blocks, seed, backward={})
+
+
+def test_what_the_hopper_kernels_do_not_take_is_refused():
+    """kernel="wgmma" with a score_mod, with a block mask whose blocks its tiles do not divide, and (the backward)
+    with GQA and a block mask made per head: clear errors before any launch."""
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 40, 40, 2, 32, np.float16)
+    with pytest.raises(ValueError, match="not a score_mod"):
+        flashnumba.flex_attention(q, k, v, softcap, kernel="wgmma")
+    bm = flashnumba.create_block_mask(causal_mask, 1, 1, 40, 40, score_mod_args=(np.array([0], np.int32),),
+                                      BLOCK_SIZE=32)
+    with pytest.raises(ValueError, match="multiples of the kernel's tiles"):
+        flashnumba.flex_attention(q, k, v, block_mask=bm, kernel="wgmma")
+    per_head = flashnumba.create_block_mask(head_varying, 1, 2, 40, 40, BLOCK_SIZE=128)
+    out, lse = np.zeros_like(q), np.zeros((1, 2, 40), np.float32)  # (the plan refuses before reading them)
+    with pytest.raises(ValueError, match="H = 1"):
+        flashnumba.flex_attention_backward(q, q, k[:, :, :1], v[:, :, :1], out, lse, block_mask=per_head,
+                                           enable_gqa=True, kernel="wgmma")
 
 
 def _documents_block_mask(seed, d, dtype):

@@ -516,7 +516,8 @@ for which, D, loop, wg, dt, var, gqa in cases:
     outs = a4 if which == "dq" else f"{a4}, {a4}"
     sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32[:, :, ::1], {outs}, float32, float32, "
            f"float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64, "
-           f"uint64[:, ::1])")
+           f"uint64[:, ::1], float32[:], float32[:], float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], "
+           f"int8[:, :, :, :])")
     # (as the planner compiles them: with the producer's setmaxnreg, the whole program)
     _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(wb.threads(wg, tma), tma), tma)
     out[f"{which} {dt} D={D} loop={loop} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, tma=tma,

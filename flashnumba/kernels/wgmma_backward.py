@@ -42,6 +42,13 @@ leave that loop rolled and the tile's accumulators in local memory, which serial
 computed unmasked, and a second pass (:func:`make_mask_tile`) zeroes those past a sequence or out of the band only
 in the tiles that reach there, as the forward masks its scores.
 
+**A user's mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention_backward` with
+``kernel="wgmma"``), as in the forward: the mask_mod in a pass of its own after the built-in one
+(:func:`make_user_mask_tile`), in the tiles it may hide entries of; with a block mask the dQ kernel walks the key
+blocks listed for its query block, the dK/dV kernel the query blocks listed for its key block, for each query head
+of its key/value head in turn (with GQA the lists are one for every head: a mask made per head would give each head
+its own count of tiles, which the iteration's head and tile, computed from its index, does not allow).
+
 **Tensor-map copies** (``tma``, :func:`takes_tma`). With two warpgroups, a third, the producer, makes the copies
 as the forward's does (:mod:`flashnumba.kernels.wgmma_forward`, "Tensor-map copies"): one thread copies the tiles
 loaded once with the first stage (Q_i, dO_i; or K_j, V_j) and then each stage's two tiles with the copy engine,
@@ -62,7 +69,9 @@ from .scalars import float16, float32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
-from .common import LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_sequence_geometry
+from .block_mask import FULL
+from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_sequence_geometry,
+                     make_user_mods)
 from .mma_backward import _store_bf16, make_entry, make_stats
 from .wgmma_forward import (HEAD_DIMS, STAGES, init_stages, make_load_core, make_load_stage, make_swizzled_products,
                             make_tma_producer, publish_tile, swizzle_base, swizzle_span, takes_tma as forward_takes_tma,
@@ -208,6 +217,38 @@ def make_mask_tile(NS, has_left, has_right, keys_are_rows):
 
 
 @functools.lru_cache(maxsize=None)
+def make_user_mask_tile(NS, mods, keys_are_rows):
+    """user_mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3): 0 into this lane's entries of x
+    and y (as :func:`make_mask_tile`'s) that a user's mask_mod (:class:`flashnumba.kernels.common.Mods`) hides,
+    called for the entries within the sequences only (it may index its arrays by them); the kernels run it in the
+    tiles it may hide entries of (with a block mask, its partial blocks)."""
+    _, user_mask = make_user_mods(mods)
+
+    @cuda.jit(device=True, inline=True)
+    def user_mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3):
+        for n in range(NS // 4):
+            for e in range(4):
+                r = row0 + 8 * (e >> 1)
+                c = col0 + 8 * n + (e & 1)
+                i, j = (c, r) if keys_are_rows else (r, c)
+                if i < seqlen_q and j < seqlen_k and not user_mask(b, h, i, j, a0, a1, a2, a3):
+                    x[4 * n + e] = float32(0.0)
+                    y[4 * n + e] = float32(0.0)
+
+    return user_mask_tile
+
+
+def check_mods(mods, block_mask, rows, cols):
+    """ValueError unless a kernel takes a user's ``mods`` (a mask_mod: a score_mod is the ``mma.sync`` kernels') and
+    a block mask of (QB, KB) blocks with its tiles of ``rows`` queries and ``cols`` keys (multiples of them)."""
+    if mods is not None and mods.score_mod is not None:
+        raise ValueError("the wgmma backward takes a mask_mod, not a score_mod (the 'tc' kernels take both)")
+    if block_mask is not None and (block_mask[0] % rows or block_mask[1] % cols):
+        raise ValueError(f"the block mask's blocks {tuple(block_mask)} must be multiples of the tiles ({rows}, "
+                         f"{cols})")
+
+
+@functools.lru_cache(maxsize=None)
 def make_issue_sdp(D, dtype, tma, rows_a, rows_b, gap):
     """issue_sdp(s, dp, a1, a2, b): group 1 of both kernels, one commit: s = A1 B^T and dp = A2 B'^T (64 x rows_b,
     K = D), A1 and A2 this warpgroup's 64 rows (at byte addresses a1, a2) of tiles of rows_a rows, B a tile of rows_b
@@ -231,17 +272,25 @@ def make_issue_sdp(D, dtype, tma, rows_a, rows_b, gap):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa=False, tma=False):
-    """The dQ kernel (module docstring) for head_dim D (:data:`HEAD_DIMS`), block_n keys a tile
-    (:data:`DQ_BLOCK_NS`), ``warpgroups`` warpgroups of 64 query rows, the options of ``variant`` compiled in as in
-    :func:`flashnumba.kernels.mma_backward.make_backward_dq_tc`, whose arguments it takes but the user's functions'
-    and a block mask's: (dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
-    p_drop, rp_keep, seed, offset, maps). With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles
-    with the copy engine (module docstring), ``maps`` holding the tensor maps of :data:`DQ_MAPS`; without, every
-    thread copies and ``maps`` is not read. Compiled for sm_90a. Launch: grid (ceil(max_seqlen_q / B_r),
-    batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dq`."""
+def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa=False, tma=False, mods=None,
+                           block_mask=None):
+    """The dQ kernel (module docstring) for head_dim D (:data:`HEAD_DIMS`), block_n keys a tile (:data:`DQ_BLOCK_NS`),
+    ``warpgroups`` warpgroups of 64 query rows, the options of ``variant`` compiled in as in
+    :func:`flashnumba.kernels.mma_backward.make_backward_dq_tc`, whose arguments it takes, the tensor maps after the
+    options': (dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop,
+    rp_keep, seed, offset, maps, a0, a1, a2, a3, bm_num, bm_idx, bm_state). ``mods``, ``block_mask``: a user's mask_mod
+    and a block mask's (QB, KB) blocks, as the forward's (:func:`flashnumba.kernels.wgmma_forward.make_forward_wgmma`).
+    With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles with the copy engine (module docstring),
+    ``maps`` holding the tensor maps of :data:`DQ_MAPS`; without, every thread copies and ``maps`` is not read. Compiled
+    for sm_90a. Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory
+    :func:`shared_bytes_dq`."""
     B_R, B_C = 64 * warpgroups, block_n
     check(D, B_R, B_C, "dq", dtype)
+    check_mods(mods, block_mask, B_R, B_C)
+    BM = block_mask is not None
+    QB, KB = block_mask if BM else (B_R, B_C)
+    SUB = KB // B_C  # key tiles a block of the block mask
+    USER_MASK = mods is not None and mods.mask_mod is not None
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups):
@@ -272,11 +321,27 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     load_tile = make_load_stage(D, NC, B_C, OFF_K, OFF_V, BUF)  # K_j, V_j of tile jt into buffer jt % STAGES
     key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
     mask_tile = make_mask_tile(NS, HAS_LEFT, HAS_RIGHT, False)
+    user_mask_tile = make_user_mask_tile(NS, mods, False)
 
     @cuda.jit(device=True, inline=True)
-    def key_tile(jt, hk, k_row0, _c2, _c3, _idx):
+    def first_key(jt, n_start, qb, blocks):
+        """The first key of the jt-th key tile the block visits (wgmma_forward's: with a block mask, of the key
+        blocks blocks[qb] lists)."""
+        if BM:
+            return blocks[qb, jt // SUB] * KB + (jt % SUB) * B_C
+        return n_start + jt * B_C
+
+    @cuda.jit(device=True, inline=True)
+    def part_of(state, bbm, hbm, qb, j0):
+        """Whether the user's mask_mod runs in the tile from key j0 (every tile but a block mask's full ones)."""
+        if BM:
+            return USER_MASK and state[bbm, hbm, qb, j0 // KB] != FULL
+        return USER_MASK
+
+    @cuda.jit(device=True, inline=True)
+    def key_tile(jt, hk, n_start, qb, _c3, blocks):
         """(head, first key) of tile jt: the producer's coordinates of K_j, V_j."""
-        return hk, k_row0 + jt * B_C
+        return hk, first_key(jt, n_start, qb, blocks)
 
     # the producer's copies (one thread): Q_i, dO_i with the first tile, then K_j, V_j
     produce = make_tma_producer(D, 2, B_R, OFF_DO, B_C, OFF_K, OFF_V, BUF, key_tile)
@@ -298,16 +363,16 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
-    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, row0, row_end, hk, tid):
+    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, row_end, hk, tid):
         """Tile jt's K_j, V_j (and with the first, Q_i, dO_i) are in their buffer, seen by the tensor cores. With
         tensor maps: wait for its phase of ``full``. Without: :func:`publish_tile`, then start the copies of tile
-        jt + 1 (keys from row0 + B_c) into the buffer that barrier freed."""
+        jt + 1 (keys from k0 + :func:`first_key`) into the buffer that barrier freed."""
         if TMA:
             wait_phase(bars, jt % STAGES, (jt // STAGES) & 1)
         else:
             publish_tile()
             if jt + 1 < n_tiles:
-                load_tile(smem, jt + 1, k, v, bb, row0 + B_C, row_end, hk, tid)
+                load_tile(smem, jt + 1, k, v, bb, k0 + first_key(jt + 1, n_start, qb, blocks), row_end, hk, tid)
 
     @cuda.jit(device=True, inline=True)
     def keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh):
@@ -339,7 +404,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
 
     @cuda.jit
     def backward_dq_wgmma(dout, q, k, v, lse, delta, dq, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k,
-                          p_drop, rp_keep, seed, offset, maps):
+                          p_drop, rp_keep, seed, offset, maps, a0, a1, a2, a3, bm_num, bm_idx, bm_state):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         gw = tid >> 7  # warpgroup: rows 64 gw .. 64 gw + 63 of Q_i
@@ -364,6 +429,13 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         smem = cuda.shared.array(0, elem)  # Q_i | dO_i | K, V buffers 0, 1, 2 (dynamic), core matrices or swizzled
         bars = cuda.shared.array(NBARS, uint64)  # (tensor maps) full[0 .. 2], empty[0 .. 2]: mbarriers
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
+        # with a block mask, its listed key blocks (one made for B = 1 or H = 1 serves every entry)
+        qb = i0 // QB
+        bbm = b if bm_num.shape[0] > 1 else int64(0)
+        hbm = h if bm_num.shape[1] > 1 else int64(0)
+        blocks = bm_idx[bbm, hbm]  # (within the dummy's bounds without a block mask: read only with one)
+        if BM:
+            n_tiles = bm_num[bbm, hbm, qb] * SUB
         base = 0  # where Q_i starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes_dq leaves room)
         if TMA:
             base = swizzle_base(smem)
@@ -371,7 +443,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
-                    produce(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, 0, 0, maps)
+                    produce(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, qb, 0, blocks)
                 return
             hop.setmaxnreg_inc(CONSUMER_REGISTERS)
 
@@ -398,23 +470,28 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
             load_core(smem, OFF_DO, dout, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
             if n_tiles > 0:
-                load_tile(smem, 0, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+                load_tile(smem, 0, k, v, bb, k0 + first_key(0, n_start, qb, blocks), k0 + seqlen_k, hk, tid)
             ptx.cp_async_commit()
 
         # The first tile: S, dP alone, dS, packed
         if n_tiles > 0:
-            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0 + n_start, k0 + seqlen_k, hk, tid)
+            j0 = first_key(0, n_start, qb, blocks)
+            partial = part_of(bm_state, bbm, hbm, qb, j0)
+            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, 0)
-            bits = keep_bits(i0, r0, t, n_start, p_drop, seed, offset, bh)
+            bits = keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh)
             wait_s(0, s)
             wait_s(0, dp)
-            ds_tile(s, dp, lrow, drow, i0, r0, t, n_start, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
+            ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
                     softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits)
+            if partial:  # (the user's mask_mod: dS 0 where it hides an entry)
+                user_mask_tile(dp, dp, i0 + r0, j0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
             pack_a(pa, dp)
         # Tile j: S, dP issued, dQ_i += dS_i,j-1 K_j-1 behind them, dS of tile j while that runs
         for jt in range(1, n_tiles):
-            j0 = n_start + jt * B_C
-            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0 + j0, k0 + seqlen_k, hk, tid)
+            j0 = first_key(jt, n_start, qb, blocks)
+            partial = part_of(bm_state, bbm, hbm, qb, j0)  # (read before the wait: its latency hides behind it)
+            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt)
             issue_dq(acc, pa, kv_addr, jt - 1)
             bits = keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh)
@@ -422,6 +499,8 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             wait_s(1, dp)
             ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
                     softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits)
+            if partial:
+                user_mask_tile(dp, dp, i0 + r0, j0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
             wait_o(0, acc)
             if TMA:  # (tile jt - 1 read by its products: its buffer free for the producer)
                 hop.mbarrier_arrive(hop.smem_address(bars, STAGES + (jt - 1) % STAGES))
@@ -444,16 +523,25 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", gqa=False, tma=False):
+def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", gqa=False, tma=False, mods=None,
+                             block_mask=None):
     """The dK/dV kernel (module docstring) for head_dim D, block_m queries a tile (:data:`DKDV_BLOCK_MS`),
-    ``warpgroups`` warpgroups of 64 keys, the options of ``variant`` compiled in; arguments (dout, q, k, v, lse,
-    delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset, maps).
+    ``warpgroups`` warpgroups of 64 keys, the options of ``variant`` compiled in; arguments (dout, q, k, v, lse, delta,
+    dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset, maps, a0, a1, a2,
+    a3, bm_qnum, bm_qidx, bm_state). ``mods``: a user's mask_mod, as the dQ kernel's; ``block_mask``: (QB, KB), the
+    blocks of a block mask whose query-block lists (bm_qnum, bm_qidx) the loop walks, for each query head of the
+    key/value head in order; with GQA the mask must be one for every head (H = 1: each head then walks the same list).
     With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles with the copy engine and one warp of it
-    fetches L_i and D_i (module docstring), ``maps`` holding the tensor maps of :data:`DKDV_MAPS`; without, every
-    thread copies and ``maps`` is not read. Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c),
-    batch * nheads_k), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dkdv`."""
+    fetches L_i and D_i (module docstring), ``maps`` holding the tensor maps of :data:`DKDV_MAPS`; without, every thread
+    copies and ``maps`` is not read. Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k),
+    block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dkdv`."""
     B_R, B_C = block_m, 64 * warpgroups
     check(D, B_R, B_C, "dkdv", dtype)
+    check_mods(mods, block_mask, B_R, B_C)
+    BM = block_mask is not None
+    QB, KB = block_mask if BM else (B_R, B_C)
+    SUB = QB // B_R  # query tiles a block of the block mask
+    USER_MASK = mods is not None and mods.mask_mod is not None
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups, "dkdv", B_R):
@@ -484,14 +572,30 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
     load_core = make_load_core(D, NC)
     mask_tile = make_mask_tile(NS, HAS_LEFT, HAS_RIGHT, True)
+    user_mask_tile = make_user_mask_tile(NS, mods, True)
 
     @cuda.jit(device=True, inline=True)
-    def tile_of(it, hk, group, nt, m_begin):
-        """(query head, first row) of iteration it: head hk * group + it // nt, tile m_begin + it % nt."""
+    def tile_of(it, hk, group, nt, m_begin, lists):
+        """(query head, first row) of iteration it: head hk * group + it // nt, tile m_begin + it % nt; with a
+        block mask (m_begin: the key block; lists: bm_qidx[b], read only then), the (it % nt)-th tile of the query
+        blocks it lists for the key block."""
+        h = hk
+        r = it
         if GQA:
             u = uint32(it) // uint32(nt)
-            return hk * group + int64(u), (m_begin + int64(uint32(it) - u * uint32(nt))) * B_R
-        return hk, (m_begin + it) * B_R
+            h = hk * group + int64(u)
+            r = int64(uint32(it) - u * uint32(nt))
+        if BM:
+            return h, lists[h if lists.shape[0] > 1 else int64(0), m_begin, r // SUB] * QB + (r % SUB) * B_R
+        return h, (m_begin + r) * B_R
+
+    @cuda.jit(device=True, inline=True)
+    def part_of(state, bbm, h, i0, kb):
+        """Whether the user's mask_mod runs in the tile of queries from i0 (every tile but a block mask's full
+        ones)."""
+        if BM:
+            return USER_MASK and state[bbm, h if state.shape[1] > 1 else int64(0), i0 // QB, kb] != FULL
+        return USER_MASK
 
     load_tile = make_load_stage(D, NC, B_R, OFF_Q, OFF_DO, BUF)  # Q_i, dO_i of iteration it into buffer it % STAGES
     # L_i and D_i of a query tile, fetched while the products are issued and put before the wait for S^T (not held
@@ -499,15 +603,15 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     fetch_stats, put_stats = make_stats(B_R, NC)
     fetch_stats_p, put_stats_p = make_stats(B_R, 32)
     @cuda.jit(device=True, inline=True)
-    def query_tile(it, hk, group, nt, m_begin, _idx):
+    def query_tile(it, hk, group, nt, m_begin, lists):
         """The producer's coordinates of Q_i, dO_i: :func:`tile_of`."""
-        return tile_of(it, hk, group, nt, m_begin)
+        return tile_of(it, hk, group, nt, m_begin, lists)
 
     # the producer's copies (one thread): K_j, V_j with the first tile, then Q_i, dO_i of each
     produce = make_tma_producer(D, 2, B_C, OFF_V, B_R, OFF_Q, OFF_DO, BUF, query_tile)
 
     @cuda.jit(device=True, inline=True)
-    def produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, total, lane):
+    def produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, lists, total, lane):
         """The producer's second warp (thread ``lane``): log2(e) L_i and D_i of iteration it's queries into row
         it % STAGES of lsm, dsm once the consumers have released the tile that was there, then one arrival each
         on that stage's ``full`` mbarrier (which the copies' thread announces the bytes on)."""
@@ -516,7 +620,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             st = it % STAGES
             if it >= STAGES:
                 wait_phase(bars, STAGES + st, (it // STAGES + 1) & 1)
-            h, i0 = tile_of(it, hk, group, nt, m_begin)
+            h, i0 = tile_of(it, hk, group, nt, m_begin, lists)
             fetch_stats_p(stp, lse, delta, bb, h, q0 + i0, q0 + seqlen_q, lane)
             put_stats_p(lsm, dsm, st, stp, lane)
             hop.mbarrier_arrive(hop.smem_address(bars, st))
@@ -587,7 +691,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
 
     @cuda.jit
     def backward_dkdv_wgmma(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q,
-                            cu_k, p_drop, rp_keep, seed, offset, maps):
+                            cu_k, p_drop, rp_keep, seed, offset, maps, a0, a1, a2, a3, bm_qnum, bm_qidx, bm_state):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
         gw = tid >> 7  # warpgroup: keys 64 gw .. 64 gw + 63 of K_j
@@ -629,6 +733,14 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         if HAS_LEFT:
             m_rows = max(0, min(seqlen_q, min(j0 + B_C, seqlen_k) - diag + left))
         nt = max(0, int64(uint32(m_rows + B_R - 1) // uint32(B_R)) - m_begin)  # query tiles per query head
+        # with a block mask, the query blocks it lists for this key block (one made for B = 1 serves every entry;
+        # with GQA it is one for every head)
+        bbm = b if bm_qnum.shape[0] > 1 else int64(0)
+        lists = bm_qidx[bbm]  # (within the dummy's bounds without a block mask: read only with one)
+        kb = j0 // KB
+        if BM:
+            m_begin = kb
+            nt = int64(bm_qnum[bbm, hk if bm_qnum.shape[1] > 1 else int64(0), kb]) * SUB
         total = group * nt
         if total == 0:  # no query sees these keys: dK_j = dV_j = 0 (and no condition on total below)
             if tid < NC:
@@ -645,9 +757,9 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
-                    produce(smem, base, bars, maps, bb, hk, j0, total, hk, group, nt, m_begin, maps)
+                    produce(smem, base, bars, maps, bb, hk, j0, total, hk, group, nt, m_begin, lists)
                 elif tid >= NC + 32 and tid < NC + 64:
-                    produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, total,
+                    produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, lists, total,
                                   tid - NC - 32)
                 return
             hop.setmaxnreg_inc(CONSUMER_REGISTERS)
@@ -656,7 +768,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         v_addr = hop.smem_address(smem, base + OFF_V) + gw * 64 * (SPAN if TMA else 16)
         q_base = hop.smem_address(smem, base + OFF_Q)
 
-        h, i0 = tile_of(0, hk, group, nt, m_begin)
+        h, i0 = tile_of(0, hk, group, nt, m_begin, lists)
         if not TMA:
             load_core(smem, 0, k, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
             load_core(smem, OFF_V, v, bb, k0 + j0, k0 + seqlen_k, hk, B_C, tid)
@@ -674,25 +786,29 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         else:
             publish_tile()
             if total > 1:
-                h2, i2 = tile_of(1, hk, group, nt, m_begin)
+                h2, i2 = tile_of(1, hk, group, nt, m_begin, lists)
                 load_tile(smem, 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
                 fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
         issue_sdp(s, dp, k_addr, v_addr, q_base, 0)
         if not TMA and total > 1:
             put_stats(lsm, dsm, 1, st, tid)
         bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
+        partial = part_of(bm_state, bbm, h, i0, kb)
         wait_s(0, s)
         wait_s(0, dp)
         slope = alibi[b, h] if ALIBI else float32(0.0)
         entries(s, dp, lsm, dsm, 0, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
                 right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
+        if partial:  # (the user's mask_mod: P and dS 0 where it hides an entry)
+            user_mask_tile(s, dp, j0 + r0, i0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
         pack_a(pp, s)
         pack_a(pd, dp)
         # Tile i: S^T, dP^T issued, dV, dK of tile i - 1 behind them, the entries of tile i while those run
         sel = 0
         phase = 0  # (tensor maps) the parity of buffer sel's phase of ``full``: flips as sel comes round
         for it in range(1, total):
-            h, i0 = tile_of(it, hk, group, nt, m_begin)
+            h, i0 = tile_of(it, hk, group, nt, m_begin, lists)
+            partial = part_of(bm_state, bbm, h, i0, kb)  # (read before the wait: its latency hides behind it)
             # (it % STAGES, stepped: the remainder each tile spills under CUDA 13.0's assembler at d = 128)
             done = sel
             sel = sel + 1 if sel < STAGES - 1 else 0
@@ -703,7 +819,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             else:
                 publish_tile()
                 if it + 1 < total:
-                    h2, i2 = tile_of(it + 1, hk, group, nt, m_begin)
+                    h2, i2 = tile_of(it + 1, hk, group, nt, m_begin, lists)
                     load_tile(smem, it + 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
                     fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
             issue_sdp(s, dp, k_addr, v_addr, q_base, it)
@@ -716,6 +832,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             slope = alibi[b, h] if ALIBI else float32(0.0)
             entries(s, dp, lsm, dsm, sel, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
                     right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
+            if partial:
+                user_mask_tile(s, dp, j0 + r0, i0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
             wait_o(0, dva)
             wait_o(0, dka)
             if TMA:  # (tile it - 1 read by its products, its statistics by its entries: its buffer free)

@@ -344,13 +344,13 @@ def make_swizzled_products(kind, D):
 def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at, stage_gap, buf, coords):
     """produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3, idx): the copies of a producer
     thread with the copy engine, for the forward and both backward kernels. With tile 0 it copies the tiles a block
-    loads once: ``first_maps`` tiles of ``first_rows`` rows (maps 0, 1, ...: the forward's Q_i; the dQ kernel's
-    Q_i, dO_i; the dK/dV kernel's K_j, V_j), ``first_gap`` elements apart from ``base``. Then the pipeline stage
-    of tile jt, two tiles of ``stage_rows`` rows (the next two maps, head and first row ``coords(jt, c0, c1, c2,
-    c3, idx)``; idx: an array the coordinates may read, a block mask's list), into buffer jt % STAGES at element
-    base + ``stage_at`` + (jt % STAGES) ``buf``, ``stage_gap`` apart, once the consumers have released the tile that was there (bars[STAGES + jt % STAGES], ``empty``). Each stage's
-    bytes are announced on its ``full`` mbarrier (bars[jt % STAGES]: the one arrival of this thread) and counted
-    there as they land."""
+    loads once: ``first_maps`` tiles of ``first_rows`` rows (maps 0, 1, ...: the forward's Q_i; the dQ kernel's Q_i,
+    dO_i; the dK/dV kernel's K_j, V_j), ``first_gap`` elements apart from ``base``. Then the pipeline stage of tile jt,
+    two tiles of ``stage_rows`` rows (the next two maps, head and first row ``coords(jt, c0, c1, c2, c3, idx)``; idx: an
+    array the coordinates may read, a block mask's list), into buffer jt % STAGES at element base + ``stage_at`` + (jt %
+    STAGES) ``buf``, ``stage_gap`` apart, once the consumers have released the tile that was there (bars[STAGES + jt %
+    STAGES], ``empty``). Each stage's bytes are announced on its ``full`` mbarrier (bars[jt % STAGES]: the one arrival
+    of this thread) and counted there as they land."""
     copy_box_rows = make_copy_box_rows(D)
     N_MAPS = first_maps + 2
     FIRST_BYTES = first_maps * first_rows * D * 2
