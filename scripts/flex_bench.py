@@ -9,7 +9,9 @@ pair of CUDA events after warm-up, and TFLOP/s of the work the mask leaves):
   scaled_dot_product_attention with its default backend (cuDNN on an H100/H200);
 * causal built-in vs causal as a mask_mod with a block mask (the same result: the cost of the mechanism);
 * 8 documents per sequence as a mask_mod, with and without a block mask;
-* torch.nn.attention.flex_attention (torch.compile) with its own block mask, on the same masks.
+* torch.nn.attention.flex_attention (torch.compile) with its own block mask, on the same masks;
+* on compute capability 9.0, the causal and documents mask_mods with their block masks on the Hopper kernels
+  (``kernel="wgmma"``), forward and backward, rows named "(Hopper)".
 
 With ``--backward``, also the backward pass (TFLOP/s counted as 2.5 forwards): the built-in kernels' dense and
 causal backward, ``flex_attention_backward`` with the causal and the documents mask_mod on the tensor cores (the
@@ -48,7 +50,12 @@ def flops(batch, heads, seqlen, d, density):
     return 4.0 * batch * heads * seqlen * seqlen * d * density
 
 
+HOPPER = False  # whether the GPU is of compute capability 9.0 (the Hopper kernels' rows): set in main
+
+
 def main():
+    global HOPPER
+    HOPPER = cupy.cuda.Device().compute_capability == "90"
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--seqlen", type=int, default=8192)
@@ -103,6 +110,14 @@ def main():
              lambda: flashnumba.flex_attention(q, k, v, mask_mod=doc_mod, score_mod_args=(docs,))),
             ("torch flex documents", density_doc, lambda: compiled(tq, tk, tv, block_mask=tbm_doc)),
         ]
+        if HOPPER:
+            cases += [
+                ("causal mask_mod + block mask (Hopper)", 0.5,
+                 lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_causal, kernel="wgmma")),
+                ("documents mask_mod + block mask (Hopper)", density_doc,
+                 lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_doc, score_mod_args=(docs,),
+                                                   kernel="wgmma")),
+            ]
         outs = {}
         for name, dens, fn in cases:
             out = fn()
@@ -126,7 +141,7 @@ def main():
                                                               "documents mask_mod, no block mask"])):
             want = as_np(compiled(tq32, tk32, tv32, block_mask=tbm))
             theirs = np.abs(as_np(outs[f"torch flex {mask_name}"]) - want).max()
-            for name in pairs:
+            for name in pairs + ([f"{mask_name} mask_mod + block mask (Hopper)"] if HOPPER else []):
                 ours = np.abs(as_np(outs[name]) - want).max()
                 rows.append(dict(head_dim=d, case=f"max |out - float32 flex| {name}", value=float(ours),
                                  torch_flex_value=float(theirs)))
@@ -186,6 +201,14 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, d
             dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,))),
         ("backward torch flex documents", density_doc, torch_backward(tbm_doc)),
     ]
+    if HOPPER:
+        cases += [
+            ("backward causal mask_mod + block mask (Hopper)", 0.5, lambda: flashnumba.flex_attention_backward(
+                dout, q, k, v, out_c, lse_c, block_mask=bm_causal, kernel="wgmma")),
+            ("backward documents mask_mod + block mask (Hopper)", density_doc,
+             lambda: flashnumba.flex_attention_backward(dout, q, k, v, out_m, lse_m, block_mask=bm_doc,
+                                                        score_mod_args=(docs,), kernel="wgmma")),
+        ]
     rows, grads = [], {}
     for name, dens, fn in cases:
         grads[name] = fn()
@@ -205,7 +228,7 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, d
                              ("documents", ["backward documents mask_mod + block mask",
                                             "backward documents mask_mod, no block mask"])):
         theirs = [as_np(g) for g in grads[f"backward torch flex {mask_name}"]]
-        for name in names:
+        for name in names + ([f"backward {mask_name} mask_mod + block mask (Hopper)"] if HOPPER else []):
             diff = max(float(np.abs(as_np(g) - t).max()) for g, t in zip(grads[name], theirs))
             rows.append(dict(head_dim=d, case=f"max |grad - torch flex grad| {name}", value=diff))
             print(f"d={d} {name}: largest difference of dq, dk, dv from FlexAttention's {diff:.2e}")
