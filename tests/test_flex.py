@@ -616,24 +616,18 @@ def test_mask_mods_on_the_hopper_backward(name, sq, sk, nheads_k, groups, d, til
        sq=st.sampled_from([1, 63, 200, 513]), sk=st.sampled_from([1, 80, 200, 700]),
        nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]), d=st.sampled_from([32, 64, 96, 128]),
        tiles=st.sampled_from([{}, dict(block_n=64), dict(block_m=64, block_n=64, num_threads=128)]),
-       blocks=st.sampled_from([None, 128, (128, 64)]), seed=st.integers(0, 99))
-def test_drawn_masks_on_the_hopper_forward_gpu(part, name, sq, sk, nheads_k, groups, d, tiles, blocks, seed):
+       blocks=st.sampled_from([None, 128, (128, 64)]), backward=st.booleans(), seed=st.integers(0, 99))
+def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, groups, d, tiles, blocks, backward,
+                                               seed):
+    """Hypothesis over masks, shapes, GQA groups, head dims, the forward's tiles and block masks; with ``backward``
+    the backward at its default tiles too (blocks of 128, which they divide)."""
     _skip_unless_hopper()
-    if blocks is not None and "block_m" in tiles:
+    if backward:
+        tiles = {} if "block_m" in tiles else tiles
+        blocks = None if blocks is None else 128
+    elif blocks is not None and "block_m" in tiles:
         blocks = 64
-    _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed)
-
-
-@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
-@pytest.mark.parametrize("part", range(SHARDS))
-@shard(SHARDS)
-@given(name=st.sampled_from(["causal", "window", "prefix-lm", "documents", "after-64"]),
-       sq=st.sampled_from([1, 63, 200, 513]), sk=st.sampled_from([1, 80, 200, 700]),
-       nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]), d=st.sampled_from([32, 64, 96, 128]),
-       blocks=st.sampled_from([None, 128]), seed=st.integers(0, 99))
-def test_drawn_masks_on_the_hopper_backward_gpu(part, name, sq, sk, nheads_k, groups, d, blocks, seed):
-    _skip_unless_hopper()
-    _run_hopper(name, sq, sk, nheads_k, groups, d, {}, blocks, seed, backward={})
+    _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed, backward={} if backward else None)
 
 
 def test_what_the_hopper_kernels_do_not_take_is_refused():
