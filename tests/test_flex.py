@@ -539,6 +539,7 @@ HOPPER_CASES = [  # (mask name, sq, sk, nheads_k, groups, head_dim, tiles, block
     ("after-64", 150, 140, 1, 1, 32, dict(block_m=64, block_n=64, num_threads=128), 64),
     ("prefix-lm", 140, 150, 1, 1, 32, {}, 128),  # the default tiles: the producer's tensor-map copies
     ("window", 100, 230, 1, 1, 32, dict(block_m=128, block_n=64, num_threads=256), (128, 64)),  # no producer
+    ("head-varying", 100, 90, 1, 3, 32, dict(block_m=64, block_n=64, num_threads=128), 64),  # a mask per head
 ]
 
 
@@ -546,14 +547,17 @@ def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0, backwa
     """A mask_mod on the Hopper forward (kernel="wgmma"), with or without a block mask, against the float64
     reference, the tolerance from the same computation in float16; with ``backward`` (the backward's tiles, a
     dict) the Hopper backward's gradients too."""
-    mask_mod, make_args = (after_64, None) if name == "after-64" else EXAMPLES[name][2:]
+    mask_mod, make_args = {"after-64": (after_64, None), "head-varying": (head_varying, None)}.get(
+        name, EXAMPLES.get(name, (None,) * 4)[2:])
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, np.float16)
     k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
     args = make_args(sq, sk, rng) if make_args else ()
     kw = dict(score_mod_args=args, enable_gqa=groups > 1, kernel="wgmma", return_lse=True, **tiles)
     if blocks is not None:
-        bm = flashnumba.create_block_mask(mask_mod, 1, 1, sq, sk, score_mod_args=args, BLOCK_SIZE=blocks, like=q)
+        per_head = nheads_k * groups if name == "head-varying" else 1
+        bm = flashnumba.create_block_mask(mask_mod, 1, per_head, sq, sk, score_mod_args=args, BLOCK_SIZE=blocks,
+                                          like=q)
         out, lse = flashnumba.flex_attention(q, k, v, block_mask=bm, **kw)
     else:
         out, lse = flashnumba.flex_attention(q, k, v, mask_mod=mask_mod, **kw)
@@ -581,8 +585,8 @@ def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0, backwa
 def test_mask_mods_on_the_hopper_forward(name, sq, sk, nheads_k, groups, d, tiles, blocks):
     """A mask_mod compiled into the Hopper forward's mask pass: without a block mask in every tile (GQA), with one
     only in its partial blocks, the key loop and the producer's copies walking its lists (blocks of one and of two
-    tiles, the producer's tensor-map copies and every thread's copies); a query block with no key block listed
-    gives out 0 and lse -inf."""
+    tiles, the producer's tensor-map copies and every thread's copies; a mask per head with GQA); a query block with
+    no key block listed gives out 0 and lse -inf."""
     _skip_unless_hopper()
     out, lse, _ = _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks)
     if name == "after-64":
