@@ -98,7 +98,7 @@ from .scalars import float16, float32, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
-from .block_mask import FULL, make_block_tiles
+from .block_mask import FULL
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
                      make_sequence_geometry, make_user_mods)
 
@@ -553,11 +553,11 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     @cuda.jit(device=True, inline=True)
     def produce(smem, bars, q, k, v, bb, q_row0, q_end, h, k0, n_start, qb, blocks, k_end, hk, n_tiles, lane):
         """The producer (thread ``lane`` of its warps): Q_i with the first tile, then K_j, V_j of tile jt (keys from
-        k0 + :func:`first_key`) into
-        buffer jt % STAGES once the warpgroups have released the tile that was there (bars[STAGES + jt % STAGES],
-        ``empty``), arriving on bars[jt % STAGES] (``full``) when its copies land. It never waits for a copy
-        itself; where a tile reaches past the sequence's end, the zeros it stored are made visible to the tensor
-        cores first (fence.proxy.async: only there, a fence may wait for the copies in flight)."""
+        k0 + :func:`first_key`) into buffer jt % STAGES once the warpgroups have released the tile that was there
+        (bars[STAGES + jt % STAGES], ``empty``), arriving on bars[jt % STAGES] (``full``) when its copies land. It
+        never waits for a copy itself; where a tile reaches past the sequence's end, the zeros it stored are made
+        visible to the tensor cores first (fence.proxy.async: only there, a fence may wait for the copies in
+        flight)."""
         load_core_p(smem, 0, q, bb, q_row0, q_end, h, B_R, lane)
         for jt in range(n_tiles):
             st = jt % STAGES
