@@ -643,8 +643,8 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     bfloat16; nheads_k < nheads needs ``enable_gqa=True``. Returns out like q, or (out, lse) with
     ``return_lse``; a row that sees no key has out 0 and lse -inf. The functions run on the tensor-core forward
     for float16 / bfloat16 on a GPU (``kernel`` None or "tc") and on the register-tiled SIMT kernels otherwise
-    (None, "v3" or "v2"); a mask_mod without a score_mod also on the Hopper forward (``kernel="wgmma"``, compute
-    capability 9.0: the mask_mod in the forward's mask pass, run only in the tiles it may hide entries of);
+    (None, "v3" or "v2"); also on the Hopper forward (``kernel="wgmma"``, compute capability 9.0: the score_mod at
+    every score, the mask_mod in the forward's mask pass, run only in the tiles it may hide entries of);
     ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
     ``block_mask``: a :class:`flashnumba.blockmask.BlockMask` of the mask_mod (``create_block_mask``, with the
     same score_mod_args): the tensor-core and Hopper forwards then skip the key blocks it hides entirely and
@@ -722,8 +722,8 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
     right, and the call raises. Gradients with respect to the arrays of ``score_mod_args`` are not computed.
     Runs on the tensor cores for float16 / bfloat16 on a GPU (``kernel`` None or "tc": the functions compiled
     into :mod:`flashnumba.kernels.mma_backward`) and on the register-tiled SIMT backward otherwise (None or
-    "v2"); a mask_mod without a score_mod also on the Hopper backward (``kernel="wgmma"``, compute capability 9.0;
-    with fewer key/value heads than query heads, a block mask made for every head, H = 1); ``block_m``,
+    "v2"); also on the Hopper backward (``kernel="wgmma"``, compute capability 9.0; with fewer key/value heads than
+    query heads, a block mask made for every head, H = 1); ``block_m``,
     ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_backward`. ``block_mask``: as in
     :func:`flex_attention` (the one the forward took): the tensor-core and Hopper kernels skip the blocks it hides
     entirely and evaluate the mask_mod only in those it hides in part; the tensor-core kernels' tiles are then the

@@ -308,15 +308,15 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=
     families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
     simt = "v3" if pass_ == "forward" else "v2"
     if opts.mods is not None:  # a user's score_mod / mask_mod: the tensor-core forward or the register-tiled SIMT
-        # (a mask_mod alone: the Hopper kernels too, asked for)
+        # (the Hopper kernels too, asked for)
         takes = (None, "v2", "v3", "tc", "wgmma") if pass_ == "forward" else (None, "v2", "tc", "wgmma")
         if kernel not in takes:
             raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels "
                              f"{', '.join(repr(x) for x in takes[1:])} (or None), not {kernel!r}")
         if kernel in ("tc", "wgmma"):
             _check_family(kernel, tq, opts, limits, pass_)
-            return kernel, f"a user's {'score_mod / ' if kernel == 'tc' else ''}mask_mod on the tensor cores" \
-                           f"{'' if kernel == 'tc' else ' (Hopper)'}: asked for by kernel=", None
+            return kernel, f"a user's score_mod / mask_mod on the tensor cores{'' if kernel == 'tc' else ' (Hopper)'}" \
+                           f": asked for by kernel=", None
         if (kernel is None and (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))
                 and _mma_blocker(tq, tensors, limits, tiles_given, pass_) is None):
             return "tc", "a user's score_mod / mask_mod on the tensor cores", None
@@ -354,9 +354,6 @@ def _check_family(kernel, tq, opts, limits, pass_):
         if tq.shape[-1] not in wgmma_forward.HEAD_DIMS:
             raise ValueError(f"the wgmma {pass_} supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
                              f"{tq.shape[-1]}")
-        if opts.mods is not None and opts.mods.score_mod is not None:
-            raise ValueError(f"the wgmma {pass_} takes a mask_mod and a block mask, not a score_mod (kernel='tc' "
-                             f"does)")
         if not SIMULATOR and tuple(limits.cc) != (9, 0):
             raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "
                              f"sm_90a); this is {limits.name}")
@@ -543,8 +540,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         t_own, why_own = tiling.wgmma_for_variant(t, opts.variant, given)
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
-        t_own, why_own = tiling.wgmma_for_block_mask(t, D, None if opts.block_mask is None else opts.block_mask[:2],
-                                                     given)
+        t_own, why_own = tiling.wgmma_for_mods(t, D, None if opts.block_mask is None else opts.block_mask[:2],
+                                               opts.mods is not None and opts.mods.score_mod is not None, given)
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
@@ -908,6 +905,11 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                                                       tma=_takes_tma_backward(D, opts, "dq", tq_t, n))
         if why_own:
             tq_t, rq = tq_own, f"{rq}; {why_own}"
+        tq_own, tk_own, why_own = tiling.wgmma_backward_for_mods(
+            tq_t, tk_t, opts.mods is not None and opts.mods.score_mod is not None,
+            [name for name, x in (("block_m", block_m), ("block_n", block_n)) if x])
+        if why_own:
+            tq_t, tk_t, rq, rk = tq_own, tk_own, f"{rq}; {why_own}", f"{rk}; {why_own}"
         tail = ("scale_log2", "scale") + OPTION_PARAMS
         name, gqa = _dtype_name(dt), nk != nheads
         span = wgmma_forward.swizzle_span(D)

@@ -368,13 +368,18 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     return new, "; ".join(why)
 
 
-def wgmma_for_block_mask(t: Tiles, D, blocks, given=()) -> tuple[Tiles, str]:
-    """The Hopper forward's tiles with a block mask of ``blocks`` (query block, key block; None: none), and why they
-    differ from ``t`` ("" where not); ``given``: the names the caller chose (kept). Its key tiles divide the key
-    blocks (64 where 128 does not); above head_dim 64 they are 64: the lists and states a block mask adds beside 128
-    keys' scores and O spill there (compiled for sm_90a, the causal and documents masks 220-336 bytes; at 64 keys,
-    none)."""
-    if blocks is None or "block_n" in given or t.block_n <= 64:
+def wgmma_for_mods(t: Tiles, D, blocks, score_mod=False, given=()) -> tuple[Tiles, str]:
+    """The Hopper forward's tiles with a user's functions (``score_mod``: whether there is a score_mod) and a block
+    mask of ``blocks`` (query block, key block; None: none), and why they differ from ``t`` ("" where not);
+    ``given``: the names the caller chose (kept). A score_mod's per-score work takes key tiles of 64 (compiled for
+    sm_90a, the relative-bias example beside 128 keys' scores spilled 180 bytes; at 64, none). The key tiles divide
+    the key blocks (64 where 128 does not); above head_dim 64 they are 64: the lists and states a block mask adds
+    beside 128 keys' scores and O spill there (the causal and documents masks 220-336 bytes; at 64 keys, none)."""
+    if "block_n" in given or t.block_n <= 64:
+        return t, ""
+    if score_mod:
+        return t._replace(block_n=64), "B_c 64: a user's score_mod beside 128 keys' scores spills"
+    if blocks is None:
         return t, ""
     if blocks[1] % t.block_n:
         return t._replace(block_n=64), f"B_c 64: to divide the block mask's key blocks of {blocks[1]}"
@@ -427,6 +432,20 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tupl
     if tma and D == 64 and has_right and _per_entry_options(variant) == 1 and t.block_n < 128:
         return t._replace(block_n=128), "key tiles of 128: a right bound alone at d = 64 (fewer, longer tiles)"
     return t, ""
+
+
+def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=()) -> tuple[Tiles, Tiles, str]:
+    """The Hopper backward's tiles (dQ, dK/dV) with a user's score_mod (``score_mod``: whether there is one), and
+    why they differ ("" where not); ``given``: the names the caller chose (kept). The score_mod's work at each entry
+    beside S and dP of 64 (compiled for sm_90a, the relative-bias example spilled 40-68 bytes) takes tiles of 32
+    for the loop of each kernel: the dQ kernel's keys, the dK/dV kernel's queries."""
+    if not score_mod:
+        return tq, tk, ""
+    nq = tq if "block_n" in given or tq.block_n <= 32 else tq._replace(block_n=32)
+    nk = tk if "block_m" in given or tk.block_m <= 32 else tk._replace(block_m=32)
+    if (nq, nk) == (tq, tk):
+        return tq, tk, ""
+    return nq, nk, "tiles of 32 in both loops: a user's score_mod beside S and dP of 64 spills"
 
 
 def plain_rows_per_warp(t: Tiles, variant, user_every_score=False) -> Tiles:

@@ -377,8 +377,9 @@ from flashnumba import _launch, _validate, planner
 from flashnumba.api import _check_block_mask, check_forward_args
 from flashnumba.blockmask import BlockMask
 rng = np.random.default_rng(0)
-cases = ([(sys.argv[1], D, bm) for D in (64, 128) for bm in (True, False)] if FULL
-         else [(sys.argv[1], 128, True)])
+masked = t.EXAMPLES[sys.argv[1]][2] is not None
+cases = ([(sys.argv[1], D, bm) for D in (64, 128) for bm in ((True, False) if masked else (False,))] if FULL
+         else [(sys.argv[1], 128, False)])
 
 
 def build(s, p, what):
@@ -392,11 +393,11 @@ def build(s, p, what):
 
 out = {}
 for name, D, with_bm in cases:
-    mask_mod, make_args = t.EXAMPLES[name][2:]
+    score_mod, grad, mask_mod, make_args = t.EXAMPLES[name]
     q, k, v = (rng.standard_normal((1, 256, 2, D)).astype(np.float16) for _ in range(3))
-    args = make_args(256, 256, rng)
+    args = make_args(256, 256, rng) if make_args else ()
     (tq, tk, tv), opts = check_forward_args(q, k, v)
-    mods, targs = _validate.check_mods(tq, tk, None, None, mask_mod, args, False)
+    mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, args, False, backward=True)
     opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
     if with_bm:  # (its arrays made here: no GPU to classify)
         z = np.zeros((1, 1, 2, 2), np.int32)
@@ -414,19 +415,28 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("name", ["documents"] + (["causal", "window", "prefix-lm"] if FULL_COMPILE else []))
-def test_mask_mods_compile_into_the_hopper_kernels(name):
-    """The examples' mask_mods compiled into the Hopper forward and backward for sm_90a (no GPU needed) at the
-    planner's tiles, with and without a block mask: no spills and no serialised wgmma (per push the heaviest,
-    documents at head_dim 128 with a block mask; every mask at 64 and 128 in the GPU profile)."""
+@pytest.mark.parametrize("name", list(EXAMPLES) if FULL_COMPILE else ["relative bias+documents"])
+def test_mods_compile_into_the_hopper_kernels(name):
+    """The examples' functions compiled into the Hopper forward and backward for sm_90a (no GPU needed) at the
+    planner's tiles, with and without a block mask: no spills and no serialised wgmma (per push the heaviest, a
+    relative bias with documents at head_dim 128; every example at 64 and 128, with and without a block mask, in
+    the GPU profile). One known exception, checked as such: that example with a block mask at head_dim 128 spills
+    in the forward (108 bytes at the planner's tiles, 12 without the producer) and in the dK/dV kernel (128 bytes):
+    its score_mod's table, its mask_mod's document ids and the block mask's lists beside the accumulators; the
+    result is right, at some cost."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     from conftest import compile_offline
 
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{HOPPER_COMPILE_SCRIPT}", name)
-    assert len(compiled) == 3 * (4 if FULL_COMPILE else 1)
+    assert len(compiled) == 3 * ((4 if EXAMPLES[name][2] is not None else 2) if FULL_COMPILE else 1)
     for name, r in compiled.items():
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and not r["serialised"], f"{name}: {r['log'][-600:]}"
+        assert not r["serialised"], f"{name}: {r['log'][-600:]}"
+        if name.startswith(("relative bias+documents d=128 block mask=True forward",
+                            "relative bias+documents d=128 block mask=True dK/dV")):
+            assert r["spill_stores"] > 0, "the known spill is gone: remove the exception (docstring, docs)"
+            continue
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: {r['log'][-600:]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -544,11 +554,11 @@ HOPPER_CASES = [  # (mask name, sq, sk, nheads_k, groups, head_dim, tiles, block
 
 
 def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0, backward=None):
-    """A mask_mod on the Hopper forward (kernel="wgmma"), with or without a block mask, against the float64
-    reference, the tolerance from the same computation in float16; with ``backward`` (the backward's tiles, a
-    dict) the Hopper backward's gradients too."""
-    mask_mod, make_args = {"after-64": (after_64, None), "head-varying": (head_varying, None)}.get(
-        name, EXAMPLES.get(name, (None,) * 4)[2:])
+    """An example's score_mod and mask_mod on the Hopper forward (kernel="wgmma"), with or without a block mask,
+    against the float64 reference, the tolerance from the same computation in float16; with ``backward`` (the
+    backward's tiles, a dict) the Hopper backward's gradients too."""
+    more = {"after-64": (None, None, after_64, None), "head-varying": (None, None, head_varying, None)}
+    score_mod, grad, mask_mod, make_args = more.get(name) or EXAMPLES[name]
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, 1, sq, sk, nheads_k * groups, d, np.float16)
     k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
@@ -558,10 +568,10 @@ def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0, backwa
         per_head = nheads_k * groups if name == "head-varying" else 1
         bm = flashnumba.create_block_mask(mask_mod, 1, per_head, sq, sk, score_mod_args=args, BLOCK_SIZE=blocks,
                                           like=q)
-        out, lse = flashnumba.flex_attention(q, k, v, block_mask=bm, **kw)
+        out, lse = flashnumba.flex_attention(q, k, v, score_mod, block_mask=bm, **kw)
     else:
-        out, lse = flashnumba.flex_attention(q, k, v, mask_mod=mask_mod, **kw)
-    rkw = dict(mask_mod=mask_mod, score_mod_args=args)
+        out, lse = flashnumba.flex_attention(q, k, v, score_mod, mask_mod, **kw)
+    rkw = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_args=args)
     truth_o, truth_l = ref.flex_attention_forward(q, k, v, **rkw)
     base_o, base_l = ref.flex_attention_forward(q, k, v, dtype=np.float16, **rkw)
     assert_close_to_truth("out", to_numpy(out), truth_o, base_o.astype(np.float16), reduction=max(d, sk))
@@ -571,10 +581,11 @@ def _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed=0, backwa
         dout = rng.standard_normal(q.shape).astype(np.float16)
         for x in ("return_lse", "block_m", "block_n", "num_threads"):
             kw.pop(x, None)
-        grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, None, None if blocks else mask_mod,
-                                                   **({"block_mask": bm} if blocks else {}), **backward, **kw)
-        truth = ref.flex_attention_backward(dout, q, k, v, **rkw)
-        base = ref.flex_attention_backward(dout, q, k, v, dtype=np.float16, **rkw)
+        grads = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, score_mod, None if blocks else mask_mod,
+                                                   score_mod_grad=grad, **({"block_mask": bm} if blocks else {}),
+                                                   **backward, **kw)
+        truth = ref.flex_attention_backward(dout, q, k, v, score_mod_grad=grad, **rkw)
+        base = ref.flex_attention_backward(dout, q, k, v, score_mod_grad=grad, dtype=np.float16, **rkw)
         for gname, g, t, b in zip(("dq", "dk", "dv"), grads, truth, base):
             assert_close_to_truth(gname, to_numpy(g), t, b.astype(np.float16), reduction=max(d, sq, sk))
         grads = [to_numpy(g) for g in grads]
@@ -594,19 +605,22 @@ def test_mask_mods_on_the_hopper_forward(name, sq, sk, nheads_k, groups, d, tile
 
 
 HOPPER_BACKWARD_CASES = [  # as HOPPER_CASES, then the backward's tiles
-    ("documents", 70, 150, 1, 2, 32, dict(block_m=64, block_n=64, num_threads=128), None,
-     dict(block_m=64, block_n=64)),
     ("after-64", 150, 70, 1, 2, 32, dict(block_m=64, block_n=64, num_threads=128), 64, dict(block_m=64, block_n=64)),
     ("causal", 70, 128, 1, 1, 32, {}, 128, {}),  # the default tiles: the producers' tensor-map copies
+    # a score_mod (and its derivative) reading arrays, with a mask_mod in every tile: the planner's tiles of 64
+    # and 32, GQA
+    ("relative bias+documents", 40, 90, 1, 2, 32, {}, None, {}),
+    ("softcap+alibi+window", 70, 130, 1, 1, 32, dict(block_m=64, block_n=64, num_threads=128), 64,
+     dict(block_m=64, block_n=64)),
 ]
 
 
 @pytest.mark.parametrize("name, sq, sk, nheads_k, groups, d, tiles, blocks, backward", HOPPER_BACKWARD_CASES)
-def test_mask_mods_on_the_hopper_backward(name, sq, sk, nheads_k, groups, d, tiles, blocks, backward):
+def test_mods_on_the_hopper_backward(name, sq, sk, nheads_k, groups, d, tiles, blocks, backward):
     """A mask_mod compiled into the Hopper backward's mask passes (the dQ kernel's and the dK/dV kernel's), without
     a block mask in every tile (GQA), with one only in its partial blocks, the dQ kernel walking each query block's
     key blocks, the dK/dV kernel each key block's query blocks over the query heads of its key/value head (GQA);
-    queries that see no key get zero gradient."""
+    queries that see no key get zero gradient; a score_mod with its derivative in the entries of both kernels."""
     _skip_unless_hopper()
     _, _, grads = _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, backward=backward)
     if name == "after-64":
@@ -616,7 +630,7 @@ def test_mask_mods_on_the_hopper_backward(name, sq, sk, nheads_k, groups, d, til
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
 @pytest.mark.parametrize("part", range(SHARDS))
 @shard(SHARDS)
-@given(name=st.sampled_from(["causal", "window", "prefix-lm", "documents", "after-64"]),
+@given(name=st.sampled_from(list(EXAMPLES) + ["after-64"]),
        sq=st.sampled_from([1, 63, 200, 513]), sk=st.sampled_from([1, 80, 200, 700]),
        nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]), d=st.sampled_from([32, 64, 96, 128]),
        tiles=st.sampled_from([{}, dict(block_n=64), dict(block_m=64, block_n=64, num_threads=128)]),
@@ -626,6 +640,8 @@ def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, gro
     """Hypothesis over masks, shapes, GQA groups, head dims, the forward's tiles and block masks; with ``backward``
     the backward at its default tiles too (blocks of 128, which they divide)."""
     _skip_unless_hopper()
+    if name != "after-64" and EXAMPLES[name][2] is None:
+        blocks = None  # (no mask_mod to make a block mask of)
     if backward:
         tiles = {} if "block_m" in tiles else tiles
         blocks = None if blocks is None else 128
@@ -635,12 +651,10 @@ def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, gro
 
 
 def test_what_the_hopper_kernels_do_not_take_is_refused():
-    """kernel="wgmma" with a score_mod, with a block mask whose blocks its tiles do not divide, and (the backward)
-    with GQA and a block mask made per head: clear errors before any launch."""
+    """kernel="wgmma" with a block mask whose blocks its tiles do not divide, and (the backward) with GQA and a block
+    mask made per head: clear errors before any launch."""
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, 1, 40, 40, 2, 32, np.float16)
-    with pytest.raises(ValueError, match="not a score_mod"):
-        flashnumba.flex_attention(q, k, v, softcap, kernel="wgmma")
     bm = flashnumba.create_block_mask(causal_mask, 1, 1, 40, 40, score_mod_args=(np.array([0], np.int32),),
                                       BLOCK_SIZE=32)
     with pytest.raises(ValueError, match="multiples of the kernel's tiles"):

@@ -42,8 +42,10 @@ leave that loop rolled and the tile's accumulators in local memory, which serial
 computed unmasked, and a second pass (:func:`make_mask_tile`) zeroes those past a sequence or out of the band only
 in the tiles that reach there, as the forward masks its scores.
 
-**A user's mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention_backward` with
-``kernel="wgmma"``), as in the forward: the mask_mod in a pass of its own after the built-in one
+**A user's score_mod, mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention_backward`
+with ``kernel="wgmma"``), as in the forward: the score_mod and its derivative in the entry function
+(``mma_backward.make_entry``, at every entry within the sequences), the mask_mod in a pass of its own after the
+built-in one
 (:func:`make_user_mask_tile`), in the tiles it may hide entries of; with a block mask the dQ kernel walks the key
 blocks listed for its query block, the dK/dV kernel the query blocks listed for its key block, for each query head
 of its key/value head in turn (with GQA the lists are one for every head: a mask made per head would give each head
@@ -73,9 +75,9 @@ from .block_mask import FULL
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_sequence_geometry,
                      make_user_mods)
 from .mma_backward import _store_bf16, make_entry, make_stats
-from .wgmma_forward import (HEAD_DIMS, STAGES, init_stages, make_load_core, make_load_stage, make_swizzled_products,
-                            make_tma_producer, publish_tile, swizzle_base, swizzle_span, takes_tma as forward_takes_tma,
-                            wait_phase)
+from .wgmma_forward import (HEAD_DIMS, STAGES, TMA_HEAD_DIMS, init_stages, make_load_core, make_load_stage,
+                            make_swizzled_products, make_tma_producer, publish_tile, swizzle_base, swizzle_span,
+                            takes_tma as forward_takes_tma, wait_phase)
 
 WARPGROUPS = (1, 2)
 DQ_BLOCK_NS = (32, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
@@ -239,10 +241,8 @@ def make_user_mask_tile(NS, mods, keys_are_rows):
 
 
 def check_mods(mods, block_mask, rows, cols):
-    """ValueError unless a kernel takes a user's ``mods`` (a mask_mod: a score_mod is the ``mma.sync`` kernels') and
-    a block mask of (QB, KB) blocks with its tiles of ``rows`` queries and ``cols`` keys (multiples of them)."""
-    if mods is not None and mods.score_mod is not None:
-        raise ValueError("the wgmma backward takes a mask_mod, not a score_mod (the 'tc' kernels take both)")
+    """ValueError unless a kernel's tiles of ``rows`` queries and ``cols`` keys divide the (QB, KB) blocks of a block
+    mask (``mods``: a user's functions, which every tile takes)."""
     if block_mask is not None and (block_mask[0] % rows or block_mask[1] % cols):
         raise ValueError(f"the block mask's blocks {tuple(block_mask)} must be multiples of the tiles ({rows}, "
                          f"{cols})")
@@ -295,11 +295,11 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups):
         raise ValueError(f"the wgmma dQ kernel copies with tensor maps only with two warpgroups, head_dim in "
-                         f"(64, 96, 128) and sequences of equal length; got head_dim {D}, {warpgroups} warpgroups, "
+                         f"{TMA_HEAD_DIMS} and sequences of equal length; got head_dim {D}, {warpgroups} warpgroups, "
                          f"varlen {bool(VARLEN)}")
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
-    entry = make_entry(variant, no_calls=True, keep_given=True)
+    entry = make_entry(variant, mods, no_calls=True, keep_given=True)
     kind, store, _, elem = _common(D, dtype)
     NC = threads(warpgroups)  # the threads that compute (with tensor maps, the producer's 128 follow them)
     NS = B_C // 2  # S and dP accumulator registers a thread: 64 x B_c over 128 threads
@@ -388,7 +388,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
 
     @cuda.jit(device=True, inline=True)
     def ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale, softcap,
-                left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits):
+                left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits, aa):
         """dS_ij into dp (rows r0, r0 + 8 of Q_i; this lane's columns of the tile from key j0)."""
         masked = (j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
                   or (HAS_LEFT and j0 < last_row + diag - left))
@@ -396,7 +396,8 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             for x in range(4):
                 _, ds = entry(s[4 * n + x], dp[4 * n + x], i0 + r0 + 8 * (x >> 1), j0 + 8 * n + 2 * t + (x & 1),
                               lrow[x >> 1], drow[x >> 1], False, False, seqlen_q, seqlen_k, diag, scale_log2, scale,
-                              softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0,
+                              softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, aa[0], aa[1],
+                              aa[2], aa[3],
                               (bits >> uint64(4 * n + x)) & uint64(1) != 0)
                 dp[4 * n + x] = ds
         if masked:
@@ -483,7 +484,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             wait_s(0, s)
             wait_s(0, dp)
             ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
-                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits)
+                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits, (a0, a1, a2, a3))
             if partial:  # (the user's mask_mod: dS 0 where it hides an entry)
                 user_mask_tile(dp, dp, i0 + r0, j0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
             pack_a(pa, dp)
@@ -498,7 +499,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             wait_s(1, s)
             wait_s(1, dp)
             ds_tile(s, dp, lrow, drow, i0, r0, t, j0, seqlen_q, seqlen_k, diag, last_row, scale_log2, scale,
-                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits)
+                    softcap, left, right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits, (a0, a1, a2, a3))
             if partial:
                 user_mask_tile(dp, dp, i0 + r0, j0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
             wait_o(0, acc)
@@ -546,11 +547,11 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups, "dkdv", B_R):
         raise ValueError(f"the wgmma dK/dV kernel copies with tensor maps only with two warpgroups, head_dim in "
-                         f"(64, 96, 128) (128 with query tiles of 32) and sequences of equal length; got head_dim "
+                         f"{TMA_HEAD_DIMS} (128 with query tiles of 32) and sequences of equal length; got head_dim "
                          f"{D}, {warpgroups} warpgroups, query tiles of {B_R}, varlen {bool(VARLEN)}")
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
-    entry = make_entry(variant, no_calls=True, keep_given=True)
+    entry = make_entry(variant, mods, no_calls=True, keep_given=True)
     kind, store, _, elem = _common(D, dtype)
     NC = threads(warpgroups)  # the threads that compute (with tensor maps, the producer's 128 follow them)
     NS = B_R // 2  # S^T and dP^T accumulator registers a thread: 64 x B_r over 128 threads
@@ -658,7 +659,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
 
     @cuda.jit(device=True, inline=True)
     def entries(s, dp, lsm, dsm, sel, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits):
+                right, slope, p_drop, rp_keep, seed, offset, b, h, bh, bits, aa):
         """(P Z)^T into s and dS^T into dp (this lane's keys r0, r0 + 8 of K_j; its query columns of the tile)."""
         last_row = min(i0 + B_R, seqlen_q) - 1
         masked = (i0 + B_R > seqlen_q or j0 + B_C > seqlen_k or (HAS_RIGHT and j0 + B_C - 1 > i0 + diag + right)
@@ -668,7 +669,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                 c = 8 * n + 2 * t + (x & 1)  # query column inside Q_i
                 pz, ds = entry(s[4 * n + x], dp[4 * n + x], i0 + c, j0 + r0 + 8 * (x >> 1), lsm[sel, c],
                                dsm[sel, c], False, False, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                               right, slope, p_drop, rp_keep, seed, offset, b, h, bh, 0, 0, 0, 0,
+                               right, slope, p_drop, rp_keep, seed, offset, b, h, bh, aa[0], aa[1], aa[2], aa[3],
                                (bits >> uint64(4 * n + x)) & uint64(1) != 0)
                 s[4 * n + x] = pz
                 dp[4 * n + x] = ds
@@ -798,7 +799,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         wait_s(0, dp)
         slope = alibi[b, h] if ALIBI else float32(0.0)
         entries(s, dp, lsm, dsm, 0, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
+                right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits, (a0, a1, a2, a3))
         if partial:  # (the user's mask_mod: P and dS 0 where it hides an entry)
             user_mask_tile(s, dp, j0 + r0, i0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
         pack_a(pp, s)
@@ -831,7 +832,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             wait_s(1, dp)
             slope = alibi[b, h] if ALIBI else float32(0.0)
             entries(s, dp, lsm, dsm, sel, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
-                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits)
+                    right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits,
+                    (a0, a1, a2, a3))
             if partial:
                 user_mask_tile(s, dp, j0 + r0, i0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
             wait_o(0, dva)

@@ -74,9 +74,10 @@ for Q_i and K_j, MN-major for V_j). Rows past the sequence come as zeros from th
 tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies (a box would
 reach into the next sequence, where the kernel needs zeros).
 
-**A user's mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention` with
-``kernel="wgmma"``). The mask_mod is one more test in the mask's own pass, which then runs in every tile that it
-may hide entries of: every tile without a block mask, a block mask's partial blocks with one. With a block mask the
+**A user's score_mod, mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention`
+with ``kernel="wgmma"``). The score_mod modifies each score after softcap and ALiBi, as they do. The mask_mod is
+one more test in the mask's own pass, which then runs in every tile that it may hide entries of: every tile
+without a block mask, a block mask's partial blocks with one. With a block mask the
 key loop visits the tiles of the key blocks it lists for the query block, in order; the producer reads the same
 list for its copies, and the warpgroups read each tile's first key and its block's state at the top of their
 iteration, before they wait for the tile, so that those loads' latency hides behind the wait.
@@ -94,7 +95,7 @@ from __future__ import annotations
 import functools
 import math
 
-from .scalars import float16, float32, uint16, uint32, uint64
+from .scalars import float16, float32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
@@ -380,22 +381,21 @@ def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0,
                        tma=False, mods=None, block_mask=None):
-    """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`),
-    ``warpgroups`` warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the
-    options of ``variant`` (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen,
-    dropout) compiled in as in :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes,
-    with the tensor maps after the options': (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k,
-    p_drop, rp_keep, seed, offset, maps, a0, a1, a2, a3, bm_num, bm_idx, bm_state); q, k, v, out C-contiguous.
-    ``mods``: a user's mask_mod (:class:`flashnumba.kernels.common.Mods`; a score_mod is the ``mma.sync`` kernel's),
-    evaluated in the mask's own pass of the tiles it may hide entries of, for the entries within the sequences,
-    reading the arrays a0 .. a3. ``block_mask``: (QB, KB) as in make_forward_tc (multiples of B_r and B_c): the
-    key loop, the producer's copies among it, visits only the key blocks bm_idx lists for the query block, and
-    the mask_mod runs only in the partial ones. With ``producer`` (warps, one of
-    :data:`PRODUCER_WARPS`) more warps of the block make every copy, the warpgroups wait for tiles on mbarriers
-    and, two of them, take turns at the tensor cores (module docstring: warp specialisation). Compiled for sm_90a
-    (wgmma). With ``tma`` (:func:`takes_tma`) the producer's one thread copies each tile with the copy engine
-    (module docstring: tensor-map copies), ``maps`` holding the tensor maps of q, k and v
-    (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid (ceil(max_seqlen_q / B_r),
+    """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`), ``warpgroups``
+    warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the options of ``variant``
+    (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen, dropout) compiled in as in
+    :func:`flashnumba.kernels.mma_forward.make_forward_tc`, whose arguments it takes, with the tensor maps after the
+    options': (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset, maps,
+    a0, a1, a2, a3, bm_num, bm_idx, bm_state); q, k, v, out C-contiguous. ``mods``: a user's score_mod and mask_mod
+    (:class:`flashnumba.kernels.common.Mods`), called for the entries within the sequences, reading the arrays a0 .. a3:
+    the score_mod at every score after softcap and ALiBi (as in make_forward_tc), the mask_mod in the mask's own pass of
+    the tiles it may hide entries of. ``block_mask``: (QB, KB) as in make_forward_tc (multiples of B_r and B_c): the key
+    loop, the producer's copies among it, visits only the key blocks bm_idx lists for the query block, and the mask_mod
+    runs only in the partial ones. With ``producer`` (warps, one of :data:`PRODUCER_WARPS`) more warps of the block make
+    every copy, the warpgroups wait for tiles on mbarriers and, two of them, take turns at the tensor cores (module
+    docstring: warp specialisation). Compiled for sm_90a (wgmma). With ``tma`` (:func:`takes_tma`) the producer's one
+    thread copies each tile with the copy engine (module docstring: tensor-map copies), ``maps`` holding the tensor maps
+    of q, k and v (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid (ceil(max_seqlen_q / B_r),
     batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`."""
     if D not in HEAD_DIMS:
         raise ValueError(f"the wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
@@ -408,8 +408,6 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         raise ValueError(f"the wgmma forward's tiles must be multiples of 32 rows, got {64 * warpgroups}, {B_c}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
-    if mods is not None and mods.score_mod is not None:
-        raise ValueError("the wgmma forward takes a mask_mod, not a score_mod (the 'tc' kernel takes both)")
     BM = block_mask is not None
     QB, KB = block_mask if BM else (64 * warpgroups, B_c)
     if QB % (64 * warpgroups) or KB % B_c:
@@ -417,14 +415,15 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                          f"({64 * warpgroups}, {B_c})")
     SUB = KB // B_c  # key tiles a block of the block mask
     USER_MASK = mods is not None and mods.mask_mod is not None
-    _, user_mask = make_user_mods(mods)
+    USER_SCORE = mods is not None and mods.score_mod is not None
+    user_score, user_mask = make_user_mods(mods)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups, producer):
         raise ValueError(f"the wgmma forward copies with tensor maps only with a producer warpgroup and two that "
                          f"compute, head_dim in {TMA_HEAD_DIMS}, sequences of equal length; got head_dim {D}, "
                          f"{warpgroups} warpgroups, producer {producer}, varlen {bool(VARLEN)}")
-    SCORE_MOD = SOFTCAP or ALIBI
+    SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE  # the score formed in natural units, modified, then base 2
     FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (mma_forward's docstring)
     score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls=True)
     GQA = bool(gqa)
@@ -476,9 +475,12 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             for n in range(NS // 4):
                 for x in range(4):
                     val = s[4 * n + x] * scale_q
-                    if SCORE_MOD:
+                    if SCORE_MOD:  # (softcap, ALiBi, then the user's score_mod: mma_forward's order)
                         i = i0 + r0 + 8 * (x >> 1)
-                        val, _ = score_mod(val, softcap, slope, i, j0 + 8 * n + 2 * t + (x & 1), diag)
+                        j = j0 + 8 * n + 2 * t + (x & 1)
+                        val, _ = score_mod(val, softcap, slope, i, j, diag)
+                        if USER_SCORE and i < seqlen_q and j < seqlen_k:  # (it may index by i and j)
+                            val, _ = user_score(val, int64(b), int64(h), i, j, a0, a1, a2, a3)
                         val *= LOG2E
                     s[4 * n + x] = val
         if masked or partial:
@@ -489,7 +491,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                     if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                             or (HAS_RIGHT and j > i + diag + right)):
                         s[4 * n + x] = NEG_INF
-                    elif USER_MASK and partial and i < seqlen_q and not user_mask(b, h, i, j, a0, a1, a2, a3):
+                    elif USER_MASK and partial and i < seqlen_q and not user_mask(int64(b), int64(h), i, j, a0, a1,
+                                                                                  a2, a3):
                         s[4 * n + x] = NEG_INF
         mx0 = NEG_INF
         mx1 = NEG_INF
