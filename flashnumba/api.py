@@ -726,8 +726,8 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
     query heads, a block mask made for every head, H = 1); ``block_m``,
     ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_backward`. ``block_mask``: as in
     :func:`flex_attention` (the one the forward took): the tensor-core and Hopper kernels skip the blocks it hides
-    entirely and evaluate the mask_mod only in those it hides in part; the tensor-core kernels' tiles are then the
-    largest of theirs (at most block_m, block_n) that divide its blocks, the Hopper kernels' must divide them."""
+    entirely and evaluate the mask_mod only in those it hides in part; their tiles are then the largest of theirs
+    (at most block_m, block_n) that divide its blocks."""
     mask_mod, score_mod_args = _block_mask_for(block_mask, mask_mod, score_mod_args)
     args = mod_args_tuple(score_mod_args)
     bm = () if block_mask is None else tuple(getattr(block_mask, n) for n in _BLOCK_MASK_ARRAYS)

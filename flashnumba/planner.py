@@ -914,6 +914,11 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         name, gqa = _dtype_name(dt), nk != nheads
         span = wgmma_forward.swizzle_span(D)
         blocks = None if opts.block_mask is None else opts.block_mask[:2]
+        tq_own, tk_own, why_own = tiling.wgmma_backward_for_block_mask(
+            tq_t, tk_t, blocks, [name for name, x in (("block_m", block_m), ("block_n", block_n)) if x])
+        if why_own:
+            tq_t, tk_t = tq_own, tk_own
+            rq, rk = f"{rq}; {why_own}", f"{rk}; {why_own}"
         if blocks is not None:
             for t in (tq_t, tk_t):  # (ValueError where the tiles do not divide the blocks)
                 wgmma_backward.check_mods(opts.mods, blocks, t.block_m, t.block_n)

@@ -448,6 +448,34 @@ def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=()) -> tuple[
     return nq, nk, "tiles of 32 in both loops: a user's score_mod beside S and dP of 64 spills"
 
 
+def wgmma_backward_for_block_mask(tq: Tiles, tk: Tiles, blocks, given=()) -> tuple[Tiles, Tiles, str]:
+    """The Hopper backward's tiles (dQ, dK/dV) with a block mask of ``blocks`` (query block, key block; None: none),
+    and why they differ ("" where not); ``given``: the names the caller chose (kept, and then checked by the
+    kernels). A tile never straddles two blocks: each kernel's rows (a warpgroup per 64: the dQ kernel's queries,
+    the dK/dV kernel's keys) and its loop's tiles (the dQ kernel's keys, the dK/dV kernel's queries) take the largest
+    of their sizes not above the table's that divide the blocks."""
+    if blocks is None:
+        return tq, tk, ""
+    qb, kb = blocks
+
+    def fit(x, sizes, block):
+        return max((s for s in sizes if s <= x and block % s == 0), default=x)
+
+    rows = tuple(64 * w for w in wgmma_backward.WARPGROUPS)
+    nq, nk = tq, tk
+    if "block_m" not in given:
+        m = fit(tq.block_m, rows, qb)
+        nq = nq._replace(block_m=m, num_threads=wgmma_backward.threads(m // 64))
+        nk = nk._replace(block_m=fit(tk.block_m, wgmma_backward.DKDV_BLOCK_MS, qb))
+    if "block_n" not in given:
+        n = fit(tk.block_n, rows, kb)
+        nk = nk._replace(block_n=n, num_threads=wgmma_backward.threads(n // 64))
+        nq = nq._replace(block_n=fit(tq.block_n, wgmma_backward.DQ_BLOCK_NS, kb))
+    if (nq, nk) == (tq, tk):
+        return tq, tk, ""
+    return nq, nk, f"tiles that divide the block mask's blocks ({qb}, {kb})"
+
+
 def plain_rows_per_warp(t: Tiles, variant, user_every_score=False) -> Tiles:
     """The tensor-core forward's tiles for a variant: warps of two blocks of 16 rows (wm = 2) hold twice the
     accumulators, which leaves no registers for the window's, softcap's, ALiBi's or dropout's per-score work
