@@ -468,7 +468,8 @@ BLOCK_MASK_PARAMS = ("bm_num", "bm_idx", "bm_state", "bm_qnum", "bm_qidx")
 
 
 def _check_block_mask_tiles(opts, t):
-    """ValueError unless a forward's tiles divide its block mask's blocks (a tile never straddles two blocks)."""
+    """ValueError unless a kernel's tiles (block_m queries, block_n keys) divide the block mask's blocks (a tile
+    never straddles two blocks)."""
     if opts.block_mask is not None and (opts.block_mask[0] % t.block_m or opts.block_mask[1] % t.block_n):
         raise ValueError(f"the block mask's blocks ({opts.block_mask[0]}, {opts.block_mask[1]}) must be multiples of "
                          f"the kernel's tiles (block_m {t.block_m}, block_n {t.block_n}): make it with BLOCK_SIZE a "
@@ -905,23 +906,22 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                                                       tma=_takes_tma_backward(D, opts, "dq", tq_t, n))
         if why_own:
             tq_t, rq = tq_own, f"{rq}; {why_own}"
+        given = [name for name, x in (("block_m", block_m), ("block_n", block_n)) if x]
         tq_own, tk_own, why_own = tiling.wgmma_backward_for_mods(
-            tq_t, tk_t, opts.mods is not None and opts.mods.score_mod is not None,
-            [name for name, x in (("block_m", block_m), ("block_n", block_n)) if x])
+            tq_t, tk_t, opts.mods is not None and opts.mods.score_mod is not None, given)
         if why_own:
             tq_t, tk_t, rq, rk = tq_own, tk_own, f"{rq}; {why_own}", f"{rk}; {why_own}"
         tail = ("scale_log2", "scale") + OPTION_PARAMS
         name, gqa = _dtype_name(dt), nk != nheads
         span = wgmma_forward.swizzle_span(D)
         blocks = None if opts.block_mask is None else opts.block_mask[:2]
-        tq_own, tk_own, why_own = tiling.wgmma_backward_for_block_mask(
-            tq_t, tk_t, blocks, [name for name, x in (("block_m", block_m), ("block_n", block_n)) if x])
+        tq_own, tk_own, why_own = tiling.wgmma_backward_for_block_mask(tq_t, tk_t, blocks, given)
         if why_own:
             tq_t, tk_t = tq_own, tk_own
             rq, rk = f"{rq}; {why_own}", f"{rk}; {why_own}"
         if blocks is not None:
-            for t in (tq_t, tk_t):  # (ValueError where the tiles do not divide the blocks)
-                wgmma_backward.check_mods(opts.mods, blocks, t.block_m, t.block_n)
+            for t in (tq_t, tk_t):  # (tiles the caller gave may not divide them)
+                _check_block_mask_tiles(opts, t)
             if gqa and opts.block_mask[2].shape[1] > 1:
                 raise ValueError("the wgmma backward takes, with fewer key/value heads than query heads, a block "
                                  "mask made for every head (H = 1); one per head: kernel='tc'")

@@ -71,13 +71,13 @@ from .scalars import float16, float32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
-from .block_mask import FULL
+from .block_mask import make_block_full
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_sequence_geometry,
                      make_user_mods)
 from .mma_backward import _store_bf16, make_entry, make_stats
-from .wgmma_forward import (HEAD_DIMS, STAGES, TMA_HEAD_DIMS, init_stages, make_load_core, make_load_stage,
-                            make_swizzled_products, make_tma_producer, publish_tile, swizzle_base, swizzle_span,
-                            takes_tma as forward_takes_tma, wait_phase)
+from .wgmma_forward import (HEAD_DIMS, STAGES, TMA_HEAD_DIMS, check_block_mask, init_stages, make_key_walk,
+                            make_load_core, make_load_stage, make_swizzled_products, make_tma_producer, publish_tile,
+                            swizzle_base, swizzle_span, takes_tma as forward_takes_tma, wait_phase)
 
 WARPGROUPS = (1, 2)
 DQ_BLOCK_NS = (32, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
@@ -240,14 +240,6 @@ def make_user_mask_tile(NS, mods, keys_are_rows):
     return user_mask_tile
 
 
-def check_mods(mods, block_mask, rows, cols):
-    """ValueError unless a kernel's tiles of ``rows`` queries and ``cols`` keys divide the (QB, KB) blocks of a block
-    mask (``mods``: a user's functions, which every tile takes)."""
-    if block_mask is not None and (block_mask[0] % rows or block_mask[1] % cols):
-        raise ValueError(f"the block mask's blocks {tuple(block_mask)} must be multiples of the tiles ({rows}, "
-                         f"{cols})")
-
-
 @functools.lru_cache(maxsize=None)
 def make_issue_sdp(D, dtype, tma, rows_a, rows_b, gap):
     """issue_sdp(s, dp, a1, a2, b): group 1 of both kernels, one commit: s = A1 B^T and dp = A2 B'^T (64 x rows_b,
@@ -286,10 +278,10 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     :func:`shared_bytes_dq`."""
     B_R, B_C = 64 * warpgroups, block_n
     check(D, B_R, B_C, "dq", dtype)
-    check_mods(mods, block_mask, B_R, B_C)
+    check_block_mask(block_mask, B_R, B_C)
     BM = block_mask is not None
-    QB, KB = block_mask if BM else (B_R, B_C)
-    SUB = KB // B_C  # key tiles a block of the block mask
+    QB = block_mask[0] if BM else B_R
+    SUB = block_mask[1] // B_C if BM else 1  # key tiles a block of the block mask
     USER_MASK = mods is not None and mods.mask_mod is not None
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
     TMA = bool(tma)
@@ -323,20 +315,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     mask_tile = make_mask_tile(NS, HAS_LEFT, HAS_RIGHT, False)
     user_mask_tile = make_user_mask_tile(NS, mods, False)
 
-    @cuda.jit(device=True, inline=True)
-    def first_key(jt, n_start, qb, blocks):
-        """The first key of the jt-th key tile the block visits (wgmma_forward's: with a block mask, of the key
-        blocks blocks[qb] lists)."""
-        if BM:
-            return blocks[qb, jt // SUB] * KB + (jt % SUB) * B_C
-        return n_start + jt * B_C
-
-    @cuda.jit(device=True, inline=True)
-    def part_of(state, bbm, hbm, qb, j0):
-        """Whether the user's mask_mod runs in the tile from key j0 (every tile but a block mask's full ones)."""
-        if BM:
-            return USER_MASK and state[bbm, hbm, qb, j0 // KB] != FULL
-        return USER_MASK
+    first_key, part_of = make_key_walk(block_mask, B_C, USER_MASK)  # (the forward's walk of a block mask)
 
     @cuda.jit(device=True, inline=True)
     def key_tile(jt, hk, n_start, qb, _c3, blocks):
@@ -538,9 +517,10 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dkdv`."""
     B_R, B_C = block_m, 64 * warpgroups
     check(D, B_R, B_C, "dkdv", dtype)
-    check_mods(mods, block_mask, B_R, B_C)
+    check_block_mask(block_mask, B_R, B_C)
     BM = block_mask is not None
     QB, KB = block_mask if BM else (B_R, B_C)
+    block_full = make_block_full(BM, KB)  # (whether the block of key j0 is a full one for the query block)
     SUB = QB // B_R  # query tiles a block of the block mask
     USER_MASK = mods is not None and mods.mask_mod is not None
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
@@ -591,12 +571,10 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         return h, (m_begin + r) * B_R
 
     @cuda.jit(device=True, inline=True)
-    def part_of(state, bbm, h, i0, kb):
-        """Whether the user's mask_mod runs in the tile of queries from i0 (every tile but a block mask's full
-        ones)."""
-        if BM:
-            return USER_MASK and state[bbm, h if state.shape[1] > 1 else int64(0), i0 // QB, kb] != FULL
-        return USER_MASK
+    def part_of(state, bbm, h, i0, j0):
+        """Whether the user's mask_mod runs in the tile of queries from i0 (keys from j0): in every tile but a
+        block mask's full ones."""
+        return USER_MASK and not block_full(state, bbm, h if state.shape[1] > 1 else int64(0), i0 // QB, j0)
 
     load_tile = make_load_stage(D, NC, B_R, OFF_Q, OFF_DO, BUF)  # Q_i, dO_i of iteration it into buffer it % STAGES
     # L_i and D_i of a query tile, fetched while the products are issued and put before the wait for S^T (not held
@@ -794,7 +772,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         if not TMA and total > 1:
             put_stats(lsm, dsm, 1, st, tid)
         bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
-        partial = part_of(bm_state, bbm, h, i0, kb)
+        partial = part_of(bm_state, bbm, h, i0, j0)
         wait_s(0, s)
         wait_s(0, dp)
         slope = alibi[b, h] if ALIBI else float32(0.0)
@@ -809,7 +787,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         phase = 0  # (tensor maps) the parity of buffer sel's phase of ``full``: flips as sel comes round
         for it in range(1, total):
             h, i0 = tile_of(it, hk, group, nt, m_begin, lists)
-            partial = part_of(bm_state, bbm, h, i0, kb)  # (read before the wait: its latency hides behind it)
+            partial = part_of(bm_state, bbm, h, i0, j0)  # (read before the wait: its latency hides behind it)
             # (it % STAGES, stepped: the remainder each tile spills under CUDA 13.0's assembler at d = 128)
             done = sel
             sel = sel + 1 if sel < STAGES - 1 else 0

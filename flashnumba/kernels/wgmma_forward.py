@@ -99,7 +99,7 @@ from .scalars import float16, float32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
-from .block_mask import FULL
+from .block_mask import make_block_full
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
                      make_sequence_geometry, make_user_mods)
 
@@ -280,6 +280,41 @@ def init_stages(bars, full, empty, fence, tid):
     cuda.syncthreads()
 
 
+def check_block_mask(block_mask, rows, cols):
+    """ValueError unless a Hopper kernel's tiles of ``rows`` queries and ``cols`` keys divide the (QB, KB) blocks of
+    a block mask (None: none): a tile never straddles two blocks."""
+    if block_mask is not None and (block_mask[0] % rows or block_mask[1] % cols):
+        raise ValueError(f"the block mask's blocks {tuple(block_mask)} must be multiples of the tiles ({rows}, "
+                         f"{cols})")
+
+
+@functools.lru_cache(maxsize=None)
+def make_key_walk(block_mask, B_c, user_mask):
+    """(first_key, part_of) of the kernels that loop over key tiles (the forward, the dQ kernel):
+
+    * ``first_key(jt, n_start, qb, blocks)``: the first key of the jt-th key tile the block visits, from n_start on
+      one after the other, or with a block mask of (QB, KB) blocks the tiles of the key blocks blocks[qb] lists
+      (blocks: bm_idx[b, h], read only then);
+    * ``part_of(state, bbm, hbm, qb, j0)``: whether the user's mask_mod (``user_mask``: whether there is one) runs
+      in the tile from key j0: in every tile but a block mask's full ones."""
+    BM = block_mask is not None
+    KB = block_mask[1] if BM else B_c
+    SUB = KB // B_c  # key tiles a block of the block mask
+    block_full = make_block_full(BM, KB)
+
+    @cuda.jit(device=True, inline=True)
+    def first_key(jt, n_start, qb, blocks):
+        if BM:
+            return blocks[qb, jt // SUB] * KB + (jt % SUB) * B_c
+        return n_start + jt * B_c
+
+    @cuda.jit(device=True, inline=True)
+    def part_of(state, bbm, hbm, qb, j0):
+        return user_mask and not block_full(state, bbm, hbm, qb, j0)
+
+    return first_key, part_of
+
+
 @functools.lru_cache(maxsize=None)
 def make_copy_box_rows(D):
     """copy_box_rows(smem, off, maps, m, bb, row0, h, rows, bar): copy ``rows`` rows of tensor map m of ``maps``
@@ -408,12 +443,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         raise ValueError(f"the wgmma forward's tiles must be multiples of 32 rows, got {64 * warpgroups}, {B_c}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    check_block_mask(block_mask, 64 * warpgroups, B_c)
     BM = block_mask is not None
-    QB, KB = block_mask if BM else (64 * warpgroups, B_c)
-    if QB % (64 * warpgroups) or KB % B_c:
-        raise ValueError(f"the block mask's blocks ({QB}, {KB}) must be multiples of the tiles "
-                         f"({64 * warpgroups}, {B_c})")
-    SUB = KB // B_c  # key tiles a block of the block mask
+    QB = block_mask[0] if BM else 64 * warpgroups
+    SUB = block_mask[1] // B_c if BM else 1  # key tiles a block of the block mask
     USER_MASK = mods is not None and mods.mask_mod is not None
     USER_SCORE = mods is not None and mods.score_mod is not None
     user_score, user_mask = make_user_mods(mods)
@@ -537,21 +570,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     # load_tile(smem, jt, k, v, ...): the copies of K_j, V_j (tile jt) into buffer jt % STAGES, one commit group
     load_tile = make_load_stage(D, NC, B_c, OFF_K, OFF_V, BUF)
 
-    @cuda.jit(device=True, inline=True)
-    def first_key(jt, n_start, qb, blocks):
-        """The first key of the jt-th key tile the block visits: from n_start on one after the other, or with a
-        block mask the tiles of the key blocks blocks[qb] lists (blocks: bm_idx[b, h], read only then)."""
-        if BM:
-            return blocks[qb, jt // SUB] * KB + (jt % SUB) * B_c
-        return n_start + jt * B_c
-
-    @cuda.jit(device=True, inline=True)
-    def part_of(state, bbm, hbm, qb, j0):
-        """Whether the user's mask_mod runs in the tile from key j0: with a mask_mod, in every tile but a block
-        mask's full ones."""
-        if BM:
-            return USER_MASK and state[bbm, hbm, qb, j0 // KB] != FULL
-        return USER_MASK
+    first_key, part_of = make_key_walk(block_mask, B_c, USER_MASK)
 
     @cuda.jit(device=True, inline=True)
     def produce(smem, bars, q, k, v, bb, q_row0, q_end, h, k0, n_start, qb, blocks, k_end, hk, n_tiles, lane):
