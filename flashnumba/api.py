@@ -226,8 +226,9 @@ def flash_attn_forward(
         float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (the
         default on compute capability 9.0 at head_dim 64, 96 and 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS
         (at 96 where it copies with tensor maps: sequences of equal length, at most two options); 9.0
-        only, float16 or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block
-        masks; block_m 64 or 128 as one or two warpgroups, block_n 64 or 128; num_threads 2 block_m, or + 32 or
+        only, float16 or bfloat16, head_dim a multiple of 32 up to 256, every option; block_m 64 or 128 as one or
+        two warpgroups, block_n 32, 64 or 128 (above head_dim 128 by default 64, at 256 32: the shared memory);
+        num_threads 2 block_m, or + 32 or
         + 128 for a producer of one warp or four, the default), flashnumba.kernels.wgmma_forward; at head_dim 96
         without its tensor-map copies "tc" is the faster (docs/benchmarks.md).
 
@@ -287,9 +288,8 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
     flashnumba.kernels.mma_backward; "tf32", "3xtf32" (float32 on tensor cores, as ``precision=``); "wgmma"
     (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at head_dim 64, 96 and 128: float16
-    or bfloat16, head_dim 64, 96 or 128, every option but a user's score_mod / mask_mod and block masks,
-    deterministic; the dQ kernel takes 64 or 128 query rows a block and tiles of 64 or 128 keys, the dK/dV
-    kernel 64 or 128 keys a block and tiles of 64 queries; the plan gives them tiles of 32 where the per-entry
+    or bfloat16, head_dim 32, 64, 96 or 128, every option, deterministic; the dQ kernel takes 64 or 128 query
+    rows a block and tiles of 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block and tiles of 64 queries; the plan gives them tiles of 32 where the per-entry
     options would spill, the dK/dV kernel at head_dim 128 tiles of 32 where a producer warpgroup copies with
     tensor maps, the dQ kernel at head_dim 64 with a right bound alone (causal) tiles of 128 keys
     (flashnumba.tiling, wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or

@@ -351,8 +351,9 @@ def _check_family(kernel, tq, opts, limits, pass_):
     if kernel == "wgmma":
         if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
             raise TypeError(f"the wgmma kernel takes float16 or bfloat16; q has dtype {tq.dtype}")
-        if tq.shape[-1] not in wgmma_forward.HEAD_DIMS:
-            raise ValueError(f"the wgmma {pass_} supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
+        built = tiling.WGMMA_HEAD_DIMS if pass_ == "forward" else tiling.WGMMA_BACKWARD_HEAD_DIMS
+        if tq.shape[-1] not in built:
+            raise ValueError(f"the wgmma {pass_} supports head_dim in {built}, got "
                              f"{tq.shape[-1]}")
         if not SIMULATOR and tuple(limits.cc) != (9, 0):
             raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "

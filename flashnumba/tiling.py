@@ -57,6 +57,8 @@ MMA_DEFAULT_HEAD_DIMS = MMA_HEAD_DIMS
 # On compute capability 9.0, kernel=None takes the Hopper kernels (kernel="wgmma") at the head dims where they are
 # the faster (docs/benchmarks.md, "How fast is the Hopper forward?" and "... backward?")
 WGMMA_DEFAULT_HEAD_DIMS = {"forward": (64, 96, 128), "backward": (64, 96, 128)}
+WGMMA_HEAD_DIMS = wgmma_forward.HEAD_DIMS  # the head dims the Hopper kernels are built for: the forward's
+WGMMA_BACKWARD_HEAD_DIMS = wgmma_backward.HEAD_DIMS  # and the backward's
 # the head dims where the Hopper forward is the faster only with its tensor-map copies (the per-thread copies of
 # three 32-column blocks a row ran at 0.70x the mma.sync kernel there): kernel=None keeps mma.sync where a call's
 # plan would not take them (packed sequences, more than two options compiled in, config.hopper_tma off)
@@ -150,17 +152,19 @@ class Tiles(NamedTuple):
 
 @dataclass(frozen=True)
 class Candidate:
-    """A table row: the tiles, the head dims it is for (``max_head_dim``: up to and including), why, and the
-    oldest compute capability it is chosen on (``min_cc``: tiles measured fastest on one generation only)."""
+    """A table row: the tiles, the head dims it is for (``max_head_dim``: up to and including; above
+    ``min_head_dim``), why, and the oldest compute capability it is chosen on (``min_cc``: tiles measured fastest on
+    one generation only)."""
 
     max_head_dim: int
     tiles: Tiles
     reason: str
     min_cc: tuple = (0, 0)
+    min_head_dim: int = 0
 
     def applies(self, D: int, limits: DeviceLimits) -> bool:
         """Whether the row is for head dim D on the device's generation (its shared memory aside)."""
-        return D <= self.max_head_dim and tuple(limits.cc) >= self.min_cc
+        return self.min_head_dim < D <= self.max_head_dim and tuple(limits.cc) >= self.min_cc
 
 
 def _tc_threads(rows):
@@ -293,6 +297,13 @@ TABLES = {
                   min_cc=(9, 0)),
         Candidate(128, Tiles(128, 128, 256), "two warpgroups, B_c 128", min_cc=(9, 0)),
         Candidate(128, Tiles(64, 64, 128), "one warpgroup, B_c 64", min_cc=(9, 0)),
+        Candidate(224, Tiles(128, 64, 384), "two warpgroups sharing each K_j, V_j of 64 keys (three stages beside "
+                  "Q_i: 227 KB at d = 224), copied by a producer warpgroup; S of 64 keys beside O within the "
+                  f"{wgmma_forward.CONSUMER_REGISTERS} registers a thread", min_cc=(9, 0), min_head_dim=128),
+        Candidate(256, Tiles(128, 32, 384), "two warpgroups sharing each K_j, V_j of 32 keys (three stages of 64 "
+                  "keys beside Q_i would take 256 KB at d = 256), copied by a producer warpgroup", min_cc=(9, 0),
+                  min_head_dim=128),
+        Candidate(256, Tiles(64, 32, 128), "one warpgroup, B_c 32", min_cc=(9, 0), min_head_dim=128),
     ],
     # the Hopper backward (block_m query rows, block_n keys): dQ with a warpgroup per 64 query rows, dK/dV with one
     # per 64 keys
@@ -345,7 +356,8 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     options (the window's left and right bounds counted apart, softcap, ALiBi, varlen, dropout) some variants
     still spill (both window bounds with dropout; all six): those run without a producer, at B_c 64 (without a
     producer the faster). With at most two, every variant but varlen with dropout (B_c 64) fits 128 keys' scores
-    beside O at d = 64, 96 and 128 (``scripts/wgmma_spills.py``). Without the rebalancing (a caller's 256 or 288
+    beside O at d = 64, 96 and 128, and every variant 64 keys' beside O at d = 160 to 224 and 32 keys' at 256 (the
+    table's tiles there; ``scripts/wgmma_spills.py``). Without the rebalancing (a caller's 256 or 288
     threads), a tile of 128 keys fits only with no softcap or ALiBi and at most one of a window bound and dropout;
     other variants take B_c 64 there."""
     has_left, has_right, softcap, alibi, varlen, dropout = variant

@@ -238,7 +238,7 @@ def compile_offline(script, *args):
 
     env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0")
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=1200)
     if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -126,6 +126,32 @@ def test_head_dim_32():
                            lse[None, :, rq], causal=True)
 
 
+def test_head_dims_above_128():
+    """The forward above head_dim 128 at the default tiles: head_dim 160, rows of five 64-byte swizzled boxes copied
+    with tensor maps, B_c 64; head_dim 256, B_c 32 (three stages of 64 keys would not fit the shared memory), causal
+    with a window; and packed sequences at head_dim 224 (per-thread copies of seven 4-block groups a row, load_core's
+    general form for the producer's warps and every warp). The backward there is refused by name."""
+    rng = np.random.default_rng(256)
+    for D, opts in ((160, dict(causal=True)), (256, dict(causal=True, window_size=(40, 0)))):
+        q, k, v = random_qkv(rng, 1, 70, 100, 1, D, np.float16)
+        plan = flashnumba.plan(q, k, v, kernel="wgmma", device="sm_90", **opts)
+        assert "tensor maps" in plan.launches[0].reason and plan.launches[0].tiles.block_n == (32 if D == 256 else 64)
+        out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+        check_forward(out, lse, q, k, v, **opts)
+    lens_q, lens_k = [40, 0, 70], [9, 3, 75]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 1, 224)).astype(np.float16)
+    k, v = (rng.standard_normal((cu_k[-1], 1, 224)).astype(np.float16) for _ in range(2))
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, *args, kernel="wgmma")
+    for b in range(3):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rq.stop > rq.start:
+            check_forward(out[None, rq], lse[None, :, rq], q[None, rq], k[None, rk], v[None, rk])
+    with pytest.raises(ValueError, match=r"wgmma backward supports head_dim in \(32, 64, 96, 128\), got 224"):
+        flashnumba.flash_attn_varlen_backward(out, q, k, v, out, lse, *args, kernel="wgmma")
+
+
 def test_what_it_does_not_take_is_refused():
     q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 80, np.float16)
     with pytest.raises(ValueError, match="head_dim"):
@@ -243,7 +269,13 @@ if FULL:
               # head_dim 32: rows of one 64-byte swizzled box; eight warps copying per thread take load_core's
               # general form
               (32, 128, 2, "bfloat16", Variant(False, True), True, "tma"),
-              (32, 64, 2, "float16", Variant(True, True, True, True, True, True), False, False)]
+              (32, 64, 2, "float16", Variant(True, True, True, True, True, True), False, False),
+              # above head_dim 128: O of up to 128 registers beside S of 64 keys (32 at d = 256); five 64-byte
+              # boxes a row at 160; seven 4-block groups a row copied per thread at 224
+              (160, 64, 2, "float16", Variant(False, True), False, "tma"),
+              (224, 64, 2, "float16", Variant(False, True, False, False, True, False), True, 4),
+              (256, 32, 2, "bfloat16", Variant(True, True, True, True, False, False), False, "tma"),
+              (256, 32, 2, "float16", Variant(True, True, True, True, True, True), True, False)]
 out = {}
 for D, n, wg, dt, var, gqa, producer in cases:
     tma = producer == "tma"
@@ -271,7 +303,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     pytest.importorskip("cuda.bindings.nvjitlink")
     from flashnumba.kernels import wgmma_forward
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
-    assert len(compiled) == (24 if FULL_COMPILE else 3)
+    assert len(compiled) == (28 if FULL_COMPILE else 3)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         copies = (("cp.async.bulk.tensor.4d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire")
@@ -308,6 +340,20 @@ def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, threads):
     q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D, dtype)
     out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="wgmma", num_threads=threads,
                                              block_m=None if threads is None else 128)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@gpu_only
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES)
+@pytest.mark.parametrize("D", [160, 192, 224, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_sizes_head_dims_above_128(seqlen_q, seqlen_k, causal, D, dtype):
+    """The forward above head_dim 128 at the default tiles (B_c 64, at 256 32; tensor-map copies)."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(seqlen_q + seqlen_k + D)
+    q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D, dtype)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="wgmma")
     check_forward(out, lse, q, k, v, causal=causal)
 
 
@@ -362,6 +408,26 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
                                       window, softcap, alibi, dropout, seed):
     """Hypothesis over shapes (GQA groups, lengths 1 .. 600 each way), head dims, dtypes, tiles and every option;
     the compiled specialisations are few (the options' set, D, dtype, tiles), so the examples are many."""
+    rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
+                                         softcap, alibi, dropout, seed)
+    blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1], num_threads=tiles[2])
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **blocks, **opts)
+    check_forward(out, lse, q, k, v, **ref)
+
+
+@gpu_only
+@pytest.mark.parametrize("part", range(SHARDS // 2))
+@shard(SHARDS // 2)
+@given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2]),
+       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from([160, 192, 224, 256]),
+       dtype=st.sampled_from(["float16", "bfloat16"]),
+       tiles=st.sampled_from([None, (128, 32, 256), (64, 32, 128), (128, 32, 288), (128, 32, 384)]),
+       causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
+       alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+def test_drawn_head_dims_above_128_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
+                                       window, softcap, alibi, dropout, seed):
+    """The property above over the head dims above 128, at the default tiles or tiles of 32 keys that fit every
+    one of them (every warp copying, a producer warp, a producer warpgroup)."""
     rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
                                          softcap, alibi, dropout, seed)
     blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1], num_threads=tiles[2])

@@ -75,10 +75,12 @@ from .block_mask import make_block_full
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_sequence_geometry,
                      make_user_mods)
 from .mma_backward import _store_bf16, make_entry, make_stats
-from .wgmma_forward import (HEAD_DIMS, STAGES, TMA_HEAD_DIMS, check_block_mask, init_stages, make_key_walk,
+from .wgmma_forward import (STAGES, check_block_mask, init_stages, make_key_walk,
                             make_load_core, make_load_stage, make_swizzled_products, make_tma_producer, publish_tile,
                             swizzle_base, swizzle_span, takes_tma as forward_takes_tma, wait_phase)
 
+HEAD_DIMS = (32, 64, 96, 128)  # dK_j and dV_j of 64 keys a warpgroup beside S^T, dP^T in registers up to 128
+TMA_HEAD_DIMS = HEAD_DIMS  # (whole swizzled rows, wgmma_forward.swizzle_span)
 WARPGROUPS = (1, 2)
 DQ_BLOCK_NS = (32, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
 DKDV_BLOCK_MS = (32, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)

@@ -88,6 +88,12 @@ warpgroup that computes takes 224 (``setmaxnreg.inc``), which S_ij of 128 keys (
 head dims (64 a thread) and P_ij packed need. The assembler honours this only in a kernel it sees whole, with the
 block's threads and one block an SM in its launch bounds (:func:`rebalances`; ``flashnumba._launch.bounds``,
 ``assemble_whole``).
+
+**Head dims above 128.** Nothing in the loop changes: O's wgmma is m64nDk16 (N up to 256, the instruction's
+largest), S's takes D / 16 k-steps, a tile copied with tensor maps is D / 64 boxes (D / 32 at 160 and 224). What
+changes is room. O_i is D / 2 registers a thread, and Q_i with three K_j, V_j stages takes (B_r + 6 B_c) 2 D bytes
+of shared memory: two warpgroups with tiles of 64 keys fit the SM's 227 KB up to head_dim 224, and head_dim 256
+takes tiles of 32 keys (160 KB; of 64, 256 KB), which also leave O's 128 registers room beside S.
 """
 
 from __future__ import annotations
@@ -103,8 +109,8 @@ from .block_mask import make_block_full
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
                      make_sequence_geometry, make_user_mods)
 
-HEAD_DIMS = (32, 64, 96, 128)  # multiples of 32 (the copies' 4 column blocks a warp) with S and O in registers
-BLOCK_NS = (64, 128)  # keys a tile (N of S's wgmma)
+HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (the copies' 4 column blocks a warp), N of O's wgmma <= 256
+BLOCK_NS = (32, 64, 128)  # keys a tile (N of S's wgmma; 32 where three stages of 64 keys do not fit, head_dim 256)
 WARPGROUPS = (1, 2)
 CORE = 64  # elements (16-bit) of a core matrix: 8 rows x 8 head dims, 128 bytes
 
@@ -144,12 +150,12 @@ def shared_bytes(D, B_c, B_r, tma=False):
     return (B_r + 2 * STAGES * B_c) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
 
 
-TMA_HEAD_DIMS = (32, 64, 96, 128)  # head dims whose rows are whole swizzled rows (swizzle_span)
+TMA_HEAD_DIMS = HEAD_DIMS  # head dims whose rows are whole swizzled rows (swizzle_span)
 
 
 def swizzle_span(D):
     """Bytes of a swizzled row of the tiles copied with tensor maps: 128 (64 head dims) where they divide a row of
-    D head dims, else 64 (32; head_dim 96: three such rows, head_dim 32: one)."""
+    D head dims, else 64 (32; head_dim 96: three such rows, head_dim 32: one, 160: five, 224: seven)."""
     return 128 if D % 64 == 0 else 64
 
 
