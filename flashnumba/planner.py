@@ -538,7 +538,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (t.num_threads,), smem, t, reason)
     elif family == "wgmma":
         # what the caller left to the table, fitted to the options
-        given = [name for name, x in (("block_n", block_n), ("num_threads", num_threads)) if x is not None]
+        given = [name for name, x in (("block_m", block_m), ("block_n", block_n), ("num_threads", num_threads))
+                 if x is not None]
         t_own, why_own = tiling.wgmma_for_variant(t, opts.variant, given)
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
@@ -546,6 +547,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                                                opts.mods is not None and opts.mods.score_mod is not None, given)
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
+        grid = (_cdiv(max_q, t.block_m), bsz * nheads)  # (block_m fitted to a block mask's query blocks)
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
         tma = _takes_tma(D, opts, t, (tk,))
         smem = wgmma_forward.shared_bytes(D, t.block_n, t.block_m, tma)

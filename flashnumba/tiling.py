@@ -383,21 +383,28 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
 def wgmma_for_mods(t: Tiles, D, blocks, score_mod=False, given=()) -> tuple[Tiles, str]:
     """The Hopper forward's tiles with a user's functions (``score_mod``: whether there is a score_mod) and a block
     mask of ``blocks`` (query block, key block; None: none), and why they differ from ``t`` ("" where not);
-    ``given``: the names the caller chose (kept). A score_mod's per-score work takes key tiles of 64 (compiled for
-    sm_90a, the relative-bias example beside 128 keys' scores spilled 180 bytes; at 64, none). The key tiles divide
-    the key blocks (64 where 128 does not); above head_dim 64 they are 64: the lists and states a block mask adds
-    beside 128 keys' scores and O spill there (the causal and documents masks 220-336 bytes; at 64 keys, none)."""
-    if "block_n" in given or t.block_n <= 64:
-        return t, ""
-    if score_mod:
-        return t._replace(block_n=64), "B_c 64: a user's score_mod beside 128 keys' scores spills"
-    if blocks is None:
-        return t, ""
-    if blocks[1] % t.block_n:
-        return t._replace(block_n=64), f"B_c 64: to divide the block mask's key blocks of {blocks[1]}"
-    if D > 64:
-        return t._replace(block_n=64), "B_c 64: a block mask's lists beside 128 keys' scores spill above head_dim 64"
-    return t, ""
+    ``given``: the names the caller chose (kept). A tile never straddles two blocks: one warpgroup (block_m 64, every
+    thread computing) where the query blocks are a multiple of 64 but not of the table's rows, and key tiles that
+    divide the key blocks (64 where 128 does not). A score_mod's per-score work takes key tiles of 64 (compiled for
+    sm_90a, the relative-bias example beside 128 keys' scores spilled 180 bytes; at 64, none); above head_dim 64 so
+    does a block mask: its lists and states beside 128 keys' scores and O spill there (the causal and documents
+    masks 220-336 bytes; at 64 keys, none)."""
+    new, why = t, []
+    if (blocks is not None and blocks[0] % t.block_m and blocks[0] % 64 == 0
+            and not {"block_m", "num_threads"} & set(given)):
+        new = new._replace(block_m=64, num_threads=wgmma_forward.threads(1))
+        why.append(f"one warpgroup (block_m 64): to divide the block mask's query blocks of {blocks[0]}")
+    if "block_n" not in given and new.block_n > 64:
+        if score_mod:
+            new = new._replace(block_n=64)
+            why.append("B_c 64: a user's score_mod beside 128 keys' scores spills")
+        elif blocks is not None and blocks[1] % new.block_n:
+            new = new._replace(block_n=64)
+            why.append(f"B_c 64: to divide the block mask's key blocks of {blocks[1]}")
+        elif blocks is not None and D > 64:
+            new = new._replace(block_n=64)
+            why.append("B_c 64: a block mask's lists beside 128 keys' scores spill above head_dim 64")
+    return new, "; ".join(why)
 
 
 def _per_entry_options(variant) -> int:

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import flashnumba
 from conftest import FULL_COMPILE, assert_close_to_truth, random_qkv, shard, to_numpy
-from flashnumba import reference as ref
+from flashnumba import reference as ref, tiling
 
 def _skip_unless_hopper():
     """kernel="wgmma" runs on compute capability 9.0, and in the simulator."""
@@ -550,6 +550,7 @@ HOPPER_CASES = [  # (mask name, sq, sk, nheads_k, groups, head_dim, tiles, block
     ("prefix-lm", 140, 150, 1, 1, 32, {}, 128),  # the default tiles: the producer's tensor-map copies
     ("window", 100, 230, 1, 1, 32, dict(block_m=128, block_n=64, num_threads=256), (128, 64)),  # no producer
     ("head-varying", 100, 90, 1, 3, 32, dict(block_m=64, block_n=64, num_threads=128), 64),  # a mask per head
+    ("causal", 150, 140, 1, 1, 32, {}, 64),  # the default tiles fitted to blocks of 64: one warpgroup, B_c 64
 ]
 
 
@@ -649,6 +650,19 @@ def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, gro
     elif blocks is not None and "block_m" in tiles:
         blocks = 64
     _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed, backward={} if backward else None)
+
+
+def test_the_hopper_forward_fits_its_tiles_to_the_blocks():
+    """The forward's tiles divide a block mask's blocks: one warpgroup where the query blocks are of 64, key tiles of
+    64 where the key blocks are not of 128; what the caller gave is kept (and then checked)."""
+    t = tiling.Tiles(128, 128, 384)
+    assert tiling.wgmma_for_mods(t, 64, (64, 64)) == (
+        tiling.Tiles(64, 64, 128), "one warpgroup (block_m 64): to divide the block mask's query blocks of 64; "
+                                   "B_c 64: to divide the block mask's key blocks of 64")
+    assert tiling.wgmma_for_mods(t, 64, (128, 128)) == (t, "")
+    assert tiling.wgmma_for_mods(t, 64, (192, 128))[0] == tiling.Tiles(64, 128, 128)
+    assert tiling.wgmma_for_mods(t, 64, (64, 128), given=("num_threads",)) == (t, "")
+    assert tiling.wgmma_for_mods(t, 64, (32, 128)) == (t, "")  # (no tile divides it: the plan's error)
 
 
 def test_what_the_hopper_kernels_do_not_take_is_refused():
