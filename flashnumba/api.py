@@ -288,9 +288,10 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
     flashnumba.kernels.mma_backward; "tf32", "3xtf32" (float32 on tensor cores, as ``precision=``); "wgmma"
     (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at head_dim 64, 96 and 128: float16
-    or bfloat16, head_dim 32, 64, 96 or 128, every option, deterministic; the dQ kernel takes 64 or 128 query
-    rows a block and tiles of 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block and tiles of 64 queries; the plan gives them tiles of 32 where the per-entry
-    options would spill, the dK/dV kernel at head_dim 128 tiles of 32 where a producer warpgroup copies with
+    or bfloat16, head_dim a multiple of 32 up to 256, every option, deterministic; the dQ kernel takes 64 or 128
+    query rows a block and tiles of 32, 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block (above head_dim
+    128, 64 keys on two warpgroups, each half of the head dims) and tiles of 32 or 64 queries; the plan gives them
+    tiles of 32 where the per-entry options would spill, the dK/dV kernel at head_dim 128 tiles of 32 where a producer warpgroup copies with
     tensor maps, the dQ kernel at head_dim 64 with a right bound alone (causal) tiles of 128 keys
     (flashnumba.tiling, wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or
     block_n given applies to both, so block_m 64 and block_n 64 or 128; no num_threads), see

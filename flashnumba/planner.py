@@ -270,8 +270,8 @@ def _takes_tma_backward(D, opts, which, t, n) -> bool:
     """Whether the Hopper backward kernel ``which`` ("dq", "dkdv") at tiles ``t`` copies with tensor maps
     (``wgmma_backward.takes_tma``, config.hopper_tma, and ``n`` > 0 queries and keys: a map's dims are not
     zero)."""
-    rows = t.block_m if which == "dq" else t.block_n
-    return config.hopper_tma and n > 0 and wgmma_backward.takes_tma(D, opts.variant, rows // 64, which, t.block_m)
+    wg = t.block_m // 64 if which == "dq" else wgmma_backward.dkdv_warpgroups(D, t.block_n)
+    return config.hopper_tma and n > 0 and wgmma_backward.takes_tma(D, opts.variant, wg, which, t.block_m)
 
 
 def _c_layout(t) -> bool:
@@ -918,7 +918,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         name, gqa = _dtype_name(dt), nk != nheads
         span = wgmma_forward.swizzle_span(D)
         blocks = None if opts.block_mask is None else opts.block_mask[:2]
-        tq_own, tk_own, why_own = tiling.wgmma_backward_for_block_mask(tq_t, tk_t, blocks, given)
+        tq_own, tk_own, why_own = tiling.wgmma_backward_for_block_mask(tq_t, tk_t, blocks, given, D)
         if why_own:
             tq_t, tk_t = tq_own, tk_own
             rq, rk = f"{rq}; {why_own}", f"{rk}; {why_own}"
@@ -938,7 +938,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             tma = _takes_tma_backward(D, opts, which, t, n)
             param = f"maps_{which}"
             arrays[param] = array_meta((len(maps) if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
-            wg = rows // 64
+            wg = rows // 64 if which == "dq" else wgmma_backward.dkdv_warpgroups(D, rows)
             if tma:
                 t = t._replace(num_threads=wgmma_backward.threads(wg, True))
                 reason = f"{reason}; a producer warpgroup copies the tiles with the copy engine (tensor maps)"

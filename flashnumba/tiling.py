@@ -311,11 +311,20 @@ TABLES = {
         Candidate(128, Tiles(128, 64, 256), "two warpgroups of 64 query rows sharing each K_j, V_j of 64 keys "
                   "(S, dP and dQ_i within 201 registers at d = 128, no spills)", min_cc=(9, 0)),
         Candidate(128, Tiles(64, 64, 128), "one warpgroup", min_cc=(9, 0)),
+        Candidate(160, Tiles(128, 64, 256), "two warpgroups sharing each K_j, V_j of 64 keys (three stages beside "
+                  "Q_i, dO_i: 200 KB at d = 160)", min_cc=(9, 0), min_head_dim=128),
+        Candidate(256, Tiles(128, 32, 256), "two warpgroups sharing each K_j, V_j of 32 keys (three stages of 64 "
+                  "keys beside Q_i, dO_i would take 240 KB at d = 192; dQ_i of d = 256 is 128 registers a thread)",
+                  min_cc=(9, 0), min_head_dim=128),
+        Candidate(256, Tiles(64, 32, 128), "one warpgroup, key tiles of 32", min_cc=(9, 0), min_head_dim=128),
     ],
     "wgmma_dkdv": [
         Candidate(128, Tiles(64, 128, 256), "two warpgroups of 64 keys sharing each Q_i, dO_i of 64 queries "
                   "(dK_j, dV_j, S^T and dP^T within 255 registers at d = 128, no spills)", min_cc=(9, 0)),
         Candidate(128, Tiles(64, 64, 128), "one warpgroup", min_cc=(9, 0)),
+        Candidate(256, Tiles(32, 64, 256), "two warpgroups on 64 keys, each holding half of dK_j's and dV_j's head "
+                  "dims (all of them would not fit a thread's registers beside S^T and dP^T), query tiles of 32",
+                  min_cc=(9, 0), min_head_dim=128),
     ],
 }
 TABLES["v3"] = TABLES["v2"]
@@ -467,7 +476,7 @@ def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=()) -> tuple[
     return nq, nk, "tiles of 32 in both loops: a user's score_mod beside S and dP of 64 spills"
 
 
-def wgmma_backward_for_block_mask(tq: Tiles, tk: Tiles, blocks, given=()) -> tuple[Tiles, Tiles, str]:
+def wgmma_backward_for_block_mask(tq: Tiles, tk: Tiles, blocks, given=(), D=0) -> tuple[Tiles, Tiles, str]:
     """The Hopper backward's tiles (dQ, dK/dV) with a block mask of ``blocks`` (query block, key block; None: none),
     and why they differ ("" where not); ``given``: the names the caller chose (kept, and then checked by the
     kernels). A tile never straddles two blocks: each kernel's rows (a warpgroup per 64: the dQ kernel's queries,
@@ -488,7 +497,7 @@ def wgmma_backward_for_block_mask(tq: Tiles, tk: Tiles, blocks, given=()) -> tup
         nk = nk._replace(block_m=fit(tk.block_m, wgmma_backward.DKDV_BLOCK_MS, qb))
     if "block_n" not in given:
         n = fit(tk.block_n, rows, kb)
-        nk = nk._replace(block_n=n, num_threads=wgmma_backward.threads(n // 64))
+        nk = nk._replace(block_n=n, num_threads=wgmma_backward.threads(wgmma_backward.dkdv_warpgroups(D, n)))
         nq = nq._replace(block_n=fit(tq.block_n, wgmma_backward.DQ_BLOCK_NS, kb))
     if (nq, nk) == (tq, tk):
         return tq, tk, ""
@@ -649,7 +658,7 @@ def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
     if table == "wgmma_dq":
         return t._replace(num_threads=2 * t.block_m)
     if table == "wgmma_dkdv":
-        return t._replace(num_threads=2 * t.block_n)
+        return t._replace(num_threads=128 * wgmma_backward.dkdv_warpgroups(D, t.block_n))
     return t
 
 

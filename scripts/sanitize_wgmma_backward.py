@@ -6,7 +6,8 @@ synccheck):
 sequences not a multiple of the tiles, causal and a window, float16 and bfloat16, one and two warpgroups, GQA,
 the dK/dV kernel's query tiles of 32 (ALiBi and dropout at head_dim 128), key tiles that no query sees, the
 defaults at head_dim 128 and 64 (causal), the tensor-map copies of two warpgroups and a producer at head_dim 32,
-64, 96 and 128, varlen with an empty sequence; each gradient's largest error against the float64 reference is printed.
+64, 96, 128 and 256, head dims split between the dK/dV kernel's warpgroups (160, 256), varlen with an empty
+sequence; each gradient's largest error against the float64 reference is printed.
 """
 
 import ml_dtypes
@@ -30,6 +31,10 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, tile
     (2, 150, 211, 4, 2, 96, ml_dtypes.bfloat16, None, dict(window_size=(60, 10))),
     # head_dim 32 (one 64-byte swizzled box a row), causal, GQA
     (1, 140, 300, 2, 1, 32, np.float16, None, dict(causal=True)),
+    # above head_dim 128: the dK/dV kernel's two warpgroups on 64 keys, each half of the head dims (tensor maps at
+    # 256, per-thread copies at 160), the dQ kernel's key tiles of 32 at 256
+    (1, 130, 170, 2, 1, 256, ml_dtypes.bfloat16, None, dict(causal=True)),
+    (1, 100, 140, 2, 2, 160, np.float16, None, dict(window_size=(30, 0))),
 ]
 for b, sq, sk, h, hk, d, dtype, tiles, opts in cases:
     q = rng.standard_normal((b, sq, h, d)).astype(dtype)

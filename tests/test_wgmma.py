@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, strategies as st
 
 import flashnumba
 from conftest import FULL_COMPILE, GPU_SHAPES, check_backward, check_forward, compile_offline, random_qkv, shard
@@ -127,29 +127,40 @@ def test_head_dim_32():
 
 
 def test_head_dims_above_128():
-    """The forward above head_dim 128 at the default tiles: head_dim 160, rows of five 64-byte swizzled boxes copied
-    with tensor maps, B_c 64; head_dim 256, B_c 32 (three stages of 64 keys would not fit the shared memory), causal
-    with a window; and packed sequences at head_dim 224 (per-thread copies of seven 4-block groups a row, load_core's
-    general form for the producer's warps and every warp). The backward there is refused by name."""
+    """Above head_dim 128 at the default tiles, forward and backward. Head_dim 160: the forward's rows five 64-byte
+    swizzled boxes copied with tensor maps, B_c 64; the dK/dV kernel's two warpgroups on 64 keys each hold half of
+    dK_j's and dV_j's head dims (80: not whole boxes, so copied per thread). Head_dim 256, causal with a window:
+    the forward's B_c 32, the dK/dV kernel's halves two boxes each (tensor maps). Packed sequences at head_dim 224
+    (per-thread copies of seven 4-block groups a row, load_core's general form)."""
     rng = np.random.default_rng(256)
-    for D, opts in ((160, dict(causal=True)), (256, dict(causal=True, window_size=(40, 0)))):
-        q, k, v = random_qkv(rng, 1, 70, 100, 1, D, np.float16)
+    for D, opts, dkdv_tma in ((160, dict(causal=True), False), (256, dict(causal=True, window_size=(40, 0)), True)):
+        q, k, v = random_qkv(rng, 1, 50, 70, 1, D, np.float16)
         plan = flashnumba.plan(q, k, v, kernel="wgmma", device="sm_90", **opts)
         assert "tensor maps" in plan.launches[0].reason and plan.launches[0].tiles.block_n == (32 if D == 256 else 64)
         out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
         check_forward(out, lse, q, k, v, **opts)
+        dout = rng.standard_normal(out.shape).astype(q.dtype)
+        plan = flashnumba.plan_backward(dout, q, k, v, out, lse, kernel="wgmma", device="sm_90", **opts)
+        dkdv = plan.launches[2]
+        assert (dkdv.tiles.block_n, dkdv.factory_args[3]) == (64, 2), dkdv  # (two warpgroups on 64 keys)
+        assert ("tensor maps" in dkdv.reason) == dkdv_tma, dkdv
+        grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
+        check_backward(grads, dout, q, k, v, out, lse, **opts)
     lens_q, lens_k = [40, 0, 70], [9, 3, 75]
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
     q = rng.standard_normal((cu_q[-1], 1, 224)).astype(np.float16)
     k, v = (rng.standard_normal((cu_k[-1], 1, 224)).astype(np.float16) for _ in range(2))
     args = (cu_q, cu_k, max(lens_q), max(lens_k))
     out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, *args, kernel="wgmma")
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    dq, dk, dv = flashnumba.flash_attn_varlen_backward(dout, q, k, v, out, lse, *args, kernel="wgmma")[:3]
     for b in range(3):
         rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if rq.stop > rq.start:
-            check_forward(out[None, rq], lse[None, :, rq], q[None, rq], k[None, rk], v[None, rk])
-    with pytest.raises(ValueError, match=r"wgmma backward supports head_dim in \(32, 64, 96, 128\), got 224"):
-        flashnumba.flash_attn_varlen_backward(out, q, k, v, out, lse, *args, kernel="wgmma")
+            one = (q[None, rq], k[None, rk], v[None, rk])
+            check_forward(out[None, rq], lse[None, :, rq], *one)
+            check_backward((dq[None, rq], dk[None, rk], dv[None, rk]), dout[None, rq], *one, out[None, rq],
+                           lse[None, :, rq])
 
 
 def test_what_it_does_not_take_is_refused():
@@ -176,6 +187,15 @@ def test_what_it_does_not_take_is_refused():
     out, lse = flashnumba.flash_attn_forward(q, k, v)
     with pytest.raises(ValueError, match="wgmma backward supports head_dim"):
         flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma")
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 256, np.float16)
+    out, lse = np.zeros_like(q), np.zeros((1, 1, 8), np.float32)  # (the plan refuses before reading them)
+    with pytest.raises(ValueError, match="need 525312 bytes of shared memory in the Hopper"):
+        flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma", block_n=128)
+    from flashnumba.kernels import wgmma_backward
+    with pytest.raises(ValueError, match="above head_dim 128 the wgmma dK/dV kernel takes block_n 64"):
+        wgmma_backward.check(256, 32, 128, "dkdv")
+    with pytest.raises(ValueError, match="runs two warpgroups on 64 keys"):
+        wgmma_backward.make_backward_dkdv_wgmma(256, (False,) * 6, 32, 1)
 
 
 @pytest.mark.parametrize("D, opts, tiles, note", [
@@ -571,7 +591,15 @@ if FULL:
               ("dkdv", 128, 32, 2, "float16", Variant(False, False, False, False, False, True), "tma"),
               ("dkdv", 96, 64, 2, "float16", Variant(False, True), "tma"),
               ("dq", 32, 64, 2, "float16", plain, "tma"), ("dkdv", 32, 64, 2, "bfloat16", Variant(False, True), "tma"),
-              ("dkdv", 32, 64, 2, "float16", Variant(False, True, False, False, True), False)]
+              ("dkdv", 32, 64, 2, "float16", Variant(False, True, False, False, True), False),
+              # above head_dim 128: dQ_i of up to 128 registers beside key tiles of 32 (64 at 160); the dK/dV
+              # kernel's two warpgroups on 64 keys, each half of the head dims (tensor maps at 256: whole boxes;
+              # per-thread copies at 224 and 256 spill under 255 registers with packed sequences or options)
+              ("dq", 256, 32, 2, "bfloat16", Variant(False, True, False, False, False, True), "tma"),
+              ("dkdv", 256, 32, 2, "float16", Variant(True, True), "tma"),
+              ("dq", 160, 64, 2, "float16", Variant(False, True), "tma"),
+              ("dkdv", 160, 32, 2, "float16", Variant(False, True), True),
+              ("dkdv", 192, 32, 2, "float16", Variant(False, True, False, False, True, True), False)]
 out = {}
 for which, D, loop, wg, dt, var, gqa in cases:
     tma = gqa == "tma"
@@ -597,7 +625,7 @@ def test_wgmma_backward_compiles_for_sm90a():
     spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
-    assert len(compiled) == (25 if FULL_COMPILE else 4)
+    assert len(compiled) == (30 if FULL_COMPILE else 4)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
         assert ("cp.async.bulk.tensor.4d" in r["ptx"]) == r["tma"], name
@@ -622,17 +650,31 @@ def test_backward_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype):
 
 
 @gpu_only
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", GPU_SHAPES)
+@pytest.mark.parametrize("D", [160, 192, 224, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_gpu_sizes_head_dims_above_128(seqlen_q, seqlen_k, causal, D, dtype):
+    """The backward above head_dim 128 at the default tiles: the dK/dV kernel's two warpgroups on 64 keys, each
+    half of the head dims."""
+    test_backward_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype)
+
+
+@gpu_only
 @pytest.mark.parametrize("part", range(SHARDS))
 @shard(SHARDS)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from([32, 64, 96, 128]),
+       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400),
+       D=st.sampled_from([32, 64, 96, 128, 160, 192, 224, 256]),
        dtype=st.sampled_from(["float16", "bfloat16"]),
        tiles=st.sampled_from([None, (64, 64), (64, 128)]),
        causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
        alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
 def test_backward_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles,
                                                causal, window, softcap, alibi, dropout, seed):
-    """Hypothesis over shapes, GQA groups, head dims, dtypes, both kernels' tiles and every option."""
+    """Hypothesis over shapes, GQA groups, head dims, dtypes, both kernels' tiles and every option (above head_dim
+    128 the dK/dV kernel takes 64 keys a block, and the dQ kernel at 256 key tiles of 32: the default tiles, or
+    block_n 64 below 256)."""
+    assume(D <= 128 or tiles is None or (tiles == (64, 64) and D < 256))
     rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
                                          softcap, alibi, dropout, seed)
     out, lse = flashnumba.flash_attn_forward(q, k, v, **opts)

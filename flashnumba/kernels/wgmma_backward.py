@@ -42,6 +42,16 @@ leave that loop rolled and the tile's accumulators in local memory, which serial
 computed unmasked, and a second pass (:func:`make_mask_tile`) zeroes those past a sequence or out of the band only
 in the tiles that reach there, as the forward masks its scores.
 
+**Head dims above 128** (:data:`SPLIT_ABOVE`). A thread of the dK/dV kernel holds dK_j and dV_j of its keys, D
+float32, beside S^T and dP^T: above head_dim 128 that is more than its registers (compiled for sm_90a, query tiles
+of 32 spilled at 160 and the assembler serialised the wgmma). There the two warpgroups share one K_j, V_j of 64
+keys, and warpgroup gw holds head dims DN gw .. DN gw + DN - 1 of dK_j and dV_j (DN = D / 2): each computes the
+whole S^T and dP^T of the 64 keys (the same products: K-major operands need all D head dims) and multiplies them
+into its half, reading the MN-major Q_i and dO_i from their first head dim of that half (a multiple of 8 head dims,
+or with tensor maps of whole boxes, DN gw B_r elements into the tile either way). S^T and dP^T are computed twice
+(six products a tile for four), the price of dK_j and dV_j in registers. The dQ kernel holds dQ_i alone and keeps
+its layout (key tiles of 32 where three stages of 64 keys do not fit the shared memory).
+
 **A user's score_mod, mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention_backward`
 with ``kernel="wgmma"``), as in the forward: the score_mod and its derivative in the entry function
 (``mma_backward.make_entry``, at every entry within the sequences), the mask_mod in a pass of its own after the
@@ -79,8 +89,11 @@ from .wgmma_forward import (STAGES, check_block_mask, init_stages, make_key_walk
                             make_load_core, make_load_stage, make_swizzled_products, make_tma_producer, publish_tile,
                             swizzle_base, swizzle_span, takes_tma as forward_takes_tma, wait_phase)
 
-HEAD_DIMS = (32, 64, 96, 128)  # dK_j and dV_j of 64 keys a warpgroup beside S^T, dP^T in registers up to 128
+HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (wgmma_forward's copies)
 TMA_HEAD_DIMS = HEAD_DIMS  # (whole swizzled rows, wgmma_forward.swizzle_span)
+# Above this head dim a thread cannot hold dK_j and dV_j of its keys (D float32) beside S^T and dP^T: the dK/dV
+# kernel's two warpgroups share 64 keys, each holding half of dK_j's and dV_j's head dims (module docstring)
+SPLIT_ABOVE = 128
 WARPGROUPS = (1, 2)
 DQ_BLOCK_NS = (32, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
 DKDV_BLOCK_MS = (32, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)
@@ -105,8 +118,18 @@ def takes_tma(D, variant, warpgroups, which="dq", block_m=64) -> bool:
     """Whether a backward kernel (``which``: "dq" or "dkdv", the latter with query tiles of ``block_m``) copies with
     tensor maps (a producer warpgroup beside two that compute): as the forward
     (:func:`flashnumba.kernels.wgmma_forward.takes_tma`), head_dim in its TMA_HEAD_DIMS and sequences of equal
-    length; the dK/dV kernel above head_dim 96 only with query tiles of 32 (:data:`CONSUMER_REGISTERS`)."""
+    length; the dK/dV kernel above head_dim 96 only with query tiles of 32 (:data:`CONSUMER_REGISTERS`), and above
+    :data:`SPLIT_ABOVE` only where each warpgroup's half of the head dims is whole boxes of swizzled rows (head_dim
+    256: two of 64)."""
+    if which == "dkdv" and D > SPLIT_ABOVE and (D // 2) % (swizzle_span(D) // 2):
+        return False
     return forward_takes_tma(D, variant, warpgroups, 4) and (which == "dq" or D <= 96 or block_m <= 32)
+
+
+def dkdv_warpgroups(D, block_n):
+    """The dK/dV kernel's warpgroups for ``block_n`` keys a block: one a 64 of them, or above :data:`SPLIT_ABOVE`
+    two on the 64 (each half of the head dims)."""
+    return 2 if D > SPLIT_ABOVE else block_n // 64
 
 
 def shared_bytes_dq(D, block_m, block_n, tma=False):
@@ -132,6 +155,9 @@ def check(D, block_m, block_n, which, dtype=None):
         raise ValueError(f"the wgmma {'dQ' if which == 'dq' else 'dK/dV'} kernel takes {names[0]} 64 or 128 (one or "
                          f"two warpgroups of 64 rows) and {names[1]} in {loops}, got block_m {block_m}, block_n "
                          f"{block_n}")
+    if which == "dkdv" and D > SPLIT_ABOVE and block_n != 64:
+        raise ValueError(f"above head_dim {SPLIT_ABOVE} the wgmma dK/dV kernel takes block_n 64 (two warpgroups on 64 "
+                         f"keys, each half of dK_j's and dV_j's head dims), got {block_n}")
     if dtype is not None and dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
 
@@ -152,8 +178,8 @@ def make_pieces(D, dtype):
 
     * ``make_issue_abt(N)`` -> ``issue_abt(acc, a_addr, lbo_a, b_addr, lbo_b)``: acc = A B^T (64 x N, K = D), D / 16
       wgmma with A and B K-major in shared memory at those byte addresses, LBO those strides; not committed;
-    * ``make_issue_ab(KC)`` -> ``issue_ab(acc, pa, b_addr, sbo)``: acc += A B (64 x D, K = 16 KC), A from the
-      registers pa, B MN-major (SBO ``sbo`` bytes between its blocks of 8 head dims); not committed;
+    * ``make_issue_ab(KC, N=D)`` -> ``issue_ab(acc, pa, b_addr, sbo)``: acc += A B (64 x N, K = 16 KC), A from the
+      registers pa, B MN-major (N head dims from b_addr, SBO ``sbo`` bytes between its blocks of 8); not committed;
     * ``make_pack(KC)`` -> ``pack_a(pa, acc)``: the accumulator (64 x 16 KC) as that 16-bit A operand (the 16
       columns of k-step c are acc[8 c .. 8 c + 7]: wgmma_forward's rescale_and_pack)."""
     kind, _, pack, _ = _common(D, dtype)
@@ -172,8 +198,8 @@ def make_pieces(D, dtype):
 
         return issue_abt
 
-    def make_issue_ab(KC):
-        mma, fence, _ = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
+    def make_issue_ab(KC, N=D):
+        mma, fence, _ = hop.wgmma_ops(kind, N, regs_a=True, trans_b=True)
 
         @cuda.jit(device=True, inline=True)
         def issue_ab(acc, pa, b_addr, sbo):
@@ -517,7 +543,11 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     fetches L_i and D_i (module docstring), ``maps`` holding the tensor maps of :data:`DKDV_MAPS`; without, every thread
     copies and ``maps`` is not read. Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k),
     block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dkdv`."""
-    B_R, B_C = block_m, 64 * warpgroups
+    SPLIT = D > SPLIT_ABOVE  # two warpgroups on 64 keys, each half of the head dims of dK_j and dV_j
+    if SPLIT and warpgroups != 2:
+        raise ValueError(f"above head_dim {SPLIT_ABOVE} the wgmma dK/dV kernel runs two warpgroups on 64 keys, got "
+                         f"{warpgroups}")
+    B_R, B_C = block_m, 64 if SPLIT else 64 * warpgroups
     check(D, B_R, B_C, "dkdv", dtype)
     check_block_mask(block_mask, B_R, B_C)
     BM = block_mask is not None
@@ -537,7 +567,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     kind, store, _, elem = _common(D, dtype)
     NC = threads(warpgroups)  # the threads that compute (with tensor maps, the producer's 128 follow them)
     NS = B_R // 2  # S^T and dP^T accumulator registers a thread: 64 x B_r over 128 threads
-    NO = D // 2  # dK and dV accumulator registers a thread
+    DN = D // 2 if SPLIT else D  # head dims of dK_j, dV_j a warpgroup holds (N of their products)
+    NO = DN // 2  # dK and dV accumulator registers a thread
     KC = B_R // 16  # k-steps of dV += P^T dO, dK += dS^T Q
     SR = -(-B_R // NC)  # queries of L_i and D_i a thread fetches a tile
     SRP = -(-B_R // 32)  # the same for the producer's warp that fetches them (tensor maps)
@@ -547,12 +578,12 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     BUF = 2 * B_R * D
     SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
     _, make_issue_ab, make_pack = make_pieces(D, dtype)
-    issue_ab = make_issue_ab(KC)
+    issue_ab = make_issue_ab(KC, DN)
     _, make_ab_sw = make_swizzled_products(kind, D)
-    issue_ab_sw = make_ab_sw(KC)
+    issue_ab_sw = make_ab_sw(KC, DN)
     pack_a = make_pack(KC)
     wait_s = hop.wgmma_ops(kind, B_R)[2]
-    wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
+    wait_o = hop.wgmma_ops(kind, DN, regs_a=True, trans_b=True)[2]
     load_core = make_load_core(D, NC)
     mask_tile = make_mask_tile(NS, HAS_LEFT, HAS_RIGHT, True)
     user_mask_tile = make_user_mask_tile(NS, mods, True)
@@ -614,9 +645,10 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         issue_two(s, dp, k_addr, v_addr, q_base + (it % STAGES) * BUF * 2)
 
     @cuda.jit(device=True, inline=True)
-    def issue_dkdv(dva, dka, pp, pd, q_base, it):
-        """Group 2: dV_j += (P Z)^T dO_i and dK_j += dS^T Q_i (iteration it's buffer, read MN-major), one commit."""
-        nb = q_base + (it % STAGES) * BUF * 2
+    def issue_dkdv(dva, dka, pp, pd, q_base, it, half):
+        """Group 2: dV_j += (P Z)^T dO_i and dK_j += dS^T Q_i (iteration it's buffer, read MN-major; with SPLIT the
+        warpgroup's DN head dims, ``half`` bytes into each tile), one commit."""
+        nb = q_base + (it % STAGES) * BUF * 2 + half
         if TMA:
             issue_ab_sw(dva, pp, nb + OFF_DO * 2, B_R)
             issue_ab_sw(dka, pd, nb, B_R)
@@ -657,14 +689,15 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             mask_tile(s, dp, j0 + r0, i0 + 2 * t, seqlen_q, seqlen_k, diag, left, right)
 
     @cuda.jit(device=True, inline=True)
-    def put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep):
-        """dK_j, dV_j of this lane's keys r0, r0 + 8 to dk, dv (dV_j = (P Z)^T dO: Z = keep / (1 - p_drop))."""
+    def put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, c0, t, seqlen_k, scale, rp_keep):
+        """dK_j, dV_j of this lane's keys r0, r0 + 8 (head dims from c0) to dk, dv (dV_j = (P Z)^T dO: Z = keep /
+        (1 - p_drop))."""
         zscale = rp_keep if DROPOUT else float32(1.0)
         for x in range(2):
             j = j0 + r0 + 8 * x
             if j < seqlen_k:
                 for n in range(NO // 4):
-                    c = 8 * n + 2 * t
+                    c = c0 + 8 * n + 2 * t
                     dk[bb, k0 + j, hk, c] = store(dka[4 * n + 2 * x] * scale)
                     dk[bb, k0 + j, hk, c + 1] = store(dka[4 * n + 2 * x + 1] * scale)
                     dv[bb, k0 + j, hk, c] = store(dva[4 * n + 2 * x] * zscale)
@@ -675,7 +708,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                             cu_k, p_drop, rp_keep, seed, offset, maps, a0, a1, a2, a3, bm_qnum, bm_qidx, bm_state):
         nheads = q.shape[2]
         tid = cuda.threadIdx.x
-        gw = tid >> 7  # warpgroup: keys 64 gw .. 64 gw + 63 of K_j
+        gw = tid >> 7  # warpgroup: keys 64 gw .. 64 gw + 63 of K_j (SPLIT: all 64, head dims DN gw .. of dK_j, dV_j)
         lane = tid & 31
         t = lane & 3
         # (32-bit unsigned divisions, then signed 64-bit values: the dQ kernel's)
@@ -687,7 +720,9 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         if GQA:
             group = int64(uint32(nheads) // nk)
         j0 = cuda.blockIdx.x * B_C  # first key of K_j
-        r0 = 64 * gw + 16 * ((tid >> 5) & 3) + (lane >> 2)  # this lane's first key in K_j; its second is r0 + 8
+        # this lane's first key in K_j (its second is r0 + 8), and its warpgroup's first head dim of dK_j, dV_j
+        r0 = (0 if SPLIT else 64 * gw) + 16 * ((tid >> 5) & 3) + (lane >> 2)
+        c0 = gw * DN if SPLIT else 0
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q
         if j0 >= seqlen_k:
@@ -728,7 +763,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                 for n in range(NO):
                     dva[n] = 0.0
                     dka[n] = 0.0
-                put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep)
+                put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, c0, t, seqlen_k, scale, rp_keep)
             return
 
         base = 0  # where K_j starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes_dkdv leaves room)
@@ -744,10 +779,13 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                                   tid - NC - 32)
                 return
             hop.setmaxnreg_inc(CONSUMER_REGISTERS)
-        # this warpgroup's 64 keys: 8 core matrices further, or 64 swizzled rows
-        k_addr = hop.smem_address(smem, base) + gw * 64 * (SPAN if TMA else 16)
-        v_addr = hop.smem_address(smem, base + OFF_V) + gw * 64 * (SPAN if TMA else 16)
+        # this warpgroup's 64 keys: 8 core matrices further, or 64 swizzled rows (SPLIT: both warpgroups' the same)
+        k_addr = hop.smem_address(smem, base) + (0 if SPLIT else gw * 64 * (SPAN if TMA else 16))
+        v_addr = hop.smem_address(smem, base + OFF_V) + (0 if SPLIT else gw * 64 * (SPAN if TMA else 16))
         q_base = hop.smem_address(smem, base + OFF_Q)
+        # (SPLIT) bytes into a Q_i or dO_i tile where this warpgroup's head dims start: DN gw / 8 blocks of 8 head
+        # dims (B_r rows of 16 bytes each), or DN gw / E boxes (B_r swizzled rows each); either way DN gw B_r elements
+        half = c0 * B_R * 2
 
         h, i0 = tile_of(0, hk, group, nt, m_begin, lists)
         if not TMA:
@@ -804,7 +842,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                     load_tile(smem, it + 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
                     fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
             issue_sdp(s, dp, k_addr, v_addr, q_base, it)
-            issue_dkdv(dva, dka, pp, pd, q_base, it - 1)
+            issue_dkdv(dva, dka, pp, pd, q_base, it - 1, half)
             if not TMA and it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this barrier)
                 put_stats(lsm, dsm, (it + 1) % STAGES, st, tid)
             bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
@@ -823,12 +861,12 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             pack_a(pp, s)
             pack_a(pd, dp)
         # The last tile's dV, dK products
-        issue_dkdv(dva, dka, pp, pd, q_base, total - 1)
+        issue_dkdv(dva, dka, pp, pd, q_base, total - 1, half)
         wait_o(0, dva)
         wait_o(0, dka)
         if not TMA:
             ptx.cp_async_wait_all()  # (every copy landed before the kernel ends)
 
-        put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, t, seqlen_k, scale, rp_keep)
+        put_dkdv(dk, dv, dka, dva, bb, k0, hk, j0, r0, c0, t, seqlen_k, scale, rp_keep)
 
     return backward_dkdv_wgmma

@@ -346,9 +346,10 @@ def make_swizzled_products(kind, D):
     * ``make_abt(N)`` -> ``issue_abt(acc, a_addr, rows_a, b_addr, rows_b)``: acc = A B^T (64 x N, K = D), D / 16
       wgmma with A (64 rows at a_addr of a tile of rows_a) and B (N rows of a tile of rows_b) K-major: the next 16
       head dims 32 bytes on within a swizzled row, the next E a tile of rows on; not committed;
-    * ``make_ab(N, regs)`` -> ``issue_ab(acc, pa, b_addr, rows_b)``: acc += A B (64 x D, K = 16 ``regs``), A from
-      the registers pa (``regs`` k-steps), B MN-major (a tile of rows_b rows: the next E head dims a tile of rows
-      on, the next 16 rows 16 swizzled rows on); not committed."""
+    * ``make_ab(regs, N=D)`` -> ``issue_ab(acc, pa, b_addr, rows_b)``: acc += A B (64 x N, K = 16 ``regs``), A from
+      the registers pa (``regs`` k-steps), B MN-major (N head dims of a tile of rows_b rows from b_addr, a multiple
+      of E head dims into it: the next E head dims a tile of rows on, the next 16 rows 16 swizzled rows on); not
+      committed."""
     SPAN = swizzle_span(D)
     E = SPAN // 2
     MODE = hop.SWIZZLE_MODES[SPAN]
@@ -368,8 +369,8 @@ def make_swizzled_products(kind, D):
 
         return issue_abt
 
-    def make_ab(regs):
-        mma, fence, _ = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)
+    def make_ab(regs, N=D):
+        mma, fence, _ = hop.wgmma_ops(kind, N, regs_a=True, trans_b=True)
 
         @cuda.jit(device=True, inline=True)
         def issue_ab(acc, pa, b_addr, rows_b):

@@ -28,7 +28,7 @@ import sys
 
 import numpy as np
 
-from .. import _backend, config, reference, tiling
+from .. import _backend, config, reference
 from ..api import (attention_with_grad, flash_attn_backward, flash_attn_forward, flash_attn_varlen_backward,
                   flash_attn_varlen_forward, plan, plan_backward)
 from .standard import _xp as array_module
@@ -170,12 +170,10 @@ _flashnumba_tc.dtypes = ("float16", "bfloat16")
 
 
 def _flashnumba_wgmma(q, k, v, dout, causal, window_size=(-1, -1)):
-    """The Hopper kernels (``kernel="wgmma"``: compute capability 9.0, float16 or bfloat16), forward and backward
-    (the forward only at the head dims above the backward's, :data:`flashnumba.tiling.WGMMA_BACKWARD_HEAD_DIMS`)."""
+    """The Hopper kernels (``kernel="wgmma"``: compute capability 9.0, float16 or bfloat16, head_dim a multiple of
+    32 up to 256), forward and backward."""
     opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
     out, lse = flash_attn_forward(q, k, v, **opts)  # unsupported GPUs, dtypes and head dims raise here
-    if q.shape[-1] not in tiling.WGMMA_BACKWARD_HEAD_DIMS:
-        return {FWD: lambda: flash_attn_forward(q, k, v, **opts), PLANS: _plans(q, k, v, dout, out, lse, opts)}
     return {
         FWD: lambda: flash_attn_forward(q, k, v, **opts),
         BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, **opts),
