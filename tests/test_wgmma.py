@@ -369,12 +369,7 @@ def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, threads):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_sizes_head_dims_above_128(seqlen_q, seqlen_k, causal, D, dtype):
     """The forward above head_dim 128 at the default tiles (B_c 64, at 256 32; tensor-map copies)."""
-    if dtype == "bfloat16":
-        dtype = pytest.importorskip("ml_dtypes").bfloat16
-    rng = np.random.default_rng(seqlen_q + seqlen_k + D)
-    q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D, dtype)
-    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="wgmma")
-    check_forward(out, lse, q, k, v, causal=causal)
+    test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, None)
 
 
 SHARDS = 8
