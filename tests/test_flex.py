@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import flashnumba
 from conftest import FULL_COMPILE, assert_close_to_truth, random_qkv, shard, to_numpy
@@ -634,13 +634,16 @@ def test_mods_on_the_hopper_backward(name, sq, sk, nheads_k, groups, d, tiles, b
 @shard(SHARDS)
 @given(name=st.sampled_from(list(EXAMPLES) + ["after-64"]),
        sq=st.sampled_from([1, 63, 200, 513]), sk=st.sampled_from([1, 80, 200, 700]),
-       nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]), d=st.sampled_from([32, 64, 96, 128]),
+       nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
+       d=st.sampled_from([32, 64, 96, 128, 192, 256]),
        tiles=st.sampled_from([{}, dict(block_n=64), dict(block_m=64, block_n=64, num_threads=128)]),
        blocks=st.sampled_from([None, 128, (128, 64)]), backward=st.booleans(), seed=st.integers(0, 99))
 def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, groups, d, tiles, blocks, backward,
                                                seed):
     """Hypothesis over masks, shapes, GQA groups, head dims, the forward's tiles and block masks; with ``backward``
-    the backward at its default tiles too (blocks of 128, which they divide)."""
+    the backward at its default tiles too (blocks of 128, which they divide). (At head_dim 256 two warpgroups with
+    key tiles of 64 would not fit the shared memory.)"""
+    assume(d < 256 or tiles != dict(block_n=64))
     _skip_unless_hopper()
     if name != "after-64" and EXAMPLES[name][2] is None:
         blocks = None  # (no mask_mod to make a block mask of)

@@ -534,7 +534,8 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
 def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", gqa=False, tma=False, mods=None,
                              block_mask=None):
     """The dK/dV kernel (module docstring) for head_dim D, block_m queries a tile (:data:`DKDV_BLOCK_MS`),
-    ``warpgroups`` warpgroups of 64 keys, the options of ``variant`` compiled in; arguments (dout, q, k, v, lse, delta,
+    ``warpgroups`` warpgroups of 64 keys (above :data:`SPLIT_ABOVE`: two on 64 keys, each half of the head dims), the
+    options of ``variant`` compiled in; arguments (dout, q, k, v, lse, delta,
     dk, dv, scale_log2, scale, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset, maps, a0, a1, a2,
     a3, bm_qnum, bm_qidx, bm_state). ``mods``: a user's mask_mod, as the dQ kernel's; ``block_mask``: (QB, KB), the
     blocks of a block mask whose query-block lists (bm_qnum, bm_qidx) the loop walks, for each query head of the
