@@ -1,12 +1,14 @@
-"""Registers and spills of the Hopper forward at given tiles, for every variant with at most two options, without
+"""Registers and spills of the Hopper kernels at given tiles, for every variant with at most two options, without
 a GPU (compiled for sm_90a and assembled offline): the data behind the planner's tile rules for the wgmma forward
-(:func:`flashnumba.tiling.wgmma_for_variant`).
+(:func:`flashnumba.tiling.wgmma_for_variant`) and its backward's tables above head_dim 128.
 
     FLASHNUMBA_SIMULATOR=0 NUMBA_ENABLE_CUDASIM=0 python scripts/wgmma_spills.py D B_c [producer warps] [--gqa] [--bf16]
-        [--tma] [--only=FLAGS]
+        [--tma] [--only=FLAGS] [--backward=dq|dkdv]
 
 ``--tma``: the tensor-map copies where the variant takes them (not with packed sequences); ``--only=left+softcap``
-compiles that one variant (``--only=none``: no option).
+compiles that one variant (``--only=none``: no option). ``--backward=dq``: the dQ kernel with B_c keys a tile and
+two warpgroups; ``--backward=dkdv``: the dK/dV kernel with B_c queries a tile and two warpgroups (above head_dim
+128, both on 64 keys); the producer warpgroup there is the tensor maps' (``--tma``), the producer argument unused.
 
 Prints one line a variant (the option flags named as in :class:`flashnumba.kernels.common.Variant`): registers,
 spill stores and loads, and whether the assembler serialised a wgmma.
@@ -19,21 +21,32 @@ from concurrent.futures import ProcessPoolExecutor
 NAMES = ("left", "right", "softcap", "alibi", "varlen", "dropout")
 
 
+TAIL = ("uint64[:, ::1], float32[:], float32[:], float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], "
+        "int8[:, :, :, :])")
+
+
 def compile_one(job):
-    D, n, producer, gqa, dtype, tma, flags = job
+    D, n, producer, gqa, dtype, tma, backward, flags = job
     from flashnumba import _launch
-    from flashnumba.kernels import wgmma_forward
+    from flashnumba.kernels import wgmma_backward, wgmma_forward
     from flashnumba.kernels.common import Variant
 
     var = Variant(*(name in flags for name in NAMES))
-    tma = tma and wgmma_forward.takes_tma(D, var, 2, producer)
-    fn = wgmma_forward.make_forward_wgmma(D, var, n, 2, dtype, gqa, True, producer, tma)
-    nt = wgmma_forward.threads(2, producer)
     a4 = f"{'uint16' if dtype == 'bfloat16' else 'float16'}[:, :, :, ::1]"
-    sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
-           f"int32[:], int32[:], float32, float32, uint64, uint64, uint64[:, ::1], float32[:], float32[:], "
-           f"float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], int8[:, :, :, :])")
-    whole = wgmma_forward.rebalances(2, producer)
+    if backward:  # (the dQ kernel: n keys a tile; the dK/dV kernel: n queries a tile)
+        tma = tma and wgmma_backward.takes_tma(D, var, 2, backward, n)
+        make = wgmma_backward.make_backward_dq_wgmma if backward == "dq" else wgmma_backward.make_backward_dkdv_wgmma
+        fn = make(D, var, n, 2, dtype, gqa, tma)
+        nt, whole = wgmma_backward.threads(2, tma), tma
+        outs = a4 if backward == "dq" else f"{a4}, {a4}"
+        sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32[:, :, ::1], {outs}, float32, float32, "
+               f"float32, int64, int64, float32[:, :], int32[:], int32[:], float32, float32, uint64, uint64, {TAIL}")
+    else:
+        tma = tma and wgmma_forward.takes_tma(D, var, 2, producer)
+        fn = wgmma_forward.make_forward_wgmma(D, var, n, 2, dtype, gqa, True, producer, tma)
+        nt, whole = wgmma_forward.threads(2, producer), wgmma_forward.rebalances(2, producer)
+        sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32, float32, int64, int64, float32[:, :], "
+               f"int32[:], int32[:], float32, float32, uint64, uint64, {TAIL}")
     log = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)[1]
     r = _launch.resources_from_log(log)
     return flags + (("tma",) if tma else ()), r["registers"], r["spill_stores"], r["spill_loads"], "serialized" in log
@@ -50,9 +63,13 @@ def main():
     only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
     if only:
         variants = [() if o == "none" else tuple(o.split("+")) for o in only]
-    print(f"D={D} B_c={n} producer warps {producer} gqa={gqa}, {dtype}, two warpgroups")
+    backward = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--backward=")), None)
+    if backward not in (None, "dq", "dkdv"):
+        raise SystemExit(f"--backward takes dq or dkdv, got {backward!r}")
+    print(f"{backward or 'forward'}: D={D} {'B_c' if backward != 'dkdv' else 'B_r'}={n} producer warps "
+          f"{producer if not backward else '(tensor maps)'} gqa={gqa}, {dtype}, two warpgroups")
     with ProcessPoolExecutor(2) as pool:
-        for flags, regs, st, ld, ser in pool.map(compile_one, [(D, n, producer, gqa, dtype, tma, v)
+        for flags, regs, st, ld, ser in pool.map(compile_one, [(D, n, producer, gqa, dtype, tma, backward, v)
                                                                for v in variants]):
             print(f"  {'+'.join(flags) or 'none':18s} {regs:4d} registers, spills {st:5d} stores {ld:5d} loads"
                   f"{', wgmma serialised' if ser else ''}", flush=True)
