@@ -28,7 +28,7 @@ family         kernel module                                        threads
 ``wgmma``      :mod:`flashnumba.kernels.wgmma_forward` (Hopper)     128 per 64 query rows (a warpgroup), + 32
                                                                    a producer warp, 1 or 4 (given; else none)
 ``wgmma_dq``   :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 query rows
-``wgmma_dkdv`` :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 key rows
+``wgmma_dkdv`` :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 key rows (d > 128: 256)
 =============  ===================================================  ============================================
 
 ``tc_dkdv_atomic`` is the table of the dK/dV kernel when it also adds dQ with atomics (``deterministic=False``).
