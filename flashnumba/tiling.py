@@ -397,12 +397,16 @@ def wgmma_for_mods(t: Tiles, D, blocks, score_mod=False, given=()) -> tuple[Tile
     divide the key blocks (64 where 128 does not). A score_mod's per-score work takes key tiles of 64 (compiled for
     sm_90a, the relative-bias example beside 128 keys' scores spilled 180 bytes; at 64, none); above head_dim 64 so
     does a block mask: its lists and states beside 128 keys' scores and O spill there (the causal and documents
-    masks 220-336 bytes; at 64 keys, none)."""
+    masks 220-336 bytes; at 64 keys, none). Above head_dim 128 either takes key tiles of 32 (the relative-bias
+    example with documents and a block mask at d = 192 spilled 240 bytes beside 64 keys' scores)."""
     new, why = t, []
     if (blocks is not None and blocks[0] % t.block_m and blocks[0] % 64 == 0
             and not {"block_m", "num_threads"} & set(given)):
         new = new._replace(block_m=64, num_threads=wgmma_forward.threads(1))
         why.append(f"one warpgroup (block_m 64): to divide the block mask's query blocks of {blocks[0]}")
+    if "block_n" not in given and D > 128 and (score_mod or blocks is not None) and new.block_n > 32:
+        new = new._replace(block_n=32)
+        why.append("B_c 32: a user's score_mod or a block mask's lists beside O above head_dim 128 spill")
     if "block_n" not in given and new.block_n > 64:
         if score_mod:
             new = new._replace(block_n=64)

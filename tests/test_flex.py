@@ -666,6 +666,12 @@ def test_the_hopper_forward_fits_its_tiles_to_the_blocks():
     assert tiling.wgmma_for_mods(t, 64, (192, 128))[0] == tiling.Tiles(64, 128, 128)
     assert tiling.wgmma_for_mods(t, 64, (64, 128), given=("num_threads",)) == (t, "")
     assert tiling.wgmma_for_mods(t, 64, (32, 128)) == (t, "")  # (no tile divides it: the plan's error)
+    wide = tiling.Tiles(128, 64, 384)  # (the table's tiles at head_dim 192)
+    assert tiling.wgmma_for_mods(wide, 192, (128, 128)) == (
+        tiling.Tiles(128, 32, 384), "B_c 32: a user's score_mod or a block mask's lists beside O above head_dim 128 "
+                                    "spill")
+    assert tiling.wgmma_for_mods(wide, 192, None, score_mod=True)[0] == tiling.Tiles(128, 32, 384)
+    assert tiling.wgmma_for_mods(wide, 192, None) == (wide, "")
 
 
 def test_what_the_hopper_kernels_do_not_take_is_refused():
