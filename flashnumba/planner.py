@@ -270,8 +270,14 @@ def _takes_tma_backward(D, opts, which, t, n) -> bool:
     """Whether the Hopper backward kernel ``which`` ("dq", "dkdv") at tiles ``t`` copies with tensor maps
     (``wgmma_backward.takes_tma``, config.hopper_tma, and ``n`` > 0 queries and keys: a map's dims are not
     zero)."""
-    wg = t.block_m // 64 if which == "dq" else wgmma_backward.dkdv_warpgroups(D, t.block_n)
-    return config.hopper_tma and n > 0 and wgmma_backward.takes_tma(D, opts.variant, wg, which, t.block_m)
+    return config.hopper_tma and n > 0 and wgmma_backward.takes_tma(D, opts.variant, _wgmma_warpgroups(which, D, t),
+                                                                     which, t.block_m)
+
+
+def _wgmma_warpgroups(which, D, t) -> int:
+    """The warpgroups that compute in the Hopper backward kernel ``which`` ("dq", "dkdv") at tiles ``t``: one a 64
+    query rows (dQ), or :func:`flashnumba.kernels.wgmma_backward.dkdv_warpgroups` (dK/dV)."""
+    return t.block_m // 64 if which == "dq" else wgmma_backward.dkdv_warpgroups(D, t.block_n)
 
 
 def _c_layout(t) -> bool:
@@ -351,9 +357,8 @@ def _check_family(kernel, tq, opts, limits, pass_):
     if kernel == "wgmma":
         if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
             raise TypeError(f"the wgmma kernel takes float16 or bfloat16; q has dtype {tq.dtype}")
-        built = tiling.WGMMA_HEAD_DIMS if pass_ == "forward" else tiling.WGMMA_BACKWARD_HEAD_DIMS
-        if tq.shape[-1] not in built:
-            raise ValueError(f"the wgmma {pass_} supports head_dim in {built}, got "
+        if tq.shape[-1] not in wgmma_forward.HEAD_DIMS:
+            raise ValueError(f"the wgmma {pass_} supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
                              f"{tq.shape[-1]}")
         if not SIMULATOR and tuple(limits.cc) != (9, 0):
             raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "
@@ -918,7 +923,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         name, gqa = _dtype_name(dt), nk != nheads
         span = wgmma_forward.swizzle_span(D)
         blocks = None if opts.block_mask is None else opts.block_mask[:2]
-        tq_own, tk_own, why_own = tiling.wgmma_backward_for_block_mask(tq_t, tk_t, blocks, given, D)
+        tq_own, tk_own, why_own = tiling.wgmma_backward_for_block_mask(tq_t, tk_t, blocks, D, given)
         if why_own:
             tq_t, tk_t = tq_own, tk_own
             rq, rk = f"{rq}; {why_own}", f"{rk}; {why_own}"
@@ -938,7 +943,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             tma = _takes_tma_backward(D, opts, which, t, n)
             param = f"maps_{which}"
             arrays[param] = array_meta((len(maps) if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
-            wg = rows // 64 if which == "dq" else wgmma_backward.dkdv_warpgroups(D, rows)
+            wg = _wgmma_warpgroups(which, D, t)
             if tma:
                 t = t._replace(num_threads=wgmma_backward.threads(wg, True))
                 reason = f"{reason}; a producer warpgroup copies the tiles with the copy engine (tensor maps)"

@@ -57,8 +57,6 @@ MMA_DEFAULT_HEAD_DIMS = MMA_HEAD_DIMS
 # On compute capability 9.0, kernel=None takes the Hopper kernels (kernel="wgmma") at the head dims where they are
 # the faster (docs/benchmarks.md, "How fast is the Hopper forward?" and "... backward?")
 WGMMA_DEFAULT_HEAD_DIMS = {"forward": (64, 96, 128), "backward": (64, 96, 128)}
-WGMMA_HEAD_DIMS = wgmma_forward.HEAD_DIMS  # the head dims the Hopper kernels are built for: the forward's
-WGMMA_BACKWARD_HEAD_DIMS = wgmma_backward.HEAD_DIMS  # and the backward's
 # the head dims where the Hopper forward is the faster only with its tensor-map copies (the per-thread copies of
 # three 32-column blocks a row ran at 0.70x the mma.sync kernel there): kernel=None keeps mma.sync where a call's
 # plan would not take them (packed sequences, more than two options compiled in, config.hopper_tma off)
@@ -480,12 +478,13 @@ def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=()) -> tuple[
     return nq, nk, "tiles of 32 in both loops: a user's score_mod beside S and dP of 64 spills"
 
 
-def wgmma_backward_for_block_mask(tq: Tiles, tk: Tiles, blocks, given=(), D=0) -> tuple[Tiles, Tiles, str]:
-    """The Hopper backward's tiles (dQ, dK/dV) with a block mask of ``blocks`` (query block, key block; None: none),
-    and why they differ ("" where not); ``given``: the names the caller chose (kept, and then checked by the
-    kernels). A tile never straddles two blocks: each kernel's rows (a warpgroup per 64: the dQ kernel's queries,
-    the dK/dV kernel's keys) and its loop's tiles (the dQ kernel's keys, the dK/dV kernel's queries) take the largest
-    of their sizes not above the table's that divide the blocks."""
+def wgmma_backward_for_block_mask(tq: Tiles, tk: Tiles, blocks, D, given=()) -> tuple[Tiles, Tiles, str]:
+    """The Hopper backward's tiles (dQ, dK/dV) at head dim D with a block mask of ``blocks`` (query block, key
+    block; None: none), and why they differ ("" where not); ``given``: the names the caller chose (kept, and then
+    checked by the kernels). A tile never straddles two blocks: each kernel's rows (a warpgroup per 64: the dQ
+    kernel's queries, the dK/dV kernel's keys, above head_dim 128 two warpgroups on 64) and its loop's tiles (the dQ
+    kernel's keys, the dK/dV kernel's queries) take the largest of their sizes not above the table's that divide the
+    blocks."""
     if blocks is None:
         return tq, tk, ""
     qb, kb = blocks

@@ -85,12 +85,10 @@ from .block_mask import make_block_full
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_sequence_geometry,
                      make_user_mods)
 from .mma_backward import _store_bf16, make_entry, make_stats
-from .wgmma_forward import (STAGES, check_block_mask, init_stages, make_key_walk,
+from .wgmma_forward import (HEAD_DIMS, STAGES, TMA_HEAD_DIMS, check_block_mask, init_stages, make_key_walk,
                             make_load_core, make_load_stage, make_swizzled_products, make_tma_producer, publish_tile,
                             swizzle_base, swizzle_span, takes_tma as forward_takes_tma, wait_phase)
 
-HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (wgmma_forward's copies)
-TMA_HEAD_DIMS = HEAD_DIMS  # (whole swizzled rows, wgmma_forward.swizzle_span)
 # Above this head dim a thread cannot hold dK_j and dV_j of its keys (D float32) beside S^T and dP^T: the dK/dV
 # kernel's two warpgroups share 64 keys, each holding half of dK_j's and dV_j's head dims (module docstring)
 SPLIT_ABOVE = 128
@@ -781,8 +779,9 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                 return
             hop.setmaxnreg_inc(CONSUMER_REGISTERS)
         # this warpgroup's 64 keys: 8 core matrices further, or 64 swizzled rows (SPLIT: both warpgroups' the same)
-        k_addr = hop.smem_address(smem, base) + (0 if SPLIT else gw * 64 * (SPAN if TMA else 16))
-        v_addr = hop.smem_address(smem, base + OFF_V) + (0 if SPLIT else gw * 64 * (SPAN if TMA else 16))
+        keys_at = 0 if SPLIT else gw * 64 * (SPAN if TMA else 16)
+        k_addr = hop.smem_address(smem, base) + keys_at
+        v_addr = hop.smem_address(smem, base + OFF_V) + keys_at
         q_base = hop.smem_address(smem, base + OFF_Q)
         # (SPLIT) bytes into a Q_i or dO_i tile where this warpgroup's head dims start: DN gw / 8 blocks of 8 head
         # dims (B_r rows of 16 bytes each), or DN gw / E boxes (B_r swizzled rows each); either way DN gw B_r elements
