@@ -22,6 +22,11 @@ ints or NumPy arrays are always checked (no synchronisation).
 ``hopper_tma``: the Hopper forward's producer copies its tiles with the copy engine (tensor maps) where it
 applies (``flashnumba.kernels.wgmma_forward.takes_tma``); False keeps its per-thread copies, to compare the two
 (a call's kept plan is that of the setting at the call).
+
+``hopper_exchange``: above head_dim 128 the Hopper backward's dK/dV kernel runs two warpgroups on 64 keys, each
+holding half of the head dims of dK_j and dV_j; they multiply half of the head dims each into S^T and dP^T and
+exchange the partial sums through shared memory (four products a tile). False has each warpgroup compute S^T and
+dP^T whole instead (six products a tile, no exchange), to compare the two (kept plans as for ``hopper_tma``).
 """
 
 poison_outputs = False
@@ -29,3 +34,4 @@ warn_slow_path = True
 check_device_values = True
 check_cache_values = False
 hopper_tma = True
+hopper_exchange = True

@@ -948,13 +948,18 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                 t = t._replace(num_threads=wgmma_backward.threads(wg, True))
                 reason = f"{reason}; a producer warpgroup copies the tiles with the copy engine (tensor maps)"
             rows_of = dict(zip(maps, (rows, rows, loop, loop)))
+            kv = which == "dkdv"
+            exchange = kv and wgmma_backward.exchanges(D, config.hopper_exchange)
+            if exchange:
+                reason = (f"{reason}; its two warpgroups multiply half of the head dims each into S^T and dP^T and "
+                          "exchange the partial sums")
             smem = (wgmma_backward.shared_bytes_dq(D, t.block_m, t.block_n, tma) if which == "dq"
-                    else wgmma_backward.shared_bytes_dkdv(D, t.block_m, t.block_n, tma))
+                    else wgmma_backward.shared_bytes_dkdv(D, t.block_m, t.block_n, tma, exchange))
             grid = ((_cdiv(max_q, t.block_m), bsz * nheads) if which == "dq" else (_cdiv(max_k, t.block_n), bsz * nk))
             launched.append(KernelLaunch(
                 "dQ wgmma" if which == "dq" else "dK/dV wgmma", f"wgmma_{which}",
                 wgmma_backward.make_backward_dq_wgmma if which == "dq" else wgmma_backward.make_backward_dkdv_wgmma,
-                (D, opts.variant, loop, wg, name, gqa, tma, opts.mods, blocks),
+                (D, opts.variant, loop, wg, name, gqa, tma, opts.mods, blocks) + ((exchange,) if kv else ()),
                 (io_dq if which == "dq" else io_kv) + tail + (param,) + MOD_PARAMS
                 + (BLOCK_MASK_PARAMS[:3] if which == "dq" else BLOCK_MASK_PARAMS[3:] + BLOCK_MASK_PARAMS[2:3]),
                 grid, (t.num_threads,), smem, t, reason, arch_specific=True, whole_program=tma,

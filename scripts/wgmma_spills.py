@@ -3,12 +3,13 @@ a GPU (compiled for sm_90a and assembled offline): the data behind the planner's
 (:func:`flashnumba.tiling.wgmma_for_variant`) and its backward's tables above head_dim 128.
 
     FLASHNUMBA_SIMULATOR=0 NUMBA_ENABLE_CUDASIM=0 python scripts/wgmma_spills.py D B_c [producer warps] [--gqa] [--bf16]
-        [--tma] [--only=FLAGS] [--backward=dq|dkdv]
+        [--tma] [--only=FLAGS] [--backward=dq|dkdv] [--no-exchange]
 
 ``--tma``: the tensor-map copies where the variant takes them (not with packed sequences); ``--only=left+softcap``
 compiles that one variant (``--only=none``: no option). ``--backward=dq``: the dQ kernel with B_c keys a tile and
 two warpgroups; ``--backward=dkdv``: the dK/dV kernel with B_c queries a tile and two warpgroups (above head_dim
-128, both on 64 keys); the producer warpgroup there is the tensor maps' (``--tma``), the producer argument unused.
+128, both on 64 keys, exchanging partial S^T and dP^T; ``--no-exchange``: each computing them whole); the producer
+warpgroup there is the tensor maps' (``--tma``), the producer argument unused.
 
 Prints one line a variant (the option flags named as in :class:`flashnumba.kernels.common.Variant`): registers,
 spill stores and loads, and whether the assembler serialised a wgmma.
@@ -26,7 +27,7 @@ TAIL = ("uint64[:, ::1], float32[:], float32[:], float32[:], float32[:], int32[:
 
 
 def compile_one(job):
-    D, n, producer, gqa, dtype, tma, backward, flags = job
+    D, n, producer, gqa, dtype, tma, backward, exchange, flags = job
     from flashnumba import _launch
     from flashnumba.kernels import wgmma_backward, wgmma_forward
     from flashnumba.kernels.common import Variant
@@ -36,7 +37,8 @@ def compile_one(job):
     if backward:  # (the dQ kernel: n keys a tile; the dK/dV kernel: n queries a tile)
         tma = tma and wgmma_backward.takes_tma(D, var, 2, backward, n)
         make = wgmma_backward.make_backward_dq_wgmma if backward == "dq" else wgmma_backward.make_backward_dkdv_wgmma
-        fn = make(D, var, n, 2, dtype, gqa, tma)
+        fn = make(D, var, n, 2, dtype, gqa, tma) if backward == "dq" else make(D, var, n, 2, dtype, gqa, tma,
+                                                                                 exchange=exchange)
         nt, whole = wgmma_backward.threads(2, tma), tma
         outs = a4 if backward == "dq" else f"{a4}, {a4}"
         sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32[:, :, ::1], {outs}, float32, float32, "
@@ -59,6 +61,7 @@ def main():
     gqa = "--gqa" in sys.argv
     dtype = "bfloat16" if "--bf16" in sys.argv else "float16"
     tma = "--tma" in sys.argv
+    exchange = "--no-exchange" not in sys.argv  # (the dK/dV kernel above head_dim 128: partial sums exchanged)
     variants = [()] + [(a,) for a in NAMES] + list(itertools.combinations(NAMES, 2))
     only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
     if only:
@@ -69,7 +72,7 @@ def main():
     print(f"{backward or 'forward'}: D={D} {'B_c' if backward != 'dkdv' else 'B_r'}={n} producer warps "
           f"{producer if not backward else '(tensor maps)'} gqa={gqa}, {dtype}, two warpgroups")
     with ProcessPoolExecutor(2) as pool:
-        for flags, regs, st, ld, ser in pool.map(compile_one, [(D, n, producer, gqa, dtype, tma, backward, v)
+        for flags, regs, st, ld, ser in pool.map(compile_one, [(D, n, producer, gqa, dtype, tma, backward, exchange, v)
                                                                for v in variants]):
             print(f"  {'+'.join(flags) or 'none':18s} {regs:4d} registers, spills {st:5d} stores {ld:5d} loads"
                   f"{', wgmma serialised' if ser else ''}", flush=True)

@@ -126,12 +126,13 @@ def test_head_dim_32():
                            lse[None, :, rq], causal=True)
 
 
-def test_head_dims_above_128():
+def test_head_dims_above_128(monkeypatch):
     """Above head_dim 128 at the default tiles, forward and backward. Head_dim 160: the forward's rows five 64-byte
     swizzled boxes copied with tensor maps, B_c 64; the dK/dV kernel's two warpgroups on 64 keys each hold half of
-    dK_j's and dV_j's head dims (80: not whole boxes, so copied per thread). Head_dim 256, causal with a window:
-    the forward's B_c 32, the dK/dV kernel's halves two boxes each (tensor maps). The forward of packed sequences at
-    head_dim 224 (per-thread copies of seven 4-block groups a row, load_core's general form)."""
+    dK_j's and dV_j's head dims (80: not whole boxes, so copied per thread) and exchange partial S^T, dP^T, and with
+    config.hopper_exchange off each computes them whole. Head_dim 256, causal with a window: the forward's B_c 32,
+    the dK/dV kernel's halves two boxes each (tensor maps). The forward of packed sequences at head_dim 224
+    (per-thread copies of seven 4-block groups a row, load_core's general form)."""
     rng = np.random.default_rng(256)
     for D, sq, sk, opts, dkdv_tma in ((160, 30, 70, dict(causal=True), False),
                                       (256, 50, 60, dict(causal=True, window_size=(40, 0)), True)):
@@ -145,8 +146,16 @@ def test_head_dims_above_128():
         dkdv = plan.launches[2]
         assert (dkdv.tiles.block_n, dkdv.factory_args[3]) == (64, 2), dkdv  # (two warpgroups on 64 keys)
         assert ("tensor maps" in dkdv.reason) == dkdv_tma, dkdv
+        assert dkdv.factory_args[-1] is True and "exchange the partial sums" in dkdv.reason, dkdv
         grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
         check_backward(grads, dout, q, k, v, out, lse, **opts)
+        if D == 160:  # (the form without the exchange)
+            monkeypatch.setattr(flashnumba.config, "hopper_exchange", False)
+            plan = flashnumba.plan_backward(dout, q, k, v, out, lse, kernel="wgmma", device="sm_90", **opts)
+            assert plan.launches[2].factory_args[-1] is False and "exchange" not in plan.launches[2].reason
+            grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
+            check_backward(grads, dout, q, k, v, out, lse, **opts)
+            monkeypatch.setattr(flashnumba.config, "hopper_exchange", True)
     lens_q, lens_k = [40, 0, 70], [9, 3, 75]
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
     q = rng.standard_normal((cu_q[-1], 1, 224)).astype(np.float16)

@@ -45,12 +45,16 @@ in the tiles that reach there, as the forward masks its scores.
 **Head dims above 128** (:data:`SPLIT_ABOVE`). A thread of the dK/dV kernel holds dK_j and dV_j of its keys, D
 float32, beside S^T and dP^T: above head_dim 128 that is more than its registers (compiled for sm_90a, query tiles
 of 32 spilled at 160 and the assembler serialised the wgmma). There the two warpgroups share one K_j, V_j of 64
-keys, and warpgroup gw holds head dims DN gw .. DN gw + DN - 1 of dK_j and dV_j (DN = D / 2): each computes the
-whole S^T and dP^T of the 64 keys (the same products: K-major operands need all D head dims) and multiplies them
-into its half, reading the MN-major Q_i and dO_i from their first head dim of that half (a multiple of 8 head dims,
-or with tensor maps of whole boxes, DN gw B_r elements into the tile either way). S^T and dP^T are computed twice
-(six products a tile for four), the price of dK_j and dV_j in registers. The dQ kernel holds dQ_i alone and keeps
-its layout (key tiles of 32 where three stages of 64 keys do not fit the shared memory).
+keys, and warpgroup gw holds head dims DN gw .. DN gw + DN - 1 of dK_j and dV_j (DN = D / 2). S^T and dP^T sum over
+every head dim, so the two split that sum: warpgroup gw multiplies its half of the head dims of
+K_j, V_j, Q_i and dO_i, the two exchange these partial sums through shared memory (each writes its own and adds the
+other's, between two barriers of their 256 threads), and both then hold the whole S^T and dP^T of the 64 keys,
+compute the same entries and multiply them into their half of dK_j and dV_j, reading Q_i and dO_i MN-major from the
+first head dim of that half. A half starts DN gw rows-of-the-tile elements into each tile (a multiple of 8 head
+dims, or with tensor maps of whole boxes). Four products a tile, as at 128 and below, and 64 B_r float32 written
+and read through shared memory a warpgroup; ``exchange=False`` has each warpgroup compute S^T and dP^T whole
+instead (six products a tile, no exchange), the form to compare with. The dQ kernel holds dQ_i alone and keeps its
+layout (key tiles of 32 where three stages of 64 keys do not fit the shared memory).
 
 **A user's score_mod, mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention_backward`
 with ``kernel="wgmma"``), as in the forward: the score_mod and its derivative in the entry function
@@ -136,11 +140,19 @@ def shared_bytes_dq(D, block_m, block_n, tma=False):
     return (2 * block_m + 2 * STAGES * block_n) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
 
 
-def shared_bytes_dkdv(D, block_m, block_n, tma=False):
+def exchanges(D, exchange=True) -> bool:
+    """Whether the dK/dV kernel's warpgroups exchange partial S^T and dP^T: above :data:`SPLIT_ABOVE`, unless
+    ``exchange`` is False (module docstring)."""
+    return D > SPLIT_ABOVE and bool(exchange)
+
+
+def shared_bytes_dkdv(D, block_m, block_n, tma=False, exchange=True):
     """K_j and V_j (block_n rows), :data:`STAGES` Q_i, dO_i buffers (block_m rows), 16-bit elements (dynamic; log2(e)
     L_i and D_i of each buffer's queries, 2 STAGES block_m float32, are static arrays besides); with tensor-map
-    copies, room to start them on 1024 bytes."""
-    return (2 * block_n + 2 * STAGES * block_m) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
+    copies, room to start them on 1024 bytes; where the warpgroups exchange partial sums (:func:`exchanges`), the
+    two warpgroups' S^T and dP^T after them (2 x 2 x 64 block_m float32)."""
+    return ((2 * block_n + 2 * STAGES * block_m) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
+            + (2 * 2 * 64 * block_m * 4 if exchanges(D, exchange) else 0))
 
 
 def check(D, block_m, block_n, which, dtype=None):
@@ -174,24 +186,25 @@ def make_pieces(D, dtype):
     """What both kernels share (beside wgmma_forward's ``publish_tile`` and ``make_load_stage``): three factories of
     device functions:
 
-    * ``make_issue_abt(N)`` -> ``issue_abt(acc, a_addr, lbo_a, b_addr, lbo_b)``: acc = A B^T (64 x N, K = D), D / 16
-      wgmma with A and B K-major in shared memory at those byte addresses, LBO those strides; not committed;
+    * ``make_issue_abt(N, K=D)`` -> ``issue_abt(acc, a_addr, lbo_a, b_addr, lbo_b)``: acc = A B^T (64 x N over K
+      head dims), K / 16 wgmma with A and B K-major in shared memory at those byte addresses (of the first head dim
+      taken), LBO those strides; not committed;
     * ``make_issue_ab(KC, N=D)`` -> ``issue_ab(acc, pa, b_addr, sbo)``: acc += A B (64 x N, K = 16 KC), A from the
       registers pa, B MN-major (N head dims from b_addr, SBO ``sbo`` bytes between its blocks of 8); not committed;
     * ``make_pack(KC)`` -> ``pack_a(pa, acc)``: the accumulator (64 x 16 KC) as that 16-bit A operand (the 16
       columns of k-step c are acc[8 c .. 8 c + 7]: wgmma_forward's rescale_and_pack)."""
     kind, _, pack, _ = _common(D, dtype)
-    KD = D // 16
 
-    def make_issue_abt(N):
+    def make_issue_abt(N, K=D):
         mma, fence, _ = hop.wgmma_ops(kind, N)
+        KS = K // 16
 
         @cuda.jit(device=True, inline=True)
         def issue_abt(acc, a_addr, lbo_a, b_addr, lbo_b):
             da = hop.make_desc(a_addr, lbo_a, 128)
             db = hop.make_desc(b_addr, lbo_b, 128)
             fence(acc)
-            for ks in range(KD):  # (the next 16 head dims: 2 LBO further on, in the descriptor's 16-byte units)
+            for ks in range(KS):  # (the next 16 head dims: 2 LBO further on, in the descriptor's 16-byte units)
                 mma(acc, da + ks * (lbo_a // 8), db + ks * (lbo_b // 8), ks)
 
         return issue_abt
@@ -267,17 +280,19 @@ def make_user_mask_tile(NS, mods, keys_are_rows):
 
 
 @functools.lru_cache(maxsize=None)
-def make_issue_sdp(D, dtype, tma, rows_a, rows_b, gap):
+def make_issue_sdp(D, dtype, tma, rows_a, rows_b, gap, K=None):
     """issue_sdp(s, dp, a1, a2, b): group 1 of both kernels, one commit: s = A1 B^T and dp = A2 B'^T (64 x rows_b,
-    K = D), A1 and A2 this warpgroup's 64 rows (at byte addresses a1, a2) of tiles of rows_a rows, B a tile of rows_b
-    rows at byte address b and B' ``gap`` bytes after it: S_ij = Q_i K_j^T, dP_ij = dO_i V_j^T (dQ kernel) or
-    S^T = K_j Q_i^T, dP^T = V_j dO_i^T (dK/dV kernel); swizzled rows with ``tma``, else core matrices."""
+    over K head dims, all D by default), A1 and A2 this warpgroup's 64 rows (at byte addresses a1, a2) of tiles of
+    rows_a rows, B a tile of rows_b rows at byte address b and B' ``gap`` bytes after it: S_ij = Q_i K_j^T,
+    dP_ij = dO_i V_j^T (dQ kernel) or S^T = K_j Q_i^T, dP^T = V_j dO_i^T (dK/dV kernel); swizzled rows with
+    ``tma``, else core matrices."""
     kind = _common(D, dtype)[0]
+    K = D if K is None else K
     if tma:
-        issue = make_swizzled_products(kind, D)[0](rows_b)
+        issue = make_swizzled_products(kind, D)[0](rows_b, K)
         A, B = rows_a, rows_b  # (the tiles' rows)
     else:
-        issue = make_pieces(D, dtype)[0](rows_b)
+        issue = make_pieces(D, dtype)[0](rows_b, K)
         A, B = 16 * rows_a, 16 * rows_b  # (the LBO of each)
 
     @cuda.jit(device=True, inline=True)
@@ -530,7 +545,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
 
 @functools.lru_cache(maxsize=None)
 def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", gqa=False, tma=False, mods=None,
-                             block_mask=None):
+                             block_mask=None, exchange=True):
     """The dK/dV kernel (module docstring) for head_dim D, block_m queries a tile (:data:`DKDV_BLOCK_MS`),
     ``warpgroups`` warpgroups of 64 keys (above :data:`SPLIT_ABOVE`: two on 64 keys, each half of the head dims), the
     options of ``variant`` compiled in; arguments (dout, q, k, v, lse, delta,
@@ -540,7 +555,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     key/value head in order; with GQA the mask must be one for every head (H = 1: each head then walks the same list).
     With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles with the copy engine and one warp of it
     fetches L_i and D_i (module docstring), ``maps`` holding the tensor maps of :data:`DKDV_MAPS`; without, every thread
-    copies and ``maps`` is not read. Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k),
+    copies and ``maps`` is not read. ``exchange``: above :data:`SPLIT_ABOVE`, whether the warpgroups split S^T and
+    dP^T by head dims and exchange the partial sums (:func:`exchanges`; module docstring). Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k),
     block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dkdv`."""
     SPLIT = D > SPLIT_ABOVE  # two warpgroups on 64 keys, each half of the head dims of dK_j and dV_j
     if SPLIT and warpgroups != 2:
@@ -567,6 +583,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     NC = threads(warpgroups)  # the threads that compute (with tensor maps, the producer's 128 follow them)
     NS = B_R // 2  # S^T and dP^T accumulator registers a thread: 64 x B_r over 128 threads
     DN = D // 2 if SPLIT else D  # head dims of dK_j, dV_j a warpgroup holds (N of their products)
+    EXCH = exchanges(D, exchange)  # (SPLIT) S^T and dP^T over DN head dims a warpgroup, the partial sums exchanged
     NO = DN // 2  # dK and dV accumulator registers a thread
     KC = B_R // 16  # k-steps of dV += P^T dO, dK += dS^T Q
     SR = -(-B_R // NC)  # queries of L_i and D_i a thread fetches a tile
@@ -575,6 +592,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     OFF_Q = 2 * B_C * D  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_R * D
     BUF = 2 * B_R * D
+    OFF_X = OFF_Q + STAGES * BUF  # (EXCH) the warpgroups' partial S^T, dP^T after the buffers (64 B_r float32 each)
     SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
     _, make_issue_ab, make_pack = make_pieces(D, dtype)
     issue_ab = make_issue_ab(KC, DN)
@@ -636,12 +654,31 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             put_stats_p(lsm, dsm, st, stp, lane)
             hop.mbarrier_arrive(hop.smem_address(bars, st))
 
-    issue_two = make_issue_sdp(D, dtype, TMA, B_C, B_R, OFF_DO * 2)
+    issue_two = make_issue_sdp(D, dtype, TMA, B_C, B_R, OFF_DO * 2, DN if EXCH else D)
 
     @cuda.jit(device=True, inline=True)
     def issue_sdp(s, dp, k_addr, v_addr, q_base, it):
-        """Group 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (Q_i, dO_i of iteration it's buffer), one commit."""
+        """Group 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (Q_i, dO_i of iteration it's buffer), one commit (EXCH:
+        over the head dims from the addresses given, this warpgroup's half)."""
         issue_two(s, dp, k_addr, v_addr, q_base + (it % STAGES) * BUF * 2)
+
+    @cuda.jit(device=True, inline=True)
+    def exchange_sums(xs, x0, s, dp, gw, u):
+        """(EXCH) S^T and dP^T whole in both warpgroups from their halves: thread u of warpgroup gw writes its
+        partial sums to its rows of xs (from float32 x0, one row a register, 128 threads a row: no bank conflicts),
+        and after a barrier of the two warpgroups adds those of thread u of the other (the same entries of the
+        tile: both hold the same keys); the barrier before the writes keeps them from overwriting what the other
+        still reads of the last tile. Both add the same two numbers: equal sums, bit for bit."""
+        hop.named_barrier_sync(1, NC)
+        own = x0 + gw * (2 * NS * 128) + u
+        for e in range(NS):
+            xs[own + e * 128] = s[e]
+            xs[own + (NS + e) * 128] = dp[e]
+        hop.named_barrier_sync(1, NC)
+        other = x0 + (1 - gw) * (2 * NS * 128) + u
+        for e in range(NS):
+            s[e] += xs[other + e * 128]
+            dp[e] += xs[other + (NS + e) * 128]
 
     @cuda.jit(device=True, inline=True)
     def issue_dkdv(dva, dka, pp, pd, q_base, it, half):
@@ -728,6 +765,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             return
 
         smem = cuda.shared.array(0, elem)  # K_j | V_j | Q, dO buffers 0, 1, 2 (dynamic), core matrices or swizzled
+        xs = cuda.shared.array(0, float32)  # (EXCH) the same memory as float32: the partial sums after the buffers
         lsm = cuda.shared.array((STAGES, B_R), float32)  # log2(e) L_i of each buffer's queries
         dsm = cuda.shared.array((STAGES, B_R), float32)  # D_i
         bars = cuda.shared.array(NBARS, uint64)  # (tensor maps) full[0 .. 2], empty[0 .. 2]: mbarriers
@@ -780,12 +818,18 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             hop.setmaxnreg_inc(CONSUMER_REGISTERS)
         # this warpgroup's 64 keys: 8 core matrices further, or 64 swizzled rows (SPLIT: both warpgroups' the same)
         keys_at = 0 if SPLIT else gw * 64 * (SPAN if TMA else 16)
+        # (SPLIT) bytes into a Q_i or dO_i tile where this warpgroup's head dims start: DN gw / 8 blocks of 8 head
+        # dims (B_r rows of 16 bytes each), or DN gw / E boxes (B_r swizzled rows each); either way DN gw B_r elements
+        # (and DN gw B_c into K_j, V_j)
+        half = c0 * B_R * 2
+        if EXCH:  # (S^T and dP^T over this warpgroup's head dims alone)
+            keys_at = c0 * B_C * 2
         k_addr = hop.smem_address(smem, base) + keys_at
         v_addr = hop.smem_address(smem, base + OFF_V) + keys_at
         q_base = hop.smem_address(smem, base + OFF_Q)
-        # (SPLIT) bytes into a Q_i or dO_i tile where this warpgroup's head dims start: DN gw / 8 blocks of 8 head
-        # dims (B_r rows of 16 bytes each), or DN gw / E boxes (B_r swizzled rows each); either way DN gw B_r elements
-        half = c0 * B_R * 2
+        sdp_base = q_base + half if EXCH else q_base
+        x0 = (base + OFF_X) >> 1  # (EXCH) the float32 where the partial sums start (base and OFF_X are even)
+        u = tid & 127
 
         h, i0 = tile_of(0, hk, group, nt, m_begin, lists)
         if not TMA:
@@ -808,13 +852,15 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                 h2, i2 = tile_of(1, hk, group, nt, m_begin, lists)
                 load_tile(smem, 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
                 fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
-        issue_sdp(s, dp, k_addr, v_addr, q_base, 0)
+        issue_sdp(s, dp, k_addr, v_addr, sdp_base, 0)
         if not TMA and total > 1:
             put_stats(lsm, dsm, 1, st, tid)
         bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
         partial = part_of(bm_state, bbm, h, i0, j0)
         wait_s(0, s)
         wait_s(0, dp)
+        if EXCH:
+            exchange_sums(xs, x0, s, dp, gw, u)
         slope = alibi[b, h] if ALIBI else float32(0.0)
         entries(s, dp, lsm, dsm, 0, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
                 right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits, (a0, a1, a2, a3))
@@ -841,13 +887,15 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                     h2, i2 = tile_of(it + 1, hk, group, nt, m_begin, lists)
                     load_tile(smem, it + 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
                     fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
-            issue_sdp(s, dp, k_addr, v_addr, q_base, it)
+            issue_sdp(s, dp, k_addr, v_addr, sdp_base, it)
             issue_dkdv(dva, dka, pp, pd, q_base, it - 1, half)
             if not TMA and it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this barrier)
                 put_stats(lsm, dsm, (it + 1) % STAGES, st, tid)
             bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
             wait_s(1, s)
             wait_s(1, dp)
+            if EXCH:
+                exchange_sums(xs, x0, s, dp, gw, u)
             slope = alibi[b, h] if ALIBI else float32(0.0)
             entries(s, dp, lsm, dsm, sel, i0, j0, r0, t, seqlen_q, seqlen_k, diag, scale_log2, scale, softcap, left,
                     right, slope, p_drop, rp_keep, seed, offset, b, h, b * nheads + h, bits,

@@ -343,9 +343,10 @@ def make_swizzled_products(kind, D):
     """The products on tiles copied with tensor maps (swizzled rows of E head dims, a tile of R rows being D / E
     such tiles of R rows one after the other), as two factories of device functions:
 
-    * ``make_abt(N)`` -> ``issue_abt(acc, a_addr, rows_a, b_addr, rows_b)``: acc = A B^T (64 x N, K = D), D / 16
-      wgmma with A (64 rows at a_addr of a tile of rows_a) and B (N rows of a tile of rows_b) K-major: the next 16
-      head dims 32 bytes on within a swizzled row, the next E a tile of rows on; not committed;
+    * ``make_abt(N, K=D)`` -> ``issue_abt(acc, a_addr, rows_a, b_addr, rows_b)``: acc = A B^T (64 x N over K head
+      dims), K / 16 wgmma with A (64 rows at a_addr of a tile of rows_a) and B (N rows of a tile of rows_b) K-major:
+      the next 16 head dims 32 bytes on within a swizzled row, the next E a tile of rows on (K < D: the addresses
+      are those of the first head dim taken, a multiple of E into the rows); not committed;
     * ``make_ab(regs, N=D)`` -> ``issue_ab(acc, pa, b_addr, rows_b)``: acc += A B (64 x N, K = 16 ``regs``), A from
       the registers pa (``regs`` k-steps), B MN-major (N head dims of a tile of rows_b rows from b_addr, a multiple
       of E head dims into it: the next E head dims a tile of rows on, the next 16 rows 16 swizzled rows on); not
@@ -353,17 +354,17 @@ def make_swizzled_products(kind, D):
     SPAN = swizzle_span(D)
     E = SPAN // 2
     MODE = hop.SWIZZLE_MODES[SPAN]
-    KD = D // 16
 
-    def make_abt(N):
+    def make_abt(N, K=D):
         mma, fence, _ = hop.wgmma_ops(kind, N)
+        KS = K // 16
 
         @cuda.jit(device=True, inline=True)
         def issue_abt(acc, a_addr, rows_a, b_addr, rows_b):
             da = hop.make_desc_swizzled(a_addr, 16, 8 * SPAN, MODE)
             db = hop.make_desc_swizzled(b_addr, 16, 8 * SPAN, MODE)
             fence(acc)
-            for ks in range(KD):
+            for ks in range(KS):
                 mma(acc, da + ((16 * ks // E) * rows_a * SPAN + (32 * ks) % SPAN) // 16,
                     db + ((16 * ks // E) * rows_b * SPAN + (32 * ks) % SPAN) // 16, ks)
 
