@@ -225,8 +225,9 @@ def flash_attn_forward(
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
         float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (the
-        default on compute capability 9.0 at head_dim 64, 96 and 128, flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS
-        (at 96 where it copies with tensor maps: sequences of equal length, at most two options); 9.0
+        default on compute capability 9.0 at head_dim 32 to 256 forward and 32, 64, 96, 128 and 256 backward,
+        flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS (the forward at 96 where it copies with tensor maps: sequences
+        of equal length, at most two options); 9.0
         only, float16 or bfloat16, head_dim a multiple of 32 up to 256, every option; block_m 64 or 128 as one or
         two warpgroups, block_n 32, 64 or 128 (above head_dim 128 by default 64, at 256 32: the shared memory);
         num_threads 2 block_m, or + 32 or

@@ -16,8 +16,9 @@ How ``kernel=None`` chooses:
   shared memory with zero columns), and no tile arguments given
   (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies). On compute capability 9.0 the Hopper kernels (``wgmma``) instead, at the head dims where
-  they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward and the backward at 64, 96
-  and 128; the forward at 96 only where it copies with tensor maps, :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`),
+  they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at every multiple of 32 up
+  to 256, the backward at 32, 64, 96, 128 and 256; the forward at 96 only where it copies with tensor maps,
+  :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`),
   unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
   (:func:`_hopper_blocker`; the plan's ``why`` says so). The choice does not depend on the inputs' strides (the
   Hopper kernels copy strided inputs to C-contiguous rows), so a packed qkv gives the bits of the same values

@@ -55,8 +55,9 @@ MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
 # tests/test_tc.py::test_tc_every_head_dim_gpu (the multiples of 8 that are not of 16 padded in shared memory)
 MMA_DEFAULT_HEAD_DIMS = MMA_HEAD_DIMS
 # On compute capability 9.0, kernel=None takes the Hopper kernels (kernel="wgmma") at the head dims where they are
-# the faster (docs/benchmarks.md, "How fast is the Hopper forward?" and "... backward?")
-WGMMA_DEFAULT_HEAD_DIMS = {"forward": (64, 96, 128), "backward": (64, 96, 128)}
+# the faster (docs/benchmarks.md, "How fast is the Hopper forward?" and "... backward?"; the backward at 160, 192
+# and 224 keeps mma.sync until the two are measured in one run)
+WGMMA_DEFAULT_HEAD_DIMS = {"forward": (32, 64, 96, 128, 160, 192, 224, 256), "backward": (32, 64, 96, 128, 256)}
 # the head dims where the Hopper forward is the faster only with its tensor-map copies (the per-thread copies of
 # three 32-column blocks a row ran at 0.70x the mma.sync kernel there): kernel=None keeps mma.sync where a call's
 # plan would not take them (packed sequences, more than two options compiled in, config.hopper_tma off)

@@ -104,7 +104,7 @@ def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096, ours=
     if single:
         timing += "; after the slash, one call per pair of CUDA events"
     batch = 16384 // seqlen
-    out = [f"{dtype}, seqlen {seqlen}, batch x heads = {batch} x 32 (d=64) or {batch} x 16 (d=128), TFLOP/s; flashnumba's "
+    out = [f"{dtype}, seqlen {seqlen}, batch {batch}, heads = 2048 / head_dim, TFLOP/s; flashnumba's "
            f"{'kernels' if ours.startswith('flashnumba_') and ours not in DEFAULT_PATH[dtype] else 'default kernels'} "
            f"(`{ours}`). {e['device']}, {e['date'][:10]}, {timing}; source: "
            f"[`{prefix}{source}`]({prefix}{source}).", "",
@@ -185,6 +185,15 @@ def hopper(d, prefix="results/latest/"):
     out = []
     for seqlen in (4096, 16384):
         out += headline(d, "float16", "bench-wgmma.json", prefix, seqlen, ours="flashnumba_wgmma") + [""]
+    return out[:-1]
+
+
+def hopper_head_dims(d, prefix="results/latest/"):
+    """The Hopper kernels (kernel="wgmma") at the head dims beside 64, 96 and 128, forward and backward, beside
+    FlashAttention-2 and cuDNN (bench-wgmma-head-dims.json)."""
+    out = []
+    for seqlen in (4096, 16384):
+        out += headline(d, "float16", "bench-wgmma-head-dims.json", prefix, seqlen, ours="flashnumba_wgmma") + [""]
     return out[:-1]
 
 
@@ -354,6 +363,7 @@ TARGETS = {  # file: (marker name, table function, its arguments)
     "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}),
                            ("headline", headlines, {"prefix": "results/latest/"}), ("decode", decode, {}),
                            ("flex", flex, {}), ("hopper", hopper, {}), ("hopper-backward", hopper_backward, {}),
+                           ("hopper-head-dims", hopper_head_dims, {}),
                            ("float32-tc", float32_tc, {})],
     "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {}),
@@ -363,6 +373,7 @@ SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_
            "headline": ("bench.json", "bench-tc.json"), "numerics": None, "decode": "bench-decode.json",
            "flex": "flex-bench.json", "hopper": "bench-wgmma.json", "hopper-summary": "bench-wgmma.json",
            "hopper-backward": "bench-wgmma-bwd.json", "hopper-backward-summary": "bench-wgmma-bwd.json",
+           "hopper-head-dims": "bench-wgmma-head-dims.json",
            "float32-tc": ("bench-tf32-d64.json", "bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json",
                           "tf32-error-chained.json")}
 

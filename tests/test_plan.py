@@ -132,15 +132,16 @@ def test_hopper_default_choice(monkeypatch):
         return (flashnumba.plan(q, k, v, device="sm_90"),
                 flashnumba.plan_backward(q, q, k, v, q, lse, device="sm_90", **kw))
 
-    assert tiling.WGMMA_DEFAULT_HEAD_DIMS == {"forward": (64, 96, 128), "backward": (64, 96, 128)}  # (measured)
-    for d in (64, 96, 128):
+    assert tiling.WGMMA_DEFAULT_HEAD_DIMS == {"forward": (32, 64, 96, 128, 160, 192, 224, 256),
+                                              "backward": (32, 64, 96, 128, 256)}  # (measured)
+    for d in (32, 64, 96, 128, 160, 192, 224, 256):
         fwd, bwd = plans(d)
         assert fwd.kernel == ("wgmma" if d in tiling.WGMMA_DEFAULT_HEAD_DIMS["forward"] else "tc")
         assert bwd.kernel == ("wgmma" if d in tiling.WGMMA_DEFAULT_HEAD_DIMS["backward"] else "tc")
         assert fwd.fallback is None and bwd.fallback is None
         if fwd.kernel == "tc":
             assert "not wgmma" in fwd.why and "head_dim" in fwd.why
-    assert plans(40)[1].kernel == "tc"  # (built for 64, 96, 128 only)
+    assert plans(40)[1].kernel == "tc"  # (built for multiples of 32 only)
     fwd, bwd = plans(128, deterministic=False)
     assert bwd.kernel == "tc" and "deterministic=False" in bwd.why
     fwd, bwd = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", _qkv(np.float16, 128))],
