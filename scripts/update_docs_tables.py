@@ -180,20 +180,13 @@ def numerics(_data=None, prefix="results/latest/"):
     return out + [f"Reports: {files}."]
 
 
-def hopper(d, prefix="results/latest/"):
-    """The Hopper forward (kernel="wgmma") beside FlashAttention-2 and cuDNN (bench-wgmma.json)."""
+def hopper(d, source, prefix="results/latest/"):
+    """The Hopper kernels (kernel="wgmma") of one run beside FlashAttention-2 and cuDNN, float16 at seqlen 4096 and
+    16384: the forward (bench-wgmma.json), the backward (bench-wgmma-bwd.json), both at the other head dims
+    (bench-wgmma-head-dims.json)."""
     out = []
     for seqlen in (4096, 16384):
-        out += headline(d, "float16", "bench-wgmma.json", prefix, seqlen, ours="flashnumba_wgmma") + [""]
-    return out[:-1]
-
-
-def hopper_head_dims(d, prefix="results/latest/"):
-    """The Hopper kernels (kernel="wgmma") at the head dims beside 64, 96 and 128, forward and backward, beside
-    FlashAttention-2 and cuDNN (bench-wgmma-head-dims.json)."""
-    out = []
-    for seqlen in (4096, 16384):
-        out += headline(d, "float16", "bench-wgmma-head-dims.json", prefix, seqlen, ours="flashnumba_wgmma") + [""]
+        out += headline(d, "float16", source, prefix, seqlen, ours="flashnumba_wgmma") + [""]
     return out[:-1]
 
 
@@ -224,14 +217,6 @@ def hopper_summary(d, prefix="docs/results/latest/"):
             f"modes), {mma} (float16 forward, seqlen 4096 and 16384, "
             f"{env['date'][:10]}: [bench-wgmma.json]({prefix}bench-wgmma.json); docs/benchmarks.md, \"How fast is "
             f"the Hopper forward?\")."]
-
-
-def hopper_backward(d, prefix="results/latest/"):
-    """The Hopper backward (kernel="wgmma") beside FlashAttention-2 and cuDNN (bench-wgmma-bwd.json)."""
-    out = []
-    for seqlen in (4096, 16384):
-        out += headline(d, "float16", "bench-wgmma-bwd.json", prefix, seqlen, ours="flashnumba_wgmma") + [""]
-    return out[:-1]
 
 
 def _spans(d):
@@ -362,8 +347,9 @@ def float32_tc(data, prefix="results/latest/"):
 TARGETS = {  # file: (marker name, table function, its arguments)
     "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}),
                            ("headline", headlines, {"prefix": "results/latest/"}), ("decode", decode, {}),
-                           ("flex", flex, {}), ("hopper", hopper, {}), ("hopper-backward", hopper_backward, {}),
-                           ("hopper-head-dims", hopper_head_dims, {}),
+                           ("flex", flex, {}), ("hopper", hopper, {"source": "bench-wgmma.json"}),
+                           ("hopper-backward", hopper, {"source": "bench-wgmma-bwd.json"}),
+                           ("hopper-head-dims", hopper, {"source": "bench-wgmma-head-dims.json"}),
                            ("float32-tc", float32_tc, {})],
     "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {}),

@@ -37,8 +37,7 @@ def compile_one(job):
     if backward:  # (the dQ kernel: n keys a tile; the dK/dV kernel: n queries a tile)
         tma = tma and wgmma_backward.takes_tma(D, var, 2, backward, n)
         make = wgmma_backward.make_backward_dq_wgmma if backward == "dq" else wgmma_backward.make_backward_dkdv_wgmma
-        fn = make(D, var, n, 2, dtype, gqa, tma) if backward == "dq" else make(D, var, n, 2, dtype, gqa, tma,
-                                                                                 exchange=exchange)
+        fn = make(D, var, n, 2, dtype, gqa, tma, **({} if backward == "dq" else {"exchange": exchange}))
         nt, whole = wgmma_backward.threads(2, tma), tma
         outs = a4 if backward == "dq" else f"{a4}, {a4}"
         sig = (f"void({a4}, {a4}, {a4}, {a4}, float32[:, :, ::1], float32[:, :, ::1], {outs}, float32, float32, "
@@ -72,8 +71,8 @@ def main():
     print(f"{backward or 'forward'}: D={D} {'B_c' if backward != 'dkdv' else 'B_r'}={n} producer warps "
           f"{producer if not backward else '(tensor maps)'} gqa={gqa}, {dtype}, two warpgroups")
     with ProcessPoolExecutor(2) as pool:
-        for flags, regs, st, ld, ser in pool.map(compile_one, [(D, n, producer, gqa, dtype, tma, backward, exchange, v)
-                                                               for v in variants]):
+        jobs = [(D, n, producer, gqa, dtype, tma, backward, exchange, v) for v in variants]
+        for flags, regs, st, ld, ser in pool.map(compile_one, jobs):
             print(f"  {'+'.join(flags) or 'none':18s} {regs:4d} registers, spills {st:5d} stores {ld:5d} loads"
                   f"{', wgmma serialised' if ser else ''}", flush=True)
 

@@ -150,12 +150,12 @@ def test_head_dims_above_128(monkeypatch):
         grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
         check_backward(grads, dout, q, k, v, out, lse, **opts)
         if D == 160:  # (the form without the exchange)
-            monkeypatch.setattr(flashnumba.config, "hopper_exchange", False)
-            plan = flashnumba.plan_backward(dout, q, k, v, out, lse, kernel="wgmma", device="sm_90", **opts)
-            assert plan.launches[2].factory_args[-1] is False and "exchange" not in plan.launches[2].reason
-            grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
-            check_backward(grads, dout, q, k, v, out, lse, **opts)
-            monkeypatch.setattr(flashnumba.config, "hopper_exchange", True)
+            with monkeypatch.context() as m:
+                m.setattr(flashnumba.config, "hopper_exchange", False)
+                plan = flashnumba.plan_backward(dout, q, k, v, out, lse, kernel="wgmma", device="sm_90", **opts)
+                assert plan.launches[2].factory_args[-1] is False and "exchange" not in plan.launches[2].reason
+                grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
+                check_backward(grads, dout, q, k, v, out, lse, **opts)
     lens_q, lens_k = [40, 0, 70], [9, 3, 75]
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
     q = rng.standard_normal((cu_q[-1], 1, 224)).astype(np.float16)

@@ -556,8 +556,9 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles with the copy engine and one warp of it
     fetches L_i and D_i (module docstring), ``maps`` holding the tensor maps of :data:`DKDV_MAPS`; without, every thread
     copies and ``maps`` is not read. ``exchange``: above :data:`SPLIT_ABOVE`, whether the warpgroups split S^T and
-    dP^T by head dims and exchange the partial sums (:func:`exchanges`; module docstring). Compiled for sm_90a. Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k),
-    block (:func:`threads`,), dynamic shared memory :func:`shared_bytes_dkdv`."""
+    dP^T by head dims and exchange the partial sums (:func:`exchanges`; module docstring). Compiled for sm_90a.
+    Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k), block (:func:`threads`,), dynamic shared memory
+    :func:`shared_bytes_dkdv`."""
     SPLIT = D > SPLIT_ABOVE  # two warpgroups on 64 keys, each half of the head dims of dK_j and dV_j
     if SPLIT and warpgroups != 2:
         raise ValueError(f"above head_dim {SPLIT_ABOVE} the wgmma dK/dV kernel runs two warpgroups on 64 keys, got "
@@ -816,14 +817,12 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                                   tid - NC - 32)
                 return
             hop.setmaxnreg_inc(CONSUMER_REGISTERS)
-        # this warpgroup's 64 keys: 8 core matrices further, or 64 swizzled rows (SPLIT: both warpgroups' the same)
-        keys_at = 0 if SPLIT else gw * 64 * (SPAN if TMA else 16)
         # (SPLIT) bytes into a Q_i or dO_i tile where this warpgroup's head dims start: DN gw / 8 blocks of 8 head
         # dims (B_r rows of 16 bytes each), or DN gw / E boxes (B_r swizzled rows each); either way DN gw B_r elements
-        # (and DN gw B_c into K_j, V_j)
         half = c0 * B_R * 2
-        if EXCH:  # (S^T and dP^T over this warpgroup's head dims alone)
-            keys_at = c0 * B_C * 2
+        # where S^T and dP^T read K_j, V_j: this warpgroup's 64 keys, 8 core matrices further or 64 swizzled rows
+        # (SPLIT: both warpgroups' the same 64; EXCH: from this warpgroup's first head dim, DN gw B_c elements in)
+        keys_at = c0 * B_C * 2 if EXCH else (0 if SPLIT else gw * 64 * (SPAN if TMA else 16))
         k_addr = hop.smem_address(smem, base) + keys_at
         v_addr = hop.smem_address(smem, base + OFF_V) + keys_at
         q_base = hop.smem_address(smem, base + OFF_Q)
