@@ -520,8 +520,61 @@ def _install_yielding_block_manager():
     simkernel.BlockManager = YieldingBlockManager
 
 
+def _install_direct_device_calls():
+    """Let a simulated thread call the device functions of flashnumba's kernel modules without a lock (flashnumba
+    does this on import, under the simulator; like :func:`_install_yielding_block_manager`, it changes how fast
+    simulated kernels run, not what they compute).
+
+    Inside a simulated kernel, ``cuda`` must name the simulator's kernel context in the globals of every function
+    that runs. Numba's simulator swaps it in on each call of a device function: two locks a call, and a scan of
+    the module's globals whenever no other thread is inside one of its functions. With a block's hundreds of
+    threads calling small device functions, the threads queue on those locks. Here a launch swaps the context
+    into the kernel's module and into every module of :mod:`flashnumba.kernels` once, for the whole launch, with
+    the simulator's own function (so its count keeps the swap for as long as any holder needs it); a device
+    function of those modules then runs as it is. Any other (a user's score_mod, say) takes the simulator's path."""
+    import contextlib
+    import types
+
+    from numba.cuda.simulator import kernel as simkernel
+
+    swap = simkernel.swapped_cuda_module
+    held = {}  # id(module globals) -> launches holding them swapped
+    held_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def swapped_cuda_module(fn, fake_cuda_module):
+        if isinstance(threading.current_thread(), simkernel.BlockThread):  # a device function in a running kernel
+            if id(fn.__globals__) in held:
+                yield
+            else:
+                with swap(fn, fake_cuda_module):
+                    yield
+            return
+        # a launch: the kernel's module and the kernel modules, swapped until every block has run
+        spaces = {id(fn.__globals__): fn.__globals__}
+        spaces.update((id(vars(m)), vars(m)) for name, m in list(sys.modules.items())
+                      if name.startswith(__package__ + ".kernels") and m is not None)
+        with contextlib.ExitStack() as stack:
+            for g in spaces.values():
+                stack.enter_context(swap(types.SimpleNamespace(__globals__=g), fake_cuda_module))
+            with held_lock:
+                for gid in spaces:
+                    held[gid] = held.get(gid, 0) + 1
+            try:
+                yield
+            finally:
+                with held_lock:
+                    for gid in spaces:
+                        held[gid] -= 1
+                        if not held[gid]:
+                            del held[gid]
+
+    simkernel.swapped_cuda_module = swapped_cuda_module
+
+
 if SIMULATOR:
     _install_yielding_block_manager()
+    _install_direct_device_calls()
 
 
 class SimBound:

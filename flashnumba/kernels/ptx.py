@@ -129,31 +129,42 @@ _BARRIER_TIMEOUT_S = 300.0  # the simulator is slow; a lane that never arrives f
 
 class _Rendezvous:
     """Where the simulated threads of one warp (32) or warpgroup (128) exchange their registers for a collective
-    instruction."""
+    instruction: one barrier a round. The rounds alternate between two sets of slots: a thread that has left round
+    n can write round n + 1's slots at once, and round n + 2, which reuses round n's, cannot begin before every
+    thread has left round n (each must arrive at round n + 1 first)."""
 
     def __init__(self, size):
-        self.barrier = threading.Barrier(size, timeout=_BARRIER_TIMEOUT_S)
-        self.slots = [None] * size
-        self.result = None
+        self.slots = ([None] * size, [None] * size)
+        self.combine = [None, None]  # each set's combine (lane 0's) and its result
+        self.result = [None, None]
+        self.turn = [0] * size  # each thread's next set
+        self.rounds = 0  # rounds completed: its parity is the set the round now completing used
+        self.barrier = threading.Barrier(size, action=self._complete, timeout=_BARRIER_TIMEOUT_S)
+
+    def _complete(self):
+        """Run once a round, by the last thread to arrive, before any leaves: the round's combine."""
+        p = self.rounds & 1
+        self.rounds += 1
+        if self.combine[p] is not None:
+            try:
+                self.result[p] = (True, self.combine[p](list(self.slots[p])))
+            except Exception as e:  # (every lane raises it: none waits for a lane that left)
+                self.result[p] = (False, e)
 
     def exchange(self, lane, value, combine=None):
         """Put this thread's value in, return all the threads' values once every one has put its own; or, with
-        ``combine``, what ``combine(values)`` returns, computed once (by lane 0) for the whole group, as the
-        hardware computes a collective instruction's result once (a matrix product that every lane would
-        otherwise rebuild from every lane's registers). An exception in it is raised in every lane."""
-        self.slots[lane] = value
-        self.barrier.wait()  # every thread has written its slot
+        ``combine``, what ``combine(values)`` returns, computed once for the whole group (by the last thread to
+        arrive), as the hardware computes a collective instruction's result once (a matrix product that every
+        lane would otherwise rebuild from every lane's registers). An exception in it is raised in every lane."""
+        p = self.turn[lane]
+        self.turn[lane] = p ^ 1
+        self.slots[p][lane] = value
+        if lane == 0:
+            self.combine[p] = combine
+        self.barrier.wait()  # every thread has written its slot (and the round's combine has run)
         if combine is None:
-            values = list(self.slots)
-        elif lane == 0:
-            try:
-                self.result = (True, combine(list(self.slots)))
-            except Exception as e:  # (every lane raises it: none waits for a lane that left)
-                self.result = (False, e)
-        self.barrier.wait()  # every thread has read the slots (and lane 0 combined them): they may be reused
-        if combine is None:
-            return values
-        ok, result = self.result
+            return list(self.slots[p])
+        ok, result = self.result[p]
         if not ok:
             raise result
         return result
@@ -167,20 +178,22 @@ def _group_exchange(value, size, what, combine=None):
     the groups being threads size * i .. size * i + size - 1 of its block (a warp, a warpgroup); with
     ``combine``, (rank, combine(values)) computed once for the group (:meth:`_Rendezvous.exchange`)."""
     thread = threading.current_thread()
-    manager = thread._manager  # the simulator's BlockManager: one per launch, runs the blocks one by one
-    tid = thread.thread_id  # threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
-    nthreads = int(np.prod(manager._block_dim))
-    group = tid // size
-    if (group + 1) * size > nthreads:
-        raise RuntimeError(f"a {what}-collective instruction needs all {size} threads; {what} {group} of a block "
-                           f"of {nthreads} threads is partial")
-    with _rendezvous_lock:
-        groups = manager.__dict__.setdefault("_flashnumba_groups", {})
-        key = (tuple(thread.blockIdx), size, group)
-        if key not in groups:
-            groups[key] = _Rendezvous(size)
-        rendezvous = groups[key]
-    rank = tid % size
+    mine = thread.__dict__.setdefault("_flashnumba_groups", {})  # (a simulated thread serves one block)
+    if size not in mine:
+        manager = thread._manager  # the simulator's BlockManager: one per launch, runs the blocks one by one
+        tid = thread.thread_id  # threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)
+        nthreads = int(np.prod(manager._block_dim))
+        group = tid // size
+        if (group + 1) * size > nthreads:
+            raise RuntimeError(f"a {what}-collective instruction needs all {size} threads; {what} {group} of a "
+                               f"block of {nthreads} threads is partial")
+        with _rendezvous_lock:
+            groups = manager.__dict__.setdefault("_flashnumba_groups", {})
+            key = (tuple(thread.blockIdx), size, group)
+            if key not in groups:
+                groups[key] = _Rendezvous(size)
+            mine[size] = (tid % size, groups[key])
+    rank, rendezvous = mine[size]
     return rank, rendezvous.exchange(rank, value, combine)
 
 

@@ -431,7 +431,8 @@ class _MBarrier:
             raise RuntimeError("an mbarrier received more transaction bytes than its phase expected")
 
 
-_mbar_lock = threading.Lock()
+_mbar_lock = threading.Condition()  # guards every mbarrier; notified when one may have completed a phase
+_TRY_WAIT_S = 0.002  # how long a simulated try_wait waits for its phase before it answers 0
 
 
 def _mbarrier(bar):
@@ -456,6 +457,7 @@ def _sim_mbarrier_arrive(bar):
         m = _mbarrier(bar)[int(bar)]
         m.left -= 1
         m.settle()
+        _mbar_lock.notify_all()
 
 
 def _sim_mbarrier_arrive_expect_tx(bar, nbytes):
@@ -466,15 +468,20 @@ def _sim_mbarrier_arrive_expect_tx(bar, nbytes):
         m.tx += int(nbytes)
         m.left -= 1
         m.settle()
+        _mbar_lock.notify_all()
 
 
 def _sim_mbarrier_try_wait(bar, parity):
     """``mbarrier.try_wait.parity.shared::cta.b64``: 1 once the phase of parity ``parity`` (0 for the first, 1
     for the second, 0 again ...) has completed, else 0 (call it in a loop). Phases complete in order; the
-    copies of a phase land before it completes."""
+    copies of a phase land before it completes. Like the hardware's, it may wait a while for the phase (here up
+    to :data:`_TRY_WAIT_S`, woken by any arrival or copy) before it answers 0."""
     with _mbar_lock:
         m = _mbarrier(bar)[int(bar)]
         m.settle()
+        if m.phases % 2 == int(parity) % 2:
+            _mbar_lock.wait(_TRY_WAIT_S)
+            m.settle()
         return np.uint32(m.phases % 2 != int(parity) % 2)
 
 
@@ -491,6 +498,7 @@ def _sim_cp_async_bulk(dst, src, src_index, nbytes, bar):
     target = _sim_smem_bytes(int(dst), int(nbytes))
     with _mbar_lock:
         _mbarrier(bar)[int(bar)].copies.append((target, data))
+        _mbar_lock.notify_all()
 
 
 _MAP_MAGIC = 0x7E45_0A11  # the first word of a stand-in tensor map
@@ -572,6 +580,7 @@ def _sim_tma_load_4d(dst, maps, index, c0, c1, c2, c3, bar):
     target = _sim_smem_bytes(dst, data.size)
     with _mbar_lock:
         _mbarrier(bar)[int(bar)].copies.append((target, data))
+        _mbar_lock.notify_all()
 
 
 def _sim_fence_tensormap(maps, index):
@@ -601,6 +610,7 @@ def _sim_cp_async_mbarrier_arrive(bar):
         m.deferred += copies
         m.left -= 1
         m.settle()
+        _mbar_lock.notify_all()
 
 
 class _NamedBarrier:
