@@ -229,9 +229,10 @@ def flash_attn_forward(
         flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS (the forward at 96 where it copies with tensor maps: sequences
         of equal length, at most two options); 9.0
         only, float16 or bfloat16, head_dim a multiple of 32 up to 256, every option; block_m 64 or 128 as one or
-        two warpgroups, block_n 32, 64 or 128 (above head_dim 128 by default 64, at 256 32: the shared memory);
-        num_threads 2 block_m, or + 32 or
-        + 128 for a producer of one warp or four, the default), flashnumba.kernels.wgmma_forward; at head_dim 96
+        two warpgroups, block_n 32, 48, 64 or 128 (above head_dim 128 by default 64, at 256 32: the shared
+        memory; 48 where the threads that copy take it, flashnumba.kernels.wgmma_forward.check); num_threads
+        2 block_m, or + 32 or + 128 for a producer of one warp or four, the default),
+        flashnumba.kernels.wgmma_forward; at head_dim 96
         without its tensor-map copies "tc" is the faster (docs/benchmarks.md).
 
     stream : the CUDA stream to launch on (see :func:`flashnumba._validate.check_stream`); None: the arrays'

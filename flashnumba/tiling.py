@@ -616,15 +616,7 @@ def check(table: str, D: int, t: Tiles):
                              f"rows a block (16 a warp) and tiles of a positive multiple of 8 rows, got block_m {m}, "
                              f"block_n {n}")
     elif table == "wgmma":
-        if D not in wgmma_forward.HEAD_DIMS:
-            raise ValueError(f"the wgmma forward supports head_dim in {wgmma_forward.HEAD_DIMS}, got {D}")
-        if m not in tuple(64 * w for w in wgmma_forward.WARPGROUPS) or n not in wgmma_forward.BLOCK_NS:
-            raise ValueError(f"the wgmma forward takes block_m 64 or 128 (one or two warpgroups of 64 rows) and "
-                             f"block_n in {wgmma_forward.BLOCK_NS}, got {m}, {n}")
-        if wgmma_forward.producer_warps(m, t.num_threads) is None:
-            allowed = tuple(2 * m + 32 * p for p in wgmma_forward.PRODUCER_WARPS)
-            raise ValueError(f"the wgmma forward takes num_threads in {allowed} at block_m {m} (128 a warpgroup of "
-                             f"64 rows, and 32 a warp of the producer), got {t.num_threads}")
+        wgmma_forward.check(D, m, n, nt)
     elif table in ("wgmma_dq", "wgmma_dkdv"):
         wgmma_backward.check(D, m, n, table[6:])
     elif table in ("tf32", "3xtf32"):

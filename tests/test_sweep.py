@@ -37,3 +37,14 @@ def test_the_sweep_needs_a_gpu(capsys):
         pytest.skip("on a GPU the sweep runs")
     assert sweep.main(["tc"]) == 2
     assert "simulator" in capsys.readouterr().out
+
+
+def test_the_hopper_forward_sweep_takes_each_key_tile_that_fits():
+    """At head_dim 256 on sm_90 tiles of 32 and 48 keys fit beside Q_i of two warpgroups (three stages: 160 and
+    208 KB), those of 64 do not (256 KB); at 64 without a producer every warp copies in passes of 32 rows, so 48
+    is refused there."""
+    found = sweep.candidates("wgmma", 256, tiling.ARCHS["sm_90"])
+    assert (128, 32, 384) in found and (128, 48, 384) in found and (128, 48, 416) not in found
+    assert not [c for c in found if c[:2] == (128, 64)]
+    found = sweep.candidates("wgmma", 64, tiling.ARCHS["sm_90"])
+    assert (128, 48, 384) in found and (128, 48, 256) not in found and (128, 128, 384) in found

@@ -168,6 +168,32 @@ def test_head_dims_above_128(monkeypatch):
             check_forward(out[None, rq], lse[None, :, rq], q[None, rq], k[None, rk], v[None, rk])
 
 
+def test_key_tiles_of_48():
+    """block_n=48 at head_dim 256 (three stages of 48 keys beside Q_i: 208 KB): S's wgmma m64n48k16, P V in three
+    k-steps, tiles of six 1024-byte swizzle atoms a box; copied with tensor maps (causal, more keys than queries,
+    the last tile part full), and by the producer's threads for packed sequences (one empty)."""
+    rng = np.random.default_rng(48)
+    tiles = dict(block_m=128, block_n=48, num_threads=384)
+    q, k, v = random_qkv(rng, 1, 50, 110, 1, 256, np.float16)
+    assert "tensor maps" in flashnumba.plan(q, k, v, kernel="wgmma", device="sm_90", causal=True,
+                                            **tiles).launches[0].reason
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", causal=True, **tiles)
+    check_forward(out, lse, q, k, v, causal=True)
+    lens_q, lens_k = [40, 0, 30], [9, 3, 100]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 1, 256)).astype(np.float16)
+    k, v = (rng.standard_normal((cu_k[-1], 1, 256)).astype(np.float16) for _ in range(2))
+    out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                    kernel="wgmma", **tiles)
+    for b in range(3):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rq.stop > rq.start:
+            check_forward(out[None, rq], lse[None, :, rq], q[None, rq], k[None, rk], v[None, rk], causal=True)
+    with pytest.raises(ValueError, match="32 rows a pass"):  # (every warp copying rows of 64 head dims)
+        flashnumba.plan(*random_qkv(rng, 1, 8, 8, 1, 64, np.float16), kernel="wgmma", device="sm_90", block_m=128,
+                        block_n=48, num_threads=256)
+
+
 def test_what_it_does_not_take_is_refused():
     q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 80, np.float16)
     with pytest.raises(ValueError, match="head_dim"):
@@ -441,13 +467,13 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2]),
        seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from([160, 192, 224, 256]),
        dtype=st.sampled_from(["float16", "bfloat16"]),
-       tiles=st.sampled_from([None, (128, 32, 256), (64, 32, 128), (128, 32, 288), (128, 32, 384)]),
+       tiles=st.sampled_from([None, (128, 32, 256), (64, 32, 128), (128, 32, 288), (128, 32, 384), (128, 48, 384)]),
        causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
        alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
 def test_drawn_head_dims_above_128_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
                                        window, softcap, alibi, dropout, seed):
     """The property above over the head dims above 128, at the default tiles or tiles of 32 keys that fit every
-    one of them (every warp copying, a producer warp, a producer warpgroup)."""
+    one of them (every warp copying, a producer warp, a producer warpgroup), or of 48 with a producer warpgroup."""
     rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
                                          softcap, alibi, dropout, seed)
     blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1], num_threads=tiles[2])

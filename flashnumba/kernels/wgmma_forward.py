@@ -93,7 +93,8 @@ block's threads and one block an SM in its launch bounds (:func:`rebalances`; ``
 largest), S's takes D / 16 k-steps, a tile copied with tensor maps is D / 64 boxes (D / 32 at 160 and 224). What
 changes is room. O_i is D / 2 registers a thread, and Q_i with three K_j, V_j stages takes (B_r + 6 B_c) 2 D bytes
 of shared memory: two warpgroups with tiles of 64 keys fit the SM's 227 KB up to head_dim 224, and head_dim 256
-takes tiles of 32 keys (160 KB; of 64, 256 KB), which also leave O's 128 registers room beside S.
+takes tiles of 32 keys (160 KB; of 64, 256 KB), which also leave O's 128 registers room beside S. Tiles of 48 keys
+(208 KB; ``block_n=48``) also fit there: S's wgmma is m64n48k16, P V takes three k-steps of 16 keys.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_
                      make_sequence_geometry, make_user_mods)
 
 HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (the copies' 4 column blocks a warp), N of O's wgmma <= 256
-BLOCK_NS = (32, 64, 128)  # keys a tile (N of S's wgmma; 32 where three stages of 64 keys do not fit, head_dim 256)
+BLOCK_NS = (32, 48, 64, 128)  # keys a tile (N of S's wgmma, K of O's: multiples of 16; below 64 where three stages of
+# 64 keys do not fit, head_dim 256)
 WARPGROUPS = (1, 2)
 CORE = 64  # elements (16-bit) of a core matrix: 8 rows x 8 head dims, 128 bytes
 
@@ -144,6 +146,28 @@ def producer_warps(block_m, num_threads):
     return extra // 32 if extra % 32 == 0 and extra // 32 in PRODUCER_WARPS else None
 
 
+def check(D, block_m, block_n, num_threads):
+    """ValueError unless the forward takes these tiles at head_dim D (:data:`HEAD_DIMS`): block_m 64 a warpgroup
+    (:data:`WARPGROUPS`), block_n in :data:`BLOCK_NS`, num_threads those of the warpgroups and a producer of
+    :data:`PRODUCER_WARPS` (:func:`threads`; None: not such a count), and both tiles a multiple of the rows that the
+    threads copying per thread (the producer's, or without one every thread) take a pass (:func:`pass_rows`)."""
+    if D not in HEAD_DIMS:
+        raise ValueError(f"the wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
+    if block_m not in tuple(64 * w for w in WARPGROUPS) or block_n not in BLOCK_NS:
+        raise ValueError(f"the wgmma forward takes block_m 64 or 128 (one or two warpgroups of 64 rows) and "
+                         f"block_n in {BLOCK_NS}, got {block_m}, {block_n}")
+    pw = producer_warps(block_m, num_threads) if num_threads is not None else None
+    if pw is None:
+        allowed = tuple(threads(block_m // 64, p) for p in PRODUCER_WARPS)
+        raise ValueError(f"the wgmma forward takes num_threads in {allowed} at block_m {block_m} (128 a warpgroup "
+                         f"of 64 rows, and 32 a warp of the producer), got {num_threads}")
+    copiers = 32 * pw if pw else 2 * block_m
+    rows = pass_rows(D, copiers)
+    if block_m % rows or block_n % rows:
+        raise ValueError(f"at head_dim {D} the wgmma forward's {copiers} copying threads take {rows} rows a pass: "
+                         f"block_m and block_n must be multiples of it, got {block_m}, {block_n}")
+
+
 def shared_bytes(D, B_c, B_r, tma=False):
     """Q_i (B_r rows) and :data:`STAGES` K_j, V_j buffers (B_c rows each), 16-bit elements, unpadded; with
     tensor-map copies, room to start them on 1024 bytes."""
@@ -166,11 +190,24 @@ def takes_tma(D, variant, warpgroups, producer) -> bool:
     return rebalances(warpgroups, producer) and D in TMA_HEAD_DIMS and not variant[4]
 
 
+def _constant_steps(D, NT):
+    """Whether :func:`make_load_core`'s NT threads copy rows of D head dims in constant steps: the warps a multiple
+    of D / 32 (the 4-block groups of a row), at most four rows of them, or D / 32 a multiple of the warps."""
+    CB, NW = D // 32, NT // 32
+    return (NW % CB == 0 and NW // CB <= 4) or CB % NW == 0
+
+
+def pass_rows(D, NT):
+    """Rows that :func:`make_load_core`'s NT threads copy a pass at head_dim D: the tiles they copy must be a
+    multiple of it (8 rows a warp's pass, times the warps that share a row group in the constant-stepped form)."""
+    return 8 * max(NT // 32 // (D // 32), 1) if _constant_steps(D, NT) else 8
+
+
 @functools.lru_cache(maxsize=None)
 def make_load_core(D, NT):
     """load_core(smem, off, src, b, row0, row_end, h, rows, tid): start the copy, by threads tid = 0 .. NT - 1, of
-    ``rows`` (a multiple of 32) rows of src[b, row0 + r, h, :] (C-contiguous (batch, seqlen, nheads, D)) into the
-    core-matrix layout of the module docstring at element ``off``; rows at or past ``row_end`` become zeros (a row
+    ``rows`` (a multiple of :func:`pass_rows`) rows of src[b, row0 + r, h, :] (C-contiguous (batch, seqlen, nheads,
+    D)) into the core-matrix layout of the module docstring at element ``off``; rows at or past ``row_end`` become zeros (a row
     of garbage could hold a NaN, and 0 * NaN is NaN). Each warp copies 8 rows x 4 blocks of 8 head dims at a time:
     lane l the row 8 r + (l % 8) and the block 4 c + l // 8, so lanes 8 q .. 8 q + 7 fill one core matrix. Where
     the warps are a multiple of D / 32 (the 4-block groups of a row), or D / 32 a multiple of the warps (a single
@@ -179,9 +216,8 @@ def make_load_core(D, NT):
     CB = D // 32  # groups of 4 column blocks per row
     NW = NT // 32
 
-    # (passes of at most 32 rows: the tiles' rows are multiples of 32; eight warps on rows of 32 head dims, 64 a
-    # pass, take the general form)
-    if (NW % CB == 0 and NW // CB <= 4) or CB % NW == 0:
+    # (passes of at most 32 rows; eight warps on rows of 32 head dims, 64 a pass, take the general form)
+    if _constant_steps(D, NT):
         RB = max(NW // CB, 1)  # 8-row blocks the warps cover at a time
         CG = max(CB // NW, 1)  # column groups each warp takes, NW apart
 
@@ -440,15 +476,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     thread copies each tile with the copy engine (module docstring: tensor-map copies), ``maps`` holding the tensor maps
     of q, k and v (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid (ceil(max_seqlen_q / B_r),
     batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`."""
-    if D not in HEAD_DIMS:
-        raise ValueError(f"the wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
-    if B_c not in BLOCK_NS:
-        raise ValueError(f"the wgmma forward takes B_c in {BLOCK_NS}, got {B_c}")
-    if warpgroups not in WARPGROUPS:
-        raise ValueError(f"the wgmma forward takes {WARPGROUPS} warpgroups, got {warpgroups}")
-    # (load_core's constant-stepped copies take rows in passes of 8 NW / (D / 32) rows, at most 32)
-    if (64 * warpgroups) % 32 or B_c % 32:
-        raise ValueError(f"the wgmma forward's tiles must be multiples of 32 rows, got {64 * warpgroups}, {B_c}")
+    check(D, 64 * warpgroups, B_c, threads(warpgroups, producer))
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
     check_block_mask(block_mask, 64 * warpgroups, B_c)
@@ -476,8 +504,6 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     elem = uint16 if is_bf16 else float16
     B_R = 64 * warpgroups
     NC = 128 * warpgroups  # the warpgroups' threads (with a producer warp, the consumers)
-    if int(producer) not in PRODUCER_WARPS:
-        raise ValueError(f"the wgmma forward's producer has {PRODUCER_WARPS} warps, got {producer}")
     PW = int(producer)
     PRODUCER = PW > 0
     PINGPONG = PRODUCER and warpgroups == 2  # (without a producer a block-wide barrier a tile keeps them in step)

@@ -9,7 +9,8 @@ the family's kernels launched back to back between two CUDA events: kernel time 
 one kernel, not a throughput), registers per thread, spills, shared memory per block, the
 blocks that fit on one SM (:func:`flashnumba.tools.resources.occupancy`), and whether it is the table's default here.
 
-Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``;
+Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``,
+``wgmma`` (the Hopper forward: one or two warpgroups, its key tiles, each producer);
 backward ``bwd_v1``, ``bwd_v2`` (dQ and dK/dV together, one tile for both), ``tc_dq``, ``tc_dkdv`` (each tensor-core
 backward kernel with its own tiles; the API gives block_m and block_n to both backward kernels, so a configuration
 the other kernel cannot take is recorded as an error; ``wgmma_dq``, ``wgmma_dkdv`` the same for the Hopper
@@ -35,7 +36,7 @@ FAMILIES = {  # family: (pass, kernel= of the API, the tables of the launches ti
     "tf32": ("forward", "tf32"), "3xtf32": ("forward", "3xtf32"),
     "bwd_v1": ("backward", "v1"), "bwd_v2": ("backward", "v2"), "tc_dq": ("backward", "tc"),
     "tc_dkdv": ("backward", "tc"), "tc_dkdv_atomic": ("backward", "tc"),
-    "wgmma_dq": ("backward", "wgmma"), "wgmma_dkdv": ("backward", "wgmma"),
+    "wgmma": ("forward", "wgmma"), "wgmma_dq": ("backward", "wgmma"), "wgmma_dkdv": ("backward", "wgmma"),
 }
 TILE_SIZES = (16, 32, 64, 128)
 THREADS = (64, 128, 256)  # for the families that take num_threads (v2, v3, bwd_v2)
@@ -49,8 +50,13 @@ def candidates(family: str, D: int, limits) -> list:
 
     takes_threads = family in ("v2", "v3", "bwd_v2")
     out = []
-    for m, n, nt in itertools.product(TILE_SIZES, TILE_SIZES, THREADS if takes_threads else TC_THREADS
-                                      if family == "tc" else (None,)):
+    grid = itertools.product(TILE_SIZES, TILE_SIZES, THREADS if takes_threads else TC_THREADS
+                             if family == "tc" else (None,))
+    if family == "wgmma":  # one or two warpgroups, its key tiles, each producer
+        from ..kernels import wgmma_forward as wf
+
+        grid = [(64 * w, n, wf.threads(w, p)) for w in wf.WARPGROUPS for n in wf.BLOCK_NS for p in wf.PRODUCER_WARPS]
+    for m, n, nt in grid:
         if family == "tc":  # a warp per 16 query rows, or per 32 (two blocks of 16 a warp)
             nt = 32 * m // nt
         t = tiling.threads_of(family, tiling.Tiles(m, n, nt or max(m, n)), D)  # (bwd_v1: a thread per row)
@@ -164,8 +170,8 @@ def sweep(family, head_dims, seqlen, causal, dtype, repeat=5, progress=True, wor
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     limits = planner.current_device()
     if dtype is None:
-        dtype = "float16" if family in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic", "wgmma_dq", "wgmma_dkdv") else \
-            "float32"
+        dtype = "float16" if family in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic", "wgmma", "wgmma_dq",
+                                        "wgmma_dkdv") else "float32"
     if family in ("tc", "tc_dq", "tc_dkdv", "tc_dkdv_atomic", "tf32", "3xtf32"):
         allowed = mma_tf32.HEAD_DIMS if "tf32" in family else mma_forward.HEAD_DIMS
         head_dims = [d for d in head_dims if d in allowed] or list(allowed)
