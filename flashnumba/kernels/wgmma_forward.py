@@ -207,18 +207,18 @@ def pass_rows(D, NT):
 def make_load_core(D, NT):
     """load_core(smem, off, src, b, row0, row_end, h, rows, tid): start the copy, by threads tid = 0 .. NT - 1, of
     ``rows`` (a multiple of :func:`pass_rows`) rows of src[b, row0 + r, h, :] (C-contiguous (batch, seqlen, nheads,
-    D)) into the core-matrix layout of the module docstring at element ``off``; rows at or past ``row_end`` become zeros (a row
-    of garbage could hold a NaN, and 0 * NaN is NaN). Each warp copies 8 rows x 4 blocks of 8 head dims at a time:
-    lane l the row 8 r + (l % 8) and the block 4 c + l // 8, so lanes 8 q .. 8 q + 7 fill one core matrix. Where
-    the warps are a multiple of D / 32 (the 4-block groups of a row), or D / 32 a multiple of the warps (a single
-    producer warp), each thread keeps its column blocks and steps its row, its source and its destination by
-    constants (no division a copy)."""
+    D)) into the core-matrix layout of the module docstring at element ``off``; rows at or past ``row_end`` become
+    zeros (a row of garbage could hold a NaN, and 0 * NaN is NaN). Each warp copies 8 rows x 4 blocks of 8 head
+    dims at a time: lane l the row 8 r + (l % 8) and the block 4 c + l // 8, so lanes 8 q .. 8 q + 7 fill one core
+    matrix. Where the warps are a multiple of D / 32 (the 4-block groups of a row), or D / 32 a multiple of the
+    warps (a single producer warp), each thread keeps its column blocks and steps its row, its source and its
+    destination by constants (no division a copy)."""
     CB = D // 32  # groups of 4 column blocks per row
     NW = NT // 32
 
     # (passes of at most 32 rows; eight warps on rows of 32 head dims, 64 a pass, take the general form)
     if _constant_steps(D, NT):
-        RB = max(NW // CB, 1)  # 8-row blocks the warps cover at a time
+        RB = pass_rows(D, NT) // 8  # 8-row blocks the warps cover at a time
         CG = max(CB // NW, 1)  # column groups each warp takes, NW apart
 
         @cuda.jit(device=True, inline=True)
