@@ -3,8 +3,8 @@ synccheck):
 
     compute-sanitizer --tool racecheck python scripts/sanitize_wgmma.py
 
-sequences not a multiple of the tiles, causal on and off, float16 and bfloat16, one and two warpgroups, B_c 32, 64
-and 128, GQA with a window, varlen with an empty sequence; the cases of two warpgroups and the producer warpgroup
+sequences not a multiple of the tiles, causal on and off, float16 and bfloat16, one and two warpgroups, B_c 32, 48,
+64 and 128, GQA with a window, varlen with an empty sequence; the cases of two warpgroups and the producer warpgroup
 (the default threads) copy with tensor maps (head_dim 32, 64, 96, 128, 160 and 256, GQA with a window too), the
 ones of one warpgroup (head_dim 128 and 224) and varlen per thread; each result's largest error against the
 float64 reference is printed.
@@ -26,6 +26,7 @@ cases = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, causal, dty
     (1, 140, 300, 2, 1, 32, True, np.float16, None, None, None),  # head_dim 32: one 64-byte swizzled box a row
     (1, 150, 230, 2, 1, 160, True, np.float16, None, None, None),  # head_dim 160: five 64-byte boxes, B_c 64
     (1, 170, 140, 2, 2, 256, False, ml_dtypes.bfloat16, None, None, (50, 10)),  # head_dim 256: B_c 32
+    (1, 190, 250, 2, 1, 256, True, np.float16, 128, 48, None),  # head_dim 256, key tiles of 48: six-atom boxes
     (1, 100, 120, 1, 1, 224, True, np.float16, 64, 32, None),  # one warpgroup, per-thread copies at 224
 ]
 for b, sq, sk, h, hk, d, causal, dtype, bm, bn, window in cases:
