@@ -225,11 +225,11 @@ def flash_attn_forward(
         "3xtf32": float32 on tensor cores (opt-in; head_dim 64 or 128, causal or not, no other option): operands
         rounded to TF32 (about float16's precision), or split in two TF32 parts and multiplied three times (about
         float32's precision), flashnumba.kernels.mma_tf32; "wgmma": the Hopper kernel on warpgroup MMA (the
-        default on compute capability 9.0 at head_dim 32 to 256 forward and 32, 64, 96, 128 and 256 backward,
+        default on compute capability 9.0 at every head_dim a multiple of 32 up to 256, both passes,
         flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS (the forward at 96 where it copies with tensor maps: sequences
         of equal length, at most two options); 9.0
         only, float16 or bfloat16, head_dim a multiple of 32 up to 256, every option; block_m 64 or 128 as one or
-        two warpgroups, block_n 32, 48, 64 or 128 (above head_dim 128 by default 64, at 256 32: the shared
+        two warpgroups, block_n 32, 48, 64 or 128 (above head_dim 128 by default 64, at 256 48: the shared
         memory; 48 where the threads that copy take it, flashnumba.kernels.wgmma_forward.check); num_threads
         2 block_m, or + 32 or + 128 for a producer of one warp or four, the default),
         flashnumba.kernels.wgmma_forward; at head_dim 96
@@ -648,7 +648,9 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     ``return_lse``; a row that sees no key has out 0 and lse -inf. The functions run on the tensor-core forward
     for float16 / bfloat16 on a GPU (``kernel`` None or "tc") and on the register-tiled SIMT kernels otherwise
     (None, "v3" or "v2"); also on the Hopper forward (``kernel="wgmma"``, compute capability 9.0: the score_mod at
-    every score, the mask_mod in the forward's mask pass, run only in the tiles it may hide entries of);
+    every score, the mask_mod in the forward's mask pass, run only in the tiles it may hide entries of), which
+    ``kernel=None`` takes there for a mask_mod without a score_mod at the head dims of
+    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS` (blocks of a block mask multiples of 128);
     ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
     ``block_mask``: a :class:`flashnumba.blockmask.BlockMask` of the mask_mod (``create_block_mask``, with the
     same score_mod_args): the tensor-core and Hopper forwards then skip the key blocks it hides entirely and
@@ -727,7 +729,8 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
     Runs on the tensor cores for float16 / bfloat16 on a GPU (``kernel`` None or "tc": the functions compiled
     into :mod:`flashnumba.kernels.mma_backward`) and on the register-tiled SIMT backward otherwise (None or
     "v2"); also on the Hopper backward (``kernel="wgmma"``, compute capability 9.0; with fewer key/value heads than
-    query heads, a block mask made for every head, H = 1); ``block_m``,
+    query heads, a block mask made for every head, H = 1), which ``kernel=None`` takes as :func:`flex_attention`
+    does (:data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`); ``block_m``,
     ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_backward`. ``block_mask``: as in
     :func:`flex_attention` (the one the forward took): the tensor-core and Hopper kernels skip the blocks it hides
     entirely and evaluate the mask_mod only in those it hides in part; their tiles are then the largest of theirs

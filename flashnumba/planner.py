@@ -17,7 +17,7 @@ How ``kernel=None`` chooses:
   (those are the SIMT kernels'); strided inputs are read in place (copied where their strides or start do not suit the
   16-byte row copies). On compute capability 9.0 the Hopper kernels (``wgmma``) instead, at the head dims where
   they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at every multiple of 32 up
-  to 256, the backward at 32, 64, 96, 128 and 256; the forward at 96 only where it copies with tensor maps,
+  to 256, both passes; the forward at 96 only where it copies with tensor maps,
   :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`),
   unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
   (:func:`_hopper_blocker`; the plan's ``why`` says so). The choice does not depend on the inputs' strides (the
@@ -221,7 +221,7 @@ def _mma_blocker(tq, tensors, limits, tiles_given, pass_="forward") -> str | Non
     return None
 
 
-def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | None:
+def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False) -> str | None:
     """Where the tensor-core kernels apply on a GPU of compute capability 9.0, whether ``kernel=None`` takes the
     Hopper kernels (``wgmma``) instead: None where it does, else the reason (as "; ..." to append to the plan's
     why; "" on other GPUs). The head dims are :data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`, those where the
@@ -230,21 +230,34 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic) -> str | No
     the ``mma.sync`` kernels'. Strided inputs do not change the choice (the Hopper kernels copy them to C-contiguous
     rows, where the ``mma.sync`` kernels read them in place): a call gives the same bits whatever its inputs'
     layout (packed qkv or not), at the cost of the copies; only without CuPy, which makes them, do they keep
-    the ``mma.sync`` kernels."""
+    the ``mma.sync`` kernels.
+
+    ``mods``: a call with a user's mask_mod or block mask (``flex_attention``), where the head dims are
+    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`, a score_mod keeps ``tc``, and a block mask is taken
+    where its blocks are multiples of 128 (every tile of the Hopper kernels divides them) and, in the backward with
+    fewer key/value heads than query heads, made for every head."""
     if tuple(limits.cc) != (9, 0):
         return ""
     D = tq.shape[-1]
-    if D not in tiling.WGMMA_DEFAULT_HEAD_DIMS[pass_]:
-        return f"; not wgmma: the Hopper {pass_} is the faster at head_dim " \
-               f"{', '.join(map(str, tiling.WGMMA_DEFAULT_HEAD_DIMS[pass_]))}"
+    head_dims = (tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS if mods else tiling.WGMMA_DEFAULT_HEAD_DIMS)[pass_]
+    if D not in head_dims:
+        return f"; not wgmma: the Hopper {pass_} is the faster{' with a mask_mod' if mods else ''} at head_dim " \
+               f"{', '.join(map(str, head_dims))}"
+    if mods and opts.mods is not None and opts.mods.score_mod is not None:
+        return "; not wgmma: a score_mod (the Hopper kernels take one when asked for, kernel='wgmma')"
     for table in ("wgmma",) if pass_ == "forward" else ("wgmma_dq", "wgmma_dkdv"):
         try:
             tiling.default(table, D, limits)
         except ValueError:
             return (f"; not wgmma: its tiles need more than the {limits.max_shared_per_block} bytes of shared memory "
                     f"a block may use here")
-    if opts.block_mask is not None:
+    if opts.block_mask is not None and not mods:
         return "; not wgmma: a block mask"
+    if opts.block_mask is not None and (opts.block_mask[0] % 128 or opts.block_mask[1] % 128):
+        return "; not wgmma: a block mask whose blocks are not multiples of 128"
+    if (opts.block_mask is not None and pass_ == "backward" and opts.block_mask[2].shape[1] > 1
+            and any(t.name == "k" and t.shape[-2] != tq.shape[-2] for t in tensors)):
+        return "; not wgmma: a block mask made per head, with fewer key/value heads than query heads"
     if not deterministic:
         return "; not wgmma: deterministic=False (the atomic dQ)"
     if _arrays.cupy is None and any(t.name in ("q", "k", "v", "dout") and t.kind != "numpy" and not _c_layout(t)
@@ -326,7 +339,10 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=
                            f": asked for by kernel=", None
         if (kernel is None and (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))
                 and _mma_blocker(tq, tensors, limits, tiles_given, pass_) is None):
-            return "tc", "a user's score_mod / mask_mod on the tensor cores", None
+            hopper = _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=True)
+            if hopper is None:
+                return "wgmma", "a user's mask_mod on Hopper's warpgroup MMA (wgmma)", None
+            return "tc", f"a user's score_mod / mask_mod on the tensor cores{hopper}", None
         return kernel or simt, "a user's score_mod / mask_mod: the register-tiled SIMT kernels", None
     if kernel is not None:
         if kernel not in families:

@@ -55,9 +55,14 @@ MMA_BACKWARD_HEAD_DIMS = mma_backward.BACKWARD_HEAD_DIMS  # and the backward
 # tests/test_tc.py::test_tc_every_head_dim_gpu (the multiples of 8 that are not of 16 padded in shared memory)
 MMA_DEFAULT_HEAD_DIMS = MMA_HEAD_DIMS
 # On compute capability 9.0, kernel=None takes the Hopper kernels (kernel="wgmma") at the head dims where they are
-# the faster (docs/benchmarks.md, "How fast is the Hopper forward?" and "... backward?"; the backward at 160, 192
-# and 224 keeps mma.sync until the two are measured in one run)
-WGMMA_DEFAULT_HEAD_DIMS = {"forward": (32, 64, 96, 128, 160, 192, 224, 256), "backward": (32, 64, 96, 128, 256)}
+# the faster (docs/benchmarks.md, "How fast is the Hopper forward?" and "... backward?"): every multiple of 32 up to
+# 256, both passes
+WGMMA_DEFAULT_HEAD_DIMS = {"forward": (32, 64, 96, 128, 160, 192, 224, 256),
+                           "backward": (32, 64, 96, 128, 160, 192, 224, 256)}
+# With a user's mask_mod or block mask (flex_attention; no score_mod), the head dims where kernel=None takes the
+# Hopper kernels: those where they ran faster than the mma.sync kernels beside FlexAttention (docs/benchmarks.md,
+# "How fast is your own attention variant?"); elsewhere the mma.sync kernels
+WGMMA_MODS_DEFAULT_HEAD_DIMS = {"forward": (64, 128), "backward": (64,)}
 # the head dims where the Hopper forward is the faster only with its tensor-map copies (the per-thread copies of
 # three 32-column blocks a row ran at 0.70x the mma.sync kernel there): kernel=None keeps mma.sync where a call's
 # plan would not take them (packed sequences, more than two options compiled in, config.hopper_tma off)
@@ -299,9 +304,11 @@ TABLES = {
         Candidate(224, Tiles(128, 64, 384), "two warpgroups sharing each K_j, V_j of 64 keys (three stages beside "
                   "Q_i: 227 KB at d = 224), copied by a producer warpgroup; S of 64 keys beside O within the "
                   f"{wgmma_forward.CONSUMER_REGISTERS} registers a thread", min_cc=(9, 0), min_head_dim=128),
-        Candidate(256, Tiles(128, 32, 384), "two warpgroups sharing each K_j, V_j of 32 keys (three stages of 64 "
-                  "keys beside Q_i would take 256 KB at d = 256), copied by a producer warpgroup", min_cc=(9, 0),
-                  min_head_dim=128),
+        Candidate(256, Tiles(128, 48, 384), "two warpgroups sharing each K_j, V_j of 48 keys (three stages of 64 "
+                  "keys beside Q_i would take 256 KB at d = 256; of 48, 208 KB), copied by a producer warpgroup "
+                  "(1.4x key tiles of 32)", min_cc=(9, 0), min_head_dim=128),
+        Candidate(256, Tiles(128, 32, 384), "two warpgroups sharing each K_j, V_j of 32 keys, copied by a producer "
+                  "warpgroup", min_cc=(9, 0), min_head_dim=128),
         Candidate(256, Tiles(64, 32, 128), "one warpgroup, B_c 32", min_cc=(9, 0), min_head_dim=128),
     ],
     # the Hopper backward (block_m query rows, block_n keys): dQ with a warpgroup per 64 query rows, dK/dV with one
@@ -364,8 +371,9 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     options (the window's left and right bounds counted apart, softcap, ALiBi, varlen, dropout) some variants
     still spill (both window bounds with dropout; all six): those run without a producer, at B_c 64 (without a
     producer the faster). With at most two, every variant but varlen with dropout (B_c 64) fits 128 keys' scores
-    beside O at d = 64, 96 and 128, and every variant 64 keys' beside O at d = 160 to 224 and 32 keys' at 256 (the
-    table's tiles there; ``scripts/wgmma_spills.py``). Without the rebalancing (a caller's 256 or 288
+    beside O at d = 64, 96 and 128, and every variant 64 keys' beside O at d = 160 to 224 and 48 keys' at 256 (the
+    table's tiles there; ``scripts/wgmma_spills.py``), where packed sequences with dropout, more than two options
+    and the options' per-score work without the rebalancing take 32 keys. Without the rebalancing (a caller's 256 or 288
     threads), a tile of 128 keys fits only with no softcap or ALiBi and at most one of a window bound and dropout;
     other variants take B_c 64 there."""
     has_left, has_right, softcap, alibi, varlen, dropout = variant
@@ -376,15 +384,17 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
         new = new._replace(num_threads=2 * t.block_m)
     rebalanced = wgmma_rebalances(new)
     heavy = (varlen and dropout) if rebalanced else per_score
-    if "block_n" not in given and t.block_n > 64 and (many or heavy):
-        new = new._replace(block_n=64)
+    if "block_n" not in given and (t.block_n > 64 or t.block_n == 48) and (many or heavy):
+        new = new._replace(block_n=64 if t.block_n > 64 else 32)
     why = []
     if new.num_threads != t.num_threads:
         why.append("without the producer: more than two options compiled in")
     if new.block_n != t.block_n:
-        why.append("B_c 64: " + ("more than two options compiled in" if many else
-                                 "packed sequences with dropout need the registers of 128 keys' scores" if rebalanced
-                                 else "the options' per-score work needs the registers of 128 keys' scores"))
+        keys = "128 keys'" if t.block_n > 64 else "48 keys' (beside O of d = 256)"
+        why.append(f"B_c {new.block_n}: " + ("more than two options compiled in" if many else
+                                             f"packed sequences with dropout need the registers of {keys} scores"
+                                             if rebalanced else
+                                             f"the options' per-score work needs the registers of {keys} scores"))
     return new, "; ".join(why)
 
 

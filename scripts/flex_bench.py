@@ -1,6 +1,6 @@
 """flex_attention on the GPU beside the built-in kernels and PyTorch's FlexAttention, on the same masks.
 
-    python scripts/flex_bench.py [--out DIR] [--seqlen 8192] [--head-dims 64 128] [--backward]
+    python scripts/flex_bench.py [--out DIR] [--seqlen 8192] [--head-dims 64 128] [--backward] [--skip TEXT ...]
 
 Workload: float16, batch = 16384 / seqlen, heads = 2048 / head_dim, forward. Rows (milliseconds, one call per
 pair of CUDA events after warm-up, and TFLOP/s of the work the mask leaves):
@@ -11,7 +11,8 @@ pair of CUDA events after warm-up, and TFLOP/s of the work the mask leaves):
 * 8 documents per sequence as a mask_mod, with and without a block mask;
 * torch.nn.attention.flex_attention (torch.compile) with its own block mask, on the same masks;
 * on compute capability 9.0, the causal and documents mask_mods with their block masks on the Hopper kernels
-  (``kernel="wgmma"``), forward and backward, rows named "(Hopper)".
+  (``kernel="wgmma"``), forward and backward, rows named "(Hopper)"; the other mask_mod rows there run the
+  ``mma.sync`` kernels (``kernel="tc"``), and the built-in rows ``kernel=None``'s (the Hopper kernels).
 
 With ``--backward``, also the backward pass (TFLOP/s counted as 2.5 forwards): the built-in kernels' dense and
 causal backward, ``flex_attention_backward`` with the causal and the documents mask_mod on the tensor cores (the
@@ -62,6 +63,8 @@ def main():
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--backward", action="store_true", help="time the backward pass too")
+    ap.add_argument("--skip", nargs="*", default=[], metavar="TEXT",
+                    help="leave out the rows whose name holds TEXT (e.g. 'no block mask': the slowest to compile)")
     args = ap.parse_args()
     import torch
     from torch.nn.attention import flex_attention as tflex
@@ -95,19 +98,21 @@ def main():
         tbm_doc = tflex.create_block_mask(tdoc, 1, 1, n, n, device="cuda")
         tbm_causal = tflex.create_block_mask(tcausal, 1, 1, n, n, device="cuda")
         density_doc = 1.0 / args.docs
+        tc = dict(kernel="tc") if HOPPER else {}  # (kernel=None takes the Hopper kernels for a mask_mod there)
         cases = [  # (name, density of visible entries, fn)
             ("dense built-in", 1.0, lambda: flashnumba.flash_attn_forward(q, k, v)[0]),
             ("torch SDPA default backend, dense", 1.0,
              lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)),
             ("causal built-in", 0.5, lambda: flashnumba.flash_attn_forward(q, k, v, causal=True)[0]),
             ("causal mask_mod + block mask", 0.5,
-             lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_causal)),
-            ("causal mask_mod, no block mask", 0.5, lambda: flashnumba.flex_attention(q, k, v, mask_mod=causal_mod)),
+             lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_causal, **tc)),
+            ("causal mask_mod, no block mask", 0.5,
+             lambda: flashnumba.flex_attention(q, k, v, mask_mod=causal_mod, **tc)),
             ("torch flex causal", 0.5, lambda: compiled(tq, tk, tv, block_mask=tbm_causal)),
             ("documents mask_mod + block mask", density_doc,
-             lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_doc, score_mod_args=(docs,))),
+             lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_doc, score_mod_args=(docs,), **tc)),
             ("documents mask_mod, no block mask", density_doc,
-             lambda: flashnumba.flex_attention(q, k, v, mask_mod=doc_mod, score_mod_args=(docs,))),
+             lambda: flashnumba.flex_attention(q, k, v, mask_mod=doc_mod, score_mod_args=(docs,), **tc)),
             ("torch flex documents", density_doc, lambda: compiled(tq, tk, tv, block_mask=tbm_doc)),
         ]
         if HOPPER:
@@ -118,6 +123,7 @@ def main():
                  lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_doc, score_mod_args=(docs,),
                                                    kernel="wgmma")),
             ]
+        cases = [c for c in cases if not any(x in c[0] for x in args.skip)]
         outs = {}
         for name, dens, fn in cases:
             out = fn()
@@ -139,16 +145,20 @@ def main():
                                                               "causal mask_mod, no block mask"]),
                                       ("documents", tbm_doc, ["documents mask_mod + block mask",
                                                               "documents mask_mod, no block mask"])):
+            if f"torch flex {mask_name}" not in outs:
+                continue
             want = as_np(compiled(tq32, tk32, tv32, block_mask=tbm))
             theirs = np.abs(as_np(outs[f"torch flex {mask_name}"]) - want).max()
             for name in pairs + ([f"{mask_name} mask_mod + block mask (Hopper)"] if HOPPER else []):
+                if name not in outs:
+                    continue
                 ours = np.abs(as_np(outs[name]) - want).max()
                 rows.append(dict(head_dim=d, case=f"max |out - float32 flex| {name}", value=float(ours),
                                  torch_flex_value=float(theirs)))
                 print(f"d={d} {name}: max diff from float32 {ours:.2e} (torch flex fp16: {theirs:.2e})")
         if args.backward:
             rows += backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, (bm_causal, tbm_causal),
-                                  (bm_doc, tbm_doc), compiled, density_doc)
+                                  (bm_doc, tbm_doc), compiled, density_doc, args.skip)
         rows.append(dict(head_dim=d, case="create_block_mask seconds (both masks, first call)", value=make_s))
         rows.append(dict(head_dim=d, case="block mask density documents", value=bm_doc.density()))
     result = dict(date=time.strftime("%Y-%m-%d"), command="python scripts/flex_bench.py " + " ".join(sys.argv[1:]),
@@ -158,10 +168,11 @@ def main():
         json.dump(result, f, indent=1)
 
 
-def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, doc_masks, compiled, density_doc):
+def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, doc_masks, compiled, density_doc,
+                  skip=()):
     """The backward cases (see the module's docstring): rows of ms and TFLOP/s, then the largest difference of
     each flashnumba gradient from FlexAttention's. ``causal_masks``, ``doc_masks``: (flashnumba's block mask,
-    FlexAttention's) of each mask."""
+    FlexAttention's) of each mask; ``skip``: the rows whose name holds any of these left out."""
     import torch
 
     (bm_causal, tbm_causal), (bm_doc, tbm_doc) = causal_masks, doc_masks
@@ -186,19 +197,20 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, d
 
         return run
 
+    tc = dict(kernel="tc") if HOPPER else {}  # (kernel=None takes the Hopper kernels for a mask_mod there)
     cases = [  # (name, density, fn returning (dq, dk, dv))
         ("backward dense built-in", 1.0, lambda: flashnumba.flash_attn_backward(dout, q, k, v, out_d, lse_d)),
         ("backward causal built-in", 0.5,
          lambda: flashnumba.flash_attn_backward(dout, q, k, v, out_c, lse_c, causal=True)),
         ("backward causal mask_mod + block mask", 0.5, lambda: flashnumba.flex_attention_backward(
-            dout, q, k, v, out_c, lse_c, block_mask=bm_causal)),
+            dout, q, k, v, out_c, lse_c, block_mask=bm_causal, **tc)),
         ("backward causal mask_mod, no block mask", 0.5, lambda: flashnumba.flex_attention_backward(
-            dout, q, k, v, out_c, lse_c, mask_mod=causal_mod)),
+            dout, q, k, v, out_c, lse_c, mask_mod=causal_mod, **tc)),
         ("backward torch flex causal", 0.5, torch_backward(tbm_causal)),
         ("backward documents mask_mod + block mask", density_doc, lambda: flashnumba.flex_attention_backward(
-            dout, q, k, v, out_m, lse_m, block_mask=bm_doc, score_mod_args=(docs,))),
+            dout, q, k, v, out_m, lse_m, block_mask=bm_doc, score_mod_args=(docs,), **tc)),
         ("backward documents mask_mod, no block mask", density_doc, lambda: flashnumba.flex_attention_backward(
-            dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,))),
+            dout, q, k, v, out_m, lse_m, mask_mod=doc_mod, score_mod_args=(docs,), **tc)),
         ("backward torch flex documents", density_doc, torch_backward(tbm_doc)),
     ]
     if HOPPER:
@@ -209,6 +221,7 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, d
              lambda: flashnumba.flex_attention_backward(dout, q, k, v, out_m, lse_m, block_mask=bm_doc,
                                                         score_mod_args=(docs,), kernel="wgmma")),
         ]
+    cases = [c for c in cases if not any(x in c[0] for x in skip)]
     rows, grads = [], {}
     for name, dens, fn in cases:
         grads[name] = fn()
@@ -227,8 +240,12 @@ def backward_rows(d, n, batch, heads, q, k, v, tq, tk, tv, docs, causal_masks, d
                                          "backward causal mask_mod, no block mask"]),
                              ("documents", ["backward documents mask_mod + block mask",
                                             "backward documents mask_mod, no block mask"])):
+        if f"backward torch flex {mask_name}" not in grads:
+            continue
         theirs = [as_np(g) for g in grads[f"backward torch flex {mask_name}"]]
         for name in names + ([f"backward {mask_name} mask_mod + block mask (Hopper)"] if HOPPER else []):
+            if name not in grads:
+                continue
             diff = max(float(np.abs(as_np(g) - t).max()) for g, t in zip(grads[name], theirs))
             rows.append(dict(head_dim=d, case=f"max |grad - torch flex grad| {name}", value=diff))
             print(f"d={d} {name}: largest difference of dq, dk, dv from FlexAttention's {diff:.2e}")

@@ -690,6 +690,46 @@ def test_what_the_hopper_kernels_do_not_take_is_refused():
                                            enable_gqa=True, kernel="wgmma")
 
 
+def test_kernel_none_takes_the_hopper_kernels_for_a_mask_mod(monkeypatch):
+    """On compute capability 9.0 kernel=None takes the Hopper kernels for a mask_mod without a score_mod at the head
+    dims of tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS (with a block mask of 128-blocks too); "tc" with a score_mod, at
+    the other head dims, and on other GPUs. The plan says why."""
+    import dataclasses
+
+    from flashnumba import _validate, planner
+    from flashnumba.api import _check_block_mask, check_forward_args
+    from flashnumba.blockmask import BlockMask
+    monkeypatch.setattr(planner, "SIMULATOR", False)
+    rng = np.random.default_rng(0)
+
+    def kernels(name, D, block=None, device="sm_90"):
+        score_mod, grad, mask_mod, make_args = EXAMPLES[name]
+        q = np.zeros((1, 256, 2, D), np.float16)
+        args = make_args(256, 256, rng) if make_args else ()
+        (tq, tk, tv), opts = check_forward_args(q, q, q)
+        mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, args, False, backward=True)
+        opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
+        if block:  # (its arrays made here: no GPU to classify)
+            z = np.zeros((1, 1, 256 // block, 256 // block), np.int32)
+            bm = BlockMask(mask_mod, args, (256, 256), block, block, z[..., 0].copy(), z, z.astype(np.int8),
+                           z[..., 0].copy(), z)
+            opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
+        lse = np.zeros((1, 2, 256), np.float32)
+        tdo, to, tl = (_validate.inspect(n, x, nd) for n, x, nd in (("dout", q, 4), ("out", q, 4), ("lse", lse, 3)))
+        fwd = planner.forward_plan(tq, tk, tv, opts, device=device)
+        bwd = planner.backward_plan(tdo, tq, tk, tv, to, tl, opts, device=device)
+        return fwd.kernel, bwd.kernel, fwd.why + " | " + bwd.why
+
+    assert tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS == {"forward": (64, 128), "backward": (64,)}  # (measured)
+    for block in (None, 128, 256):
+        assert kernels("documents", 64, block)[:2] == ("wgmma", "wgmma")
+        assert kernels("causal", 128, block)[:2] == ("wgmma", "tc")
+    fwd, bwd, why = kernels("causal", 96)
+    assert (fwd, bwd) == ("tc", "tc") and "not wgmma: the Hopper forward is the faster with a mask_mod" in why
+    fwd, bwd, why = kernels("alibi+causal", 64)
+    assert (fwd, bwd) == ("tc", "tc") and "not wgmma: a score_mod" in why
+    assert kernels("documents", 64, device="sm_80")[:2] == ("tc", "tc")
+
 def _documents_block_mask(seed, d, dtype):
     """q, k, v (1 x 20 x 1 x d), the documents example's mask_mod and arrays, and its block mask (16-row blocks)."""
     _, _, mask_mod, make_args = EXAMPLES["documents"]

@@ -130,7 +130,7 @@ def test_head_dims_above_128(monkeypatch):
     """Above head_dim 128 at the default tiles, forward and backward. Head_dim 160: the forward's rows five 64-byte
     swizzled boxes copied with tensor maps, B_c 64; the dK/dV kernel's two warpgroups on 64 keys each hold half of
     dK_j's and dV_j's head dims (80: not whole boxes, so copied per thread) and exchange partial S^T, dP^T, and with
-    config.hopper_exchange off each computes them whole. Head_dim 256, causal with a window: the forward's B_c 32,
+    config.hopper_exchange off each computes them whole. Head_dim 256, causal with a window: the forward's B_c 48,
     the dK/dV kernel's halves two boxes each (tensor maps). The forward of packed sequences at head_dim 224
     (per-thread copies of seven 4-block groups a row, load_core's general form)."""
     rng = np.random.default_rng(256)
@@ -138,7 +138,7 @@ def test_head_dims_above_128(monkeypatch):
                                       (256, 50, 60, dict(causal=True, window_size=(40, 0)), True)):
         q, k, v = random_qkv(rng, 1, sq, sk, 1, D, np.float16)
         plan = flashnumba.plan(q, k, v, kernel="wgmma", device="sm_90", **opts)
-        assert "tensor maps" in plan.launches[0].reason and plan.launches[0].tiles.block_n == (32 if D == 256 else 64)
+        assert "tensor maps" in plan.launches[0].reason and plan.launches[0].tiles.block_n == (48 if D == 256 else 64)
         out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
         check_forward(out, lse, q, k, v, **opts)
         dout = rng.standard_normal(out.shape).astype(q.dtype)
@@ -286,6 +286,28 @@ def test_packed_sequences_with_dropout_take_64_keys():
         assert tiling.wgmma_for_variant(t, one) == (t, "")
 
 
+
+def test_head_dim_256_takes_48_keys_where_they_fit():
+    """At head_dim 256 the plan takes key tiles of 48 with the producer warpgroup (three stages beside Q_i fit;
+    compiled for sm_90a, no spills with up to two options); 32 for packed sequences with dropout (48 keys' scores
+    spill there), more than two options (no producer), and a caller's threads without the producer where the
+    options work per score. A caller's block_n is kept."""
+    from flashnumba.kernels.common import Variant
+    q = np.zeros((1, 70, 2, 256), np.float16)
+    (launch,) = flashnumba.plan(q, q, q, kernel="wgmma", device="sm_90", causal=True).launches
+    assert tuple(launch.tiles) == (128, 48, 384) and "B_c" not in launch.reason
+    t = tiling.Tiles(128, 48, 384)
+    for variant in (Variant(), Variant(True, False, False, False, False, True), Variant(False, False, True, True),
+                    Variant(varlen=True), Variant(dropout=True)):
+        assert tiling.wgmma_for_variant(t, variant) == (t, "")
+    new, why = tiling.wgmma_for_variant(t, Variant(varlen=True, dropout=True))
+    assert new == tiling.Tiles(128, 32, 384) and why.startswith("B_c 32: packed sequences with dropout")
+    new, why = tiling.wgmma_for_variant(t, Variant(True, True, True))
+    assert new == tiling.Tiles(128, 32, 256) and "B_c 32: more than two options" in why
+    new, why = tiling.wgmma_for_variant(t._replace(num_threads=256), Variant(softcap=True), given=("num_threads",))
+    assert new == tiling.Tiles(128, 32, 256) and why.startswith("B_c 32: the options' per-score work")
+    assert tiling.wgmma_for_variant(t, Variant(varlen=True, dropout=True), given=("block_n",)) == (t, "")
+
 COMPILE = r"""
 import json
 from flashnumba import _launch
@@ -399,7 +421,7 @@ def test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, threads):
 @pytest.mark.parametrize("D", [160, 192, 224, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_sizes_head_dims_above_128(seqlen_q, seqlen_k, causal, D, dtype):
-    """The forward above head_dim 128 at the default tiles (B_c 64, at 256 32; tensor-map copies)."""
+    """The forward above head_dim 128 at the default tiles (B_c 64, at 256 48; tensor-map copies)."""
     test_gpu_sizes_default_tiles(seqlen_q, seqlen_k, causal, D, dtype, None)
 
 
