@@ -649,8 +649,8 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     for float16 / bfloat16 on a GPU (``kernel`` None or "tc") and on the register-tiled SIMT kernels otherwise
     (None, "v3" or "v2"); also on the Hopper forward (``kernel="wgmma"``, compute capability 9.0: the score_mod at
     every score, the mask_mod in the forward's mask pass, run only in the tiles it may hide entries of), which
-    ``kernel=None`` takes there for a mask_mod without a score_mod at the head dims of
-    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS` (blocks of a block mask multiples of 128);
+    ``kernel=None`` takes there for a block mask without a score_mod at the head dims of
+    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS` (its blocks multiples of 128);
     ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
     ``block_mask``: a :class:`flashnumba.blockmask.BlockMask` of the mask_mod (``create_block_mask``, with the
     same score_mod_args): the tensor-core and Hopper forwards then skip the key blocks it hides entirely and

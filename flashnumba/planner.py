@@ -233,9 +233,10 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
     the ``mma.sync`` kernels.
 
     ``mods``: a call with a user's mask_mod or block mask (``flex_attention``), where the head dims are
-    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`, a score_mod keeps ``tc``, and a block mask is taken
-    where its blocks are multiples of 128 (every tile of the Hopper kernels divides them) and, in the backward with
-    fewer key/value heads than query heads, made for every head."""
+    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`, a score_mod or a mask_mod without a block mask keeps
+    ``tc`` (the configurations measured), and a block mask is taken where its blocks are multiples of 128 (every
+    tile of the Hopper kernels divides them) and, in the backward with fewer key/value heads than query heads,
+    made for every head."""
     if tuple(limits.cc) != (9, 0):
         return ""
     D = tq.shape[-1]
@@ -245,6 +246,8 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
                f"{', '.join(map(str, head_dims))}"
     if mods and opts.mods is not None and opts.mods.score_mod is not None:
         return "; not wgmma: a score_mod (the Hopper kernels take one when asked for, kernel='wgmma')"
+    if mods and opts.block_mask is None:
+        return "; not wgmma: a mask_mod without a block mask (the Hopper kernels take one when asked for)"
     for table in ("wgmma",) if pass_ == "forward" else ("wgmma_dq", "wgmma_dkdv"):
         try:
             tiling.default(table, D, limits)

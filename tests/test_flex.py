@@ -691,9 +691,9 @@ def test_what_the_hopper_kernels_do_not_take_is_refused():
 
 
 def test_kernel_none_takes_the_hopper_kernels_for_a_mask_mod(monkeypatch):
-    """On compute capability 9.0 kernel=None takes the Hopper kernels for a mask_mod without a score_mod at the head
-    dims of tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS (with a block mask of 128-blocks too); "tc" with a score_mod, at
-    the other head dims, and on other GPUs. The plan says why."""
+    """On compute capability 9.0 kernel=None takes the Hopper kernels for a mask_mod with a block mask of 128-blocks
+    (or larger) and no score_mod at the head dims of tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS; "tc" with a score_mod,
+    without a block mask, at the other head dims, and on other GPUs. The plan says why."""
     import dataclasses
 
     from flashnumba import _validate, planner
@@ -721,14 +721,16 @@ def test_kernel_none_takes_the_hopper_kernels_for_a_mask_mod(monkeypatch):
         return fwd.kernel, bwd.kernel, fwd.why + " | " + bwd.why
 
     assert tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS == {"forward": (64, 128), "backward": (64,)}  # (measured)
-    for block in (None, 128, 256):
+    for block in (128, 256):
         assert kernels("documents", 64, block)[:2] == ("wgmma", "wgmma")
         assert kernels("causal", 128, block)[:2] == ("wgmma", "tc")
-    fwd, bwd, why = kernels("causal", 96)
+    fwd, bwd, why = kernels("causal", 96, 128)
     assert (fwd, bwd) == ("tc", "tc") and "not wgmma: the Hopper forward is the faster with a mask_mod" in why
-    fwd, bwd, why = kernels("alibi+causal", 64)
+    fwd, bwd, why = kernels("causal", 64)
+    assert (fwd, bwd) == ("tc", "tc") and "not wgmma: a mask_mod without a block mask" in why
+    fwd, bwd, why = kernels("alibi+causal", 64, 128)
     assert (fwd, bwd) == ("tc", "tc") and "not wgmma: a score_mod" in why
-    assert kernels("documents", 64, device="sm_80")[:2] == ("tc", "tc")
+    assert kernels("documents", 64, 128, device="sm_80")[:2] == ("tc", "tc")
 
 def _documents_block_mask(seed, d, dtype):
     """q, k, v (1 x 20 x 1 x d), the documents example's mask_mod and arrays, and its block mask (16-row blocks)."""
