@@ -973,13 +973,24 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             if exchange:
                 reason = (f"{reason}; its two warpgroups multiply half of the head dims each into S^T and dP^T and "
                           "exchange the partial sums")
-            smem = (wgmma_backward.shared_bytes_dq(D, t.block_m, t.block_n, tma) if which == "dq"
-                    else wgmma_backward.shared_bytes_dkdv(D, t.block_m, t.block_n, tma, exchange))
+            def nbytes(stages, t=t, which=which, tma=tma, exchange=exchange):
+                return (wgmma_backward.shared_bytes_dq(D, t.block_m, t.block_n, tma, stages) if which == "dq" else
+                        wgmma_backward.shared_bytes_dkdv(D, t.block_m, t.block_n, tma, exchange, stages))
+
+            stages = wgmma_backward.pipeline_stages(nbytes, tma, limits.max_shared_per_block)
+            if stages != wgmma_backward.STAGES:
+                reason = f"{reason}; {stages} buffers in the pipeline (the shared memory's room)"
+            smem = nbytes(stages)
+            if smem > limits.max_shared_per_block:  # (three buffers without the producer's tensor-map copies)
+                raise ValueError(f"the wgmma {'dQ' if which == 'dq' else 'dK/dV'} kernel at tiles {tuple(t)[:2]} "
+                                 f"needs {smem} bytes of shared memory without the tensor-map copies (this call does "
+                                 f"not take them), more than the {limits.max_shared_per_block} a block may use here")
             grid = ((_cdiv(max_q, t.block_m), bsz * nheads) if which == "dq" else (_cdiv(max_k, t.block_n), bsz * nk))
             launched.append(KernelLaunch(
                 "dQ wgmma" if which == "dq" else "dK/dV wgmma", f"wgmma_{which}",
                 wgmma_backward.make_backward_dq_wgmma if which == "dq" else wgmma_backward.make_backward_dkdv_wgmma,
-                (D, opts.variant, loop, wg, name, gqa, tma, opts.mods, blocks) + ((exchange,) if kv else ()),
+                (D, opts.variant, loop, wg, name, gqa, tma, opts.mods, blocks) + ((exchange,) if kv else ())
+                + (stages,),
                 (io_dq if which == "dq" else io_kv) + tail + (param,) + MOD_PARAMS
                 + (BLOCK_MASK_PARAMS[:3] if which == "dq" else BLOCK_MASK_PARAMS[3:] + BLOCK_MASK_PARAMS[2:3]),
                 grid, (t.num_threads,), smem, t, reason, arch_specific=True, whole_program=tma,

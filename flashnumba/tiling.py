@@ -489,6 +489,12 @@ def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=()) -> tuple[
     return nq, nk, "tiles of 32 in both loops: a user's score_mod beside S and dP of 64 spills"
 
 
+def _powers_of_two(sizes):
+    """The powers of two among tile sizes: a block mask's tiles are chosen among them (tiles of 48, for head_dim
+    256's pipeline of two buffers, are taken only when asked for)."""
+    return tuple(x for x in sizes if x & (x - 1) == 0)
+
+
 def wgmma_backward_for_block_mask(tq: Tiles, tk: Tiles, blocks, D, given=()) -> tuple[Tiles, Tiles, str]:
     """The Hopper backward's tiles (dQ, dK/dV) at head dim D with a block mask of ``blocks`` (query block, key
     block; None: none), and why they differ ("" where not); ``given``: the names the caller chose (kept, and then
@@ -508,11 +514,11 @@ def wgmma_backward_for_block_mask(tq: Tiles, tk: Tiles, blocks, D, given=()) -> 
     if "block_m" not in given:
         m = fit(tq.block_m, rows, qb)
         nq = nq._replace(block_m=m, num_threads=wgmma_backward.threads(m // 64))
-        nk = nk._replace(block_m=fit(tk.block_m, wgmma_backward.DKDV_BLOCK_MS, qb))
+        nk = nk._replace(block_m=fit(tk.block_m, _powers_of_two(wgmma_backward.DKDV_BLOCK_MS), qb))
     if "block_n" not in given:
         n = fit(tk.block_n, rows, kb)
         nk = nk._replace(block_n=n, num_threads=wgmma_backward.threads(wgmma_backward.dkdv_warpgroups(D, n)))
-        nq = nq._replace(block_n=fit(tq.block_n, wgmma_backward.DQ_BLOCK_NS, kb))
+        nq = nq._replace(block_n=fit(tq.block_n, _powers_of_two(wgmma_backward.DQ_BLOCK_NS), kb))
     if (nq, nk) == (tq, tk):
         return tq, tk, ""
     return nq, nk, f"tiles that divide the block mask's blocks ({qb}, {kb})"
@@ -566,10 +572,13 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
         return mma_tf32_backward.shared_bytes_dkdv(D, m, n), False
     if table == "wgmma":  # (with the room the tensor-map copies' alignment takes, whether they apply or not)
         return wgmma_forward.shared_bytes(D, n, m, tma=True), False
-    if table == "wgmma_dq":  # (as the forward's, with the room of the tensor-map copies' alignment)
-        return wgmma_backward.shared_bytes_dq(D, m, n, tma=True), False
-    if table == "wgmma_dkdv":
-        return wgmma_backward.shared_bytes_dkdv(D, m, n, tma=True), False
+    if table in ("wgmma_dq", "wgmma_dkdv"):  # (as the forward's, with the tensor-map copies, and so the pipeline of
+        # two buffers where three would not fit: wgmma_backward.pipeline_stages)
+        def nbytes(stages):
+            return (wgmma_backward.shared_bytes_dq(D, m, n, True, stages) if table == "wgmma_dq" else
+                    wgmma_backward.shared_bytes_dkdv(D, m, n, True, stages=stages))
+
+        return nbytes(wgmma_backward.pipeline_stages(nbytes, True, ARCHS["sm_90"].max_shared_per_block)), False
     raise ValueError(f"unknown tile table {table!r}")
 
 

@@ -146,14 +146,14 @@ def test_head_dims_above_128(monkeypatch):
         dkdv = plan.launches[2]
         assert (dkdv.tiles.block_n, dkdv.factory_args[3]) == (64, 2), dkdv  # (two warpgroups on 64 keys)
         assert ("tensor maps" in dkdv.reason) == dkdv_tma, dkdv
-        assert dkdv.factory_args[-1] is True and "exchange the partial sums" in dkdv.reason, dkdv
+        assert dkdv.factory_args[-2] is True and "exchange the partial sums" in dkdv.reason, dkdv  # (then stages)
         grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
         check_backward(grads, dout, q, k, v, out, lse, **opts)
         if D == 160:  # (the form without the exchange)
             with monkeypatch.context() as m:
                 m.setattr(flashnumba.config, "hopper_exchange", False)
                 plan = flashnumba.plan_backward(dout, q, k, v, out, lse, kernel="wgmma", device="sm_90", **opts)
-                assert plan.launches[2].factory_args[-1] is False and "exchange" not in plan.launches[2].reason
+                assert plan.launches[2].factory_args[-2] is False and "exchange" not in plan.launches[2].reason
                 grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
                 check_backward(grads, dout, q, k, v, out, lse, **opts)
     lens_q, lens_k = [40, 0, 70], [9, 3, 75]
@@ -307,6 +307,32 @@ def test_head_dim_256_takes_48_keys_where_they_fit():
     new, why = tiling.wgmma_for_variant(t._replace(num_threads=256), Variant(softcap=True), given=("num_threads",))
     assert new == tiling.Tiles(128, 32, 256) and why.startswith("B_c 32: the options' per-score work")
     assert tiling.wgmma_for_variant(t, Variant(varlen=True, dropout=True), given=("block_n",)) == (t, "")
+
+
+def test_backward_tiles_of_48_at_256_in_two_buffers(monkeypatch):
+    """At head_dim 256 the dQ kernel's key tiles of 48 and the dK/dV kernel's query tiles of 48 fit the shared
+    memory with two buffers in the pipeline (three would take 272 and 257 KB), which the producer's mbarriers make
+    safe: the plan says so; gradients against the float64 reference (causal, tiles part-full). Without the
+    tensor-map copies two buffers are refused."""
+    from flashnumba.kernels import wgmma_backward
+    monkeypatch.setattr(tiling, "wgmma_dq_for_variant",
+                        lambda t, variant, given=(), D=None, tma=False: (t._replace(block_n=48), "forced"))
+    monkeypatch.setattr(tiling, "wgmma_dkdv_for_variant",
+                        lambda t, variant, D, given=(), tma=False: (t._replace(block_m=48), "forced"))
+    rng = np.random.default_rng(48)
+    q, k, v = random_qkv(rng, 1, 70, 110, 1, 256, np.float16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", causal=True)
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    plan = flashnumba.plan_backward(dout, q, k, v, out, lse, kernel="wgmma", device="sm_90", causal=True)
+    dq, dkdv = plan.launches[1], plan.launches[2]
+    assert dq.tiles.block_n == 48 and dkdv.tiles.block_m == 48
+    for launch in (dq, dkdv):
+        assert launch.factory_args[-1] == 2 and "2 buffers in the pipeline" in launch.reason, launch
+        assert "tensor maps" in launch.reason and launch.shared_bytes <= tiling.ARCHS["sm_90"].max_shared_per_block
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", causal=True)[:3]
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+    with pytest.raises(ValueError, match="or 2 with the tensor-map copies"):
+        wgmma_backward.make_backward_dq_wgmma(256, dq.factory_args[1], 48, 2, tma=False, stages=2)
 
 COMPILE = r"""
 import json

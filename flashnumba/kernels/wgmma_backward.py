@@ -97,8 +97,8 @@ from .wgmma_forward import (HEAD_DIMS, STAGES, TMA_HEAD_DIMS, check_block_mask, 
 # kernel's two warpgroups share 64 keys, each holding half of dK_j's and dV_j's head dims (module docstring)
 SPLIT_ABOVE = 128
 WARPGROUPS = (1, 2)
-DQ_BLOCK_NS = (32, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
-DKDV_BLOCK_MS = (32, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)
+DQ_BLOCK_NS = (32, 48, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
+DKDV_BLOCK_MS = (32, 48, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)
 
 
 # With tensor-map copies the producer warpgroup (one thread copying, one warp fetching L_i and D_i) keeps 40
@@ -120,12 +120,14 @@ def takes_tma(D, variant, warpgroups, which="dq", block_m=64) -> bool:
     """Whether a backward kernel (``which``: "dq" or "dkdv", the latter with query tiles of ``block_m``) copies with
     tensor maps (a producer warpgroup beside two that compute): as the forward
     (:func:`flashnumba.kernels.wgmma_forward.takes_tma`), head_dim in its TMA_HEAD_DIMS and sequences of equal
-    length; the dK/dV kernel above head_dim 96 only with query tiles of 32 (:data:`CONSUMER_REGISTERS`), and above
+    length; the dK/dV kernel above head_dim 96 only with query tiles of 32 (:data:`CONSUMER_REGISTERS`; of 48 above
+    :data:`SPLIT_ABOVE`, where each warpgroup holds half of dK_j's and dV_j's head dims), and above
     :data:`SPLIT_ABOVE` only where each warpgroup's half of the head dims is whole boxes of swizzled rows (head_dim
     256: two of 64)."""
     if which == "dkdv" and D > SPLIT_ABOVE and (D // 2) % (swizzle_span(D) // 2):
         return False
-    return forward_takes_tma(D, variant, warpgroups, 4) and (which == "dq" or D <= 96 or block_m <= 32)
+    return forward_takes_tma(D, variant, warpgroups, 4) and (which == "dq" or D <= 96 or block_m <= 32
+                                                               or (D > SPLIT_ABOVE and block_m <= 48))
 
 
 def dkdv_warpgroups(D, block_n):
@@ -134,10 +136,28 @@ def dkdv_warpgroups(D, block_n):
     return 2 if D > SPLIT_ABOVE else block_n // 64
 
 
-def shared_bytes_dq(D, block_m, block_n, tma=False):
-    """Q_i and dO_i (block_m rows), :data:`STAGES` K_j, V_j buffers (block_n rows), 16-bit elements; with
+def shared_bytes_dq(D, block_m, block_n, tma=False, stages=STAGES):
+    """Q_i and dO_i (block_m rows), ``stages`` K_j, V_j buffers (block_n rows), 16-bit elements; with
     tensor-map copies, room to start them on 1024 bytes."""
-    return (2 * block_m + 2 * STAGES * block_n) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
+    return (2 * block_m + 2 * stages * block_n) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
+
+
+def check_stages(stages, tma):
+    """``stages`` if the pipeline may run that many buffers: :data:`STAGES`, or two with a producer warpgroup (its
+    mbarriers hold each copy until the products that read the buffer have retired; a thread copying its own next
+    tile would overwrite the buffer that the last tile's products may still read)."""
+    if stages == STAGES or (stages == 2 and tma):
+        return stages
+    raise ValueError(f"the wgmma backward runs {STAGES} buffers, or 2 with the tensor-map copies of a producer "
+                     f"warpgroup; got {stages} (tensor maps: {bool(tma)})")
+
+
+def pipeline_stages(nbytes, tma, limit):
+    """:data:`STAGES` where ``nbytes(STAGES)`` bytes of shared memory fit ``limit``, else two where a producer copies
+    with tensor maps (``tma``) and they fit: the backward at head_dim 256 with tiles of 48 (module docstring)."""
+    if nbytes(STAGES) <= limit or not tma or nbytes(2) > limit:
+        return STAGES
+    return 2
 
 
 def exchanges(D, exchange=True) -> bool:
@@ -146,12 +166,12 @@ def exchanges(D, exchange=True) -> bool:
     return D > SPLIT_ABOVE and bool(exchange)
 
 
-def shared_bytes_dkdv(D, block_m, block_n, tma=False, exchange=True):
-    """K_j and V_j (block_n rows), :data:`STAGES` Q_i, dO_i buffers (block_m rows), 16-bit elements (dynamic; log2(e)
-    L_i and D_i of each buffer's queries, 2 STAGES block_m float32, are static arrays besides); with tensor-map
+def shared_bytes_dkdv(D, block_m, block_n, tma=False, exchange=True, stages=STAGES):
+    """K_j and V_j (block_n rows), ``stages`` Q_i, dO_i buffers (block_m rows), 16-bit elements (dynamic; log2(e)
+    L_i and D_i of each buffer's queries, 2 stages block_m float32, are static arrays besides); with tensor-map
     copies, room to start them on 1024 bytes; where the warpgroups exchange partial sums (:func:`exchanges`), the
     two warpgroups' S^T and dP^T after them (2 x 2 x 64 block_m float32)."""
-    return ((2 * block_n + 2 * STAGES * block_m) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
+    return ((2 * block_n + 2 * stages * block_m) * D * 2 + (hop.SWIZZLE_ALIGN if tma else 0)
             + (2 * 2 * 64 * block_m * 4 if exchanges(D, exchange) else 0))
 
 
@@ -306,7 +326,7 @@ def make_issue_sdp(D, dtype, tma, rows_a, rows_b, gap, K=None):
 
 @functools.lru_cache(maxsize=None)
 def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa=False, tma=False, mods=None,
-                           block_mask=None):
+                           block_mask=None, stages=STAGES):
     """The dQ kernel (module docstring) for head_dim D (:data:`HEAD_DIMS`), block_n keys a tile (:data:`DQ_BLOCK_NS`),
     ``warpgroups`` warpgroups of 64 query rows, the options of ``variant`` compiled in as in
     :func:`flashnumba.kernels.mma_backward.make_backward_dq_tc`, whose arguments it takes, the tensor maps after the
@@ -314,7 +334,8 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     rp_keep, seed, offset, maps, a0, a1, a2, a3, bm_num, bm_idx, bm_state). ``mods``, ``block_mask``: a user's mask_mod
     and a block mask's (QB, KB) blocks, as the forward's (:func:`flashnumba.kernels.wgmma_forward.make_forward_wgmma`).
     With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles with the copy engine (module docstring),
-    ``maps`` holding the tensor maps of :data:`DQ_MAPS`; without, every thread copies and ``maps`` is not read. Compiled
+    ``maps`` holding the tensor maps of :data:`DQ_MAPS`; without, every thread copies and ``maps`` is not read.
+    ``stages``: the K_j, V_j buffers of the pipeline (:func:`check_stages`, :func:`pipeline_stages`). Compiled
     for sm_90a. Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory
     :func:`shared_bytes_dq`."""
     B_R, B_C = 64 * warpgroups, block_n
@@ -330,6 +351,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         raise ValueError(f"the wgmma dQ kernel copies with tensor maps only with two warpgroups, head_dim in "
                          f"{TMA_HEAD_DIMS} and sequences of equal length; got head_dim {D}, {warpgroups} warpgroups, "
                          f"varlen {bool(VARLEN)}")
+    NST = check_stages(stages, TMA)  # K_j, V_j buffers
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant, mods, no_calls=True, keep_given=True)
@@ -351,7 +373,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     wait_s = hop.wgmma_ops(kind, B_C)[2]
     wait_o = hop.wgmma_ops(kind, D, regs_a=True, trans_b=True)[2]
     load_core = make_load_core(D, NC)
-    load_tile = make_load_stage(D, NC, B_C, OFF_K, OFF_V, BUF)  # K_j, V_j of tile jt into buffer jt % STAGES
+    load_tile = make_load_stage(D, NC, B_C, OFF_K, OFF_V, BUF)  # K_j, V_j of tile jt into buffer jt % NST
     key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
     mask_tile = make_mask_tile(NS, HAS_LEFT, HAS_RIGHT, False)
     user_mask_tile = make_user_mask_tile(NS, mods, False)
@@ -364,22 +386,22 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         return hk, first_key(jt, n_start, qb, blocks)
 
     # the producer's copies (one thread): Q_i, dO_i with the first tile, then K_j, V_j
-    produce = make_tma_producer(D, 2, B_R, OFF_DO, B_C, OFF_K, OFF_V, BUF, key_tile)
+    produce = make_tma_producer(D, 2, B_R, OFF_DO, B_C, OFF_K, OFF_V, BUF, key_tile, NST)
 
     issue_two = make_issue_sdp(D, dtype, TMA, B_R, B_C, OFF_V * 2)
 
     @cuda.jit(device=True, inline=True)
     def issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt):
         """Group 1: S_ij = Q_i K_j^T and dP_ij = dO_i V_j^T (tile jt's buffer), one commit."""
-        issue_two(s, dp, q_addr, do_addr, kv_addr + (jt % STAGES) * BUF * 2)
+        issue_two(s, dp, q_addr, do_addr, kv_addr + (jt % NST) * BUF * 2)
 
     @cuda.jit(device=True, inline=True)
     def issue_dq(acc, pa, kv_addr, jt):
         """Group 2: dQ_i += dS_ij K_j (K_j of tile jt's buffer read MN-major), one commit."""
         if TMA:
-            issue_ab_sw(acc, pa, kv_addr + (jt % STAGES) * BUF * 2, B_C)
+            issue_ab_sw(acc, pa, kv_addr + (jt % NST) * BUF * 2, B_C)
         else:
-            issue_ab(acc, pa, kv_addr + (jt % STAGES) * BUF * 2, 16 * B_C)
+            issue_ab(acc, pa, kv_addr + (jt % NST) * BUF * 2, 16 * B_C)
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
@@ -388,7 +410,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         tensor maps: wait for its phase of ``full``. Without: :func:`publish_tile`, then start the copies of tile
         jt + 1 (keys from k0 + :func:`first_key`) into the buffer that barrier freed."""
         if TMA:
-            wait_phase(bars, jt % STAGES, (jt // STAGES) & 1)
+            wait_phase(bars, jt % NST, (jt // NST) & 1)
         else:
             publish_tile()
             if jt + 1 < n_tiles:
@@ -460,7 +482,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         base = 0  # where Q_i starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes_dq leaves room)
         if TMA:
             base = swizzle_base(smem)
-            init_stages(bars, 1, NC, True, tid)  # full: the producer's one arrival and the bytes; empty: consumers
+            init_stages(bars, 1, NC, True, tid, NST)  # full: the producer's one arrival and the bytes; empty: consumers
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
@@ -524,7 +546,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
                 user_mask_tile(dp, dp, i0 + r0, j0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
             wait_o(0, acc)
             if TMA:  # (tile jt - 1 read by its products: its buffer free for the producer)
-                hop.mbarrier_arrive(hop.smem_address(bars, STAGES + (jt - 1) % STAGES))
+                hop.mbarrier_arrive(hop.smem_address(bars, NST + (jt - 1) % NST))
             pack_a(pa, dp)
         # The last tile's dQ product
         if n_tiles > 0:
@@ -545,7 +567,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
 
 @functools.lru_cache(maxsize=None)
 def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", gqa=False, tma=False, mods=None,
-                             block_mask=None, exchange=True):
+                             block_mask=None, exchange=True, stages=STAGES):
     """The dK/dV kernel (module docstring) for head_dim D, block_m queries a tile (:data:`DKDV_BLOCK_MS`),
     ``warpgroups`` warpgroups of 64 keys (above :data:`SPLIT_ABOVE`: two on 64 keys, each half of the head dims), the
     options of ``variant`` compiled in; arguments (dout, q, k, v, lse, delta,
@@ -556,7 +578,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles with the copy engine and one warp of it
     fetches L_i and D_i (module docstring), ``maps`` holding the tensor maps of :data:`DKDV_MAPS`; without, every thread
     copies and ``maps`` is not read. ``exchange``: above :data:`SPLIT_ABOVE`, whether the warpgroups split S^T and
-    dP^T by head dims and exchange the partial sums (:func:`exchanges`; module docstring). Compiled for sm_90a.
+    dP^T by head dims and exchange the partial sums (:func:`exchanges`; module docstring). ``stages``: the Q_i, dO_i
+    buffers of the pipeline (:func:`check_stages`). Compiled for sm_90a.
     Launch: grid (ceil(max_seqlen_k / B_c), batch * nheads_k), block (:func:`threads`,), dynamic shared memory
     :func:`shared_bytes_dkdv`."""
     SPLIT = D > SPLIT_ABOVE  # two warpgroups on 64 keys, each half of the head dims of dK_j and dV_j
@@ -577,6 +600,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         raise ValueError(f"the wgmma dK/dV kernel copies with tensor maps only with two warpgroups, head_dim in "
                          f"{TMA_HEAD_DIMS} (128 with query tiles of 32) and sequences of equal length; got head_dim "
                          f"{D}, {warpgroups} warpgroups, query tiles of {B_R}, varlen {bool(VARLEN)}")
+    NST = check_stages(stages, TMA)  # Q_i, dO_i buffers
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     entry = make_entry(variant, mods, no_calls=True, keep_given=True)
@@ -593,7 +617,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     OFF_Q = 2 * B_C * D  # Q buffer 0; buffer 1 lies BUF further on; dO_i lies OFF_DO after its Q_i
     OFF_DO = B_R * D
     BUF = 2 * B_R * D
-    OFF_X = OFF_Q + STAGES * BUF  # (EXCH) the warpgroups' partial S^T, dP^T after the buffers (64 B_r float32 each)
+    OFF_X = OFF_Q + NST * BUF  # (EXCH) the warpgroups' partial S^T, dP^T after the buffers (64 B_r float32 each)
     SPAN = swizzle_span(D)  # bytes of a swizzled row (tensor-map copies)
     _, make_issue_ab, make_pack = make_pieces(D, dtype)
     issue_ab = make_issue_ab(KC, DN)
@@ -627,7 +651,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         block mask's full ones."""
         return USER_MASK and not block_full(state, bbm, h if state.shape[1] > 1 else int64(0), i0 // QB, j0)
 
-    load_tile = make_load_stage(D, NC, B_R, OFF_Q, OFF_DO, BUF)  # Q_i, dO_i of iteration it into buffer it % STAGES
+    load_tile = make_load_stage(D, NC, B_R, OFF_Q, OFF_DO, BUF)  # Q_i, dO_i of iteration it into buffer it % NST
     # L_i and D_i of a query tile, fetched while the products are issued and put before the wait for S^T (not held
     # through the entries, whose registers d = 128 needs); with tensor maps, by a warp of the producer
     fetch_stats, put_stats = make_stats(B_R, NC)
@@ -638,18 +662,18 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         return tile_of(it, hk, group, nt, m_begin, lists)
 
     # the producer's copies (one thread): K_j, V_j with the first tile, then Q_i, dO_i of each
-    produce = make_tma_producer(D, 2, B_C, OFF_V, B_R, OFF_Q, OFF_DO, BUF, query_tile)
+    produce = make_tma_producer(D, 2, B_C, OFF_V, B_R, OFF_Q, OFF_DO, BUF, query_tile, NST)
 
     @cuda.jit(device=True, inline=True)
     def produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, lists, total, lane):
         """The producer's second warp (thread ``lane``): log2(e) L_i and D_i of iteration it's queries into row
-        it % STAGES of lsm, dsm once the consumers have released the tile that was there, then one arrival each
+        it % NST of lsm, dsm once the consumers have released the tile that was there, then one arrival each
         on that stage's ``full`` mbarrier (which the copies' thread announces the bytes on)."""
         stp = cuda.local.array((2, SRP), float32)
         for it in range(total):
-            st = it % STAGES
-            if it >= STAGES:
-                wait_phase(bars, STAGES + st, (it // STAGES + 1) & 1)
+            st = it % NST
+            if it >= NST:
+                wait_phase(bars, NST + st, (it // NST + 1) & 1)
             h, i0 = tile_of(it, hk, group, nt, m_begin, lists)
             fetch_stats_p(stp, lse, delta, bb, h, q0 + i0, q0 + seqlen_q, lane)
             put_stats_p(lsm, dsm, st, stp, lane)
@@ -661,7 +685,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     def issue_sdp(s, dp, k_addr, v_addr, q_base, it):
         """Group 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (Q_i, dO_i of iteration it's buffer), one commit (EXCH:
         over the head dims from the addresses given, this warpgroup's half)."""
-        issue_two(s, dp, k_addr, v_addr, q_base + (it % STAGES) * BUF * 2)
+        issue_two(s, dp, k_addr, v_addr, q_base + (it % NST) * BUF * 2)
 
     @cuda.jit(device=True, inline=True)
     def exchange_sums(xs, x0, s, dp, gw, u):
@@ -685,7 +709,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     def issue_dkdv(dva, dka, pp, pd, q_base, it, half):
         """Group 2: dV_j += (P Z)^T dO_i and dK_j += dS^T Q_i (iteration it's buffer, read MN-major; with SPLIT the
         warpgroup's DN head dims, ``half`` bytes into each tile), one commit."""
-        nb = q_base + (it % STAGES) * BUF * 2 + half
+        nb = q_base + (it % NST) * BUF * 2 + half
         if TMA:
             issue_ab_sw(dva, pp, nb + OFF_DO * 2, B_R)
             issue_ab_sw(dka, pd, nb, B_R)
@@ -767,8 +791,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
 
         smem = cuda.shared.array(0, elem)  # K_j | V_j | Q, dO buffers 0, 1, 2 (dynamic), core matrices or swizzled
         xs = cuda.shared.array(0, float32)  # (EXCH) the same memory as float32: the partial sums after the buffers
-        lsm = cuda.shared.array((STAGES, B_R), float32)  # log2(e) L_i of each buffer's queries
-        dsm = cuda.shared.array((STAGES, B_R), float32)  # D_i
+        lsm = cuda.shared.array((NST, B_R), float32)  # log2(e) L_i of each buffer's queries
+        dsm = cuda.shared.array((NST, B_R), float32)  # D_i
         bars = cuda.shared.array(NBARS, uint64)  # (tensor maps) full[0 .. 2], empty[0 .. 2]: mbarriers
         s = cuda.local.array(NS, float32)  # S^T, then (P Z)^T: this thread's part of its warpgroup's 64 x B_r
         dp = cuda.local.array(NS, float32)  # dP^T, then dS^T
@@ -807,7 +831,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         base = 0  # where K_j starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes_dkdv leaves room)
         if TMA:
             base = swizzle_base(smem)
-            init_stages(bars, 1 + 32, NC, True, tid)  # full: the copies' thread and the statistics' warp
+            init_stages(bars, 1 + 32, NC, True, tid, NST)  # full: the copies' thread and the statistics' warp
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
@@ -873,9 +897,9 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         for it in range(1, total):
             h, i0 = tile_of(it, hk, group, nt, m_begin, lists)
             partial = part_of(bm_state, bbm, h, i0, j0)  # (read before the wait: its latency hides behind it)
-            # (it % STAGES, stepped: the remainder each tile spills under CUDA 13.0's assembler at d = 128)
+            # (it % NST, stepped: the remainder each tile spills under CUDA 13.0's assembler at d = 128)
             done = sel
-            sel = sel + 1 if sel < STAGES - 1 else 0
+            sel = sel + 1 if sel < NST - 1 else 0
             if TMA:
                 if sel == 0:
                     phase ^= 1
@@ -889,7 +913,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             issue_sdp(s, dp, k_addr, v_addr, sdp_base, it)
             issue_dkdv(dva, dka, pp, pd, q_base, it - 1, half)
             if not TMA and it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this barrier)
-                put_stats(lsm, dsm, (it + 1) % STAGES, st, tid)
+                put_stats(lsm, dsm, (it + 1) % NST, st, tid)
             bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
             wait_s(1, s)
             wait_s(1, dp)
@@ -904,7 +928,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             wait_o(0, dva)
             wait_o(0, dka)
             if TMA:  # (tile it - 1 read by its products, its statistics by its entries: its buffer free)
-                hop.mbarrier_arrive(hop.smem_address(bars, STAGES + done))
+                hop.mbarrier_arrive(hop.smem_address(bars, NST + done))
             pack_a(pp, s)
             pack_a(pd, dp)
         # The last tile's dV, dK products

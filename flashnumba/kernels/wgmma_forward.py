@@ -309,14 +309,14 @@ def swizzle_base(smem):
 
 
 @cuda.jit(device=True, inline=True)
-def init_stages(bars, full, empty, fence, tid):
-    """Thread 0 makes bars[0 .. STAGES - 1] the stages' ``full`` mbarriers (``full`` arrivals a phase) and
-    bars[STAGES ..] their ``empty`` ones (``empty`` arrivals), the inits made visible to the copy engine where
+def init_stages(bars, full, empty, fence, tid, stages):
+    """Thread 0 makes bars[0 .. stages - 1] the stages' ``full`` mbarriers (``full`` arrivals a phase) and
+    bars[stages ..] their ``empty`` ones (``empty`` arrivals), the inits made visible to the copy engine where
     ``fence`` (tensor-map copies); then every thread of the block past a barrier."""
     if tid == 0:
-        for st in range(STAGES):
+        for st in range(stages):
             hop.mbarrier_init(hop.smem_address(bars, st), full)
-            hop.mbarrier_init(hop.smem_address(bars, STAGES + st), empty)
+            hop.mbarrier_init(hop.smem_address(bars, stages + st), empty)
         if fence:
             hop.fence_mbarrier_init()
     cuda.syncthreads()
@@ -421,16 +421,18 @@ def make_swizzled_products(kind, D):
     return make_abt, make_ab
 
 
-def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at, stage_gap, buf, coords):
+def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at, stage_gap, buf, coords,
+                      stages=STAGES):
     """produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3, idx): the copies of a producer
     thread with the copy engine, for the forward and both backward kernels. With tile 0 it copies the tiles a block
     loads once: ``first_maps`` tiles of ``first_rows`` rows (maps 0, 1, ...: the forward's Q_i; the dQ kernel's Q_i,
     dO_i; the dK/dV kernel's K_j, V_j), ``first_gap`` elements apart from ``base``. Then the pipeline stage of tile jt,
     two tiles of ``stage_rows`` rows (the next two maps, head and first row ``coords(jt, c0, c1, c2, c3, idx)``; idx: an
-    array the coordinates may read, a block mask's list), into buffer jt % STAGES at element base + ``stage_at`` + (jt %
-    STAGES) ``buf``, ``stage_gap`` apart, once the consumers have released the tile that was there (bars[STAGES + jt %
-    STAGES], ``empty``). Each stage's bytes are announced on its ``full`` mbarrier (bars[jt % STAGES]: the one arrival
-    of this thread) and counted there as they land."""
+    array the coordinates may read, a block mask's list), into buffer jt % stages at element base + ``stage_at`` + (jt %
+    stages) ``buf``, ``stage_gap`` apart, once the consumers have released the tile that was there (bars[stages + jt %
+    stages], ``empty``). Each stage's bytes are announced on its ``full`` mbarrier (bars[jt % stages]: the one arrival
+    of this thread) and counted there as they land. ``stages``: the buffers of the pipeline (:data:`STAGES`; the
+    backward at head_dim 256 with tiles of 48 has room for two)."""
     copy_box_rows = make_copy_box_rows(D)
     N_MAPS = first_maps + 2
     FIRST_BYTES = first_maps * first_rows * D * 2
@@ -441,9 +443,9 @@ def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at
         for m in range(N_MAPS):
             hop.fence_tensormap(maps, m * hop.MAP_WORDS)
         for jt in range(n_tiles):
-            st = jt % STAGES
-            if jt >= STAGES:
-                wait_phase(bars, STAGES + st, (jt // STAGES + 1) & 1)  # tile jt - STAGES released
+            st = jt % stages
+            if jt >= stages:
+                wait_phase(bars, stages + st, (jt // stages + 1) & 1)  # tile jt - stages released
             full = hop.smem_address(bars, st)
             hop.mbarrier_arrive_expect_tx(full, STAGE_BYTES + (FIRST_BYTES if jt == 0 else 0))
             if jt == 0:
@@ -726,7 +728,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             base = swizzle_base(smem)
         if PRODUCER:  # full: the producer's copies landed (with TMA: one arrival and the bytes); empty: every
             # consumer thread done
-            init_stages(bars, 1 if TMA else 32 * PW, NC, TMA, tid)
+            init_stages(bars, 1 if TMA else 32 * PW, NC, TMA, tid, STAGES)
         last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
         # with a block mask, its listed key blocks (a block mask made for B = 1 or H = 1 serves every entry)
         qb = i0 // QB
