@@ -20,7 +20,8 @@ How ``kernel=None`` chooses:
   to 256, both passes; the forward at 96 only where it copies with tensor maps,
   :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`),
   unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
-  (:func:`_hopper_blocker`; the plan's ``why`` says so). The choice does not depend on the inputs' strides (the
+  (:func:`_hopper_blocker`; the plan's ``why`` says so); a user's mask_mod with a block mask takes them at the head
+  dims of :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`. The choice does not depend on the inputs' strides (the
   Hopper kernels copy strided inputs to C-contiguous rows), so a packed qkv gives the bits of the same values
   unpacked; only without CuPy, which makes those copies, do strided inputs keep ``tc``.
   Elsewhere the SIMT kernels (``v3`` forward, ``v2`` backward), about ten times slower: the plan says why in
