@@ -974,14 +974,10 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             if exchange:
                 reason = (f"{reason}; its two warpgroups multiply half of the head dims each into S^T and dP^T and "
                           "exchange the partial sums")
-            def nbytes(stages, t=t, which=which, tma=tma, exchange=exchange):
-                return (wgmma_backward.shared_bytes_dq(D, t.block_m, t.block_n, tma, stages) if which == "dq" else
-                        wgmma_backward.shared_bytes_dkdv(D, t.block_m, t.block_n, tma, exchange, stages))
-
-            stages = wgmma_backward.pipeline_stages(nbytes, tma, limits.max_shared_per_block)
+            stages, smem = wgmma_backward.pipeline(which, D, t.block_m, t.block_n, tma, limits.max_shared_per_block,
+                                                   exchange)
             if stages != wgmma_backward.STAGES:
                 reason = f"{reason}; {stages} buffers in the pipeline (the shared memory's room)"
-            smem = nbytes(stages)
             if smem > limits.max_shared_per_block:  # (three buffers without the producer's tensor-map copies)
                 raise ValueError(f"the wgmma {'dQ' if which == 'dq' else 'dK/dV'} kernel at tiles {tuple(t)[:2]} "
                                  f"needs {smem} bytes of shared memory without the tensor-map copies (this call does "

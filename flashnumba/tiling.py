@@ -573,12 +573,9 @@ def shared_bytes(table: str, D: int, t: Tiles) -> tuple[int, bool]:
     if table == "wgmma":  # (with the room the tensor-map copies' alignment takes, whether they apply or not)
         return wgmma_forward.shared_bytes(D, n, m, tma=True), False
     if table in ("wgmma_dq", "wgmma_dkdv"):  # (as the forward's, with the tensor-map copies, and so the pipeline of
-        # two buffers where three would not fit: wgmma_backward.pipeline_stages)
-        def nbytes(stages):
-            return (wgmma_backward.shared_bytes_dq(D, m, n, True, stages) if table == "wgmma_dq" else
-                    wgmma_backward.shared_bytes_dkdv(D, m, n, True, stages=stages))
-
-        return nbytes(wgmma_backward.pipeline_stages(nbytes, True, ARCHS["sm_90"].max_shared_per_block)), False
+        # two buffers where three would not fit)
+        return wgmma_backward.pipeline(table[len("wgmma_"):], D, m, n, True,
+                                       ARCHS["sm_90"].max_shared_per_block)[1], False
     raise ValueError(f"unknown tile table {table!r}")
 
 

@@ -152,12 +152,17 @@ def check_stages(stages, tma):
                      f"warpgroup; got {stages} (tensor maps: {bool(tma)})")
 
 
-def pipeline_stages(nbytes, tma, limit):
-    """:data:`STAGES` where ``nbytes(STAGES)`` bytes of shared memory fit ``limit``, else two where a producer copies
-    with tensor maps (``tma``) and they fit: the backward at head_dim 256 with tiles of 48 (module docstring)."""
-    if nbytes(STAGES) <= limit or not tma or nbytes(2) > limit:
-        return STAGES
-    return 2
+def pipeline(which, D, block_m, block_n, tma, limit, exchange=True):
+    """(stages, bytes) of a kernel (``which``: "dq" or "dkdv") at these tiles: :data:`STAGES` buffers where their
+    shared memory fits ``limit``, else two where a producer copies with tensor maps (``tma``) and they fit (head_dim
+    256 with tiles of 48); bytes: the dynamic shared memory with them (:func:`shared_bytes_dq`,
+    :func:`shared_bytes_dkdv`)."""
+    def nbytes(stages):
+        return (shared_bytes_dq(D, block_m, block_n, tma, stages) if which == "dq"
+                else shared_bytes_dkdv(D, block_m, block_n, tma, exchange, stages))
+
+    stages = STAGES if nbytes(STAGES) <= limit or not tma or nbytes(2) > limit else 2
+    return stages, nbytes(stages)
 
 
 def exchanges(D, exchange=True) -> bool:
@@ -335,7 +340,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     and a block mask's (QB, KB) blocks, as the forward's (:func:`flashnumba.kernels.wgmma_forward.make_forward_wgmma`).
     With ``tma`` (:func:`takes_tma`) a producer warpgroup copies the tiles with the copy engine (module docstring),
     ``maps`` holding the tensor maps of :data:`DQ_MAPS`; without, every thread copies and ``maps`` is not read.
-    ``stages``: the K_j, V_j buffers of the pipeline (:func:`check_stages`, :func:`pipeline_stages`). Compiled
+    ``stages``: the K_j, V_j buffers of the pipeline (:func:`check_stages`, :func:`pipeline`). Compiled
     for sm_90a. Launch: grid (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory
     :func:`shared_bytes_dq`."""
     B_R, B_C = 64 * warpgroups, block_n
