@@ -206,6 +206,39 @@ def device_copy(x, k: str):
     return cupy.array(cupy.asarray(x), copy=True, order="C")
 
 
+def padded_copy(x, k: str, width: int):
+    """A C-contiguous device copy of x with its last axis widened to ``width`` by zero columns (a head dim that a
+    kernel is not built for, run as the next it is: the zero columns add nothing to q.k and give zero output
+    columns, which are cropped off: :func:`crop`). A NumPy array is padded on the host and copied to the GPU."""
+    pad = width - x.shape[-1]
+    if k == "numpy":
+        host = np.ascontiguousarray(x)
+        if is_bfloat16(host.dtype):
+            host = host.view(BITS)
+        host = np.pad(host, [(0, 0)] * (host.ndim - 1) + [(0, pad)])
+        return cupy.asarray(host) if cupy is not None else cuda.to_device(host)
+    if k == "torch":
+        return sys.modules["torch"].nn.functional.pad(x.detach(), (0, pad))
+    if cupy is None:
+        raise ValueError(f"head_dim {x.shape[-1]} is run as {width} with zero columns appended to a copy, which "
+                         f"needs CuPy (or torch tensors); pass head_dim {width} or use kernel='tc'")
+    out = cupy.zeros(x.shape[:-1] + (width,), x.dtype)
+    out[..., :x.shape[-1]] = cupy.asarray(x)
+    return out
+
+
+def crop(x, width: int):
+    """The first ``width`` columns of the last axis of a result (computed wider, :func:`padded_copy`), as a
+    C-contiguous array of the same type."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x[..., :width])
+    if _torch_tensor(x):
+        return x[..., :width].contiguous()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return cupy.ascontiguousarray(x[..., :width])
+    return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[..., :width]))  # (a simulated device array)
+
+
 def to_host_as(x, dtype):
     """A NumPy copy of a device result, viewed as ``dtype`` (bfloat16 results are uint16 bits on the device)."""
     host = to_host(x)

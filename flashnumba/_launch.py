@@ -695,17 +695,21 @@ class Call:
         """What every call does the same way, decided once: the dummies' addresses, how each input's address is
         read, how each output is allocated, which stream the kernels go on."""
         self.base = {}
-        self.reads = []  # (position in the call's arrays, name, copied first, address getter, copied back)
+        # (position in the call's arrays, name, copied first, address getter, copied back, padded copy's width)
+        self.reads = []
         for i, spec in enumerate(self.inputs):
             if spec.kind == "none":
                 d = dummy(spec.name, spec.dummy_shape, spec.dummy_dtype)
                 self.base[spec.name] = _arrays.POINTER[_arrays.kind(d)](d)
             else:
-                moved = spec.to_device or spec.copy
-                kind = ("cupy" if _arrays.cupy is not None else "numba") if spec.to_device else spec.kind
-                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind], moved and spec.written))
+                moved = spec.to_device or spec.copy or spec.pad
+                kind = (("cupy" if _arrays.cupy is not None else "numba") if spec.to_device or (
+                    spec.pad and spec.kind != "torch") else spec.kind)
+                self.reads.append((i, spec.name, moved and spec.kind, _arrays.POINTER[kind], moved and spec.written,
+                                   spec.pad))
         self._byte = sys.modules["torch"].uint8 if self.torch else np.dtype(np.uint8)
         self.allocs = []  # (name, shape, kernel dtype) of the returned outputs
+        self.crops = []  # (position among the returned outputs, the caller's width) of those computed wider
         self.scratch = []  # (name, byte offset) of the temporaries, which share one allocation of scratch_bytes
         self.scratch_bytes = 0
         self.zeroed = []  # (byte offset, bytes) of the temporaries that start as zeros (accumulators)
@@ -713,7 +717,10 @@ class Call:
         for spec in self.outputs:
             kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(spec.dtype) else np.dtype(spec.dtype)
             if spec.returned:
-                self.allocs.append((spec.name, spec.shape, _arrays.torch_dtype(spec.dtype) if self.torch else kdtype))
+                if spec.width:
+                    self.crops.append((len(self.allocs), spec.shape[-1]))
+                self.allocs.append((spec.name, spec.shape[:-1] + (spec.width,) if spec.width else spec.shape,
+                                    _arrays.torch_dtype(spec.dtype) if self.torch else kdtype))
             elif spec.discarded:
                 discarded.append((spec.name, int(np.prod(self.plan.arrays[spec.name].shape)) * kdtype.itemsize))
             else:
@@ -791,9 +798,12 @@ class Call:
         values["seed"] = int(seed)
         values["offset"] = int(offset)
         keep = []
-        for i, name, copy_from, address, back in self.reads:
+        for i, name, copy_from, address, back, pad in self.reads:
             x = arrays[i]
-            if copy_from:
+            if pad:
+                x = _arrays.padded_copy(x, copy_from, pad)
+                keep.append(x)
+            elif copy_from:
                 x = _arrays.device_copy(x, copy_from)
                 keep.append((arrays[i], x) if back else x)  # (a written input: the user's array and its copy)
             values[name] = address(x)
@@ -836,6 +846,10 @@ class Call:
         for x in keep:  # what the kernels wrote into the copy of an input, into the input itself
             if isinstance(x, tuple):
                 _arrays.copy_back(*x)
+        if self.crops:  # (on the kernels' stream)
+            with self._on(stream):
+                for n, width in self.crops:
+                    outs[n] = _arrays.crop(outs[n], width)
         if self.host_results is not None:
             return [_arrays.to_host_as(o, dt) for o, dt in zip(outs, self.host_results)]
         return outs
@@ -854,10 +868,13 @@ class Call:
                 x = np.ascontiguousarray(np.broadcast_to(host.reshape(-1, spec.broadcast[1]), spec.broadcast))
                 values[spec.name] = cuda.to_device(x)
                 continue
+            kind = spec.kind
+            if spec.pad:
+                x, kind = _arrays.padded_copy(_arrays.to_host(x), "numpy", spec.pad), "numba"
             if spec.lead:
-                x = _arrays.with_leading_axis(x, spec.kind)
+                x = _arrays.with_leading_axis(x, kind)
             # (an array the kernels write in place is handed over itself: the simulator copies it back)
-            values[spec.name] = _arrays.bits(x) if spec.written else _arrays.to_kernel(x, spec.kind)
+            values[spec.name] = _arrays.bits(x) if spec.written else _arrays.to_kernel(x, kind)
         outs = []
         for spec in self.outputs:
             user, dev = _arrays.empty(self.plan.arrays[spec.name].shape, spec.dtype, self.like)
@@ -876,5 +893,6 @@ class Call:
         result = []
         for user, dev, spec in outs:
             r = _arrays.to_caller(user, dev, self.like)
-            result.append(r[0] if len(spec.shape) < len(self.plan.arrays[spec.name].shape) else r)
+            r = r[0] if len(spec.shape) < len(self.plan.arrays[spec.name].shape) else r
+            result.append(_arrays.crop(r, spec.shape[-1]) if spec.width else r)
         return result

@@ -228,7 +228,9 @@ def flash_attn_forward(
         default on compute capability 9.0 at every head_dim a multiple of 32 up to 256, both passes,
         flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS (the forward at 96 where it copies with tensor maps: sequences
         of equal length, at most two options); 9.0
-        only, float16 or bfloat16, head_dim a multiple of 32 up to 256, every option; block_m 64 or 128 as one or
+        only, float16 or bfloat16, head_dim a multiple of 32 up to 256 (the other multiples of 8 run at the next
+        multiple of 32, on copies of q, k, v with zero columns appended, the output cropped), every option;
+        block_m 64 or 128 as one or
         two warpgroups, block_n 32, 48, 64 or 128 (above head_dim 128 by default 64, at 256 48: the shared
         memory; 48 where the threads that copy take it, flashnumba.kernels.wgmma_forward.check); num_threads
         2 block_m, or + 32 or + 128 for a producer of one warp or four, the default),
@@ -291,7 +293,8 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
     flashnumba.kernels.mma_backward; "tf32", "3xtf32" (float32 on tensor cores, as ``precision=``); "wgmma"
     (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at head_dim 64, 96 and 128: float16
-    or bfloat16, head_dim a multiple of 32 up to 256, every option, deterministic; the dQ kernel takes 64 or 128
+    or bfloat16, head_dim a multiple of 32 up to 256 (other multiples of 8 padded, as in the forward), every
+    option, deterministic; the dQ kernel takes 64 or 128
     query rows a block and tiles of 32, 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block (above head_dim
     128, 64 keys on two warpgroups, each half of the head dims) and tiles of 32 or 64 queries; the plan gives them
     tiles of 32 where the per-entry options would spill, the dK/dV kernel at head_dim 128 tiles of 32 where a

@@ -18,7 +18,8 @@ How ``kernel=None`` chooses:
   16-byte row copies). On compute capability 9.0 the Hopper kernels (``wgmma``) instead, at the head dims where
   they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at every multiple of 32 up
   to 256, both passes; the forward at 96 only where it copies with tensor maps,
-  :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`),
+  :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`; other multiples of 8 at
+  :data:`~flashnumba.tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS`, run padded: :func:`padded_head_dim`),
   unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
   (:func:`_hopper_blocker`; the plan's ``why`` says so); a user's mask_mod with a block mask takes them at the head
   dims of :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`. The choice does not depend on the inputs' strides (the
@@ -64,7 +65,9 @@ class InputSpec:
     """A user array a call reads: its name, kind, whether it is copied to the device (NumPy) or to a C-contiguous copy
     (an input of a tensor-core kernel that is strided in a way its row copies cannot read, or does not start on 16
     bytes: the start's alignment is part of a call's key), a leading axis added (varlen), a broadcast (ALiBi slopes
-    (nheads,) -> (batch, nheads)), the dummy that stands in when it is absent, and whether the kernels write it."""
+    (nheads,) -> (batch, nheads)), the dummy that stands in when it is absent, whether the kernels write it, and
+    ``pad``: where nonzero, the head dim of a copy with zero columns appended that the kernels read instead (a head
+    dim the kernels are not built for, run as the next one they are)."""
 
     name: str
     kind: str
@@ -75,6 +78,7 @@ class InputSpec:
     dummy_shape: tuple = (1,)
     dummy_dtype: str = "float32"
     written: bool = False  # the kernels write it in place (a KV cache): a NumPy array's copy is copied back
+    pad: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class OutputSpec:
     starts as zeros (an accumulator the kernels add into; never NaN-poisoned), and whether it is discarded: written
     by a kernel and read by none (a decoding call's lse where the caller did not ask for it, the split partials
     where the keys are not split), so that one buffer, kept with the call's plan, serves every call: concurrent
-    calls may write it at once, as nothing reads it."""
+    calls may write it at once, as nothing reads it. ``width``: where nonzero, the last axis the kernels write (a
+    padded head dim, :class:`InputSpec`), of which the caller gets the first ``shape[-1]`` columns."""
 
     name: str
     shape: tuple
@@ -91,6 +96,7 @@ class OutputSpec:
     returned: bool = True
     zeroed: bool = False
     discarded: bool = False
+    width: int = 0
 
 
 @dataclass
@@ -242,9 +248,13 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
         return ""
     D = tq.shape[-1]
     head_dims = (tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS if mods else tiling.WGMMA_DEFAULT_HEAD_DIMS)[pass_]
-    if D not in head_dims:
+    padded = () if mods else tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS[pass_]
+    if D not in head_dims and D not in padded:
         return f"; not wgmma: the Hopper {pass_} is the faster{' with a mask_mod' if mods else ''} at head_dim " \
-               f"{', '.join(map(str, head_dims))}"
+               f"{', '.join(map(str, sorted(head_dims + padded)))}"
+    if D in padded and _arrays.cupy is None and any(t.kind in ("numba", "cai") for t in tensors):
+        return f"; not wgmma: head_dim {D} runs there padded with zero columns, copies that need CuPy"
+    D = padded_head_dim("wgmma", D)  # (the tiles and copies below: those of the head dim the kernels run)
     if mods and opts.mods is not None and opts.mods.score_mod is not None:
         return "; not wgmma: a score_mod (the Hopper kernels take one when asked for, kernel='wgmma')"
     if mods and opts.block_mask is None:
@@ -364,6 +374,25 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=
     return simt, "float32: the register-tiled SIMT kernels, exact float32 arithmetic (TF32 is opt-in)", None
 
 
+def padded_head_dim(family, D) -> int | None:
+    """The head dim ``family``'s kernels run a call of head dim ``D`` at: D itself where they are built for it; for
+    the Hopper kernels (built for multiples of 32), the next multiple of 32 for the other multiples of 8 up to 256,
+    q, k, v (and dout, out) copied with zero columns appended and the outputs cropped (zero columns add nothing to
+    q.k, and the output's and gradients' extra columns are zeros that no caller sees); None where it cannot run."""
+    if family != "wgmma":
+        return D
+    if D in wgmma_forward.HEAD_DIMS:
+        return D
+    if D % 8 == 0 and 0 < D < wgmma_forward.HEAD_DIMS[-1]:
+        return next(x for x in wgmma_forward.HEAD_DIMS if x > D)
+    return None
+
+
+def _padding(D_user, D) -> str:
+    """The plan's words for a padded head dim (:func:`padded_head_dim`)."""
+    return f"head_dim {D_user} run as {D}: the inputs copied with {D - D_user} zero columns, the outputs cropped"
+
+
 def _check_family(kernel, tq, opts, limits, pass_):
     if kernel == "v1" and not opts.plain:
         raise ValueError(f"{pass_} kernel v1 supports causal masking only (no window, softcap, ALiBi, GQA, varlen "
@@ -378,8 +407,9 @@ def _check_family(kernel, tq, opts, limits, pass_):
     if kernel == "wgmma":
         if tq.dtype != np.float16 and not _arrays.is_bfloat16(tq.dtype):
             raise TypeError(f"the wgmma kernel takes float16 or bfloat16; q has dtype {tq.dtype}")
-        if tq.shape[-1] not in wgmma_forward.HEAD_DIMS:
-            raise ValueError(f"the wgmma {pass_} supports head_dim in {wgmma_forward.HEAD_DIMS}, got "
+        if padded_head_dim("wgmma", tq.shape[-1]) is None:
+            raise ValueError(f"the wgmma {pass_} supports head_dim a multiple of 8 up to 256 (built for "
+                             f"{wgmma_forward.HEAD_DIMS}, the others run padded with zero columns), got "
                              f"{tq.shape[-1]}")
         if not SIMULATOR and tuple(limits.cc) != (9, 0):
             raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "
@@ -402,11 +432,11 @@ def _check_family(kernel, tq, opts, limits, pass_):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _kernel_meta(t: _validate.Tensor, lead: bool, contiguous: bool) -> ArrayMeta:
-    """The kernel's view of an input: a NumPy array or a copied one is C-contiguous on the device; a varlen
-    array gets a leading axis of length 1."""
-    shape, strides = t.shape, t.strides
-    if contiguous or t.kind == "numpy":
+def _kernel_meta(t: _validate.Tensor, lead: bool, contiguous: bool, pad: int = 0) -> ArrayMeta:
+    """The kernel's view of an input: a NumPy array or a copied one is C-contiguous on the device, a padded copy
+    ``pad`` wide in its last axis; a varlen array gets a leading axis of length 1."""
+    shape, strides = (t.shape[:-1] + (pad,) if pad else t.shape), t.strides
+    if contiguous or pad or t.kind == "numpy":
         strides = c_strides(shape, t.dtype.itemsize)
     if lead:
         span = max(shape[0] * abs(strides[0]), t.dtype.itemsize) if shape else t.dtype.itemsize
@@ -426,17 +456,19 @@ def _alibi_input(a, batch, nheads):
             array_meta((batch, nheads), strides, np.float32, "A"))
 
 
-def _inputs(tensors, family, lead, opts, batch, cu, block_params=3):
+def _inputs(tensors, family, lead, opts, batch, cu, block_params=3, pad=0):
     """InputSpecs and kernel ArrayMetas of the call's arrays (q, k, v, ... then alibi, cu_q, cu_k, then the
     arrays a user's score_mod / mask_mod read, a0 .. a3, then the first ``block_params`` of a block mask's,
-    :data:`BLOCK_MASK_PARAMS`)."""
+    :data:`BLOCK_MASK_PARAMS`); ``pad``: the head dim the kernels take, where it is wider than the tensors'
+    (:func:`padded_head_dim`)."""
     specs, metas = [], {}
     mma = family in ("tc", "wgmma") + mma_tf32.PRECISIONS
     for t in tensors:
         copy = mma and t.kind != "numpy" and (not _arrays.starts_aligned(t.array) or (
             not _c_layout(t) and not (family == "tc" and _rows_in_place(t))))
-        specs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy", copy=copy, lead=lead))
-        metas[t.name] = _kernel_meta(t, lead, copy)
+        specs.append(InputSpec(t.name, t.kind, to_device=t.kind == "numpy" and not pad, copy=copy and not pad,
+                               lead=lead, pad=pad))
+        metas[t.name] = _kernel_meta(t, lead, copy, pad)
     spec, metas["alibi"] = _alibi_input(opts.alibi, batch, tensors[0].shape[-2])
     specs.append(spec)
     for name, tc in (("cu_q", cu[0] if cu else None), ("cu_k", cu[1] if cu else None)):
@@ -469,12 +501,15 @@ def _optional_input(name, t, dummy_shape, dummy_dtype):
     return InputSpec(name, t.kind, to_device=t.kind == "numpy"), _kernel_meta(t, False, False)
 
 
-def _output(name, user_shape, dtype, lead, returned=True, discarded=False):
+def _output(name, user_shape, dtype, lead, returned=True, discarded=False, width=0):
+    """(OutputSpec, kernel ArrayMeta) of an output; ``width``: the last axis the kernels write, where wider than
+    the caller's (a padded head dim)."""
     shape = (1, *user_shape) if lead else tuple(user_shape)
+    if width:
+        shape = shape[:-1] + (width,)
     kdtype = np.dtype(np.uint16) if _arrays.is_bfloat16(dtype) else np.dtype(dtype)
-    spec = OutputSpec(name, tuple(user_shape), dtype, returned, discarded=discarded and not returned)
-    return spec, array_meta(shape, c_strides(shape, kdtype.itemsize),
-                                                                             dtype)
+    spec = OutputSpec(name, tuple(user_shape), dtype, returned, discarded=discarded and not returned, width=width)
+    return spec, array_meta(shape, c_strides(shape, kdtype.itemsize), dtype)
 
 
 def _option_scalars(opts):
@@ -521,17 +556,21 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     family, why, fallback = choose("forward", kernel, tq, (tq, tk, tv), opts, limits, tiles_given)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
-    total_q, nheads, D = shape4[1], shape4[2], shape4[3]
+    total_q, nheads, D_user = shape4[1], shape4[2], shape4[3]
+    D = padded_head_dim(family, D_user)  # the head dim the kernels run (wider: q, k, v copied with zero columns)
+    pad = D if D != D_user else 0
     max_q = total_q if max_seqlen_q is None else max_seqlen_q
     dt, bf16 = tq.dtype, _arrays.is_bfloat16(tq.dtype)
-    inputs, arrays = _inputs((tq, tk, tv), family, lead, opts, bsz, cu)
-    out_spec, arrays["out"] = _output("out", tq.shape, dt, lead)
+    inputs, arrays = _inputs((tq, tk, tv), family, lead, opts, bsz, cu, pad=pad)
+    out_spec, arrays["out"] = _output("out", tq.shape, dt, lead, width=pad)
     lse_user = (nheads, total_q) if lead else (shape4[0], nheads, total_q)
     lse_spec, arrays["lse"] = _output("lse", lse_user, np.dtype(np.float32), lead)
     scalars = _option_scalars(opts)
     table = family
     t, reason = tiling.resolve(table, D, limits, block_m, block_n, num_threads,
                                simulated=SIMULATOR and device is None)
+    if pad:
+        reason = f"{reason}; {_padding(D_user, D)}"
     nk = tk.shape[-2]
     grid = (_cdiv(max_q, t.block_m), bsz * nheads)
     io = ("q", "k", "v", "out", "lse")
@@ -595,7 +634,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (D, opts.right == 0, family, t.block_n, t.block_m // 16), io + ("scale_log2",), grid,
                               (t.num_threads,), smem, t, reason)
     empty = bsz * nheads * max_q == 0 or total_q == 0
-    return Plan("forward", family, _dtype_name(dt), D, opts.describe(), limits, why, fallback,
+    return Plan("forward", family, _dtype_name(dt), D_user, opts.describe(), limits, why, fallback,
                 () if empty else (launch,), arrays, scalars, tuple(inputs), (out_spec, lse_spec), tq.kind)
 
 
@@ -858,7 +897,9 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                                    deterministic)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
-    lead_n, total_q, nheads, D = shape4
+    lead_n, total_q, nheads, D_user = shape4
+    D = padded_head_dim(family, D_user)  # the head dim the kernels run (wider: the inputs copied with zero columns)
+    pad = D if D != D_user else 0
     total_k = tk.shape[-3]
     max_q = total_q if max_seqlen_q is None else max_seqlen_q
     max_k = total_k if max_seqlen_k is None else max_seqlen_k
@@ -866,14 +907,15 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     dt, bf16 = tq.dtype, _arrays.is_bfloat16(tq.dtype)
     # dout, q, k, v go to the dQ / dK/dV kernels (copied where a tensor-core kernel needs C-contiguous rows);
     # out and lse only to the preprocess and as read
-    inputs, arrays = _inputs((tdo, tq, tk, tv), family, lead, opts, bsz, cu, len(BLOCK_MASK_PARAMS))
+    inputs, arrays = _inputs((tdo, tq, tk, tv), family, lead, opts, bsz, cu, len(BLOCK_MASK_PARAMS), pad)
     for t in (to, tl):  # after dout, q, k, v; before alibi, cu_q, cu_k and the score_mod arrays
+        p = pad if t is to else 0
         inputs.insert(next(n for n, s in enumerate(inputs) if s.name == "alibi"),
-                      InputSpec(t.name, t.kind, to_device=t.kind == "numpy", lead=lead))
-        arrays[t.name] = _kernel_meta(t, lead, False)
+                      InputSpec(t.name, t.kind, to_device=t.kind == "numpy" and not p, lead=lead, pad=p))
+        arrays[t.name] = _kernel_meta(t, lead, False, p)
     outs = []
     for name, like_t in (("dq", tq), ("dk", tk), ("dv", tv)):
-        spec, arrays[name] = _output(name, like_t.shape, dt, lead)
+        spec, arrays[name] = _output(name, like_t.shape, dt, lead, width=pad)
         outs.append(spec)
     delta_user = (nheads, total_q) if lead else (lead_n, nheads, total_q)
     spec, arrays["delta"] = _output("delta", delta_user, np.dtype(np.float32), lead, returned=False)
@@ -1037,7 +1079,10 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                 launches.append(dq)
             if max_k:
                 launches.append(kv)
-    return Plan("backward", family, _dtype_name(dt), D, opts.describe(), limits, why, fallback, tuple(launches),
+    if pad:
+        launches = [replace(x, reason=f"{x.reason}; {_padding(D_user, D)}") if x.tiles is not None else x
+                    for x in launches]
+    return Plan("backward", family, _dtype_name(dt), D_user, opts.describe(), limits, why, fallback, tuple(launches),
                 arrays, scalars, tuple(inputs), tuple(outs), tq.kind)
 
 

@@ -63,6 +63,10 @@ WGMMA_DEFAULT_HEAD_DIMS = {"forward": (32, 64, 96, 128, 160, 192, 224, 256),
 # Hopper kernels: those where they ran faster than the mma.sync kernels beside FlexAttention (docs/benchmarks.md,
 # "How fast is your own attention variant?"); elsewhere the mma.sync kernels
 WGMMA_MODS_DEFAULT_HEAD_DIMS = {"forward": (64, 128), "backward": (64,)}
+# The head dims, multiples of 8 that are not of 32, where kernel=None takes the Hopper kernels with q, k, v copied
+# with zero columns appended up to the next multiple of 32 (planner.padded_head_dim) rather than the mma.sync kernels
+# at the head dim itself: none until measured
+WGMMA_PADDED_DEFAULT_HEAD_DIMS = {"forward": (), "backward": ()}
 # the head dims where the Hopper forward is the faster only with its tensor-map copies (the per-thread copies of
 # three 32-column blocks a row ran at 0.70x the mma.sync kernel there): kernel=None keeps mma.sync where a call's
 # plan would not take them (packed sequences, more than two options compiled in, config.hopper_tma off)

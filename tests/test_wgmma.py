@@ -126,6 +126,44 @@ def test_head_dim_32():
                            lse[None, :, rq], causal=True)
 
 
+def test_head_dims_padded_to_a_multiple_of_32():
+    """Head dims the Hopper kernels are not built for (multiples of 8, not of 32) run at the next multiple of 32:
+    q, k, v (dout, out) copied with zero columns appended, the outputs cropped. Zero columns add nothing to q.k and
+    give zero output and gradient columns, so the result is that of the head dim itself (the scale too: 1 /
+    sqrt(40), not 1 / sqrt(64)). Head_dim 40 with GQA, causal, forward and backward; 72 in packed sequences
+    (one empty), bfloat16; the callers' arrays untouched."""
+    rng = np.random.default_rng(40)
+    q, k, v = random_qkv(rng, 1, 70, 90, 2, 40, np.float16)
+    k, v = k[:, :, :1].copy(), v[:, :, :1].copy()
+    before = [x.copy() for x in (q, k, v)]
+    p = flashnumba.plan(q, k, v, causal=True, kernel="wgmma")
+    assert p.head_dim == 40 and "head_dim 40 run as 64" in p.launches[0].reason
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True, kernel="wgmma")
+    assert out.shape == q.shape and out.flags["C_CONTIGUOUS"]
+    check_forward(out, lse, q, k, v, causal=True)
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True, kernel="wgmma")[:3]
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+    assert all((x == y).all() for x, y in zip((q, k, v), before))
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    lens_q, lens_k = [5, 0, 40], [9, 3, 36]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    q = rng.standard_normal((cu_q[-1], 1, 72)).astype(bf16)
+    k, v = (rng.standard_normal((cu_k[-1], 1, 72)).astype(bf16) for _ in range(2))
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, *args, kernel="wgmma")
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    dq, dk, dv = flashnumba.flash_attn_varlen_backward(dout, q, k, v, out, lse, *args, kernel="wgmma")[:3]
+    for b in range(3):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rq.stop > rq.start:
+            one = (q[None, rq], k[None, rk], v[None, rk])
+            check_forward(out[None, rq], lse[None, :, rq], *one)
+            check_backward((dq[None, rq], dk[None, rk], dv[None, rk]), dout[None, rq], *one, out[None, rq],
+                           lse[None, :, rq])
+
+
 def test_head_dims_above_128(monkeypatch):
     """Above head_dim 128 at the default tiles, forward and backward. Head_dim 160: the forward's rows five 64-byte
     swizzled boxes copied with tensor maps, B_c 64; the dK/dV kernel's two warpgroups on 64 keys each hold half of
@@ -195,8 +233,8 @@ def test_key_tiles_of_48():
 
 
 def test_what_it_does_not_take_is_refused():
-    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 80, np.float16)
-    with pytest.raises(ValueError, match="head_dim"):
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 20, np.float16)
+    with pytest.raises(ValueError, match="head_dim a multiple of 8 up to 256"):
         flashnumba.flash_attn_forward(q, k, v, kernel="wgmma")
     q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 64, np.float16)
     with pytest.raises(ValueError, match="block_m 64 or 128"):
@@ -214,7 +252,7 @@ def test_what_it_does_not_take_is_refused():
         flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma", block_m=32, block_n=64)
     with pytest.raises(ValueError, match="takes no num_threads"):
         flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma", num_threads=256)
-    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 80, np.float16)
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 8, 1, 20, np.float16)
     out, lse = flashnumba.flash_attn_forward(q, k, v)
     with pytest.raises(ValueError, match="wgmma backward supports head_dim"):
         flashnumba.flash_attn_backward(q, q, k, v, out, lse, kernel="wgmma")

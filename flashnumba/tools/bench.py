@@ -171,7 +171,7 @@ _flashnumba_tc.dtypes = ("float16", "bfloat16")
 
 def _flashnumba_wgmma(q, k, v, dout, causal, window_size=(-1, -1)):
     """The Hopper kernels (``kernel="wgmma"``: compute capability 9.0, float16 or bfloat16, head_dim a multiple of
-    32 up to 256), forward and backward."""
+    32 up to 256, the other multiples of 8 padded to the next multiple of 32), forward and backward."""
     opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
     out, lse = flash_attn_forward(q, k, v, **opts)  # unsupported GPUs, dtypes and head dims raise here
     return {
