@@ -9,6 +9,7 @@ import pytest
 
 import flashnumba
 from flashnumba import planner as planmod, tiling
+from flashnumba._backend import cuda
 
 ARCHS = list(tiling.ARCHS)
 
@@ -141,7 +142,17 @@ def test_hopper_default_choice(monkeypatch):
         assert fwd.fallback is None and bwd.fallback is None
         if fwd.kernel == "tc":
             assert "not wgmma" in fwd.why and "head_dim" in fwd.why
-    assert plans(40)[1].kernel == "tc"  # (built for multiples of 32 only)
+    assert plans(40)[1].kernel == "tc"  # (built for multiples of 32 only; padded only where measured the faster)
+    assert tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS == {"forward": (), "backward": ()}  # (measured)
+    monkeypatch.setattr(tiling, "WGMMA_PADDED_DEFAULT_HEAD_DIMS", {"forward": (80,), "backward": ()})
+    fwd, bwd = plans(80)
+    assert fwd.kernel == "wgmma" and "head_dim 80 run as 96" in fwd.launches[0].reason and fwd.head_dim == 80
+    assert bwd.kernel == "tc" and "not wgmma" in bwd.why
+    monkeypatch.setattr(planmod._arrays, "cupy", None)  # (numba device arrays: the padded copies need CuPy)
+    q, k, v = (cuda.to_device(x) for x in _qkv(np.float16, 80))
+    assert "need CuPy" in flashnumba.plan(q, k, v, device="sm_90").why
+    monkeypatch.undo()
+    monkeypatch.setattr(planmod, "SIMULATOR", False)
     fwd, bwd = plans(128, deterministic=False)
     assert bwd.kernel == "tc" and "deterministic=False" in bwd.why
     fwd, bwd = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", _qkv(np.float16, 128))],
