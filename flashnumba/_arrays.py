@@ -210,20 +210,21 @@ def padded_copy(x, k: str, width: int):
     """A C-contiguous device copy of x with its last axis widened to ``width`` by zero columns (a head dim that a
     kernel is not built for, run as the next it is: the zero columns add nothing to q.k and give zero output
     columns, which are cropped off: :func:`crop`). A NumPy array is padded on the host and copied to the GPU."""
-    pad = width - x.shape[-1]
     if k == "numpy":
         host = np.ascontiguousarray(x)
         if is_bfloat16(host.dtype):
             host = host.view(BITS)
-        host = np.pad(host, [(0, 0)] * (host.ndim - 1) + [(0, pad)])
+        host = np.pad(host, [(0, 0)] * (host.ndim - 1) + [(0, width - host.shape[-1])])
         return cupy.asarray(host) if cupy is not None else cuda.to_device(host)
-    if k == "torch":
-        return sys.modules["torch"].nn.functional.pad(x.detach(), (0, pad))
-    if cupy is None:
-        raise ValueError(f"head_dim {x.shape[-1]} is run as {width} with zero columns appended to a copy, which "
-                         f"needs CuPy (or torch tensors); pass head_dim {width} or use kernel='tc'")
+    if k == "torch":  # (C-contiguous whatever x's strides: torch's pad would keep a channels-last layout)
+        out = sys.modules["torch"].zeros(x.shape[:-1] + (width,), dtype=x.dtype, device=x.device)
+        out[..., :x.shape[-1]].copy_(x.detach())
+        return out
+    if cupy is None:  # (refused by the planner first)
+        raise ValueError("a padded head dim needs CuPy to copy a CUDA array that is not a torch tensor")
+    x = cupy.asarray(x)
     out = cupy.zeros(x.shape[:-1] + (width,), x.dtype)
-    out[..., :x.shape[-1]] = cupy.asarray(x)
+    out[..., :x.shape[-1]] = x
     return out
 
 
@@ -236,7 +237,11 @@ def crop(x, width: int):
         return x[..., :width].contiguous()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return cupy.ascontiguousarray(x[..., :width])
-    return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[..., :width]))  # (a simulated device array)
+    if SIMULATOR:  # (a simulated device array)
+        return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[..., :width]))
+    # a Numba device array (on a GPU a padded head dim needs CuPy: the planner refuses it without), on CuPy's
+    # current stream (the call's)
+    return cuda.as_cuda_array(cupy.ascontiguousarray(cupy.asarray(x)[..., :width]))
 
 
 def to_host_as(x, dtype):

@@ -846,12 +846,12 @@ class Call:
         for x in keep:  # what the kernels wrote into the copy of an input, into the input itself
             if isinstance(x, tuple):
                 _arrays.copy_back(*x)
-        if self.crops:  # (on the kernels' stream)
+        if self.host_results is not None:
+            outs = [_arrays.to_host_as(o, dt) for o, dt in zip(outs, self.host_results)]
+        if self.crops:  # (a device array's on the kernels' stream; a NumPy caller's on the host, copied once)
             with self._on(stream):
                 for n, width in self.crops:
                     outs[n] = _arrays.crop(outs[n], width)
-        if self.host_results is not None:
-            return [_arrays.to_host_as(o, dt) for o, dt in zip(outs, self.host_results)]
         return outs
 
     # -- in the simulator ------------------------------------------------------------------------------------

@@ -215,8 +215,8 @@ def flash_attn_forward(
     num_threads : threads per block (kernels v2, v3; "tc": 32 per 16 or per 32 query rows; the others derive
         their threads from their tiles).
     kernel : None (default): chosen by the plan (:mod:`flashnumba.planner`): "tc" for float16 / bfloat16 where the
-        tensor cores apply ("wgmma" at head_dim 64, 96 and 128 on compute capability 9.0, unless a block mask
-        is given; at 96 only with its tensor-map copies), else "v3". Or: "v3" (register-tiled with unsigned index
+        tensor cores apply ("wgmma" on compute capability 9.0 at every head_dim a multiple of 32 up to 256,
+        unless a block mask is given; at 96 only with its tensor-map copies), else "v3". Or: "v3" (register-tiled with unsigned index
         arithmetic), "v2" (the same with Numba's default signed indexing), "v1" (one thread per row, the readable
         one): the SIMT kernels of
         flashnumba.kernels.simt_forward; "tc": the tensor-core kernel (float16 or bfloat16, head_dim a multiple of
@@ -292,7 +292,7 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     block_m and block_n in 16, 32, 64, 128; its dQ and dK/dV kernels each have their own tile table, ``tc_dq`` and
     ``tc_dkdv`` in flashnumba.tiling, and a block_m or block_n given applies to both), see
     flashnumba.kernels.mma_backward; "tf32", "3xtf32" (float32 on tensor cores, as ``precision=``); "wgmma"
-    (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at head_dim 64, 96 and 128: float16
+    (Hopper's warpgroup MMA, compute capability 9.0 only, the default there at every multiple of 32: float16
     or bfloat16, head_dim a multiple of 32 up to 256 (other multiples of 8 padded, as in the forward), every
     option, deterministic; the dQ kernel takes 64 or 128
     query rows a block and tiles of 32, 64 or 128 keys, the dK/dV kernel 64 or 128 keys a block (above head_dim

@@ -388,8 +388,13 @@ def padded_head_dim(family, D) -> int | None:
     return None
 
 
-def _padding(D_user, D) -> str:
-    """The plan's words for a padded head dim (:func:`padded_head_dim`)."""
+def _padding(D_user, D, tensors) -> str:
+    """The plan's words for a padded head dim (:func:`padded_head_dim`); ValueError where the copies cannot be made
+    (CUDA arrays other than torch tensors, without CuPy)."""
+    if not SIMULATOR and _arrays.cupy is None and any(t.kind in ("numba", "cai") for t in tensors):
+        raise ValueError(f"head_dim {D_user} runs on the Hopper kernels at {D}, on copies of the inputs with zero "
+                         f"columns appended, which for CUDA arrays other than torch tensors needs CuPy; install "
+                         f"CuPy or use kernel='tc'")
     return f"head_dim {D_user} run as {D}: the inputs copied with {D - D_user} zero columns, the outputs cropped"
 
 
@@ -570,7 +575,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     t, reason = tiling.resolve(table, D, limits, block_m, block_n, num_threads,
                                simulated=SIMULATOR and device is None)
     if pad:
-        reason = f"{reason}; {_padding(D_user, D)}"
+        reason = f"{reason}; {_padding(D_user, D, (tq, tk, tv))}"
     nk = tk.shape[-2]
     grid = (_cdiv(max_q, t.block_m), bsz * nheads)
     io = ("q", "k", "v", "out", "lse")
@@ -1080,8 +1085,8 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             if max_k:
                 launches.append(kv)
     if pad:
-        launches = [replace(x, reason=f"{x.reason}; {_padding(D_user, D)}") if x.tiles is not None else x
-                    for x in launches]
+        words = _padding(D_user, D, (tdo, tq, tk, tv, to))
+        launches = [replace(x, reason=f"{x.reason}; {words}") if x.tiles is not None else x for x in launches]
     return Plan("backward", family, _dtype_name(dt), D_user, opts.describe(), limits, why, fallback, tuple(launches),
                 arrays, scalars, tuple(inputs), tuple(outs), tq.kind)
 

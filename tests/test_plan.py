@@ -151,6 +151,8 @@ def test_hopper_default_choice(monkeypatch):
     monkeypatch.setattr(planmod._arrays, "cupy", None)  # (numba device arrays: the padded copies need CuPy)
     q, k, v = (cuda.to_device(x) for x in _qkv(np.float16, 80))
     assert "need CuPy" in flashnumba.plan(q, k, v, device="sm_90").why
+    with pytest.raises(ValueError, match="needs CuPy"):  # (asked for: refused by the plan, before any launch)
+        flashnumba.plan(q, k, v, device="sm_90", kernel="wgmma")
     monkeypatch.undo()
     monkeypatch.setattr(planmod, "SIMULATOR", False)
     fwd, bwd = plans(128, deterministic=False)

@@ -49,6 +49,10 @@ def candidates(family: str, D: int, limits) -> list:
     from .. import tiling
 
     takes_threads = family in ("v2", "v3", "bwd_v2")
+    if family.startswith("wgmma"):  # (the other multiples of 8 run padded to the head dim the kernels are built for)
+        from ..planner import padded_head_dim
+
+        D = padded_head_dim("wgmma", D) or D
     out = []
     grid = itertools.product(TILE_SIZES, TILE_SIZES, THREADS if takes_threads else TC_THREADS
                              if family == "tc" else (None,))
