@@ -18,8 +18,9 @@ How ``kernel=None`` chooses:
   16-byte row copies). On compute capability 9.0 the Hopper kernels (``wgmma``) instead, at the head dims where
   they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at every multiple of 32 up
   to 256, both passes; the forward at 96 only where it copies with tensor maps,
-  :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`; other multiples of 8 at
-  :data:`~flashnumba.tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS`, run padded: :func:`padded_head_dim`),
+  :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`; the other multiples of 8 from 40,
+  :data:`~flashnumba.tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS`, run padded to the next multiple of 32:
+  :func:`padded_head_dim`),
   unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
   (:func:`_hopper_blocker`; the plan's ``why`` says so); a user's mask_mod with a block mask takes them at the head
   dims of :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`. The choice does not depend on the inputs' strides (the

@@ -65,8 +65,11 @@ WGMMA_DEFAULT_HEAD_DIMS = {"forward": (32, 64, 96, 128, 160, 192, 224, 256),
 WGMMA_MODS_DEFAULT_HEAD_DIMS = {"forward": (64, 128), "backward": (64,)}
 # The head dims, multiples of 8 that are not of 32, where kernel=None takes the Hopper kernels with q, k, v copied
 # with zero columns appended up to the next multiple of 32 (planner.padded_head_dim) rather than the mma.sync kernels
-# at the head dim itself: none until measured
-WGMMA_PADDED_DEFAULT_HEAD_DIMS = {"forward": (), "backward": ()}
+# at the head dim itself (docs/benchmarks.md, "How fast are the head dims that are not multiples of 32?"): measured
+# at 40, 72, 80, 104, 136 and 200 on an H100, both passes, 0.97-3.1x the mma.sync kernels (below 1.0 only the
+# forward at 40, causal, seqlen 4096); taken from 40 on, where the padding adds at most the columns it adds at 40
+# (60%); below 32 (8, 16, 24) the padding would double the work or more
+WGMMA_PADDED_DEFAULT_HEAD_DIMS = {p: tuple(d for d in range(40, 256, 8) if d % 32) for p in ("forward", "backward")}
 # the head dims where the Hopper forward is the faster only with its tensor-map copies (the per-thread copies of
 # three 32-column blocks a row ran at 0.70x the mma.sync kernel there): kernel=None keeps mma.sync where a call's
 # plan would not take them (packed sequences, more than two options compiled in, config.hopper_tma off)
@@ -323,6 +326,9 @@ TABLES = {
         Candidate(128, Tiles(64, 64, 128), "one warpgroup", min_cc=(9, 0)),
         Candidate(160, Tiles(128, 64, 256), "two warpgroups sharing each K_j, V_j of 64 keys (three stages beside "
                   "Q_i, dO_i: 200 KB at d = 160)", min_cc=(9, 0), min_head_dim=128),
+        Candidate(256, Tiles(128, 48, 256), "two warpgroups sharing each K_j, V_j of 48 keys in two buffers "
+                  "(three would take 272 KB at d = 256), copied by the producer's tensor maps (1.10-1.12x key "
+                  "tiles of 32)", min_cc=(9, 0), min_head_dim=224),
         Candidate(256, Tiles(128, 32, 256), "two warpgroups sharing each K_j, V_j of 32 keys (three stages of 64 "
                   "keys beside Q_i, dO_i would take 240 KB at d = 192; dQ_i of d = 256 is 128 registers a thread)",
                   min_cc=(9, 0), min_head_dim=128),
@@ -468,9 +474,14 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tupl
     the wgmma (compiled for sm_90a); those variants take key tiles of 32. At head dim D = 64 with the tensor-map
     copies (``tma``) and a causal-like right bound alone, tiles of 128 keys halve the tiles of the rows' short
     loops (S, dP, dQ_i and dS packed within the producer's rebalanced registers; without the producer, in 255
-    registers a thread, they spill)."""
+    registers a thread, they spill). The tiles of 48 keys of head dim 256 fit the shared memory only in the two
+    buffers of the tensor-map copies and were measured (and compiled without spills) with window bounds alone:
+    the others take 32."""
     if "block_n" in given:
         return t, ""
+    if t.block_n == 48 and (not tma or any(variant[2:4]) or variant[5]):
+        return t._replace(block_n=32), ("key tiles of 32: tiles of 48 take the copy engine's two buffers and "
+                                        "window bounds alone")
     if _per_entry_options(variant) > 2 and t.block_n > 32:
         return t._replace(block_n=32), "key tiles of 32: more than two per-entry options"
     has_right = variant[1]

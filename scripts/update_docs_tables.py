@@ -211,12 +211,47 @@ def hopper_summary(d, prefix="docs/results/latest/"):
     env = d["environment"]
     return [f"- Hopper: a forward on warpgroup MMA with a producer warpgroup (tiles copied by the copy engine) and two "
             f"consumers taking turns "
-            f"(`kernel=\"wgmma\"`, `kernel=None`'s on compute capability 9.0 at head_dim 64, 96 and 128, "
+            f"(`kernel=\"wgmma\"`, `kernel=None`'s on compute capability 9.0 at every multiple of 32 up to 256 "
+            f"and, padded to the next, the other multiples of 8 from 40; "
             f"`flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes), {mma} (float16 forward, seqlen 4096 and 16384, "
             f"{env['date'][:10]}: [bench-wgmma.json]({prefix}bench-wgmma.json); docs/benchmarks.md, \"How fast is "
             f"the Hopper forward?\")."]
+
+
+def padded(data, prefix="results/latest/"):
+    """The Hopper kernels at head dims that are not multiples of 32, run padded to the next (flashnumba_wgmma),
+    beside the mma.sync kernels at the head dim itself (flashnumba_tc) and FlashAttention-2, from the runs in
+    ``data`` (file name: bench JSON), both timing modes."""
+    rows, envs = {}, []
+    for source, d in data.items():
+        envs.append((source, d["environment"]))
+        for r in d["rows"]:
+            if r.get("tflops"):
+                rows[(r["impl"], r["head_dim"], r["seqlen"], r["causal"], r["pass_"])] = r
+    e = envs[0][1]
+    out = [f"float16, batch 16384 / seqlen, heads 2048 / head_dim (rounded down), TFLOP/s of the caller's head dim "
+           f"(the padded columns not counted); {e['device']}, {e['date'][:10]}, calls back to back / one call per "
+           f"pair of CUDA events; sources: " + ", ".join(f"[`{s}`]({prefix}{s})" for s, _ in envs) + ".", "",
+           "| head_dim (run as) | seqlen | causal | pass | Hopper, padded | mma.sync | FlashAttention-2 (torch) "
+           "| Hopper / mma.sync | Hopper / FlashAttention-2 |",
+           "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+
+    def two(r):
+        return f"{r['tflops']:.0f} / {r['tflops_single']:.0f}"
+
+    def ratio(a, b):
+        return f"{a['tflops'] / b['tflops']:.2f} / {a['tflops_single'] / b['tflops_single']:.2f}"
+
+    for key in sorted((k[1:] for k in rows if k[0] == "flashnumba_wgmma"), key=lambda k: (*k[:3], k[3] != "fwd")):
+        hd, seqlen, causal, pass_ = key
+        w, t, f = (rows.get((impl,) + key) for impl in ("flashnumba_wgmma", "flashnumba_tc", "torch_sdpa_flash"))
+        if t is None or f is None:
+            continue
+        out.append(f"| {hd} ({-(-hd // 32) * 32}) | {seqlen} | {'yes' if causal else 'no'} | {pass_} | "
+                   f"{two(w)} | {two(t)} | {two(f)} | {ratio(w, t)} | {ratio(w, f)} |")
+    return out
 
 
 def _spans(d):
@@ -248,7 +283,8 @@ def hopper_backward_summary(d, prefix="docs/results/latest/"):
            if any(r["impl"] == impl for r in d["rows"]) else "")  # (a run without the mma.sync rows: none)
     env = d["environment"]
     return [f"- Hopper backward: dQ and dK/dV kernels on warpgroup MMA, deterministic (`kernel=\"wgmma\"` for the "
-            f"backward, `kernel=None`'s on compute capability 9.0 at head_dim 64, 96 and 128, "
+            f"backward, `kernel=None`'s on compute capability 9.0 at every multiple of 32 up to 256 "
+            f"and, padded to the next, the other multiples of 8 from 40; "
             f"`flashnumba/kernels/wgmma_backward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes){mma} (float16, seqlen 4096 and 16384, {env['date'][:10]}: "
@@ -350,7 +386,7 @@ TARGETS = {  # file: (marker name, table function, its arguments)
                            ("flex", flex, {}), ("hopper", hopper, {"source": "bench-wgmma.json"}),
                            ("hopper-backward", hopper, {"source": "bench-wgmma-bwd.json"}),
                            ("hopper-head-dims", hopper, {"source": "bench-wgmma-head-dims.json"}),
-                           ("float32-tc", float32_tc, {})],
+                           ("float32-tc", float32_tc, {}), ("hopper-padded", padded, {})],
     "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {}),
                   ("hopper-summary", hopper_summary, {}), ("hopper-backward-summary", hopper_backward_summary, {})],
@@ -360,6 +396,7 @@ SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_
            "flex": "flex-bench.json", "hopper": "bench-wgmma.json", "hopper-summary": "bench-wgmma.json",
            "hopper-backward": "bench-wgmma-bwd.json", "hopper-backward-summary": "bench-wgmma-bwd.json",
            "hopper-head-dims": "bench-wgmma-head-dims.json",
+           "hopper-padded": ("bench-wgmma-padded-80-h100.json", "bench-wgmma-padded-h100.json"),
            "float32-tc": ("bench-tf32-d64.json", "bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json",
                           "tf32-error-chained.json")}
 

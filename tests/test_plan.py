@@ -142,8 +142,10 @@ def test_hopper_default_choice(monkeypatch):
         assert fwd.fallback is None and bwd.fallback is None
         if fwd.kernel == "tc":
             assert "not wgmma" in fwd.why and "head_dim" in fwd.why
-    assert plans(40)[1].kernel == "tc"  # (built for multiples of 32 only; padded only where measured the faster)
-    assert tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS == {"forward": (), "backward": ()}  # (measured)
+    # other multiples of 8 from 40 on: padded to the next multiple of 32 (measured the faster at 40 .. 200)
+    assert tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS["forward"][:4] == (40, 48, 56, 72)
+    assert tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS["backward"][-3:] == (232, 240, 248)
+    assert plans(40)[1].kernel == "wgmma" and plans(24)[1].kernel == "tc"
     monkeypatch.setattr(tiling, "WGMMA_PADDED_DEFAULT_HEAD_DIMS", {"forward": (80,), "backward": ()})
     fwd, bwd = plans(80)
     assert fwd.kernel == "wgmma" and "head_dim 80 run as 96" in fwd.launches[0].reason and fwd.head_dim == 80

@@ -654,6 +654,9 @@ def test_backward_two_warpgroups_every_option():
     (128, dict(block_n=64), (128, 64, 384), (64, 64, 128), False),
     (64, dict(window_size=(9, 4), softcap=3.0), (128, 32, 384), (32, 128, 384), True),
     (64, dict(window_size=(9, 4), softcap=3.0, block_n=64), (128, 64, 384), (32, 64, 128), True),
+    # head_dim 256: the dQ kernel's key tiles of 48 (two buffers, the copy engine's) with window bounds alone
+    (256, dict(causal=True), (128, 48, 384), (32, 64, 384), True),  # (dK/dV: its table's query tiles of 32)
+    (256, dict(softcap=3.0), (128, 32, 384), (32, 64, 384), True),
 ])
 def test_the_backward_plan_fits_the_tiles(D, opts, dq, dkdv, note):
     """The Hopper backward's tiles: each kernel's table, the dK/dV kernel's query tiles of 32 where ALiBi or
