@@ -100,11 +100,11 @@ def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
     assert p.kernel == "tc" and p.fallback is None
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_75")
     assert p.kernel == "v3" and "compute capability 7.5" in p.fallback
-    q, k, v = _qkv(np.float16, 80)  # (the Hopper forward is built for 64, 96 and 128 only)
+    q, k, v = _qkv(np.float16, 80)  # (the Hopper forward is built for multiples of 32: 80 runs padded to 96)
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
-    assert p.kernel == "tc" and p.fallback is None
-    q, k, v = _qkv(np.float16, 40)  # a multiple of 8, not of 16: padded in shared memory
-    p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
+    assert p.kernel == "wgmma" and p.fallback is None and "run as 96" in p.launches[0].reason
+    q, k, v = _qkv(np.float16, 40)  # a multiple of 8, not of 16: padded in shared memory by the mma.sync kernel
+    p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_80")
     assert p.kernel == "tc" and p.fallback is None
     q, k, v = _qkv(np.float16, 36)
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
