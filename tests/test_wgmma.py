@@ -551,6 +551,27 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
 @pytest.mark.parametrize("part", range(SHARDS // 2))
 @shard(SHARDS // 2)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2]),
+       seqlen_q=st.integers(1, 500), seqlen_k=st.integers(1, 500), D=st.sampled_from([40, 56, 72, 80, 104, 120, 136]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), causal=st.booleans(),
+       window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]), alibi=st.booleans(),
+       dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+def test_drawn_padded_head_dims_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
+                                    softcap, alibi, dropout, seed):
+    """The head dims that run padded to the next multiple of 32 (kernel=None's on compute capability 9.0 from 40),
+    forward and backward at the default tiles, over shapes, GQA, dtypes and every option."""
+    rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
+                                         softcap, alibi, dropout, seed)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+    check_forward(out, lse, q, k, v, **ref)
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **opts)[:3]
+    check_backward(grads, dout, q, k, v, out, lse, **ref)
+
+
+@gpu_only
+@pytest.mark.parametrize("part", range(SHARDS // 2))
+@shard(SHARDS // 2)
+@given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2]),
        seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from([160, 192, 224, 256]),
        dtype=st.sampled_from(["float16", "bfloat16"]),
        tiles=st.sampled_from([None, (128, 32, 256), (64, 32, 128), (128, 32, 288), (128, 32, 384), (128, 48, 384)]),
