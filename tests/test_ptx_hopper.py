@@ -150,6 +150,96 @@ def test_wgmma_random_inputs(kind):
     assert (np.abs(D - truth) <= tol).all(), np.abs(D - truth).max()
 
 
+@functools.lru_cache(maxsize=None)
+def wgmma_tf32_kernel(N, regs_a=False):
+    """As :func:`wgmma_kernel` with TF32 operands (float32, K = 8): A (64 x 8) and B (N x 8) K-major in core matrices
+    of 8 rows x 4 floats (LBO 128: the second 4 columns; SBO 256: the next 8 rows), or A in registers (one float
+    each: rows g, g + 8, columns t, t + 4); D = A B^T, then D += A B^T chained, one commit, one wait."""
+    mma, fence, wait = hop.wgmma_ops("tf32", N, regs_a)
+    NA, NB, NR = 64 * 8, N * 8, N // 2
+    NS = NA + NB  # (a shared array's size must be one constant)
+
+    @cuda.jit
+    def kernel(a, b, d):
+        smem = cuda.shared.array(NS, float32)
+        tid = cuda.threadIdx.x
+        w = tid // 32
+        g = (tid % 32) >> 2
+        t = tid & 3
+        if not regs_a:
+            for e in range(tid, NA, 128):
+                r = e // 8
+                k = e - 8 * r
+                smem[((r // 8) * 256 + (k // 4) * 128 + (r % 8) * 16 + (k % 4) * 4) // 4] = a[r, k]
+        for e in range(tid, NB, 128):
+            r = e // 8
+            k = e - 8 * r
+            smem[NA + ((r // 8) * 256 + (k // 4) * 128 + (r % 8) * 16 + (k % 4) * 4) // 4] = b[r, k]
+        hop.fence_proxy_async()
+        cuda.syncthreads()
+        acc = cuda.local.array(NR, float32)
+        for i in range(NR):
+            acc[i] = 0.0
+        db = hop.make_desc(hop.smem_address(smem, NA), 128, 256)
+        fence(acc)
+        if regs_a:  # (a holds the float32's bits: one to a register)
+            r0 = 16 * w + g
+            a0, a1, a2, a3 = a[r0, t], a[r0 + 8, t], a[r0, t + 4], a[r0 + 8, t + 4]
+            mma(acc, a0, a1, a2, a3, db, 0)
+            mma(acc, a0, a1, a2, a3, db, 1)
+        else:
+            da = hop.make_desc(hop.smem_address(smem, 0), 128, 256)
+            mma(acc, da, db, 0)
+            mma(acc, da, db, 1)
+        hop.wgmma_commit()
+        wait(0, acc)
+        for j in range(N // 8):
+            d[16 * w + g, 8 * j + 2 * t] = acc[4 * j]
+            d[16 * w + g, 8 * j + 2 * t + 1] = acc[4 * j + 1]
+            d[16 * w + g + 8, 8 * j + 2 * t] = acc[4 * j + 2]
+            d[16 * w + g + 8, 8 * j + 2 * t + 1] = acc[4 * j + 3]
+
+    return kernel
+
+
+def run_wgmma_tf32(N, A, B, regs_a=False):
+    needs_hopper()
+    a, b = (np.ascontiguousarray(x, np.float32) for x in (A, B))
+    if regs_a:
+        a = a.view(np.uint32)
+    d = cuda.to_device(np.full((64, N), np.nan, np.float32))
+    wgmma_tf32_kernel(N, regs_a)[1, 128](cuda.to_device(a), cuda.to_device(b), d)
+    return d.copy_to_host()
+
+
+def _truncated_tf32(x):
+    """float32 values as the tensor cores read them for TF32 (the lower 13 mantissa bits dropped), float64."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("N, regs_a", [(8, False), (64, False), (64, True), (256, True)])
+def test_wgmma_tf32_exact_and_truncating(N, regs_a):
+    """TF32 operands: on small integers D = 2 A B^T bit for bit (the core matrices of 4 floats, the register
+    fragment of columns t and t + 4); on random float32 the products are of the operands truncated to TF32 (not
+    rounded: against the rounded operands the difference is far above float32's accumulation error)."""
+    rng = np.random.default_rng(N + regs_a)
+    A, B = rng.integers(-4, 5, (64, 8)).astype(np.float32), rng.integers(-4, 5, (N, 8)).astype(np.float32)
+    np.testing.assert_array_equal(run_wgmma_tf32(N, A, B, regs_a), 2 * (A.astype(np.float64) @ B.T))
+    A, B = rng.standard_normal((64, 8)).astype(np.float32), rng.standard_normal((N, 8)).astype(np.float32)
+    D = run_wgmma_tf32(N, A, B, regs_a)
+    a, b = _truncated_tf32(A), _truncated_tf32(B)
+    truth = 2 * (a @ b.T)
+    tol = 17 * np.finfo(np.float32).eps * 2 * (np.abs(a) @ np.abs(b).T)
+    assert (np.abs(D - truth) <= tol).all(), np.abs(D - truth).max()
+    exact = 2 * (A.astype(np.float64) @ B.T.astype(np.float64))
+    assert np.abs(D - exact).max() > 10 * tol.max()  # (the truncation shows: TF32 keeps 10 mantissa bits)
+
+
+def test_wgmma_tf32_refuses_an_mn_major_b():
+    with pytest.raises(ValueError, match="K-major only"):
+        hop.wgmma_ops("tf32", 64, trans_b=True)
+
+
 def test_the_operand_layout_is_the_documented_one():
     """The stand-in reads element (r, k) of an operand where core_index puts it (the layout the kernels write)."""
     assert [core_index(r, k) for r, k in ((0, 0), (0, 7), (0, 8), (1, 0), (7, 15), (8, 0), (9, 9))] == [
@@ -213,10 +303,12 @@ for name, sig in (("bulk_copy_kernel", "void(float32[:, ::1], float32[:, ::1])")
     fn = fn(128) if name == "tma_kernel" else fn
     ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"))
     out[name] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
-for kind, N, ra, tb in (("f16", 64, False, False), ("bf16", 256, False, False), ("f16", 128, True, True)):
-    el = "float16" if kind == "f16" else "uint16"
-    sig = f"void({'uint16' if ra else el}[:, ::1], {el}[:, ::1], float32[:, ::1])"
-    ptx = _launch.compile_ptx(t.wgmma_kernel(kind, N, ra, tb).py_func, sig, (9, 0, "a"))
+for kind, N, ra, tb in (("f16", 64, False, False), ("bf16", 256, False, False), ("f16", 128, True, True),
+                        ("tf32", 64, False, False), ("tf32", 128, True, False)):
+    el = {"f16": "float16", "bf16": "uint16", "tf32": "float32"}[kind]
+    sig = f"void({('uint32' if kind == 'tf32' else 'uint16') if ra else el}[:, ::1], {el}[:, ::1], float32[:, ::1])"
+    fn = t.wgmma_tf32_kernel(N, ra) if kind == "tf32" else t.wgmma_kernel(kind, N, ra, tb)
+    ptx = _launch.compile_ptx(fn.py_func, sig, (9, 0, "a"))
     out[f"{kind}-{N}-{int(ra)}{int(tb)}"] = dict(ptx=ptx, log=_launch.assemble(ptx, (9, 0, "a"))[1])
 print(json.dumps(out))
 """
@@ -250,7 +342,8 @@ def test_wgmma_compiles_for_sm90a():
             continue
         kind, N, _ = name.split("-")
         assert ".target sm_90a" in r["ptx"]
-        for needle in (f"wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{kind}.{kind}", "wgmma.fence.sync.aligned",
+        k = 8 if kind == "tf32" else 16
+        for needle in (f"wgmma.mma_async.sync.aligned.m64n{N}k{k}.f32.{kind}.{kind}", "wgmma.fence.sync.aligned",
                        "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned 0",
                        "fence.proxy.async.shared::cta"):
             assert needle in r["ptx"], f"{name}: no {needle!r} in its PTX"

@@ -111,6 +111,17 @@ N; with g = lane >> 2 and t = lane & 3, registers 4 j .. 4 j + 3 hold::
     acc[4j] = D[16w + g, 8j + 2t]        acc[4j + 1] = D[16w + g, 8j + 2t + 1]
     acc[4j + 2] = D[16w + g + 8, 8j + 2t]    acc[4j + 3] = D[16w + g + 8, 8j + 2t + 1]
 
+**TF32 operands** (kind ``"tf32"``, float32 in shared memory or registers): one wgmma is m64nNk8, still 32 bytes
+of K a row, so a core matrix is 8 rows of 4 float32 and element (r, k) of a K-major operand lies at::
+
+    start + (r // 8) * SBO + (k // 4) * LBO + (r % 8) * 16 + (k % 4) * 4        bytes
+
+Both operands are K-major (the instruction has no transpose for 32-bit types: for O += P V, V_j transposed in
+shared memory). From registers, thread (w, g, t) holds one float32 a register, a_i = A[16w + g + 8 (i & 1),
+t + 4 (i >> 1)]: columns t and t + 4 where the accumulator holds 2t and 2t + 1, so a P taken from S's accumulator
+needs the keys of V_j in the order 0, 2, 4, 6, 1, 3, 5, 7 of each 8. The tensor cores drop the lower 13 bits of
+each float32's mantissa (truncation; ``cvt.rna.tf32.f32`` first rounds to nearest).
+
 **The stand-ins.** Under the simulator a wgmma records itself and fills the accumulator with NaN (reading it
 before the wait reads garbage on the GPU); ``wgmma_wait`` retires the groups as the hardware does: the 128
 threads meet at a barrier, exchange their accumulators and descriptors, the retired products are computed once
@@ -139,6 +150,7 @@ from . import ptx
 WARPGROUP = 128
 M = 64  # rows of D (and of A) per wgmma
 K = 16  # the K of one wgmma (16-bit operands)
+KINDS = {"f16": 16, "bf16": 16, "tf32": 8}  # the operand types and the K of one wgmma with them: 32 bytes a row
 SMEM_WINDOW = 1 << 18  # bytes the descriptor's address field reaches (14 bits of address >> 4)
 
 
@@ -223,9 +235,12 @@ def _sim_smem_bytes(address, nbytes):
     raise ValueError(f"address {address} ({nbytes} bytes) lies in no shared array of this block")
 
 
-def _sim_operand(desc, rows, halves, mn_major=False):
-    """The operand (rows x 16, float64: row r, column k) a descriptor names, read from shared memory now; K-major,
-    or MN-major (``mn_major``: 8 consecutive rows of one column of K in each 16 bytes)."""
+def _sim_operand(desc, rows, halves, mn_major=False, esize=2):
+    """The operand (rows x K, float64: row r, column k) a descriptor names, read from shared memory now; K-major,
+    or MN-major (``mn_major``: 8 consecutive rows of one column of K in each 16 bytes). ``esize``: the bytes of an
+    element, 2 (K = 16) or 4 (TF32, K = 8; K-major only); ``halves`` turns the elements' bits into values."""
+    if esize == 4:
+        return _sim_operand_32(desc, rows, halves)
     addr, lbo, sbo, mode = _decode(desc)
     if mode not in (0,) + tuple(SWIZZLE_SPANS):
         raise NotImplementedError(f"the stand-in reads operands without swizzle or with the 128-, 64- or 32-byte "
@@ -256,6 +271,28 @@ def _sim_operand(desc, rows, halves, mn_major=False):
     return out
 
 
+def _sim_operand_32(desc, rows, values):
+    """:func:`_sim_operand` of 32-bit elements (TF32, K = 8, K-major): element (r, k) at (r // 8) SBO + (k // 4) LBO
+    + (r % 8) 16 + (k % 4) 4 bytes without swizzle, or the swizzle of (r // 8) SBO + (r % 8) span + 4 k."""
+    addr, lbo, sbo, mode = _decode(desc)
+    if addr % 16:
+        raise ValueError(f"an operand's address must be 16-byte aligned, got {addr}")
+    r, k = np.arange(rows)[:, None], np.arange(8)[None, :]
+    if mode:
+        span = SWIZZLE_SPANS[mode]
+        byte = swizzle(addr + (r // 8) * sbo + (r % 8) * span + 4 * k, span) - addr
+    else:
+        byte = (r // 8) * sbo + (k // 4) * lbo + (r % 8) * 16 + (k % 4) * 4
+    lo = int(byte.min())
+    return values(_sim_smem_bytes(addr + lo, int(byte.max()) + 4 - lo).view(np.uint32)[(byte - lo) // 4])
+
+
+def _tf32_values(bits):
+    """float32 bit patterns (uint32, any shape) as the tensor cores read them for TF32, float64: the lower 13 bits
+    of the mantissa dropped (truncated, not rounded: round with ``cvt.rna.tf32.f32`` first for nearest)."""
+    return (np.asarray(bits, np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
 @functools.lru_cache(maxsize=None)
 def _operand_offsets(rows, lbo, sbo, mn_major):
     """(16-bit element offsets from the operand's address of its elements (r, k), rows x K; the bytes from the
@@ -282,9 +319,17 @@ def _swizzled_offsets(rows, lbo, sbo, mn_major, span):
     return (r // 8) * sbo + (r % 8) * span + k * 2
 
 
-def _sim_register_operand(everyone_regs, halves):
+def _sim_register_operand(everyone_regs, halves, tf32=False):
     """The A operand (64 x 16, float64) held in the 128 threads' registers: thread r's four uint32 (two 16-bit
-    elements each, the lower half first) at the places the module docstring draws."""
+    elements each, the lower half first) at the places the module docstring draws; with ``tf32`` (64 x 8) one
+    float32 each, register i at row 16 w + g + 8 (i & 1), column t + 4 (i >> 1)."""
+    if tf32:
+        out = np.empty((M, 8))
+        for r, regs in enumerate(everyone_regs):
+            warp, lane = r // 32, r % 32
+            for i, reg in enumerate(regs):
+                out[16 * warp + (lane >> 2) + 8 * (i & 1), (lane & 3) + 4 * (i >> 1)] = halves(np.uint32(reg))
+        return out
     out = np.empty((M, K))
     for r, regs in enumerate(everyone_regs):
         warp, lane = r // 32, r % 32
@@ -317,19 +362,21 @@ def _wgmma_results():
 
 
 def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
-    halves = ptx._f16_values if kind == "f16" else ptx._bf16_values
+    halves = {"f16": ptx._f16_values, "bf16": ptx._bf16_values, "tf32": _tf32_values}[kind]
+    esize = 4 if kind == "tf32" else 2
     rows, cols = _fragment_index(N)
 
     def issue(acc, operand_a, desc_b, scale_d):
         a = ptx._host_array(acc)
         if a.shape[0] != N // 2:
-            raise ValueError(f"wgmma m64n{N}k16: the accumulator holds {N // 2} float32 a thread, got {a.shape}")
+            raise ValueError(f"wgmma m64n{N}k{KINDS[kind]}: the accumulator holds {N // 2} float32 a thread, got "
+                             f"{a.shape}")
         issued = _wgmma_state()[0] + [op for group in _wgmma_state()[1] for op in group]
         chained = any(op[0] is a for op in issued)  # reads what an earlier wgmma in flight writes
         # the operands as they are at the issue: the hardware may read them any time until the wait, so they must
         # be in place now and stay so (checked at the wait)
-        seen = (None if regs_a else _sim_operand(operand_a, M, halves),
-                _sim_operand(int(desc_b), N, halves, mn_major=trans_b))
+        seen = (None if regs_a else _sim_operand(operand_a, M, halves, esize=esize),
+                _sim_operand(int(desc_b), N, halves, mn_major=trans_b, esize=esize))
         # (the accumulator's values only where the product adds to them: otherwise the registers may hold anything,
         # a signalling NaN among it)
         start = a.copy() if scale_d else np.zeros_like(a)
@@ -365,10 +412,10 @@ def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
                     d = np.zeros((M, N))
                     d[rows, cols] = np.array([everyone[r][i][0] for r in range(WARPGROUP)], np.float64)
                 if regs_a:
-                    A = _sim_register_operand([everyone[r][i][1] for r in range(WARPGROUP)], halves)
+                    A = _sim_register_operand([everyone[r][i][1] for r in range(WARPGROUP)], halves, esize == 4)
                 else:
-                    A = _sim_operand(da, M, halves)
-                B = _sim_operand(db, N, halves, mn_major=trans_b)
+                    A = _sim_operand(da, M, halves, esize=esize)
+                B = _sim_operand(db, N, halves, mn_major=trans_b, esize=esize)
                 latest[id(a)] = A @ B.T + (d if s else 0.0)
                 out.append((A.tobytes(), B.tobytes(), latest[id(a)]))
             return out
@@ -383,10 +430,12 @@ def _make_sim_ops(kind, N, regs_a=False, trans_b=False):
         for a, *_ in retired:
             a[:] = results[id(a)][rows[rank], cols[rank]].astype(np.float32)
 
-    a_from = ("A from this thread's registers a0 .. a3 (four uint32 of two elements each)" if regs_a
-              else "A read through the descriptor desc_a (64 x 16, K-major)")
+    KK = KINDS[kind]
+    each = "one float32" if esize == 4 else "two elements"
+    a_from = (f"A from this thread's registers a0 .. a3 (four uint32 of {each} each)" if regs_a
+              else f"A read through the descriptor desc_a (64 x {KK}, K-major)")
     mma.__doc__ = (f"acc (this thread's {N // 2} float32 of D, 64 x {N}) = A B^T (+ acc where scale_d != 0), "
-                   f"{kind} operands: {a_from}, B through desc_b ({N} x 16, "
+                   f"{kind} operands: {a_from}, B through desc_b ({N} x {KK}, "
                    f"{'MN-major' if trans_b else 'K-major'}): issued, the result there after the wait that "
                    f"retires it (module docstring).")
     fence.__doc__ = "``wgmma.fence.sync.aligned``: before the first wgmma that reads or writes acc's registers."
@@ -728,14 +777,17 @@ def _gpu_intrinsics():
     def make_ops(kind, N, regs_a=False, trans_b=False):
         n = N // 2
         regs = ", ".join(f"${i}" for i in range(n))
-        tb = int(trans_b)
-        if regs_a:  # {a0, a1, a2, a3}, desc_b, scale_d, scale_a, scale_b, trans_b
-            text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
-                    "{$%d, $%d, $%d, $%d}, $%d, p, 1, 1, %d; }"
-                    % (2 * n + 5, N, kind, kind, regs, *range(2 * n, 2 * n + 5), tb))
-        else:  # desc_a, desc_b, scale_d, scale_a, scale_b, trans_a, trans_b
-            text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.m64n%dk16.f32.%s.%s {%s}, "
-                    "$%d, $%d, p, 1, 1, 0, %d; }" % (2 * n + 2, N, kind, kind, regs, 2 * n, 2 * n + 1, tb))
+        shape = f"m64n{N}k{KINDS[kind]}.f32.{kind}.{kind}"
+        # the immediates after scale_d: scale_a, scale_b, then (16-bit kinds only) trans_a with A in shared memory
+        # and trans_b
+        tail = "" if kind == "tf32" else f", {int(trans_b)}" if regs_a else f", 0, {int(trans_b)}"
+        if regs_a:  # {a0, a1, a2, a3}, desc_b, scale_d, scale_a, scale_b[, trans_b]
+            text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.%s {%s}, "
+                    "{$%d, $%d, $%d, $%d}, $%d, p, 1, 1%s; }"
+                    % (2 * n + 5, shape, regs, *range(2 * n, 2 * n + 5), tail))
+        else:  # desc_a, desc_b, scale_d, scale_a, scale_b[, trans_a, trans_b]
+            text = ("{ .reg .pred p; setp.ne.b32 p, $%d, 0; wgmma.mma_async.sync.aligned.%s {%s}, "
+                    "$%d, $%d, p, 1, 1%s; }" % (2 * n + 2, shape, regs, 2 * n, 2 * n + 1, tail))
 
         if regs_a:
             def mma(typingctx, acc, a0, a1, a2, a3, desc_b, scale_d):
@@ -786,7 +838,7 @@ def _gpu_intrinsics():
 
             return types.none(count, acc), codegen
 
-        mma.__name__ = f"wgmma_m64n{N}k16_{kind}" + ("_rs" if regs_a else "") + ("_tb" if trans_b else "")
+        mma.__name__ = f"wgmma_m64n{N}k{KINDS[kind]}_{kind}" + ("_rs" if regs_a else "") + ("_tb" if trans_b else "")
         fence.__name__, wait.__name__ = "wgmma_fence", "wgmma_wait"
         return intrinsic(mma), intrinsic(fence), intrinsic(wait)
 
@@ -908,14 +960,17 @@ _ops_cache: dict = {}
 
 
 def wgmma_ops(kind, N, regs_a=False, trans_b=False):
-    """(mma, fence, wait) of ``wgmma.mma_async.sync.aligned.m64nNk16.f32.kind.kind`` for kind "f16" or "bf16" and
-    N a multiple of 8 up to 256 (module docstring). A is read from shared memory, K-major, through a descriptor
-    (``mma(acc, desc_a, desc_b, scale_d)``), or with ``regs_a`` from each thread's registers
-    (``mma(acc, a0, a1, a2, a3, desc_b, scale_d)``); B from shared memory, K-major, or MN-major with
-    ``trans_b``."""
-    if kind not in ("f16", "bf16") or N % 8 or not 8 <= N <= 256:
-        raise ValueError(f"wgmma m64nNk16 takes kind 'f16' or 'bf16' and N a multiple of 8 up to 256, got "
+    """(mma, fence, wait) of ``wgmma.mma_async.sync.aligned.m64nNk16.f32.kind.kind`` for kind "f16" or "bf16", or
+    ``m64nNk8.f32.tf32.tf32`` for "tf32", and N a multiple of 8 up to 256 (module docstring). A is read from shared
+    memory, K-major, through a descriptor (``mma(acc, desc_a, desc_b, scale_d)``), or with ``regs_a`` from each
+    thread's registers (``mma(acc, a0, a1, a2, a3, desc_b, scale_d)``); B from shared memory, K-major, or MN-major
+    with ``trans_b`` (16-bit kinds only: TF32 operands are K-major, and the tensor cores drop the lower 13 bits of
+    each float32's mantissa)."""
+    if kind not in KINDS or N % 8 or not 8 <= N <= 256:
+        raise ValueError(f"wgmma takes kind 'f16', 'bf16' or 'tf32' and N a multiple of 8 up to 256, got "
                          f"{kind!r}, {N}")
+    if kind == "tf32" and trans_b:
+        raise ValueError("wgmma with TF32 operands reads B K-major only (no trans_b)")
     key = (kind, N, bool(regs_a), bool(trans_b))
     if key not in _ops_cache:
         _ops_cache[key] = (_make_sim_ops if SIMULATOR else _GPU["make_ops"])(kind, N, bool(regs_a), bool(trans_b))
