@@ -1,0 +1,155 @@
+"""3xTF32 on Hopper's wgmma: does chaining the products in the tensor cores' accumulator cost accuracy?
+
+    python scripts/tf32_wgmma_error.py [--draws 20]
+
+One warpgroup forms S = A B^T (64 x 16, K = 64, float32 inputs) three ways with ``wgmma`` m64n16k8 TF32 (A and B
+split on the host into big = tf32(x) and small = tf32(x - big), to nearest, as ``cvt.rna.tf32.f32``):
+
+* "tf32": A_big B_big^T, the eight k-steps chained in the accumulator (one product: TF32's own error);
+* "3xtf32 chained": A_small B_big^T + A_big B_small^T + A_big B_big^T, all 24 chained in one accumulator;
+* "3xtf32 per step": each k-step's three chained from zero in a second accumulator, waited for, and added to the
+  sum with float32 adds (what the ``mma.sync`` 3xTF32 kernels do, :mod:`flashnumba.kernels.mma_tf32`).
+
+Each against the float64 product, as a multiple of a plain float32 computation's error (NumPy float32, the k-steps
+summed in order), median and largest over the draws. On the GPU this measures the tensor cores' accumulation (they
+align the products to the largest and truncate: ``scripts/tf32_error_model.py``); the simulator's stand-in sums
+in float64 and rounds once, so there the two 3xTF32 forms agree (a smoke test of the script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from flashnumba._backend import SIMULATOR, cuda  # (first: it chooses the simulator before Numba reads its config)
+from flashnumba.kernels import ptx_hopper as hop
+from numba import float32  # noqa: E402  (after the backend)
+
+M, N, K = 64, 16, 64
+LBO, SBO_A, SBO_B = 128, 32 * K, 32 * K  # core matrices of 8 rows x 4 floats: the next 4 columns, the next 8 rows
+NA, NB = M * K, N * K
+NS = 2 * NA + 2 * NB  # A big, A small, B big, B small (40 KB: within the static 48)
+MMA, FENCE, WAIT = hop.wgmma_ops("tf32", N)
+
+
+def make_products():
+    """The kernel (its sizes closed over: a shared array's size must be a constant)."""
+    ns, na, nb, sbo, nr = NS, NA, NB, SBO_A, N // 2
+
+    @cuda.jit(device=True, inline=True)
+    def core(r, k):
+        return ((r // 8) * sbo + (k // 4) * LBO + (r % 8) * 16 + (k % 4) * 4) // 4
+
+    @cuda.jit
+    def products(ab, as_, bb, bs, out):
+        """out[0] tf32, out[1] 3xtf32 chained, out[2] 3xtf32 per step (64 x 16 each)."""
+        smem = cuda.shared.array(ns, float32)
+        tid = cuda.threadIdx.x
+        for e in range(tid, na, 128):
+            r = e // K
+            k = e - K * r
+            smem[core(r, k)] = ab[r, k]
+            smem[na + core(r, k)] = as_[r, k]
+        for e in range(tid, nb, 128):
+            r = e // K
+            k = e - K * r
+            smem[2 * na + core(r, k)] = bb[r, k]
+            smem[2 * na + nb + core(r, k)] = bs[r, k]
+        hop.fence_proxy_async()
+        cuda.syncthreads()
+        a_big = hop.make_desc(hop.smem_address(smem, 0), LBO, sbo)
+        a_small = hop.make_desc(hop.smem_address(smem, na), LBO, sbo)
+        b_big = hop.make_desc(hop.smem_address(smem, 2 * na), LBO, sbo)
+        b_small = hop.make_desc(hop.smem_address(smem, 2 * na + nb), LBO, sbo)
+        one = cuda.local.array(nr, float32)
+        chained = cuda.local.array(nr, float32)
+        step = cuda.local.array(nr, float32)
+        total = cuda.local.array(nr, float32)
+        for i in range(nr):
+            total[i] = 0.0
+        FENCE(one)
+        FENCE(chained)
+        for ks in range(K // 8):  # (a k-step: 8 columns, two core matrices, 256 bytes on; the descriptor counts 16)
+            o = ks * 16
+            MMA(one, a_big + o, b_big + o, ks)
+            MMA(chained, a_small + o, b_big + o, ks)
+            MMA(chained, a_big + o, b_small + o, 1)
+            MMA(chained, a_big + o, b_big + o, 1)
+        hop.wgmma_commit()
+        WAIT(0, chained)
+        WAIT(0, one)
+        for ks in range(K // 8):
+            o = ks * 16
+            FENCE(step)
+            MMA(step, a_small + o, b_big + o, 0)
+            MMA(step, a_big + o, b_small + o, 1)
+            MMA(step, a_big + o, b_big + o, 1)
+            hop.wgmma_commit()
+            WAIT(0, step)
+            for i in range(nr):
+                total[i] += step[i]
+        w = tid // 32
+        g = (tid % 32) >> 2
+        t = tid & 3
+        for j in range(N // 8):
+            for x in range(4):
+                r = 16 * w + g + 8 * (x >> 1)
+                c = 8 * j + 2 * t + (x & 1)
+                out[0, r, c] = one[4 * j + x]
+                out[1, r, c] = chained[4 * j + x]
+                out[2, r, c] = total[4 * j + x]
+
+    return products
+
+
+products = make_products()
+
+
+def tf32(x):
+    """float32 -> TF32, to nearest, ties away from zero (``cvt.rna.tf32.f32``), as float32."""
+    b = np.asarray(x, np.float32).view(np.uint32)
+    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def split(x):
+    big = tf32(x)
+    return big, tf32((x - big).astype(np.float32))
+
+
+def float32_in_order(a, b):
+    """A B^T in float32, the k-steps of 8 summed in order (each step's 8 products summed in float32 too)."""
+    acc = np.zeros((a.shape[0], b.shape[0]), np.float32)
+    for ks in range(0, K, 8):
+        acc += (a[:, ks:ks + 8] @ b[:, ks:ks + 8].T).astype(np.float32)
+    return acc
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draws", type=int, default=20)
+    args = ap.parse_args()
+    if not SIMULATOR and cuda.get_current_device().compute_capability != (9, 0):
+        raise SystemExit("wgmma needs compute capability 9.0")
+    rng = np.random.default_rng(0)
+    ratios = {"tf32": [], "3xtf32 chained": [], "3xtf32 per step": []}
+    for _ in range(args.draws):
+        a = rng.standard_normal((M, K)).astype(np.float32)
+        b = rng.standard_normal((N, K)).astype(np.float32)
+        (ab, as_), (bb, bs) = split(a), split(b)
+        out = cuda.to_device(np.full((3, M, N), np.nan, np.float32))
+        products[1, 128](*(cuda.to_device(np.ascontiguousarray(x)) for x in (ab, as_, bb, bs)), out)
+        got = out.copy_to_host().astype(np.float64)
+        truth = a.astype(np.float64) @ b.T.astype(np.float64)
+        plain = np.abs(float32_in_order(a, b) - truth).max()
+        for name, x in zip(ratios, got):
+            ratios[name].append(np.abs(x - truth).max() / plain)
+    where = "simulator (stand-in: float64 sums)" if SIMULATOR else cuda.get_current_device().name
+    print(f"S = A B^T, 64 x 16, K = 64, standard normal float32, {args.draws} draws, {where}: max |error| as a "
+          f"multiple of float32's (k-steps summed in order)")
+    for name, r in ratios.items():
+        print(f"  {name:16} median {np.median(r):7.2f}x  largest {np.max(r):7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
