@@ -216,8 +216,8 @@ def flash_attn_forward(
         their threads from their tiles).
     kernel : None (default): chosen by the plan (:mod:`flashnumba.planner`): "tc" for float16 / bfloat16 where the
         tensor cores apply ("wgmma" on compute capability 9.0 at every head_dim a multiple of 32 up to 256 and,
-        padded, the multiples of 8 from 40, unless a block mask is given; at 96 only with its tensor-map copies),
-        else "v3". Or: "v3" (register-tiled with unsigned index
+        padded, the multiples of 8 from 40 with 4096 keys or more, unless a block mask is given; at 96 only with
+        its tensor-map copies), else "v3". Or: "v3" (register-tiled with unsigned index
         arithmetic), "v2" (the same with Numba's default signed indexing), "v1" (one thread per row, the readable
         one): the SIMT kernels of
         flashnumba.kernels.simt_forward; "tc": the tensor-core kernel (float16 or bfloat16, head_dim a multiple of

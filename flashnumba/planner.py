@@ -19,8 +19,8 @@ How ``kernel=None`` chooses:
   they are the faster (:data:`flashnumba.tiling.WGMMA_DEFAULT_HEAD_DIMS`: the forward at every multiple of 32 up
   to 256, both passes; the forward at 96 only where it copies with tensor maps,
   :data:`~flashnumba.tiling.WGMMA_FORWARD_NEEDS_TMA`; the other multiples of 8 from 40,
-  :data:`~flashnumba.tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS`, run padded to the next multiple of 32:
-  :func:`padded_head_dim`),
+  :data:`~flashnumba.tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS`, run padded to the next multiple of 32 in calls of
+  :data:`~flashnumba.tiling.WGMMA_PADDED_MIN_SEQLEN_K` keys or more: :func:`padded_head_dim`),
   unless a block mask or ``deterministic=False`` (the atomic dQ) keeps ``tc``
   (:func:`_hopper_blocker`; the plan's ``why`` says so); a user's mask_mod with a block mask takes them at the head
   dims of :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`. The choice does not depend on the inputs' strides (the
@@ -253,8 +253,13 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
     if D not in head_dims and D not in padded:
         return f"; not wgmma: the Hopper {pass_} is the faster{' with a mask_mod' if mods else ''} at head_dim " \
                f"{', '.join(map(str, sorted(head_dims + padded)))}"
-    if D in padded and _arrays.cupy is None and any(t.kind in ("numba", "cai") for t in tensors):
-        return f"; not wgmma: head_dim {D} runs there padded with zero columns, copies that need CuPy"
+    if D in padded and D not in head_dims:
+        nk = [t.shape[-3] for t in tensors if t.name == "k"]
+        if opts.variant[4] or not nk or nk[0] < tiling.WGMMA_PADDED_MIN_SEQLEN_K:
+            return (f"; not wgmma: head_dim {D} runs there padded to the next multiple of 32, on copies that pay "
+                    f"from {tiling.WGMMA_PADDED_MIN_SEQLEN_K} keys (sequences of equal length)")
+        if _arrays.cupy is None and any(t.kind in ("numba", "cai") for t in tensors):
+            return f"; not wgmma: head_dim {D} runs there padded with zero columns, copies that need CuPy"
     D = padded_head_dim("wgmma", D)  # (the tiles and copies below: those of the head dim the kernels run)
     if mods and opts.mods is not None and opts.mods.score_mod is not None:
         return "; not wgmma: a score_mod (the Hopper kernels take one when asked for, kernel='wgmma')"

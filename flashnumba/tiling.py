@@ -70,6 +70,10 @@ WGMMA_MODS_DEFAULT_HEAD_DIMS = {"forward": (64, 128), "backward": (64,)}
 # forward at 40, causal, seqlen 4096); taken from 40 on, where the padding adds at most the columns it adds at 40
 # (60%); below 32 (8, 16, 24) the padding would double the work or more
 WGMMA_PADDED_DEFAULT_HEAD_DIMS = {p: tuple(d for d in range(40, 256, 8) if d % 32) for p in ("forward", "backward")}
+# ... for calls of at least this many keys (sequences of equal length): the copies cost in proportion to the keys
+# and the attention to their square, and the measurements were at 4096 (where the causal forward broke even at 40
+# and 80) and 16384; shorter calls and packed sequences keep mma.sync
+WGMMA_PADDED_MIN_SEQLEN_K = 4096
 # the head dims where the Hopper forward is the faster only with its tensor-map copies (the per-thread copies of
 # three 32-column blocks a row ran at 0.70x the mma.sync kernel there): kernel=None keeps mma.sync where a call's
 # plan would not take them (packed sequences, more than two options compiled in, config.hopper_tma off)

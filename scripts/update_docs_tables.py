@@ -212,7 +212,7 @@ def hopper_summary(d, prefix="docs/results/latest/"):
     return [f"- Hopper: a forward on warpgroup MMA with a producer warpgroup (tiles copied by the copy engine) and two "
             f"consumers taking turns "
             f"(`kernel=\"wgmma\"`, `kernel=None`'s on compute capability 9.0 at every multiple of 32 up to 256 "
-            f"and, padded to the next, the other multiples of 8 from 40; "
+            f"and, padded to the next, the other multiples of 8 from 40 (from 4096 keys); "
             f"`flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes), {mma} (float16 forward, seqlen 4096 and 16384, "
@@ -284,7 +284,7 @@ def hopper_backward_summary(d, prefix="docs/results/latest/"):
     env = d["environment"]
     return [f"- Hopper backward: dQ and dK/dV kernels on warpgroup MMA, deterministic (`kernel=\"wgmma\"` for the "
             f"backward, `kernel=None`'s on compute capability 9.0 at every multiple of 32 up to 256 "
-            f"and, padded to the next, the other multiples of 8 from 40; "
+            f"and, padded to the next, the other multiples of 8 from 40 (from 4096 keys); "
             f"`flashnumba/kernels/wgmma_backward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes){mma} (float16, seqlen 4096 and 16384, {env['date'][:10]}: "

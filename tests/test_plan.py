@@ -100,9 +100,13 @@ def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
     assert p.kernel == "tc" and p.fallback is None
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_75")
     assert p.kernel == "v3" and "compute capability 7.5" in p.fallback
-    q, k, v = _qkv(np.float16, 80)  # (the Hopper forward is built for multiples of 32: 80 runs padded to 96)
+    q, k, v = _qkv(np.float16, 80, n=4096, heads=1)  # (the Hopper forward is built for multiples of 32: 80 runs
+    # padded to 96, from 4096 keys)
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
     assert p.kernel == "wgmma" and p.fallback is None and "run as 96" in p.launches[0].reason
+    q, k, v = _qkv(np.float16, 80)  # (64 keys: the copies would cost more than they buy)
+    p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_90")
+    assert p.kernel == "tc" and "4096 keys" in p.why
     q, k, v = _qkv(np.float16, 40)  # a multiple of 8, not of 16: padded in shared memory by the mma.sync kernel
     p = planmod.forward_plan(*[_t(n, x) for n, x in zip("qkv", (q, k, v))], _opts(q, k), device="sm_80")
     assert p.kernel == "tc" and p.fallback is None
@@ -128,10 +132,11 @@ def test_hopper_default_choice(monkeypatch):
     monkeypatch.setattr(planmod, "SIMULATOR", False)
     lse = np.zeros((1, 4, 64), np.float32)
 
-    def plans(d, **kw):
-        q, k, v = _qkv(np.float16, d)
+    def plans(d, n=64, **kw):
+        q, k, v = _qkv(np.float16, d, n=n)
+        lse_n = lse if n == 64 else np.zeros((1, 4, n), np.float32)
         return (flashnumba.plan(q, k, v, device="sm_90"),
-                flashnumba.plan_backward(q, q, k, v, q, lse, device="sm_90", **kw))
+                flashnumba.plan_backward(q, q, k, v, q, lse_n, device="sm_90", **kw))
 
     assert tiling.WGMMA_DEFAULT_HEAD_DIMS == {"forward": (32, 64, 96, 128, 160, 192, 224, 256),
                                               "backward": (32, 64, 96, 128, 160, 192, 224, 256)}  # (measured)
@@ -145,13 +150,14 @@ def test_hopper_default_choice(monkeypatch):
     # other multiples of 8 from 40 on: padded to the next multiple of 32 (measured the faster at 40 .. 200)
     assert tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS["forward"][:4] == (40, 48, 56, 72)
     assert tiling.WGMMA_PADDED_DEFAULT_HEAD_DIMS["backward"][-3:] == (232, 240, 248)
-    assert plans(40)[1].kernel == "wgmma" and plans(24)[1].kernel == "tc"
+    assert plans(40, n=4096)[1].kernel == "wgmma" and plans(24, n=4096)[1].kernel == "tc"
+    assert plans(40)[1].kernel == "tc" and "4096 keys" in plans(40)[1].why  # (short: the copies would not pay)
     monkeypatch.setattr(tiling, "WGMMA_PADDED_DEFAULT_HEAD_DIMS", {"forward": (80,), "backward": ()})
-    fwd, bwd = plans(80)
+    fwd, bwd = plans(80, n=4096)
     assert fwd.kernel == "wgmma" and "head_dim 80 run as 96" in fwd.launches[0].reason and fwd.head_dim == 80
     assert bwd.kernel == "tc" and "not wgmma" in bwd.why
     monkeypatch.setattr(planmod._arrays, "cupy", None)  # (numba device arrays: the padded copies need CuPy)
-    q, k, v = (cuda.to_device(x) for x in _qkv(np.float16, 80))
+    q, k, v = (cuda.to_device(x) for x in _qkv(np.float16, 80, n=4096, heads=1))
     assert "need CuPy" in flashnumba.plan(q, k, v, device="sm_90").why
     with pytest.raises(ValueError, match="needs CuPy"):  # (asked for: refused by the plan, before any launch)
         flashnumba.plan(q, k, v, device="sm_90", kernel="wgmma")
