@@ -58,6 +58,8 @@ for step in $STEPS; do
           | tee "$OUT/sweep-$family.log"
       done ;;
     latency) python3 -m flashnumba bench --latency --out "$OUT" 2>&1 | tee "$OUT/latency.log" ;;
+    tf32wgmma) # 3xTF32 on Hopper's wgmma: its products chained in the accumulator or each k-step from zero
+      python3 scripts/tf32_wgmma_error.py --draws ${TF32_DRAWS:-50} 2>&1 | tee "$OUT/tf32-wgmma-error.txt" ;;
     train) timeout ${TRAIN_TIMEOUT:-420} python3 examples/train_tiny_gpt.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
     capped) # the GPU profile with the shared memory per block capped as on smaller GPUs (64 KB: T4; 99 KB: RTX, L4)
       for cap in ${CAPS:-65536 101376}; do
