@@ -246,6 +246,33 @@ def test_gradients_match_float64_autograd(part, problem, seed):
         close(name, got, results["truth"][i], results["baseline"][i], n)
 
 
+@on_gpu
+def test_a_padded_head_dim_through_autograd():
+    """Head_dim 80 at 4096 keys: on compute capability 9.0 kernel=None runs the Hopper kernels on copies padded to
+    96 (elsewhere mma.sync at 80); a k whose sequence axis has the smallest stride (a layout torch's own pad would
+    keep); the gradients against float64 autograd, the inputs untouched, the outputs C-contiguous."""
+    g = torch.Generator(device="cuda").manual_seed(80)
+    q, v = (torch.randn(1, 4096, 2, 80, generator=g, device="cuda", dtype=torch.float16).requires_grad_()
+            for _ in range(2))
+    k = torch.randn(1, 2, 80, 4096, generator=g, device="cuda", dtype=torch.float16).permute(0, 3, 1, 2)
+    k = k.detach().requires_grad_()
+    dout = torch.randn(1, 4096, 2, 80, generator=g, device="cuda", dtype=torch.float16)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert "run as 96" in flashnumba.plan(q.detach(), k.detach(), v.detach(), causal=True).launches[0].reason
+    before = [x.detach().clone() for x in (q, k, v)]
+    out = ft.flash_attn_func(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert out.is_contiguous() and all(torch.equal(x.detach(), y) for x, y in zip((q, k, v), before))
+    results = {}
+    for name, prec in (("truth", torch.float64), ("baseline", torch.float16)):
+        xs = [x.detach().to(prec).requires_grad_() for x in (q, k, v)]
+        o = plain_attention(*xs, scale=80 ** -0.5, causal=True, window=(-1, -1), softcap=0.0, alibi=None,
+                            keep=None, dropout_p=0.0)
+        results[name] = (o, *torch.autograd.grad(o, xs, dout.to(prec)))
+    for i, (name, got) in enumerate(zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv))):
+        close(name, got, results["truth"][i], results["baseline"][i], 4096)
+
+
 def _unpacked_reference(fn, *args, **kw):
     """(out, grads) of ``fn`` with leaf tensors, for comparing packed against unpacked calls."""
     leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
