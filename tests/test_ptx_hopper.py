@@ -39,6 +39,16 @@ def core_index(r, k):
     return ((r // 8) * SBO + (k // 8) * LBO + (r % 8) * 16 + (k % 8) * 2) // 2
 
 
+@cuda.jit(device=True)
+def store_fragment(d, acc, w, g, t, tiles):
+    """D (64 x 8 tiles) from this thread's accumulator registers, in the layout the module docstring draws."""
+    for j in range(tiles):
+        d[16 * w + g, 8 * j + 2 * t] = acc[4 * j]
+        d[16 * w + g, 8 * j + 2 * t + 1] = acc[4 * j + 1]
+        d[16 * w + g + 8, 8 * j + 2 * t] = acc[4 * j + 2]
+        d[16 * w + g + 8, 8 * j + 2 * t + 1] = acc[4 * j + 3]
+
+
 @functools.lru_cache(maxsize=None)
 def wgmma_kernel(kind, N, regs_a=False, trans_b=False):
     """One warpgroup: A (64 x 16) and B (N x 16) into shared memory in core matrices (B MN-major with
@@ -90,11 +100,7 @@ def wgmma_kernel(kind, N, regs_a=False, trans_b=False):
             mma(acc, da, db, 1)
         hop.wgmma_commit()
         wait(0, acc)
-        for j in range(N // 8):
-            d[16 * w + g, 8 * j + 2 * t] = acc[4 * j]
-            d[16 * w + g, 8 * j + 2 * t + 1] = acc[4 * j + 1]
-            d[16 * w + g + 8, 8 * j + 2 * t] = acc[4 * j + 2]
-            d[16 * w + g + 8, 8 * j + 2 * t + 1] = acc[4 * j + 3]
+        store_fragment(d, acc, w, g, t, N // 8)
 
     return kernel
 
@@ -193,11 +199,7 @@ def wgmma_tf32_kernel(N, regs_a=False):
             mma(acc, da, db, 1)
         hop.wgmma_commit()
         wait(0, acc)
-        for j in range(N // 8):
-            d[16 * w + g, 8 * j + 2 * t] = acc[4 * j]
-            d[16 * w + g, 8 * j + 2 * t + 1] = acc[4 * j + 1]
-            d[16 * w + g + 8, 8 * j + 2 * t] = acc[4 * j + 2]
-            d[16 * w + g + 8, 8 * j + 2 * t + 1] = acc[4 * j + 3]
+        store_fragment(d, acc, w, g, t, N // 8)
 
     return kernel
 
