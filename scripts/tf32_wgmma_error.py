@@ -1,6 +1,6 @@
 """3xTF32 on Hopper's wgmma: does chaining the products in the tensor cores' accumulator cost accuracy?
 
-    python scripts/tf32_wgmma_error.py [--draws 20]
+    python scripts/tf32_wgmma_error.py [--draws 20] [--repeat 1 8 64]
 
 One warpgroup forms S = A B^T (64 x 16, K = 64, float32 inputs) three ways with ``wgmma`` m64n16k8 TF32 (A and B
 split on the host into big = tf32(x) and small = tf32(x - big), to nearest, as ``cvt.rna.tf32.f32``):
@@ -11,7 +11,8 @@ split on the host into big = tf32(x) and small = tf32(x - big), to nearest, as `
   sum with float32 adds (what the ``mma.sync`` 3xTF32 kernels do, :mod:`flashnumba.kernels.mma_tf32`).
 
 Each against the float64 product, as a multiple of a plain float32 computation's error (NumPy float32, the k-steps
-summed in order), median and largest over the draws. On the GPU this measures the tensor cores' accumulation (they
+summed in order), median and largest over the draws. ``--repeat R``: the k-steps run R times over the same tiles
+into the same sums (R A B^T: a chain of 8 R k-steps, as O's accumulator runs over a long key loop). On the GPU this measures the tensor cores' accumulation (they
 align the products to the largest and truncate: ``scripts/tf32_error_model.py``); the simulator's stand-in sums
 in float64 and rounds once, so there the two 3xTF32 forms agree (a smoke test of the script, not a measurement).
 """
@@ -42,7 +43,7 @@ def make_products():
         return ((r // 8) * sbo + (k // 4) * LBO + (r % 8) * 16 + (k % 4) * 4) // 4
 
     @cuda.jit
-    def products(ab, as_, bb, bs, out):
+    def products(ab, as_, bb, bs, out, reps):
         """out[0] tf32, out[1] 3xtf32 chained, out[2] 3xtf32 per step (64 x 16 each)."""
         smem = cuda.shared.array(ns, float32)
         tid = cuda.threadIdx.x
@@ -68,27 +69,30 @@ def make_products():
         total = cuda.local.array(nr, float32)
         for i in range(nr):
             total[i] = 0.0
-        FENCE(one)
-        FENCE(chained)
-        for ks in range(K // 8):  # (a k-step: 8 columns, two core matrices, 256 bytes on; the descriptor counts 16)
-            o = ks * 16
-            MMA(one, a_big + o, b_big + o, ks)
-            MMA(chained, a_small + o, b_big + o, ks)
-            MMA(chained, a_big + o, b_small + o, 1)
-            MMA(chained, a_big + o, b_big + o, 1)
-        hop.wgmma_commit()
-        WAIT(0, chained)
-        WAIT(0, one)
-        for ks in range(K // 8):
-            o = ks * 16
-            FENCE(step)
-            MMA(step, a_small + o, b_big + o, 0)
-            MMA(step, a_big + o, b_small + o, 1)
-            MMA(step, a_big + o, b_big + o, 1)
+        for rep in range(reps):
+            FENCE(one)
+            FENCE(chained)
+            for ks in range(K // 8):  # (a k-step: 8 columns, two core matrices, 256 bytes on; the descriptor
+                o = ks * 16  # counts 16 bytes)
+                first = rep + ks
+                MMA(one, a_big + o, b_big + o, first)
+                MMA(chained, a_small + o, b_big + o, first)
+                MMA(chained, a_big + o, b_small + o, 1)
+                MMA(chained, a_big + o, b_big + o, 1)
             hop.wgmma_commit()
-            WAIT(0, step)
-            for i in range(nr):
-                total[i] += step[i]
+            WAIT(0, chained)
+        WAIT(0, one)
+        for rep in range(reps):
+            for ks in range(K // 8):
+                o = ks * 16
+                FENCE(step)
+                MMA(step, a_small + o, b_big + o, 0)
+                MMA(step, a_big + o, b_small + o, 1)
+                MMA(step, a_big + o, b_big + o, 1)
+                hop.wgmma_commit()
+                WAIT(0, step)
+                for i in range(nr):
+                    total[i] += step[i]
         w = tid // 32
         g = (tid % 32) >> 2
         t = tid & 3
@@ -117,38 +121,41 @@ def split(x):
     return big, tf32((x - big).astype(np.float32))
 
 
-def float32_in_order(a, b):
-    """A B^T in float32, the k-steps of 8 summed in order (each step's 8 products summed in float32 too)."""
+def float32_in_order(a, b, reps=1):
+    """reps A B^T in float32, the k-steps of 8 summed in order (each step's 8 products summed in float32 too)."""
     acc = np.zeros((a.shape[0], b.shape[0]), np.float32)
-    for ks in range(0, K, 8):
-        acc += (a[:, ks:ks + 8] @ b[:, ks:ks + 8].T).astype(np.float32)
+    for _ in range(reps):
+        for ks in range(0, K, 8):
+            acc += (a[:, ks:ks + 8] @ b[:, ks:ks + 8].T).astype(np.float32)
     return acc
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--draws", type=int, default=20)
+    ap.add_argument("--repeat", type=int, nargs="+", default=[1, 8, 64])
     args = ap.parse_args()
     if not SIMULATOR and cuda.get_current_device().compute_capability != (9, 0):
         raise SystemExit("wgmma needs compute capability 9.0")
-    rng = np.random.default_rng(0)
-    ratios = {"tf32": [], "3xtf32 chained": [], "3xtf32 per step": []}
-    for _ in range(args.draws):
-        a = rng.standard_normal((M, K)).astype(np.float32)
-        b = rng.standard_normal((N, K)).astype(np.float32)
-        (ab, as_), (bb, bs) = split(a), split(b)
-        out = cuda.to_device(np.full((3, M, N), np.nan, np.float32))
-        products[1, 128](*(cuda.to_device(np.ascontiguousarray(x)) for x in (ab, as_, bb, bs)), out)
-        got = out.copy_to_host().astype(np.float64)
-        truth = a.astype(np.float64) @ b.T.astype(np.float64)
-        plain = np.abs(float32_in_order(a, b) - truth).max()
-        for name, x in zip(ratios, got):
-            ratios[name].append(np.abs(x - truth).max() / plain)
     where = "simulator (stand-in: float64 sums)" if SIMULATOR else cuda.get_current_device().name
-    print(f"S = A B^T, 64 x 16, K = 64, standard normal float32, {args.draws} draws, {where}: max |error| as a "
+    print(f"S = R A B^T, 64 x 16, K = 64, standard normal float32, {args.draws} draws, {where}: max |error| as a "
           f"multiple of float32's (k-steps summed in order)")
-    for name, r in ratios.items():
-        print(f"  {name:16} median {np.median(r):7.2f}x  largest {np.max(r):7.2f}x")
+    for reps in args.repeat:
+        rng = np.random.default_rng(0)
+        ratios = {"tf32": [], "3xtf32 chained": [], "3xtf32 per step": []}
+        for _ in range(args.draws):
+            a = rng.standard_normal((M, K)).astype(np.float32)
+            b = rng.standard_normal((N, K)).astype(np.float32)
+            (ab, as_), (bb, bs) = split(a), split(b)
+            out = cuda.to_device(np.full((3, M, N), np.nan, np.float32))
+            products[1, 128](*(cuda.to_device(np.ascontiguousarray(x)) for x in (ab, as_, bb, bs)), out, reps)
+            got = out.copy_to_host().astype(np.float64)
+            truth = reps * (a.astype(np.float64) @ b.T.astype(np.float64))
+            plain = np.abs(float32_in_order(a, b, reps) - truth).max()
+            for name, x in zip(ratios, got):
+                ratios[name].append(np.abs(x - truth).max() / plain)
+        for name, r in ratios.items():
+            print(f"  R = {reps:3}  {name:16} median {np.median(r):7.2f}x  largest {np.max(r):7.2f}x")
 
 
 if __name__ == "__main__":
