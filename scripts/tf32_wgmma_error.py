@@ -12,9 +12,10 @@ split on the host into big = tf32(x) and small = tf32(x - big), to nearest, as `
 
 Each against the float64 product, as a multiple of a plain float32 computation's error (NumPy float32, the k-steps
 summed in order), median and largest over the draws. ``--repeat R``: the k-steps run R times over the same tiles
-into the same sums (R A B^T: a chain of 8 R k-steps, as O's accumulator runs over a long key loop). On the GPU this measures the tensor cores' accumulation (they
-align the products to the largest and truncate: ``scripts/tf32_error_model.py``); the simulator's stand-in sums
-in float64 and rounds once, so there the two 3xTF32 forms agree (a smoke test of the script, not a measurement).
+into the same sums (R A B^T: a chain of 8 R k-steps, as O's accumulator runs over a long key loop). On the GPU
+this measures the tensor cores' accumulation (they align the products to the largest and truncate:
+``scripts/tf32_error_model.py``); the simulator's stand-in sums in float64 and rounds once, so there the two 3xTF32
+forms agree (a smoke test of the script, not a measurement).
 """
 
 from __future__ import annotations
