@@ -11,8 +11,10 @@ Read them in this order; each step uses only what the one before it showed:
 5. :mod:`.mma_tiles` one warp's tile operations: row loads, A fragments, the two matrix products;
 6. :mod:`.mma_forward` Algorithm 1 on tensor cores; 7. :mod:`.mma_backward` Algorithm 2 on tensor cores;
 8. :mod:`.mma_tf32` float32 on tensor cores (TF32 and 3xTF32), and :mod:`.mma_tf32_backward` its backward;
-9. :mod:`.mma_decode` decoding against a KV cache (split-KV), and :mod:`.ptx_hopper`, Hopper's warpgroup matrix
-   multiply (``wgmma``), the first of the instructions the Hopper kernels will be built from.
+9. :mod:`.mma_decode` decoding against a KV cache (split-KV);
+10. :mod:`.ptx_hopper` Hopper's instructions (``wgmma``, mbarriers, bulk and tensor-map copies) with their stand-ins,
+    :mod:`.wgmma_forward` and :mod:`.wgmma_backward` Algorithms 1 and 2 on them (a producer warpgroup, consumers
+    taking turns), and :mod:`.wgmma_tf32` float32's 3xTF32 forward on them (not yet in the plan).
 
 Which kernel runs with which tiles on a given GPU is decided above this package, in :mod:`flashnumba.tiling` and
 :mod:`flashnumba.planner`; launching is :mod:`flashnumba._launch`. Nothing here imports those.

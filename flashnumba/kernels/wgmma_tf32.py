@@ -1,0 +1,286 @@
+"""Forward kernel for float32 on Hopper's warpgroup MMA: 3xTF32 with ``wgmma`` (float32's accuracy on tensor cores).
+
+The algorithm is :mod:`flashnumba.kernels.mma_tf32`'s 3xTF32 forward (read it first): each float32 operand x is
+split into big = tf32(x) and small = tf32(x - big) (``ptx.split_tf32``, to nearest) and a product A B is formed as
+A_small B_big + A_big B_small + A_big B_big. What changes is who splits and who multiplies. There every warp splits
+the operands it reads from shared memory, at every use; here each tile is split once, as it is stored to shared
+memory, and a warpgroup's ``wgmma`` (:mod:`flashnumba.kernels.ptx_hopper`, kind "tf32": m64nNk8) reads the parts
+from there. Per key tile::
+
+    K_j  -> K_big, K_small         (B_c x D, K-major: core matrices of 8 keys x 4 head dims)
+    V_j  -> V^T_big, V^T_small     (D x B_c: TF32's B operand is K-major only, so V is stored transposed; in each
+                                    8 keys the order 0, 2, 4, 6, 1, 3, 5, 7, below)
+    S = Q_small K_big^T + Q_big K_small^T + Q_big K_big^T        3 D / 8 wgmma m64nB_ck8
+    ...the online softmax of mma_tf32 on S's accumulator (exact exp2, float32)...
+    O += P_small V_big + P_big V_small + P_big V_big             3 B_c / 8 wgmma m64nDk8, P from registers
+
+**P from registers.** A TF32 A operand in registers holds, in thread (w, g, t), columns t and t + 4 of each 8 (one
+float a register: a_i = A[16 w + g + 8 (i & 1), t + 4 (i >> 1)]), where S's accumulator holds columns 2t and 2t + 1.
+Rather than move values between lanes, the keys are renamed: the A operand's column c of a k-step is key 2c (c < 4)
+or 2 (c - 4) + 1 (c >= 4), so a thread's registers are (s[4c], s[4c + 2], s[4c + 1], s[4c + 3]) of k-step c, and
+V^T stores its keys in that order. A sum over keys does not depend on their order.
+
+**The accumulation** (``chained``). ``mma.sync``'s 3xTF32 needed each k-step's three products summed from zero and
+added with float32 adds: chained into the running sum, the tensor cores' truncation (they align the products to the
+largest term and drop what falls below) is relative to the whole sum, a few times float32's error
+(``scripts/tf32_error_model.py``). With ``chained`` the products of a tile chain in the wgmma accumulator (S over
+its D / 8 k-steps, O over every key tile); without, each k-step's three go to a scratch accumulator from zero,
+are waited for and added (``scripts/tf32_wgmma_error.py`` measures which the tensor cores allow).
+
+Launch geometry: grid (ceil(seqlen_q / 64), batch * nheads), block 128 (one warpgroup of 64 query rows: warp w owns
+rows 16 w .. 16 w + 15, lane (g, t) rows g and g + 8 of them, the accumulators' layout of ptx_hopper); block x
+takes query tile ceil(seqlen_q / 64) - 1 - x (the longest causal rows first). Shared memory, dynamic, float32 bits:
+Q_big | Q_small | K_big | K_small | V^T_big | V^T_small (:func:`shared_bytes`), one buffer (tiles loaded by every
+thread, split and stored, then a barrier): the readable first form, without a pipeline.
+
+float32 only, head_dim 64 or 128, causal or not (the options of mma_tf32).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from . import ptx, ptx_hopper as hop
+from .._backend import cuda
+from .common import LN2, NEG_INF, make_key_range
+from .scalars import float32, uint32
+
+HEAD_DIMS = (64, 128)
+B_R = 64  # query rows a block: one warpgroup
+THREADS = 128
+BLOCK_NS = (16, 32, 64)  # keys a tile (N of S's wgmma, K of O's: multiples of 8)
+
+
+def shared_bytes(D, B_c):
+    """Q_i's big and small parts (64 x D), K_j's (B_c x D) and V_j^T's (D x B_c), float32."""
+    return 4 * (2 * B_R * D + 4 * B_c * D)
+
+
+@functools.lru_cache(maxsize=None)
+def make_store_split(cols):
+    """store_split(smem, big, small, e, x): x split into TF32 parts at element e of two K-major operands of ``cols``
+    columns (core matrices of 8 rows x 4 columns, 128 bytes each, the next 4 columns LBO = 128 bytes on, the next 8
+    rows SBO = 32 cols bytes on), and where_of(e) -> (row, column) of element e: numbering the elements so, element e
+    lies at word e (32 a block of 8 rows x 4 columns, the blocks row-block by row-block), and a warp's stores of 32
+    consecutive elements fill 32 banks."""
+    QUADS = cols // 4
+
+    @cuda.jit(device=True, inline=True)
+    def where_of(e):
+        blk = e // 32
+        lane = e - 32 * blk
+        return 8 * (blk // QUADS) + (lane >> 2), 4 * (blk - QUADS * (blk // QUADS)) + (lane & 3)
+
+    @cuda.jit(device=True, inline=True)
+    def store_split(smem, big, small, e, x):
+        hi, lo = ptx.split_tf32(x)
+        smem[big + e] = hi
+        smem[small + e] = lo
+
+    return where_of, store_split
+
+
+@functools.lru_cache(maxsize=None)
+def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
+    """The 3xTF32 forward on wgmma for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`), causal or
+    not; ``chained``: the products summed in the wgmma accumulator (module docstring). Arguments: (q, k, v, out,
+    lse, scale_log2) as :func:`flashnumba.kernels.mma_tf32.make_forward_tf32`'s (float32, C-contiguous, q's heads
+    as many as k's). Compiled for sm_90a. Launch: grid (ceil(seqlen_q / 64), batch * nheads), block (128,), dynamic
+    shared memory :func:`shared_bytes`."""
+    if D not in HEAD_DIMS:
+        raise ValueError(f"the 3xTF32 wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
+    if B_c not in BLOCK_NS:
+        raise ValueError(f"the 3xTF32 wgmma forward takes block_n in {BLOCK_NS}, got {B_c}")
+    CHAINED = bool(chained)
+    NS = B_c // 2  # S accumulator registers a thread
+    NO = D // 2  # O accumulator registers a thread
+    KD = D // 8  # k-steps of S
+    KC = B_c // 8  # k-steps of O += P V
+    QB, QS = 0, B_R * D  # word offsets in shared memory
+    KB, KS = 2 * B_R * D, 2 * B_R * D + B_c * D
+    VB, VS = 2 * B_R * D + 2 * B_c * D, 2 * B_R * D + 3 * B_c * D
+    SBO_D, SBO_C = 32 * D, 32 * B_c  # bytes: 8 rows of D columns (Q, K), of B_c columns (V^T)
+    mma_s, fence_s, wait_s = hop.wgmma_ops("tf32", B_c)
+    mma_o, fence_o, wait_o = hop.wgmma_ops("tf32", D, regs_a=True)
+    where_d, store_d = make_store_split(D)
+    where_c, store_c = make_store_split(B_c)
+    key_range = make_key_range(B_R, B_c, False, causal)
+
+    @cuda.jit(device=True, inline=True)
+    def products_s(s, scratch, qb, qs, kb, ks):
+        """S = Q_small K_big^T + Q_big K_small^T + Q_big K_big^T, waited for (descriptors of the four parts; a
+        k-step of 8 columns is two core matrices, 256 bytes: 16 in the descriptor's units)."""
+        if CHAINED:
+            fence_s(s)
+            for kk in range(KD):
+                o = 16 * kk
+                mma_s(s, qs + o, kb + o, kk)
+                mma_s(s, qb + o, ks + o, 1)
+                mma_s(s, qb + o, kb + o, 1)
+            hop.wgmma_commit()
+            wait_s(0, s)
+        else:
+            for i in range(NS):
+                s[i] = 0.0
+            for kk in range(KD):
+                o = 16 * kk
+                fence_s(scratch)
+                mma_s(scratch, qs + o, kb + o, 0)
+                mma_s(scratch, qb + o, ks + o, 1)
+                mma_s(scratch, qb + o, kb + o, 1)
+                hop.wgmma_commit()
+                wait_s(0, scratch)
+                for i in range(NS):
+                    s[i] += scratch[i]
+
+    @cuda.jit(device=True, inline=True)
+    def products_o(o, scratch, pb, ps, vb, vs):
+        """O += P_small V_big + P_big V_small + P_big V_big, waited for (P's parts in registers, k-step c's four
+        at pb[c, 0 .. 3]; V^T's descriptors)."""
+        if CHAINED:
+            fence_o(o)
+            for c in range(KC):
+                mma_o(o, ps[c, 0], ps[c, 1], ps[c, 2], ps[c, 3], vb + 16 * c, 1)
+                mma_o(o, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vs + 16 * c, 1)
+                mma_o(o, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vb + 16 * c, 1)
+            hop.wgmma_commit()
+            wait_o(0, o)
+        else:
+            for c in range(KC):
+                fence_o(scratch)
+                mma_o(scratch, ps[c, 0], ps[c, 1], ps[c, 2], ps[c, 3], vb + 16 * c, 0)
+                mma_o(scratch, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vs + 16 * c, 1)
+                mma_o(scratch, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vb + 16 * c, 1)
+                hop.wgmma_commit()
+                wait_o(0, scratch)
+                for i in range(NO):
+                    o[i] += scratch[i]
+
+    @cuda.jit
+    def forward_3xtf32_wgmma(q, k, v, out, lse, scale_log2):
+        nheads = q.shape[2]
+        seqlen_q = q.shape[1]
+        seqlen_k = k.shape[1]
+        tid = cuda.threadIdx.x
+        w = tid // 32
+        g = (tid % 32) >> 2
+        t = tid & 3
+        b = uint32(cuda.blockIdx.y) // uint32(nheads)  # (32-bit: a 64-bit division is a called routine, and a call
+        h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))  # in the kernel serialises every wgmma)
+        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first
+        diag = seqlen_k - seqlen_q
+
+        smem = cuda.shared.array(0, uint32)  # the six parts (module docstring), float32 bits
+        s = cuda.local.array(NS, float32)
+        o = cuda.local.array(NO, float32)
+        scratch_s = cuda.local.array(NS, float32)  # (each k-step's products: chained=False)
+        scratch_o = cuda.local.array(NO, float32)
+        pb = cuda.local.array((KC, 4), uint32)  # P's big parts, the A operand of k-step c
+        ps = cuda.local.array((KC, 4), uint32)
+        m = cuda.local.array(2, float32)
+        l = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        m_use = cuda.local.array(2, float32)
+        for x in range(2):
+            m[x] = NEG_INF
+            l[x] = 0.0
+        for i in range(NO):
+            o[i] = 0.0
+
+        for e in range(tid, B_R * D, THREADS):  # Q_i, split once
+            r, c = where_d(e)
+            store_d(smem, QB, QS, e, q[b, i0 + r, h, c] if i0 + r < seqlen_q else float32(0.0))
+        qb = hop.make_desc(hop.smem_address(smem, QB), 128, SBO_D)
+        qs = hop.make_desc(hop.smem_address(smem, QS), 128, SBO_D)
+        kb = hop.make_desc(hop.smem_address(smem, KB), 128, SBO_D)
+        ks = hop.make_desc(hop.smem_address(smem, KS), 128, SBO_D)
+        vb = hop.make_desc(hop.smem_address(smem, VB), 128, SBO_C)
+        vs = hop.make_desc(hop.smem_address(smem, VS), 128, SBO_C)
+
+        _, n_end = key_range(i0, seqlen_q, seqlen_k, diag, 0, 0)
+        n_tiles = (n_end + B_c - 1) // B_c
+        for jt in range(n_tiles):
+            j0 = jt * B_c
+            cuda.syncthreads()  # (every thread's products of tile j - 1 retired: the buffers may be rewritten)
+            for e in range(tid, B_c * D, THREADS):  # K_j, split
+                r, c = where_d(e)
+                store_d(smem, KB, KS, e, k[b, j0 + r, h, c] if j0 + r < seqlen_k else float32(0.0))
+            for e in range(tid, D * B_c, THREADS):  # V_j^T, split; position c of each 8 holds key pi(c)
+                d, c = where_c(e)
+                key = j0 + (c & ~7) + (2 * (c & 3) + ((c >> 2) & 1))
+                store_c(smem, VB, VS, e, v[b, key, h, d] if key < seqlen_k else float32(0.0))
+            hop.fence_proxy_async()  # (the stores seen by the tensor cores' reads)
+            cuda.syncthreads()
+
+            products_s(s, scratch_s, qb, qs, kb, ks)
+
+            # scale to base 2, mask, the online softmax (s[4 n + x]: row g + 8 (x >> 1), key 8 n + 2 t + (x & 1))
+            masked = j0 + B_c > seqlen_k or (causal and j0 + B_c - 1 > i0 + diag)
+            mx0 = NEG_INF
+            mx1 = NEG_INF
+            for n in range(NS // 4):
+                for x in range(4):
+                    val = s[4 * n + x] * scale_log2
+                    if masked:
+                        i = i0 + 16 * w + g + 8 * (x >> 1)
+                        j = j0 + 8 * n + 2 * t + (x & 1)
+                        if j >= seqlen_k or (causal and j > i + diag):
+                            val = NEG_INF
+                    s[4 * n + x] = val
+                    if x < 2:
+                        mx0 = max(mx0, val)
+                    else:
+                        mx1 = max(mx1, val)
+            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
+            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
+            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
+            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
+            for x in range(2):
+                mx = max(m[x], mx0 if x == 0 else mx1)
+                m_use[x] = mx if mx != NEG_INF else float32(0.0)
+                alpha[x] = float32(math.exp2(m[x] - m_use[x]))
+                m[x] = mx
+            ps0 = float32(0.0)
+            ps1 = float32(0.0)
+            for n in range(NS // 4):
+                for x in range(4):
+                    p = float32(math.exp2(s[4 * n + x] - m_use[x >> 1]))
+                    s[4 * n + x] = p
+                    if x < 2:
+                        ps0 += p
+                    else:
+                        ps1 += p
+            l[0] = alpha[0] * l[0] + ps0
+            l[1] = alpha[1] * l[1] + ps1
+            for n in range(NO // 4):
+                o[4 * n] *= alpha[0]
+                o[4 * n + 1] *= alpha[0]
+                o[4 * n + 2] *= alpha[1]
+                o[4 * n + 3] *= alpha[1]
+            # P's A operand of k-step c: columns t, t + 4 are keys 2t, 2t + 1 (V^T's order)
+            for c in range(KC):
+                for r in range(4):
+                    hi, lo = ptx.split_tf32(s[4 * c + 2 * (r & 1) + (r >> 1)])
+                    pb[c, r] = hi
+                    ps[c, r] = lo
+
+            products_o(o, scratch_o, pb, ps, vb, vs)
+
+        for x in range(2):
+            l[x] += ptx.shfl_xor_f32(l[x], 1)
+            l[x] += ptx.shfl_xor_f32(l[x], 2)
+        for x in range(2):
+            i = i0 + 16 * w + g + 8 * x
+            if i < seqlen_q:
+                inv_l = float32(0.0)
+                if l[x] != 0:  # 1 / l: the approximate reciprocal and one Newton step (a division's slow path is
+                    inv_l = ptx.rcp_approx(l[x])  # a called routine, which would serialise the wgmma)
+                    inv_l = cuda.fma(inv_l, cuda.fma(-l[x], inv_l, float32(1.0)), inv_l)
+                for n in range(NO // 4):
+                    out[b, i, h, 8 * n + 2 * t] = o[4 * n + 2 * x] * inv_l
+                    out[b, i, h, 8 * n + 2 * t + 1] = o[4 * n + 2 * x + 1] * inv_l
+                if t == 0:
+                    lse[b, h, i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
+
+    return forward_3xtf32_wgmma

@@ -1,0 +1,120 @@
+"""The 3xTF32 forward on Hopper's wgmma (:mod:`flashnumba.kernels.wgmma_tf32`) against the float64 reference.
+
+The kernel is not yet in the plan (``flash_attn_forward`` does not choose it): these tests launch it directly. In
+the simulator: causal and not, partial query and key tiles, both accumulations (chained in the wgmma accumulator,
+and each k-step from zero), each tile size, head_dim 64 and 128; compiled for sm_90a without a GPU (no spills,
+no serialised wgmma). On a GPU of compute capability 9.0: GPU sizes, and its error as a multiple of float32's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+import flashnumba
+from conftest import check_forward, compile_offline, max_err, random_qkv
+from flashnumba import reference
+from flashnumba._backend import cuda
+from flashnumba.kernels import wgmma_tf32
+
+
+def hopper_or_simulator():
+    if not flashnumba.SIMULATOR and tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        pytest.skip("wgmma runs on compute capability 9.0 (sm_90a) only")
+
+
+def run(q, k, v, causal, block_n=32, chained=True):
+    """(out, lse) of one launch, outputs NaN-poisoned first."""
+    hopper_or_simulator()
+    batch, seqlen_q, nheads, D = q.shape
+    fn = wgmma_tf32.make_forward_3xtf32_wgmma(D, causal, block_n, chained)
+    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    lse = cuda.to_device(np.full((batch, nheads, seqlen_q), np.nan, np.float32))
+    grid = ((seqlen_q + 63) // 64, batch * nheads)
+    fn[grid, wgmma_tf32.THREADS, 0, wgmma_tf32.shared_bytes(D, block_n)](
+        *(cuda.to_device(np.ascontiguousarray(x)) for x in (q, k, v)), out, lse, np.float32(D ** -0.5 / math.log(2)))
+    return out.copy_to_host(), lse.copy_to_host()
+
+
+@pytest.mark.parametrize("D, causal, seqlen_q, seqlen_k, block_n, chained", [
+    (64, False, 70, 45, 32, True),  # two query tiles (the second partial), two key tiles (the second partial)
+    (64, True, 40, 70, 32, False),  # each k-step's products from zero; causal, more keys than queries
+    (128, True, 70, 100, 64, True),
+    (128, False, 5, 20, 16, False),
+])
+def test_3xtf32_wgmma_matches_the_reference(D, causal, seqlen_q, seqlen_k, block_n, chained):
+    rng = np.random.default_rng(D + seqlen_q)
+    q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 2, D)
+    out, lse = run(q, k, v, causal, block_n, chained)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+def test_what_it_does_not_take_is_refused():
+    with pytest.raises(ValueError, match="head_dim"):
+        wgmma_tf32.make_forward_3xtf32_wgmma(96, False)
+    with pytest.raises(ValueError, match="block_n"):
+        wgmma_tf32.make_forward_3xtf32_wgmma(64, False, 48)
+
+
+COMPILE = r"""
+import json
+from flashnumba import _launch
+from flashnumba.kernels import wgmma_tf32
+a = "float32[:, :, :, ::1]"
+sig = f"void({a}, {a}, {a}, {a}, float32[:, :, ::1], float32)"
+out = {}
+for D, n, chained in ((64, 32, True), (64, 64, True), (128, 32, True), (128, 64, True), (128, 32, False)):
+    fn = wgmma_tf32.make_forward_3xtf32_wgmma(D, True, n, chained)
+    _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(128, False), False)
+    out[f"D={D} B_c={n} chained={chained}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+print(json.dumps(out))
+"""
+
+
+def test_3xtf32_wgmma_compiles_for_sm90a():
+    """Compiled for sm_90a without a GPU: the TF32 wgmma in the PTX, no spills, and no serialised wgmma (a called
+    routine in the kernel, such as a 64-bit division or a division's slow path, serialises every one)."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    compiled = compile_offline(COMPILE, os.path.dirname(__file__))
+    for name, r in compiled.items():
+        n = name.split("B_c=")[1].split()[0]
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32" in r["ptx"], name
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r["log"][-600:])
+        assert "serialized" not in r["log"], (name, r["log"][-600:])
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("chained", [True, False])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (63, 65, True), (97, 1000, False),
+                                                         (1000, 97, True), (2048, 2048, False)])
+def test_3xtf32_wgmma_gpu_sizes(seqlen_q, seqlen_k, causal, D, chained):
+    rng = np.random.default_rng(seqlen_q + seqlen_k + D)
+    q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D)
+    out, lse = run(q, k, v, causal, 32, chained)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="the simulator's wgmma sums exactly; the tensor cores truncate")
+@pytest.mark.parametrize("chained", [True, False])
+def test_3xtf32_wgmma_error_against_float32(chained):
+    """float32-class means at most 2x the error of NumPy's float32 attention on each draw: asserted for the
+    accumulation that keeps each k-step's products from zero; the chained one's ratios are printed (what the
+    tensor cores' truncation costs over a long chain decides which the plan will take)."""
+    ratios = []
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        seqlen_q, seqlen_k = (int(x) for x in np.exp(rng.uniform(np.log(16), np.log(3000), 2)).round())
+        D, causal = int(rng.choice([64, 128])), bool(seed % 2)
+        q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 2, D)
+        truth, _ = reference.attention_forward(q, k, v, causal=causal)
+        base, _ = reference.attention_forward(q, k, v, causal=causal, dtype=np.float32)
+        out, _ = run(q, k, v, causal, 32, chained)
+        finite = np.isfinite(truth)
+        ratios.append(max_err(out[finite], truth[finite]) / max_err(base[finite], truth[finite]))
+    print(f"chained={chained}: error / float32's: median {np.median(ratios):.2f}, largest {max(ratios):.2f}")
+    if not chained:
+        assert max(ratios) <= 2.0, ratios
