@@ -27,6 +27,10 @@ applies (``flashnumba.kernels.wgmma_forward.takes_tma``); False keeps its per-th
 holding half of the head dims of dK_j and dV_j; they multiply half of the head dims each into S^T and dP^T and
 exchange the partial sums through shared memory (four products a tile). False has each warpgroup compute S^T and
 dP^T whole instead (six products a tile, no exchange), to compare the two (kept plans as for ``hopper_tma``).
+
+``hopper_3xtf32``: None (the default) runs the 3xTF32 forward (``precision="3xtf32"``) on ``mma.sync`` everywhere;
+"chained" or "per_step" runs it, on compute capability 9.0, on Hopper's wgmma
+(:mod:`flashnumba.kernels.wgmma_tf32`) with that accumulation: a kernel not yet timed, offered to measure it.
 """
 
 poison_outputs = False
@@ -35,3 +39,4 @@ check_device_values = True
 check_cache_values = False
 hopper_tma = True
 hopper_exchange = True
+hopper_3xtf32 = None

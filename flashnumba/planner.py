@@ -47,7 +47,7 @@ from . import _arrays, _validate, config, tiling
 from ._backend import SIMULATOR, cuda
 from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel, is_c_layout
 from .kernels import (mma_backward, mma_decode, mma_forward, mma_tf32, mma_tf32_backward, simt_backward,
-                      simt_forward, wgmma_backward, wgmma_forward)
+                      simt_forward, wgmma_backward, wgmma_forward, wgmma_tf32)
 from .kernels.mma_tiles import WARP_ROWS
 from .kernels.ptx_hopper import MAP_WORDS
 from .kernels.common import MOD_ARGS
@@ -639,6 +639,22 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               arch_specific=True, whole_program=tiling.wgmma_rebalances(t),
                               tensor_maps=tuple((name, rows, wgmma_forward.swizzle_span(D)) for name, rows in (
                                   ("q", t.block_m), ("k", t.block_n), ("v", t.block_n))) if tma else ())
+    elif family == "3xtf32" and config.hopper_3xtf32 is not None and (SIMULATOR or tuple(limits.cc) == (9, 0)):
+        if config.hopper_3xtf32 not in ("chained", "per_step"):
+            raise ValueError(f"config.hopper_3xtf32 must be None, 'chained' or 'per_step', got "
+                             f"{config.hopper_3xtf32!r}")
+        n = block_n or 32
+        if n not in wgmma_tf32.BLOCK_NS or block_m not in (None, wgmma_tf32.B_R) or num_threads not in (
+                None, wgmma_tf32.THREADS):
+            raise ValueError(f"the 3xTF32 forward on wgmma takes block_m {wgmma_tf32.B_R}, block_n in "
+                             f"{wgmma_tf32.BLOCK_NS} and num_threads {wgmma_tf32.THREADS}")
+        t = tiling.Tiles(wgmma_tf32.B_R, n, wgmma_tf32.THREADS)
+        launch = KernelLaunch("forward 3xtf32 wgmma", table, wgmma_tf32.make_forward_3xtf32_wgmma,
+                              (D, opts.right == 0, n, config.hopper_3xtf32 == "chained"), io + ("scale_log2",),
+                              (_cdiv(max_q, t.block_m), bsz * nheads), (t.num_threads,),
+                              wgmma_tf32.shared_bytes(D, n), t,
+                              f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation "
+                              f"(config.hopper_3xtf32; not yet timed)", arch_specific=True)
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

@@ -1,14 +1,13 @@
 """The 3xTF32 forward on Hopper's wgmma (:mod:`flashnumba.kernels.wgmma_tf32`) against the float64 reference.
 
-The kernel is not yet in the plan (``flash_attn_forward`` does not choose it): these tests launch it directly. In
-the simulator: causal and not, partial query and key tiles, both accumulations (chained in the wgmma accumulator,
+The kernel runs where ``flashnumba.config.hopper_3xtf32`` asks for it (not yet timed: off by default). In the
+simulator: causal and not, partial query and key tiles, both accumulations (chained in the wgmma accumulator,
 and each k-step from zero), each tile size, head_dim 64 and 128; compiled for sm_90a without a GPU (no spills,
 no serialised wgmma). On a GPU of compute capability 9.0: GPU sizes, and its error as a multiple of float32's.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 
 import flashnumba
 from conftest import check_forward, compile_offline, max_err, random_qkv
-from flashnumba import reference
+from flashnumba import config, reference
 from flashnumba._backend import cuda
 from flashnumba.kernels import wgmma_tf32
 
@@ -27,16 +26,16 @@ def hopper_or_simulator():
 
 
 def run(q, k, v, causal, block_n=32, chained=True):
-    """(out, lse) of one launch, outputs NaN-poisoned first."""
+    """(out, lse) of the forward with precision="3xtf32" on the wgmma kernel (config.hopper_3xtf32)."""
     hopper_or_simulator()
-    batch, seqlen_q, nheads, D = q.shape
-    fn = wgmma_tf32.make_forward_3xtf32_wgmma(D, causal, block_n, chained)
-    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
-    lse = cuda.to_device(np.full((batch, nheads, seqlen_q), np.nan, np.float32))
-    grid = ((seqlen_q + 63) // 64, batch * nheads)
-    fn[grid, wgmma_tf32.THREADS, 0, wgmma_tf32.shared_bytes(D, block_n)](
-        *(cuda.to_device(np.ascontiguousarray(x)) for x in (q, k, v)), out, lse, np.float32(D ** -0.5 / math.log(2)))
-    return out.copy_to_host(), lse.copy_to_host()
+    saved, config.hopper_3xtf32 = config.hopper_3xtf32, "chained" if chained else "per_step"
+    try:
+        p = flashnumba.plan(q, k, v, causal=causal, precision="3xtf32", block_n=block_n)
+        assert p.launches[0].name == "forward 3xtf32 wgmma" and tuple(p.launches[0].tiles)[:2] == (64, block_n)
+        out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", block_n=block_n)
+    finally:
+        config.hopper_3xtf32 = saved
+    return np.asarray(out), np.asarray(lse)
 
 
 @pytest.mark.parametrize("D, causal, seqlen_q, seqlen_k, block_n, chained", [
@@ -52,7 +51,14 @@ def test_3xtf32_wgmma_matches_the_reference(D, causal, seqlen_q, seqlen_k, block
     check_forward(out, lse, q, k, v, causal=causal)
 
 
-def test_what_it_does_not_take_is_refused():
+def test_what_it_does_not_take_is_refused(monkeypatch):
+    monkeypatch.setattr(config, "hopper_3xtf32", "chained")
+    q = np.zeros((1, 8, 1, 64), np.float32)
+    with pytest.raises(ValueError, match="block_n in"):
+        flashnumba.plan(q, q, q, precision="3xtf32", block_n=128)
+    monkeypatch.setattr(config, "hopper_3xtf32", "sometimes")
+    with pytest.raises(ValueError, match="hopper_3xtf32 must be"):
+        flashnumba.plan(q, q, q, precision="3xtf32")
     with pytest.raises(ValueError, match="head_dim"):
         wgmma_tf32.make_forward_3xtf32_wgmma(96, False)
     with pytest.raises(ValueError, match="block_n"):

@@ -33,7 +33,9 @@ takes query tile ceil(seqlen_q / 64) - 1 - x (the longest causal rows first). Sh
 Q_big | Q_small | K_big | K_small | V^T_big | V^T_small (:func:`shared_bytes`), one buffer (tiles loaded by every
 thread, split and stored, then a barrier): the readable first form, without a pipeline.
 
-float32 only, head_dim 64 or 128, causal or not (the options of mma_tf32).
+float32 only, head_dim 64 or 128, causal or not (the options of mma_tf32). The plan takes it for
+``precision="3xtf32"`` on compute capability 9.0 where ``flashnumba.config.hopper_3xtf32`` is set ("chained" or
+"per_step"; by default the ``mma.sync`` kernel runs, until this one is timed).
 """
 
 from __future__ import annotations

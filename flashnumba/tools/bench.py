@@ -220,6 +220,31 @@ def _flashnumba_tf32(precision):
     return make
 
 
+def _flashnumba_3xtf32_wgmma(accumulation):
+    """The 3xTF32 forward on Hopper's wgmma (``config.hopper_3xtf32 = accumulation`` around each call: "chained"
+    or "per_step"; compute capability 9.0, head_dim 64 or 128)."""
+
+    def make(q, k, v, dout, causal):
+        def forward():
+            saved, config.hopper_3xtf32 = config.hopper_3xtf32, accumulation
+            try:
+                return flash_attn_forward(q, k, v, causal=causal, precision="3xtf32")
+            finally:
+                config.hopper_3xtf32 = saved
+
+        saved, config.hopper_3xtf32 = config.hopper_3xtf32, accumulation
+        try:
+            if plan(q, k, v, causal=causal, precision="3xtf32").launches[0].name != "forward 3xtf32 wgmma":
+                raise ValueError("the 3xTF32 wgmma forward runs on compute capability 9.0 only")
+        finally:
+            config.hopper_3xtf32 = saved
+        forward()  # unsupported dtypes and head dims raise here
+        return {FWD: forward}
+
+    make.dtypes = ("float32",)
+    return make
+
+
 def varlen_lengths(tokens, max_seqlen, rng):
     """Sequence lengths for a packed batch: uniform in [max_seqlen / 4, max_seqlen], summing to ``tokens`` (the
     last one shortened), so that a varlen run moves as many tokens as the dense one at that max_seqlen."""
@@ -329,6 +354,8 @@ def available_implementations(include_peers=True):
     impls["flashnumba_wgmma_cp_async"] = _flashnumba_wgmma_cp_async
     impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
     impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
+    impls["flashnumba_3xtf32_wgmma"] = _flashnumba_3xtf32_wgmma("chained")
+    impls["flashnumba_3xtf32_wgmma_per_step"] = _flashnumba_3xtf32_wgmma("per_step")
     impls["standard_cupy"] = _standard
     if include_peers and not _backend.SIMULATOR:
         try:
