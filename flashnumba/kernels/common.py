@@ -105,7 +105,7 @@ def make_score_mod(softcap_on, alibi_on, no_calls=False):
 
 @functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
-def make_online_softmax(fold):
+def make_online_softmax(fold, exact=False):
     """(quad_max, new_max, prob): the steps of the online softmax on one row of a tile of scores as the tensor-core
     kernels hold it (``mma.sync``'s C fragment, and ``wgmma``'s accumulator, which repeats it): each row spread
     over the four lanes of a quad (lanes 4 g .. 4 g + 3), each lane holding some of its columns.
@@ -117,7 +117,9 @@ def make_online_softmax(fold):
     * ``prob(sv, mu, scale_q)``: P = exp2(S - m_use) of one score.
 
     With ``fold`` the scores are the raw products Q K^T and the scale (times log2(e), positive) is applied in the
-    exponent, one FMA: exp2(S scale - m); mx is then the raw maximum, scaled here."""
+    exponent, one FMA: exp2(S scale - m); mx is then the raw maximum, scaled here. With ``exact`` the exponentials
+    are float32's ``exp2`` (libdevice, about 1 ulp) instead of ``ex2.approx.ftz`` (2 ulp, subnormals flushed): the
+    float32 kernels' choice."""
 
     @cuda.jit(device=True, inline=True)
     def quad_max(mx):
@@ -130,14 +132,16 @@ def make_online_softmax(fold):
             mx *= scale_q  # (-inf stays -inf: scale_q > 0)
         mx = max(m[r], mx)
         m_use[r] = mx if mx != NEG_INF else float32(0.0)
-        alpha[r] = ptx.exp2_ftz(m[r] - m_use[r])
+        alpha[r] = float32(math.exp2(m[r] - m_use[r])) if exact else ptx.exp2_ftz(m[r] - m_use[r])
         m[r] = mx
 
     @cuda.jit(device=True, inline=True)
     def prob(sv, mu, scale_q):
         if fold:  # one FMA and the exponential
-            return ptx.exp2_ftz(cuda.fma(sv, scale_q, -mu))
-        return ptx.exp2_ftz(sv - mu)
+            x = cuda.fma(sv, scale_q, -mu)
+        else:
+            x = sv - mu
+        return float32(math.exp2(x)) if exact else ptx.exp2_ftz(x)
 
     return quad_max, new_max, prob
 

@@ -45,7 +45,7 @@ import math
 
 from . import ptx, ptx_hopper as hop
 from .._backend import cuda
-from .common import LN2, NEG_INF, make_key_range
+from .common import LN2, NEG_INF, make_key_range, make_online_softmax
 from .scalars import float32, uint32
 
 HEAD_DIMS = (64, 128)
@@ -108,6 +108,9 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
     where_d, store_d = make_store_split(D)
     where_c, store_c = make_store_split(B_c)
     key_range = make_key_range(B_R, B_c, False, causal)
+    # (the steps of the online softmax on the accumulator's rows, with float32's exact exp2: the scores are scaled
+    # to base 2 before the mask)
+    quad_max, new_max, prob = make_online_softmax(False, exact=True)
 
     @cuda.jit(device=True, inline=True)
     def products_s(s, scratch, qb, qs, kb, ks):
@@ -234,20 +237,13 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
                         mx0 = max(mx0, val)
                     else:
                         mx1 = max(mx1, val)
-            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 1))
-            mx0 = max(mx0, ptx.shfl_xor_f32(mx0, 2))
-            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 1))
-            mx1 = max(mx1, ptx.shfl_xor_f32(mx1, 2))
-            for x in range(2):
-                mx = max(m[x], mx0 if x == 0 else mx1)
-                m_use[x] = mx if mx != NEG_INF else float32(0.0)
-                alpha[x] = float32(math.exp2(m[x] - m_use[x]))
-                m[x] = mx
+            new_max(m, m_use, alpha, 0, quad_max(mx0), scale_log2)
+            new_max(m, m_use, alpha, 1, quad_max(mx1), scale_log2)
             ps0 = float32(0.0)
             ps1 = float32(0.0)
             for n in range(NS // 4):
                 for x in range(4):
-                    p = float32(math.exp2(s[4 * n + x] - m_use[x >> 1]))
+                    p = prob(s[4 * n + x], m_use[x >> 1], scale_log2)
                     s[4 * n + x] = p
                     if x < 2:
                         ps0 += p
