@@ -21,6 +21,7 @@ Outputs: a table on stdout, ``bench.json`` and PNG plots (TFLOP/s vs seqlen; pea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -187,17 +188,25 @@ _flashnumba_wgmma.features = True
 _flashnumba_wgmma.dtypes = ("float16", "bfloat16")
 
 
+@contextlib.contextmanager
+def _setting(name, value):
+    """``flashnumba.config.<name>`` set to ``value`` within the block, what it was restored after."""
+    saved = getattr(config, name)
+    setattr(config, name, value)
+    try:
+        yield
+    finally:
+        setattr(config, name, saved)
+
+
 def _flashnumba_wgmma_cp_async(q, k, v, dout, causal, window_size=(-1, -1)):
     """The Hopper forward with its producer's per-thread copies (``config.hopper_tma = False`` around each call):
     beside ``flashnumba_wgmma``, what the copy engine's tensor-map copies buy."""
     opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
 
     def forward():
-        saved, config.hopper_tma = config.hopper_tma, False
-        try:
+        with _setting("hopper_tma", False):
             return flash_attn_forward(q, k, v, **opts)
-        finally:
-            config.hopper_tma = saved
 
     forward()  # unsupported GPUs, dtypes and head dims raise here
     return {FWD: forward}
@@ -226,18 +235,12 @@ def _flashnumba_3xtf32_wgmma(accumulation):
 
     def make(q, k, v, dout, causal):
         def forward():
-            saved, config.hopper_3xtf32 = config.hopper_3xtf32, accumulation
-            try:
+            with _setting("hopper_3xtf32", accumulation):
                 return flash_attn_forward(q, k, v, causal=causal, precision="3xtf32")
-            finally:
-                config.hopper_3xtf32 = saved
 
-        saved, config.hopper_3xtf32 = config.hopper_3xtf32, accumulation
-        try:
+        with _setting("hopper_3xtf32", accumulation):
             if plan(q, k, v, causal=causal, precision="3xtf32").launches[0].name != "forward 3xtf32 wgmma":
                 raise ValueError("the 3xTF32 wgmma forward runs on compute capability 9.0 only")
-        finally:
-            config.hopper_3xtf32 = saved
         forward()  # unsupported dtypes and head dims raise here
         return {FWD: forward}
 
