@@ -26,10 +26,12 @@ import numpy as np
 
 from flashnumba._backend import SIMULATOR, cuda  # (first: it chooses the simulator before Numba reads its config)
 from flashnumba.kernels import ptx_hopper as hop
+from flashnumba.kernels.wgmma_tf32 import make_store_split
 from numba import float32  # noqa: E402  (after the backend)
+from tf32_error_model import split  # (this folder's: float32 -> TF32 big and small parts, to nearest)
 
 M, N, K = 64, 16, 64
-LBO, SBO_A, SBO_B = 128, 32 * K, 32 * K  # core matrices of 8 rows x 4 floats: the next 4 columns, the next 8 rows
+LBO, SBO = 128, 32 * K  # core matrices of 8 rows x 4 floats: the next 4 columns, the next 8 rows
 NA, NB = M * K, N * K
 NS = 2 * NA + 2 * NB  # A big, A small, B big, B small (40 KB: within the static 48)
 MMA, FENCE, WAIT = hop.wgmma_ops("tf32", N)
@@ -37,11 +39,8 @@ MMA, FENCE, WAIT = hop.wgmma_ops("tf32", N)
 
 def make_products():
     """The kernel (its sizes closed over: a shared array's size must be a constant)."""
-    ns, na, nb, sbo, nr = NS, NA, NB, SBO_A, N // 2
-
-    @cuda.jit(device=True, inline=True)
-    def core(r, k):
-        return ((r // 8) * sbo + (k // 4) * LBO + (r % 8) * 16 + (k % 4) * 4) // 4
+    ns, na, nb, sbo, nr = NS, NA, NB, SBO, N // 2
+    where, _ = make_store_split(K)  # element e of an operand at word e: (row, column) of it
 
     @cuda.jit
     def products(ab, as_, bb, bs, out, reps):
@@ -49,15 +48,13 @@ def make_products():
         smem = cuda.shared.array(ns, float32)
         tid = cuda.threadIdx.x
         for e in range(tid, na, 128):
-            r = e // K
-            k = e - K * r
-            smem[core(r, k)] = ab[r, k]
-            smem[na + core(r, k)] = as_[r, k]
+            r, k = where(e)
+            smem[e] = ab[r, k]
+            smem[na + e] = as_[r, k]
         for e in range(tid, nb, 128):
-            r = e // K
-            k = e - K * r
-            smem[2 * na + core(r, k)] = bb[r, k]
-            smem[2 * na + nb + core(r, k)] = bs[r, k]
+            r, k = where(e)
+            smem[2 * na + e] = bb[r, k]
+            smem[2 * na + nb + e] = bs[r, k]
         hop.fence_proxy_async()
         cuda.syncthreads()
         a_big = hop.make_desc(hop.smem_address(smem, 0), LBO, sbo)
@@ -109,17 +106,6 @@ def make_products():
 
 
 products = make_products()
-
-
-def tf32(x):
-    """float32 -> TF32, to nearest, ties away from zero (``cvt.rna.tf32.f32``), as float32."""
-    b = np.asarray(x, np.float32).view(np.uint32)
-    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
-
-
-def split(x):
-    big = tf32(x)
-    return big, tf32((x - big).astype(np.float32))
 
 
 def float32_in_order(a, b, reps=1):
