@@ -253,7 +253,7 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
     if D not in head_dims and D not in padded:
         return f"; not wgmma: the Hopper {pass_} is the faster{' with a mask_mod' if mods else ''} at head_dim " \
                f"{', '.join(map(str, sorted(head_dims + padded)))}"
-    if D in padded and D not in head_dims:
+    if D in padded:  # (multiples of 8 that are not of 32: none of head_dims)
         nk = [t.shape[-3] for t in tensors if t.name == "k"]
         if opts.variant[4] or not nk or nk[0] < tiling.WGMMA_PADDED_MIN_SEQLEN_K:
             return (f"; not wgmma: head_dim {D} runs there padded to the next multiple of 32, on copies that pay "
