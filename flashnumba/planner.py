@@ -255,7 +255,8 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
                f"{', '.join(map(str, sorted(head_dims + padded)))}"
     if D in padded:  # (multiples of 8 that are not of 32: none of head_dims)
         nk = [t.shape[-3] for t in tensors if t.name == "k"]
-        if opts.variant[4] or not nk or nk[0] < tiling.WGMMA_PADDED_MIN_SEQLEN_K:
+        varlen = opts.variant[4]
+        if varlen or not nk or nk[0] < tiling.WGMMA_PADDED_MIN_SEQLEN_K:
             return (f"; not wgmma: head_dim {D} runs there padded to the next multiple of 32, on copies that pay "
                     f"from {tiling.WGMMA_PADDED_MIN_SEQLEN_K} keys (sequences of equal length)")
         if _arrays.cupy is None and any(t.kind in ("numba", "cai") for t in tensors):

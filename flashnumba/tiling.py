@@ -483,7 +483,8 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tupl
     the others take 32."""
     if "block_n" in given:
         return t, ""
-    if t.block_n == 48 and (not tma or any(variant[2:4]) or variant[5]):
+    _, _, softcap, alibi, _, dropout = variant
+    if t.block_n == 48 and (not tma or softcap or alibi or dropout):
         return t._replace(block_n=32), ("key tiles of 32: tiles of 48 take the copy engine's two buffers and "
                                         "window bounds alone")
     if _per_entry_options(variant) > 2 and t.block_n > 32:
