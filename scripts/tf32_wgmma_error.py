@@ -26,7 +26,7 @@ import numpy as np
 
 from flashnumba._backend import SIMULATOR, cuda  # (first: it chooses the simulator before Numba reads its config)
 from flashnumba.kernels import ptx_hopper as hop
-from flashnumba.kernels.wgmma_tf32 import make_store_split
+from flashnumba.kernels.wgmma_tf32 import make_store_split, make_three_products
 from numba import float32  # noqa: E402  (after the backend)
 from tf32_error_model import split  # (this folder's: float32 -> TF32 big and small parts, to nearest)
 
@@ -41,6 +41,7 @@ def make_products():
     """The kernel (its sizes closed over: a shared array's size must be a constant)."""
     ns, na, nb, sbo, nr = NS, NA, NB, SBO, N // 2
     where, _ = make_store_split(K)  # element e of an operand at word e: (row, column) of it
+    chain, per_step = make_three_products(N)
 
     @cuda.jit
     def products(ab, as_, bb, bs, out, reps):
@@ -67,30 +68,17 @@ def make_products():
         total = cuda.local.array(nr, float32)
         for i in range(nr):
             total[i] = 0.0
-        for rep in range(reps):
+        for rep in range(reps):  # (the 3xTF32 kernel's own two accumulations: wgmma_tf32.make_three_products)
             FENCE(one)
             FENCE(chained)
-            for ks in range(K // 8):  # (a k-step: 8 columns, two core matrices, 256 bytes on; the descriptor
-                o = ks * 16  # counts 16 bytes)
-                first = rep + ks
-                MMA(one, a_big + o, b_big + o, first)
-                MMA(chained, a_small + o, b_big + o, first)
-                MMA(chained, a_big + o, b_small + o, 1)
-                MMA(chained, a_big + o, b_big + o, 1)
+            for ks in range(K // 8):  # (a k-step: 8 columns, two core matrices, 256 bytes on: 16 in the
+                MMA(one, a_big + 16 * ks, b_big + 16 * ks, rep + ks)  # descriptor's units)
+            chain(chained, a_small, a_big, b_big, b_small, K // 8, rep)
             hop.wgmma_commit()
             WAIT(0, chained)
         WAIT(0, one)
         for rep in range(reps):
-            for ks in range(K // 8):
-                o = ks * 16
-                FENCE(step)
-                MMA(step, a_small + o, b_big + o, 0)
-                MMA(step, a_big + o, b_small + o, 1)
-                MMA(step, a_big + o, b_big + o, 1)
-                hop.wgmma_commit()
-                WAIT(0, step)
-                for i in range(nr):
-                    total[i] += step[i]
+            per_step(total, step, a_small, a_big, b_big, b_small, K // 8)
         w = tid // 32
         g = (tid % 32) >> 2
         t = tid & 3

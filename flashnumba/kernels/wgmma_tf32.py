@@ -84,6 +84,41 @@ def make_store_split(cols):
 
 
 @functools.lru_cache(maxsize=None)
+def make_three_products(N):
+    """(chain, per_step), the two accumulations of acc (64 x N) += A B^T in 3xTF32 over ``steps`` k-steps of 8
+    columns, A and B each given as the descriptors of their small and big parts in shared memory (K-major; a k-step
+    is two core matrices, 256 bytes on: 16 in the descriptor's units):
+
+    * ``chain(acc, a_small, a_big, b_big, b_small, steps, first)``: A_small B_big^T + A_big B_small^T + A_big B_big^T
+      of every step issued on acc, chained (from zero where ``first`` is 0, else onto acc); not fenced, committed
+      or waited for;
+    * ``per_step(acc, scratch, a_small, a_big, b_big, b_small, steps)``: each step's three from zero in ``scratch``,
+      waited for and added to acc with float32 adds."""
+    mma, fence, wait = hop.wgmma_ops("tf32", N)
+    NR = N // 2
+
+    @cuda.jit(device=True, inline=True)
+    def chain(acc, a_small, a_big, b_big, b_small, steps, first):
+        for kk in range(steps):
+            o = 16 * kk
+            mma(acc, a_small + o, b_big + o, first + kk)
+            mma(acc, a_big + o, b_small + o, 1)
+            mma(acc, a_big + o, b_big + o, 1)
+
+    @cuda.jit(device=True, inline=True)
+    def per_step(acc, scratch, a_small, a_big, b_big, b_small, steps):
+        for kk in range(steps):
+            fence(scratch)
+            chain(scratch, a_small + 16 * kk, a_big + 16 * kk, b_big + 16 * kk, b_small + 16 * kk, 1, 0)
+            hop.wgmma_commit()
+            wait(0, scratch)
+            for i in range(NR):
+                acc[i] += scratch[i]
+
+    return chain, per_step
+
+
+@functools.lru_cache(maxsize=None)
 def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
     """The 3xTF32 forward on wgmma for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`), causal or
     not; ``chained``: the products summed in the wgmma accumulator (module docstring). Arguments: (q, k, v, out,
@@ -103,7 +138,8 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
     KB, KS = 2 * B_R * D, 2 * B_R * D + B_c * D
     VB, VS = 2 * B_R * D + 2 * B_c * D, 2 * B_R * D + 3 * B_c * D
     SBO_D, SBO_C = 32 * D, 32 * B_c  # bytes: 8 rows of D columns (Q, K), of B_c columns (V^T)
-    mma_s, fence_s, wait_s = hop.wgmma_ops("tf32", B_c)
+    _, fence_s, wait_s = hop.wgmma_ops("tf32", B_c)
+    chain_s, per_step_s = make_three_products(B_c)
     mma_o, fence_o, wait_o = hop.wgmma_ops("tf32", D, regs_a=True)
     where_d, store_d = make_store_split(D)
     where_c, store_c = make_store_split(B_c)
@@ -114,30 +150,16 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
 
     @cuda.jit(device=True, inline=True)
     def products_s(s, scratch, qb, qs, kb, ks):
-        """S = Q_small K_big^T + Q_big K_small^T + Q_big K_big^T, waited for (descriptors of the four parts; a
-        k-step of 8 columns is two core matrices, 256 bytes: 16 in the descriptor's units)."""
+        """S = Q_small K_big^T + Q_big K_small^T + Q_big K_big^T, waited for (descriptors of the four parts)."""
         if CHAINED:
             fence_s(s)
-            for kk in range(KD):
-                o = 16 * kk
-                mma_s(s, qs + o, kb + o, kk)
-                mma_s(s, qb + o, ks + o, 1)
-                mma_s(s, qb + o, kb + o, 1)
+            chain_s(s, qs, qb, kb, ks, KD, 0)
             hop.wgmma_commit()
             wait_s(0, s)
         else:
             for i in range(NS):
                 s[i] = 0.0
-            for kk in range(KD):
-                o = 16 * kk
-                fence_s(scratch)
-                mma_s(scratch, qs + o, kb + o, 0)
-                mma_s(scratch, qb + o, ks + o, 1)
-                mma_s(scratch, qb + o, kb + o, 1)
-                hop.wgmma_commit()
-                wait_s(0, scratch)
-                for i in range(NS):
-                    s[i] += scratch[i]
+            per_step_s(s, scratch, qs, qb, kb, ks, KD)
 
     @cuda.jit(device=True, inline=True)
     def products_o(o, scratch, pb, ps, vb, vs):
