@@ -62,7 +62,7 @@ WGMMA_DEFAULT_HEAD_DIMS = {"forward": (32, 64, 96, 128, 160, 192, 224, 256),
 # With a user's block mask (flex_attention; no score_mod), the head dims where kernel=None takes the
 # Hopper kernels: those where they ran faster than the mma.sync kernels beside FlexAttention (docs/benchmarks.md,
 # "How fast is your own attention variant?"); elsewhere the mma.sync kernels
-WGMMA_MODS_DEFAULT_HEAD_DIMS = {"forward": (64, 128), "backward": (64,)}
+WGMMA_MODS_DEFAULT_HEAD_DIMS = {"forward": (64, 128), "backward": (64, 128)}
 # The head dims, multiples of 8 that are not of 32, where kernel=None takes the Hopper kernels with q, k, v copied
 # with zero columns appended up to the next multiple of 32 (planner.padded_head_dim) rather than the mma.sync kernels
 # at the head dim itself (docs/benchmarks.md, "How fast are the head dims that are not multiples of 32?"): measured

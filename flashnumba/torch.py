@@ -215,7 +215,9 @@ def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
 
 
 def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
-    """The forward of the dense functions: (out, lse, probs or None), with what the backward needs saved."""
+    """The forward of the dense functions: (out, lse, probs or None), with what the backward needs saved. Inputs
+    whose last dimension is strided are copied first, as flash-attn's functions do."""
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
     out, lse, rng = _op(_forward, _forward_impl, q, k, v)(q, k, v, alibi_slopes, *scalars)
     ctx.save_for_backward(q, k, v, out, lse, rng, alibi_slopes)
     ctx.scalars = scalars
@@ -242,6 +244,7 @@ def _attention_grads(ctx, dout, *rest):
 def _varlen_attention(ctx, q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scalars, return_softmax):
     if return_softmax:
         raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
+    q, k, v = (_contiguous_last(x) for x in (q, k, v))
     forward = _op(_varlen_forward, _varlen_forward_impl, q, k, v)
     out, lse, rng = forward(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, *scalars)
     ctx.save_for_backward(q, k, v, out, lse, rng, cu_q, cu_k, alibi_slopes)

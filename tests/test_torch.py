@@ -249,8 +249,8 @@ def test_gradients_match_float64_autograd(part, problem, seed):
 @on_gpu
 def test_a_padded_head_dim_through_autograd():
     """Head_dim 80 at 4096 keys: on compute capability 9.0 kernel=None runs the Hopper kernels on copies padded to
-    96 (elsewhere mma.sync at 80); a k whose sequence axis has the smallest stride (a layout torch's own pad would
-    keep); the gradients against float64 autograd, the inputs untouched, the outputs C-contiguous."""
+    96 (elsewhere mma.sync at 80); a k whose sequence axis has the smallest stride (copied to a contiguous last
+    dimension first, as flash-attn does); the gradients against float64 autograd, the inputs untouched, the outputs C-contiguous."""
     g = torch.Generator(device="cuda").manual_seed(80)
     q, v = (torch.randn(1, 4096, 2, 80, generator=g, device="cuda", dtype=torch.float16).requires_grad_()
             for _ in range(2))
@@ -258,7 +258,8 @@ def test_a_padded_head_dim_through_autograd():
     k = k.detach().requires_grad_()
     dout = torch.randn(1, 4096, 2, 80, generator=g, device="cuda", dtype=torch.float16)
     if torch.cuda.get_device_capability() == (9, 0):
-        assert "run as 96" in flashnumba.plan(q.detach(), k.detach(), v.detach(), causal=True).launches[0].reason
+        assert "run as 96" in flashnumba.plan(q.detach(), k.detach().contiguous(), v.detach(),
+                                              causal=True).launches[0].reason
     before = [x.detach().clone() for x in (q, k, v)]
     out = ft.flash_attn_func(q, k, v, causal=True)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
