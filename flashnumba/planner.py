@@ -645,10 +645,10 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
             raise ValueError(f"config.hopper_3xtf32 must be None, 'chained' or 'per_step', got "
                              f"{config.hopper_3xtf32!r}")
         n = block_n or 32
-        if n not in wgmma_tf32.BLOCK_NS or block_m not in (None, wgmma_tf32.B_R) or num_threads not in (
-                None, wgmma_tf32.THREADS):
-            raise ValueError(f"the 3xTF32 forward on wgmma takes block_m {wgmma_tf32.B_R}, block_n in "
-                             f"{wgmma_tf32.BLOCK_NS} and num_threads {wgmma_tf32.THREADS}")
+        ns = wgmma_tf32.BLOCK_NS.get(D, ())
+        if n not in ns or block_m not in (None, wgmma_tf32.B_R) or num_threads not in (None, wgmma_tf32.THREADS):
+            raise ValueError(f"the 3xTF32 forward on wgmma at head_dim {D} takes block_m {wgmma_tf32.B_R}, block_n "
+                             f"in {ns} and num_threads {wgmma_tf32.THREADS}")
         t = tiling.Tiles(wgmma_tf32.B_R, n, wgmma_tf32.THREADS)
         launch = KernelLaunch("forward 3xtf32 wgmma", table, wgmma_tf32.make_forward_3xtf32_wgmma,
                               (D, opts.right == 0, n, config.hopper_3xtf32 == "chained"), io + ("scale_log2",),

@@ -41,7 +41,8 @@ def run(q, k, v, causal, block_n=32, chained=True):
 @pytest.mark.parametrize("D, causal, seqlen_q, seqlen_k, block_n, chained", [
     (64, False, 70, 45, 32, True),  # two query tiles (the second partial), two key tiles (the second partial)
     (64, True, 40, 70, 32, False),  # each k-step's products from zero; causal, more keys than queries
-    (128, True, 70, 100, 64, True),
+    (128, True, 70, 100, 32, True),
+    (64, True, 100, 130, 64, False),
     (128, False, 5, 20, 16, False),
 ])
 def test_3xtf32_wgmma_matches_the_reference(D, causal, seqlen_q, seqlen_k, block_n, chained):
@@ -56,6 +57,9 @@ def test_what_it_does_not_take_is_refused(monkeypatch):
     q = np.zeros((1, 8, 1, 64), np.float32)
     with pytest.raises(ValueError, match="block_n in"):
         flashnumba.plan(q, q, q, precision="3xtf32", block_n=128)
+    q128 = np.zeros((1, 8, 1, 128), np.float32)
+    with pytest.raises(ValueError, match="head_dim 128 takes block_m 64, block_n in"):  # (256 KB of buffers)
+        flashnumba.plan(q128, q128, q128, precision="3xtf32", block_n=64)
     monkeypatch.setattr(config, "hopper_3xtf32", "sometimes")
     with pytest.raises(ValueError, match="hopper_3xtf32 must be"):
         flashnumba.plan(q, q, q, precision="3xtf32")
@@ -72,7 +76,7 @@ from flashnumba.kernels import wgmma_tf32
 a = "float32[:, :, :, ::1]"
 sig = f"void({a}, {a}, {a}, {a}, float32[:, :, ::1], float32)"
 out = {}
-for D, n, chained in ((64, 32, True), (64, 64, True), (128, 32, True), (128, 64, True), (128, 32, False)):
+for D, n, chained in ((64, 32, True), (64, 64, True), (128, 32, True), (128, 16, False), (128, 32, False)):
     fn = wgmma_tf32.make_forward_3xtf32_wgmma(D, True, n, chained)
     _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(128, False), False)
     out[f"D={D} B_c={n} chained={chained}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))

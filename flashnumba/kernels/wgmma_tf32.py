@@ -30,8 +30,15 @@ are waited for and added (``scripts/tf32_wgmma_error.py`` measures which the ten
 Launch geometry: grid (ceil(seqlen_q / 64), batch * nheads), block 128 (one warpgroup of 64 query rows: warp w owns
 rows 16 w .. 16 w + 15, lane (g, t) rows g and g + 8 of them, the accumulators' layout of ptx_hopper); block x
 takes query tile ceil(seqlen_q / 64) - 1 - x (the longest causal rows first). Shared memory, dynamic, float32 bits:
-Q_big | Q_small | K_big | K_small | V^T_big | V^T_small (:func:`shared_bytes`), one buffer (tiles loaded by every
-thread, split and stored, then a barrier): the readable first form, without a pipeline.
+Q_big | Q_small | K_big | K_small | V^T_big | V^T_small | K_j+1 | V_j+1 (:func:`shared_bytes`). The tiles' loads
+are the pipeline: while a tile's products run, the next tile's K and V are copied (``cp.async``) as they are into
+the last two buffers; at the top of the next tile every thread splits them into the parts, and the copy of the
+one after starts::
+
+    copy K_0, V_0 | split Q_i
+    tile j:  wait for the copies; barrier | split K_j, V_j^T | barrier | copy K_j+1, V_j+1 | S, softmax, O += P V
+
+Q_i, loaded once, is read by each thread in batches of loads that are in flight together.
 
 float32 only, head_dim 64 or 128, causal or not (the options of mma_tf32). The plan takes it for
 ``precision="3xtf32"`` on compute capability 9.0 where ``flashnumba.config.hopper_3xtf32`` is set ("chained" or
@@ -51,12 +58,18 @@ from .scalars import float32, uint32
 HEAD_DIMS = (64, 128)
 B_R = 64  # query rows a block: one warpgroup
 THREADS = 128
-BLOCK_NS = (16, 32, 64)  # keys a tile (N of S's wgmma, K of O's: multiples of 8)
+# keys a tile (N of S's wgmma, K of O's: multiples of 8), per head_dim: those whose buffers fit the 227 KB of shared
+# memory a block may have (at D 128, 64 keys would need 256 KB)
+BLOCK_NS = {64: (16, 32, 64), 128: (16, 32)}
+# elements a thread loads from global memory before it splits and stores them, their loads in flight together (a
+# latency a batch, not an element): 16, or a tile's share a thread where that is fewer (B_c 16 at D 64: 8)
+MAX_LOADS = 8
 
 
 def shared_bytes(D, B_c):
-    """Q_i's big and small parts (64 x D), K_j's (B_c x D) and V_j^T's (D x B_c), float32."""
-    return 4 * (2 * B_R * D + 4 * B_c * D)
+    """Q_i's big and small parts (64 x D), K_j's (B_c x D) and V_j^T's (D x B_c), and K_j+1 and V_j+1 as copied,
+    float32."""
+    return 4 * (2 * B_R * D + 6 * B_c * D)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,20 +133,24 @@ def make_three_products(N):
 
 @functools.lru_cache(maxsize=None)
 def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
-    """The 3xTF32 forward on wgmma for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`), causal or
+    """The 3xTF32 forward on wgmma for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS` of D), causal or
     not; ``chained``: the products summed in the wgmma accumulator (module docstring). Arguments: (q, k, v, out,
     lse, scale_log2) as :func:`flashnumba.kernels.mma_tf32.make_forward_tf32`'s (float32, C-contiguous, q's heads
     as many as k's). Compiled for sm_90a. Launch: grid (ceil(seqlen_q / 64), batch * nheads), block (128,), dynamic
     shared memory :func:`shared_bytes`."""
     if D not in HEAD_DIMS:
         raise ValueError(f"the 3xTF32 wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
-    if B_c not in BLOCK_NS:
-        raise ValueError(f"the 3xTF32 wgmma forward takes block_n in {BLOCK_NS}, got {B_c}")
+    if B_c not in BLOCK_NS[D]:
+        raise ValueError(f"the 3xTF32 wgmma forward at head_dim {D} takes block_n in {BLOCK_NS[D]}, got {B_c}")
     CHAINED = bool(chained)
     NS = B_c // 2  # S accumulator registers a thread
     NO = D // 2  # O accumulator registers a thread
     KD = D // 8  # k-steps of S
     KC = B_c // 8  # k-steps of O += P V
+    LOADS = min(MAX_LOADS, B_c * D // THREADS)  # (divides B_c D / 128 and 64 D / 128)
+    COPIES = B_c * D // (4 * THREADS)  # 16-byte copies a thread of a K_j or V_j tile
+    QUADS = D // 4
+    RK, RV = 2 * B_R * D + 4 * B_c * D, 2 * B_R * D + 5 * B_c * D  # K_j and V_j as copied (float32 words)
     QB, QS = 0, B_R * D  # word offsets in shared memory
     KB, KS = 2 * B_R * D, 2 * B_R * D + B_c * D
     VB, VS = 2 * B_R * D + 2 * B_c * D, 2 * B_R * D + 3 * B_c * D
@@ -147,6 +164,49 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
     # (the steps of the online softmax on the accumulator's rows, with float32's exact exp2: the scores are scaled
     # to base 2 before the mask)
     quad_max, new_max, prob = make_online_softmax(False, exact=True)
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(smem, big, small, x, b, h, row0, nrows, count, tid):
+        """Rows row0 .. of x[b, :, h, :] (``count`` elements, zero past row nrows) split into the K-major parts at
+        words big and small: LOADS a thread loaded together, then split and stored (a load's latency once a
+        batch, not once an element)."""
+        vals = cuda.local.array(LOADS, float32)
+        for u0 in range(0, count // THREADS, LOADS):
+            for u in range(LOADS):
+                r, c = where_d(tid + THREADS * (u0 + u))
+                vals[u] = x[b, row0 + r, h, c] if row0 + r < nrows else float32(0.0)
+            for u in range(LOADS):
+                store_d(smem, big, small, tid + THREADS * (u0 + u), vals[u])
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile(fsmem, raw, x, b, h, j0, seqlen_k, tid):
+        """Start copying rows j0 .. j0 + B_c - 1 of x[b, :, h, :] to word ``raw`` on (cp.async, 16 bytes a copy):
+        copy ch takes row 8 (ch >> 3) // (D / 4) + (ch & 7), columns 4 ((ch >> 3) % (D / 4)) .. + 3, to words
+        4 ch .. 4 ch + 3, which lays the tile out as the K-major core matrices of :func:`make_store_split` (a warp's
+        32 copies: 8 rows of 64 contiguous bytes in global memory, 512 contiguous bytes in shared memory). Rows
+        from seqlen_k on are zeroed with stores instead."""
+        for u in range(COPIES):
+            ch = tid + THREADS * u
+            blk = ch >> 3
+            r = 8 * (blk // QUADS) + (ch & 7)
+            if j0 + r < seqlen_k:
+                ptx.cp_async_16_at(fsmem, raw + 4 * ch, x, b, j0 + r, h, 4 * (blk - QUADS * (blk // QUADS)))
+            else:
+                for x4 in range(4):
+                    fsmem[raw + 4 * ch + x4] = float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def split_tiles(smem, fsmem, tid):
+        """K_j and V_j^T split into their big and small parts from the copied tiles (V^T's position c of each 8
+        holds key pi(c): module docstring)."""
+        for u in range(B_c * D // THREADS):
+            e = tid + THREADS * u
+            store_d(smem, KB, KS, e, fsmem[RK + e])
+        for u in range(B_c * D // THREADS):
+            e = tid + THREADS * u
+            d, c = where_c(e)
+            key = (c & ~7) + (2 * (c & 3) + ((c >> 2) & 1))  # (key, d) of V_j at word e' with where_d(e') = (key, d)
+            store_c(smem, VB, VS, e, fsmem[RV + 32 * (QUADS * (key >> 3) + (d >> 2)) + 4 * (key & 7) + (d & 3)])
 
     @cuda.jit(device=True, inline=True)
     def products_s(s, scratch, qb, qs, kb, ks):
@@ -198,7 +258,8 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first
         diag = seqlen_k - seqlen_q
 
-        smem = cuda.shared.array(0, uint32)  # the six parts (module docstring), float32 bits
+        smem = cuda.shared.array(0, uint32)  # the six parts and the two copied tiles (module docstring)
+        fsmem = cuda.shared.array(0, float32)  # (the same memory as float32: the copied tiles)
         s = cuda.local.array(NS, float32)
         o = cuda.local.array(NO, float32)
         scratch_s = cuda.local.array(NS, float32)  # (each k-step's products: chained=False)
@@ -215,9 +276,6 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
         for i in range(NO):
             o[i] = 0.0
 
-        for e in range(tid, B_R * D, THREADS):  # Q_i, split once
-            r, c = where_d(e)
-            store_d(smem, QB, QS, e, q[b, i0 + r, h, c] if i0 + r < seqlen_q else float32(0.0))
         qb = hop.make_desc(hop.smem_address(smem, QB), 128, SBO_D)
         qs = hop.make_desc(hop.smem_address(smem, QS), 128, SBO_D)
         kb = hop.make_desc(hop.smem_address(smem, KB), 128, SBO_D)
@@ -227,18 +285,22 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
 
         _, n_end = key_range(i0, seqlen_q, seqlen_k, diag, 0, 0)
         n_tiles = (n_end + B_c - 1) // B_c
+        if n_tiles > 0:  # K_0 and V_0 copied while Q_i is split
+            copy_tile(fsmem, RK, k, b, h, 0, seqlen_k, tid)
+            copy_tile(fsmem, RV, v, b, h, 0, seqlen_k, tid)
+            ptx.cp_async_commit()
+        load_rows(smem, QB, QS, q, b, h, i0, seqlen_q, B_R * D, tid)  # Q_i, split once
         for jt in range(n_tiles):
             j0 = jt * B_c
-            cuda.syncthreads()  # (every thread's products of tile j - 1 retired: the buffers may be rewritten)
-            for e in range(tid, B_c * D, THREADS):  # K_j, split
-                r, c = where_d(e)
-                store_d(smem, KB, KS, e, k[b, j0 + r, h, c] if j0 + r < seqlen_k else float32(0.0))
-            for e in range(tid, D * B_c, THREADS):  # V_j^T, split; position c of each 8 holds key pi(c)
-                d, c = where_c(e)
-                key = j0 + (c & ~7) + (2 * (c & 3) + ((c >> 2) & 1))
-                store_c(smem, VB, VS, e, v[b, key, h, d] if key < seqlen_k else float32(0.0))
+            ptx.cp_async_wait_all()
+            cuda.syncthreads()  # (K_j, V_j copied; every thread's products of tile j - 1 retired)
+            split_tiles(smem, fsmem, tid)
             hop.fence_proxy_async()  # (the stores seen by the tensor cores' reads)
-            cuda.syncthreads()
+            cuda.syncthreads()  # (the copied tiles consumed: K_j+1 and V_j+1 copied there during tile j's products)
+            if jt + 1 < n_tiles:
+                copy_tile(fsmem, RK, k, b, h, j0 + B_c, seqlen_k, tid)
+                copy_tile(fsmem, RV, v, b, h, j0 + B_c, seqlen_k, tid)
+                ptx.cp_async_commit()
 
             products_s(s, scratch_s, qb, qs, kb, ks)
 
