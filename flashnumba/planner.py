@@ -644,7 +644,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         if config.hopper_3xtf32 not in ("chained", "per_step"):
             raise ValueError(f"config.hopper_3xtf32 must be None, 'chained' or 'per_step', got "
                              f"{config.hopper_3xtf32!r}")
-        n = block_n or 32
+        n = block_n or wgmma_tf32.DEFAULT_BLOCK_N
         ns = wgmma_tf32.BLOCK_NS.get(D, ())
         if n not in ns or block_m not in (None, wgmma_tf32.B_R) or num_threads not in (None, wgmma_tf32.THREADS):
             raise ValueError(f"the 3xTF32 forward on wgmma at head_dim {D} takes block_m {wgmma_tf32.B_R}, block_n "
@@ -655,7 +655,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               (_cdiv(max_q, t.block_m), bsz * nheads), (t.num_threads,),
                               wgmma_tf32.shared_bytes(D, n), t,
                               f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation "
-                              f"(config.hopper_3xtf32; not yet timed)", arch_specific=True)
+                              f"(config.hopper_3xtf32)", arch_specific=True)
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

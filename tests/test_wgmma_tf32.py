@@ -1,6 +1,6 @@
 """The 3xTF32 forward on Hopper's wgmma (:mod:`flashnumba.kernels.wgmma_tf32`) against the float64 reference.
 
-The kernel runs where ``flashnumba.config.hopper_3xtf32`` asks for it (not yet timed: off by default). In the
+The kernel runs where ``flashnumba.config.hopper_3xtf32`` asks for it (off by default). In the
 simulator: causal and not, partial query and key tiles, both accumulations (chained in the wgmma accumulator,
 and each k-step from zero), each tile size, head_dim 64 and 128; compiled for sm_90a without a GPU (no spills,
 no serialised wgmma). On a GPU of compute capability 9.0: GPU sizes, and its error as a multiple of float32's.

@@ -42,7 +42,7 @@ Q_i, loaded once, is read by each thread in batches of loads that are in flight 
 
 float32 only, head_dim 64 or 128, causal or not (the options of mma_tf32). The plan takes it for
 ``precision="3xtf32"`` on compute capability 9.0 where ``flashnumba.config.hopper_3xtf32`` is set ("chained" or
-"per_step"; by default the ``mma.sync`` kernel runs, until this one is timed).
+"per_step"; by default the ``mma.sync`` kernel runs: docs/benchmarks.md has the measured speed and error).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ THREADS = 128
 # keys a tile (N of S's wgmma, K of O's: multiples of 8), per head_dim: those whose buffers fit the 227 KB of shared
 # memory a block may have (at D 128, 64 keys would need 256 KB)
 BLOCK_NS = {64: (16, 32, 64), 128: (16, 32)}
+DEFAULT_BLOCK_N = 16  # the fastest at both head dims (docs/benchmarks.md)
 # elements a thread loads from global memory before it splits and stores them, their loads in flight together (a
 # latency a batch, not an element): 16, or a tile's share a thread where that is fewer (B_c 16 at D 64: 8)
 MAX_LOADS = 8
