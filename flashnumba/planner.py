@@ -646,14 +646,15 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                              f"{config.hopper_3xtf32!r}")
         n = block_n or wgmma_tf32.DEFAULT_BLOCK_N
         ns = wgmma_tf32.BLOCK_NS.get(D, ())
-        if n not in ns or block_m not in (None, wgmma_tf32.B_R) or num_threads not in (None, wgmma_tf32.THREADS):
-            raise ValueError(f"the 3xTF32 forward on wgmma at head_dim {D} takes block_m {wgmma_tf32.B_R}, block_n "
-                             f"in {ns} and num_threads {wgmma_tf32.THREADS}")
-        t = tiling.Tiles(wgmma_tf32.B_R, n, wgmma_tf32.THREADS)
+        m = block_m or wgmma_tf32.DEFAULT_BLOCK_M
+        if n not in ns or m not in wgmma_tf32.BLOCK_MS or num_threads not in (None, 2 * m):
+            raise ValueError(f"the 3xTF32 forward on wgmma at head_dim {D} takes block_m in {wgmma_tf32.BLOCK_MS}, "
+                             f"block_n in {ns} and num_threads 2 * block_m")
+        t = tiling.Tiles(m, n, 2 * m)
         launch = KernelLaunch("forward 3xtf32 wgmma", table, wgmma_tf32.make_forward_3xtf32_wgmma,
-                              (D, opts.right == 0, n, config.hopper_3xtf32 == "chained"), io + ("scale_log2",),
+                              (D, opts.right == 0, n, config.hopper_3xtf32 == "chained", m), io + ("scale_log2",),
                               (_cdiv(max_q, t.block_m), bsz * nheads), (t.num_threads,),
-                              wgmma_tf32.shared_bytes(D, n), t,
+                              wgmma_tf32.shared_bytes(D, n, m), t,
                               f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation "
                               f"(config.hopper_3xtf32)", arch_specific=True)
     else:  # tf32, 3xtf32

@@ -1,5 +1,5 @@
-"""The 3xTF32 forward on wgmma (``config.hopper_3xtf32 = "per_step"``) at each of its key tiles: the data behind
-``wgmma_tf32.DEFAULT_BLOCK_N``.
+"""The 3xTF32 forward on wgmma (``config.hopper_3xtf32 = "per_step"``) at each of its tiles (query rows a block: one
+or two warpgroups; keys a tile): the data behind ``wgmma_tf32.DEFAULT_BLOCK_M`` and ``DEFAULT_BLOCK_N``.
 
     python scripts/tf32_wgmma_tiles.py
 
@@ -18,13 +18,14 @@ from flashnumba.kernels import wgmma_tf32
 config.hopper_3xtf32 = "per_step"
 print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, float32, seqlen 4096, precision='3xtf32'")
 for D, ns in wgmma_tf32.BLOCK_NS.items():
-    for n in ns:
+    for m, n in ((m, n) for m in wgmma_tf32.BLOCK_MS for n in ns):
         N = 4096
         B, H = 16384 // N, 2048 // D
         q, k, v = (cp.random.standard_normal((B, N, H, D), dtype=cp.float32) for _ in range(3))
         for causal in (False, True):
             def call():
-                return flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", block_n=n)
+                return flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", block_m=m,
+                                                  block_n=n)
             call()
             cp.cuda.Device().synchronize()
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -37,4 +38,4 @@ for D, ns in wgmma_tf32.BLOCK_NS.items():
                 ts.append(cp.cuda.get_elapsed_time(e0, e1))
             ms = float(np.median(ts))
             flops = 4 * B * H * N * N * D / (2 if causal else 1)
-            print(f"D={D} B_c={n} causal={causal}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+            print(f"D={D} B_r={m} B_c={n} causal={causal}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s", flush=True)

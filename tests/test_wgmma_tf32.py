@@ -25,30 +25,34 @@ def hopper_or_simulator():
         pytest.skip("wgmma runs on compute capability 9.0 (sm_90a) only")
 
 
-def run(q, k, v, causal, block_n=32, chained=True):
+def run(q, k, v, causal, block_n=32, chained=True, block_m=64):
     """(out, lse) of the forward with precision="3xtf32" on the wgmma kernel (config.hopper_3xtf32)."""
     hopper_or_simulator()
     saved, config.hopper_3xtf32 = config.hopper_3xtf32, "chained" if chained else "per_step"
+    tiles = dict(block_m=block_m, block_n=block_n)
     try:
-        p = flashnumba.plan(q, k, v, causal=causal, precision="3xtf32", block_n=block_n)
-        assert p.launches[0].name == "forward 3xtf32 wgmma" and tuple(p.launches[0].tiles)[:2] == (64, block_n)
-        out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", block_n=block_n)
+        p = flashnumba.plan(q, k, v, causal=causal, precision="3xtf32", **tiles)
+        assert p.launches[0].name == "forward 3xtf32 wgmma" and tuple(p.launches[0].tiles) == (block_m, block_n,
+                                                                                                 2 * block_m)
+        out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", **tiles)
     finally:
         config.hopper_3xtf32 = saved
     return np.asarray(out), np.asarray(lse)
 
 
-@pytest.mark.parametrize("D, causal, seqlen_q, seqlen_k, block_n, chained", [
-    (64, False, 70, 45, 32, True),  # two query tiles (the second partial), two key tiles (the second partial)
-    (64, True, 40, 70, 32, False),  # each k-step's products from zero; causal, more keys than queries
-    (128, True, 70, 100, 32, True),
-    (64, True, 100, 130, 64, False),
-    (128, False, 5, 20, 16, False),
+@pytest.mark.parametrize("D, causal, seqlen_q, seqlen_k, block_n, chained, block_m", [
+    (64, False, 70, 45, 32, True, 64),  # two query tiles (the second partial), two key tiles (the second partial)
+    (64, True, 40, 70, 32, False, 64),  # each k-step's products from zero; causal, more keys than queries
+    (128, True, 70, 100, 32, True, 64),
+    (64, True, 100, 130, 64, False, 64),
+    (128, False, 5, 20, 16, False, 64),
+    (64, False, 130, 40, 16, False, 128),  # two warpgroups: the second tile's second warpgroup past the queries
+    (128, True, 70, 40, 32, True, 128),  # causal with 30 queries more than keys: rows that see no key
 ])
-def test_3xtf32_wgmma_matches_the_reference(D, causal, seqlen_q, seqlen_k, block_n, chained):
+def test_3xtf32_wgmma_matches_the_reference(D, causal, seqlen_q, seqlen_k, block_n, chained, block_m):
     rng = np.random.default_rng(D + seqlen_q)
     q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 2, D)
-    out, lse = run(q, k, v, causal, block_n, chained)
+    out, lse = run(q, k, v, causal, block_n, chained, block_m)
     check_forward(out, lse, q, k, v, causal=causal)
 
 
@@ -58,7 +62,7 @@ def test_what_it_does_not_take_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="block_n in"):
         flashnumba.plan(q, q, q, precision="3xtf32", block_n=128)
     q128 = np.zeros((1, 8, 1, 128), np.float32)
-    with pytest.raises(ValueError, match="head_dim 128 takes block_m 64, block_n in"):  # (256 KB of buffers)
+    with pytest.raises(ValueError, match="head_dim 128 takes block_m in"):  # (256 KB of buffers)
         flashnumba.plan(q128, q128, q128, precision="3xtf32", block_n=64)
     monkeypatch.setattr(config, "hopper_3xtf32", "sometimes")
     with pytest.raises(ValueError, match="hopper_3xtf32 must be"):
@@ -76,10 +80,11 @@ from flashnumba.kernels import wgmma_tf32
 a = "float32[:, :, :, ::1]"
 sig = f"void({a}, {a}, {a}, {a}, float32[:, :, ::1], float32)"
 out = {}
-for D, n, chained in ((64, 32, True), (64, 64, True), (128, 32, True), (128, 16, False), (128, 32, False)):
-    fn = wgmma_tf32.make_forward_3xtf32_wgmma(D, True, n, chained)
-    _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(128, False), False)
-    out[f"D={D} B_c={n} chained={chained}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+for D, n, chained, m in ((64, 32, True, 64), (64, 64, True, 64), (128, 32, True, 64), (128, 16, False, 64),
+                         (128, 32, False, 64), (64, 16, False, 128), (128, 16, False, 128), (128, 32, False, 128)):
+    fn = wgmma_tf32.make_forward_3xtf32_wgmma(D, True, n, chained, m)
+    _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(2 * m, False), False)
+    out[f"D={D} B_c={n} chained={chained} B_r={m}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 
@@ -97,14 +102,15 @@ def test_3xtf32_wgmma_compiles_for_sm90a():
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("block_m, block_n", [(64, 32), (64, 16), (128, 16)])
 @pytest.mark.parametrize("chained", [True, False])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (63, 65, True), (97, 1000, False),
                                                          (1000, 97, True), (2048, 2048, False)])
-def test_3xtf32_wgmma_gpu_sizes(seqlen_q, seqlen_k, causal, D, chained):
+def test_3xtf32_wgmma_gpu_sizes(seqlen_q, seqlen_k, causal, D, chained, block_m, block_n):
     rng = np.random.default_rng(seqlen_q + seqlen_k + D)
     q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D)
-    out, lse = run(q, k, v, causal, 32, chained)
+    out, lse = run(q, k, v, causal, block_n, chained, block_m)
     check_forward(out, lse, q, k, v, causal=causal)
 
 

@@ -27,10 +27,11 @@ largest term and drop what falls below) is relative to the whole sum, a few time
 its D / 8 k-steps, O over every key tile); without, each k-step's three go to a scratch accumulator from zero,
 are waited for and added (``scripts/tf32_wgmma_error.py`` measures which the tensor cores allow).
 
-Launch geometry: grid (ceil(seqlen_q / 64), batch * nheads), block 128 (one warpgroup of 64 query rows: warp w owns
-rows 16 w .. 16 w + 15, lane (g, t) rows g and g + 8 of them, the accumulators' layout of ptx_hopper); block x
-takes query tile ceil(seqlen_q / 64) - 1 - x (the longest causal rows first). Shared memory, dynamic, float32 bits:
-Q_big | Q_small | K_big | K_small | V^T_big | V^T_small | K_j+1 | V_j+1 (:func:`shared_bytes`). The tiles' loads
+Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 2 B_r: B_r = 64 query rows (one warpgroup) or
+128 (two; warpgroup wg owns rows 64 wg .. 64 wg + 63, both multiply the same split K_j and V_j, so a split tile
+serves twice the rows); warp w of a warpgroup owns rows 16 w .. 16 w + 15 of its 64, lane (g, t) rows g and g + 8
+of them, the accumulators' layout of ptx_hopper. Block x takes query tile ceil(seqlen_q / B_r) - 1 - x (the
+longest causal rows first). Shared memory, dynamic, float32 bits: Q_big | Q_small | K_big | K_small | V^T_big | V^T_small | K_j+1 | V_j+1 (:func:`shared_bytes`). The tiles' loads
 are the pipeline: while a tile's products run, the next tile's K and V are copied (``cp.async``) as they are into
 the last two buffers; at the top of the next tile every thread splits them into the parts, and the copy of the
 one after starts::
@@ -56,10 +57,10 @@ from .common import LN2, NEG_INF, make_key_range, make_online_softmax
 from .scalars import float32, uint32
 
 HEAD_DIMS = (64, 128)
-B_R = 64  # query rows a block: one warpgroup
-THREADS = 128
+BLOCK_MS = (64, 128)  # query rows a block: one warpgroup, or two sharing each K_j and V_j
+DEFAULT_BLOCK_M = 64  # (the one measured)
 # keys a tile (N of S's wgmma, K of O's: multiples of 8), per head_dim: those whose buffers fit the 227 KB of shared
-# memory a block may have (at D 128, 64 keys would need 256 KB)
+# memory a block may have with 128 rows too (at D 128, 64 keys would need 256 KB with 64 rows)
 BLOCK_NS = {64: (16, 32, 64), 128: (16, 32)}
 DEFAULT_BLOCK_N = 16  # the fastest at both head dims (docs/benchmarks.md)
 # elements a thread loads from global memory before it splits and stores them, their loads in flight together (a
@@ -67,10 +68,10 @@ DEFAULT_BLOCK_N = 16  # the fastest at both head dims (docs/benchmarks.md)
 MAX_LOADS = 8
 
 
-def shared_bytes(D, B_c):
-    """Q_i's big and small parts (64 x D), K_j's (B_c x D) and V_j^T's (D x B_c), and K_j+1 and V_j+1 as copied,
+def shared_bytes(D, B_c, B_r=64):
+    """Q_i's big and small parts (B_r x D), K_j's (B_c x D) and V_j^T's (D x B_c), and K_j+1 and V_j+1 as copied,
     float32."""
-    return 4 * (2 * B_R * D + 6 * B_c * D)
+    return 4 * (2 * B_r * D + 6 * B_c * D)
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,35 +134,39 @@ def make_three_products(N):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
-    """The 3xTF32 forward on wgmma for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS` of D), causal or
-    not; ``chained``: the products summed in the wgmma accumulator (module docstring). Arguments: (q, k, v, out,
-    lse, scale_log2) as :func:`flashnumba.kernels.mma_tf32.make_forward_tf32`'s (float32, C-contiguous, q's heads
-    as many as k's). Compiled for sm_90a. Launch: grid (ceil(seqlen_q / 64), batch * nheads), block (128,), dynamic
-    shared memory :func:`shared_bytes`."""
+def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
+    """The 3xTF32 forward on wgmma for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS` of D), B_r
+    query rows a block (:data:`BLOCK_MS`: one or two warpgroups, the second sharing the first's K_j and V_j and
+    their split), causal or not; ``chained``: the products summed in the wgmma accumulator (module docstring).
+    Arguments: (q, k, v, out, lse, scale_log2) as :func:`flashnumba.kernels.mma_tf32.make_forward_tf32`'s (float32,
+    C-contiguous, q's heads as many as k's). Compiled for sm_90a. Launch: grid (ceil(seqlen_q / B_r), batch *
+    nheads), block (2 B_r,), dynamic shared memory :func:`shared_bytes`."""
     if D not in HEAD_DIMS:
         raise ValueError(f"the 3xTF32 wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
     if B_c not in BLOCK_NS[D]:
         raise ValueError(f"the 3xTF32 wgmma forward at head_dim {D} takes block_n in {BLOCK_NS[D]}, got {B_c}")
+    if B_r not in BLOCK_MS:
+        raise ValueError(f"the 3xTF32 wgmma forward takes block_m in {BLOCK_MS}, got {B_r}")
+    BR, NT = B_r, 2 * B_r  # (a warpgroup of 128 threads a 64 rows)
     CHAINED = bool(chained)
     NS = B_c // 2  # S accumulator registers a thread
     NO = D // 2  # O accumulator registers a thread
     KD = D // 8  # k-steps of S
     KC = B_c // 8  # k-steps of O += P V
-    LOADS = min(MAX_LOADS, B_c * D // THREADS)  # (divides B_c D / 128 and 64 D / 128)
-    COPIES = B_c * D // (4 * THREADS)  # 16-byte copies a thread of a K_j or V_j tile
+    LOADS = min(MAX_LOADS, B_c * D // NT)  # (divides B_c D / NT and B_r D / NT)
+    COPIES = B_c * D // (4 * NT)  # 16-byte copies a thread of a K_j or V_j tile
     QUADS = D // 4
-    RK, RV = 2 * B_R * D + 4 * B_c * D, 2 * B_R * D + 5 * B_c * D  # K_j and V_j as copied (float32 words)
-    QB, QS = 0, B_R * D  # word offsets in shared memory
-    KB, KS = 2 * B_R * D, 2 * B_R * D + B_c * D
-    VB, VS = 2 * B_R * D + 2 * B_c * D, 2 * B_R * D + 3 * B_c * D
+    RK, RV = 2 * BR * D + 4 * B_c * D, 2 * BR * D + 5 * B_c * D  # K_j and V_j as copied (float32 words)
+    QB, QS = 0, BR * D  # word offsets in shared memory
+    KB, KS = 2 * BR * D, 2 * BR * D + B_c * D
+    VB, VS = 2 * BR * D + 2 * B_c * D, 2 * BR * D + 3 * B_c * D
     SBO_D, SBO_C = 32 * D, 32 * B_c  # bytes: 8 rows of D columns (Q, K), of B_c columns (V^T)
     _, fence_s, wait_s = hop.wgmma_ops("tf32", B_c)
     chain_s, per_step_s = make_three_products(B_c)
     mma_o, fence_o, wait_o = hop.wgmma_ops("tf32", D, regs_a=True)
     where_d, store_d = make_store_split(D)
     where_c, store_c = make_store_split(B_c)
-    key_range = make_key_range(B_R, B_c, False, causal)
+    key_range = make_key_range(BR, B_c, False, causal)
     # (the steps of the online softmax on the accumulator's rows, with float32's exact exp2: the scores are scaled
     # to base 2 before the mask)
     quad_max, new_max, prob = make_online_softmax(False, exact=True)
@@ -172,12 +177,12 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
         words big and small: LOADS a thread loaded together, then split and stored (a load's latency once a
         batch, not once an element)."""
         vals = cuda.local.array(LOADS, float32)
-        for u0 in range(0, count // THREADS, LOADS):
+        for u0 in range(0, count // NT, LOADS):
             for u in range(LOADS):
-                r, c = where_d(tid + THREADS * (u0 + u))
+                r, c = where_d(tid + NT * (u0 + u))
                 vals[u] = x[b, row0 + r, h, c] if row0 + r < nrows else float32(0.0)
             for u in range(LOADS):
-                store_d(smem, big, small, tid + THREADS * (u0 + u), vals[u])
+                store_d(smem, big, small, tid + NT * (u0 + u), vals[u])
 
     @cuda.jit(device=True, inline=True)
     def copy_tile(fsmem, raw, x, b, h, j0, seqlen_k, tid):
@@ -187,7 +192,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
         32 copies: 8 rows of 64 contiguous bytes in global memory, 512 contiguous bytes in shared memory). Rows
         from seqlen_k on are zeroed with stores instead."""
         for u in range(COPIES):
-            ch = tid + THREADS * u
+            ch = tid + NT * u
             blk = ch >> 3
             r = 8 * (blk // QUADS) + (ch & 7)
             if j0 + r < seqlen_k:
@@ -200,11 +205,11 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
     def split_tiles(smem, fsmem, tid):
         """K_j and V_j^T split into their big and small parts from the copied tiles (V^T's position c of each 8
         holds key pi(c): module docstring)."""
-        for u in range(B_c * D // THREADS):
-            e = tid + THREADS * u
+        for u in range(B_c * D // NT):
+            e = tid + NT * u
             store_d(smem, KB, KS, e, fsmem[RK + e])
-        for u in range(B_c * D // THREADS):
-            e = tid + THREADS * u
+        for u in range(B_c * D // NT):
+            e = tid + NT * u
             d, c = where_c(e)
             key = (c & ~7) + (2 * (c & 3) + ((c >> 2) & 1))  # (key, d) of V_j at word e' with where_d(e') = (key, d)
             store_c(smem, VB, VS, e, fsmem[RV + 32 * (QUADS * (key >> 3) + (d >> 2)) + 4 * (key & 7) + (d & 3)])
@@ -251,12 +256,13 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
         seqlen_q = q.shape[1]
         seqlen_k = k.shape[1]
         tid = cuda.threadIdx.x
-        w = tid // 32
+        wg = tid // 128  # the warpgroup: query rows 64 wg .. 64 wg + 63 of the block
+        w = (tid // 32) & 3
         g = (tid % 32) >> 2
         t = tid & 3
         b = uint32(cuda.blockIdx.y) // uint32(nheads)  # (32-bit: a 64-bit division is a called routine, and a call
         h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))  # in the kernel serialises every wgmma)
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first
+        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BR  # the longest causal rows first
         diag = seqlen_k - seqlen_q
 
         smem = cuda.shared.array(0, uint32)  # the six parts and the two copied tiles (module docstring)
@@ -277,8 +283,8 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
         for i in range(NO):
             o[i] = 0.0
 
-        qb = hop.make_desc(hop.smem_address(smem, QB), 128, SBO_D)
-        qs = hop.make_desc(hop.smem_address(smem, QS), 128, SBO_D)
+        qb = hop.make_desc(hop.smem_address(smem, QB + 64 * D * wg), 128, SBO_D)  # (this warpgroup's 64 rows)
+        qs = hop.make_desc(hop.smem_address(smem, QS + 64 * D * wg), 128, SBO_D)
         kb = hop.make_desc(hop.smem_address(smem, KB), 128, SBO_D)
         ks = hop.make_desc(hop.smem_address(smem, KS), 128, SBO_D)
         vb = hop.make_desc(hop.smem_address(smem, VB), 128, SBO_C)
@@ -290,7 +296,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
             copy_tile(fsmem, RK, k, b, h, 0, seqlen_k, tid)
             copy_tile(fsmem, RV, v, b, h, 0, seqlen_k, tid)
             ptx.cp_async_commit()
-        load_rows(smem, QB, QS, q, b, h, i0, seqlen_q, B_R * D, tid)  # Q_i, split once
+        load_rows(smem, QB, QS, q, b, h, i0, seqlen_q, BR * D, tid)  # Q_i, split once
         for jt in range(n_tiles):
             j0 = jt * B_c
             ptx.cp_async_wait_all()
@@ -313,7 +319,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
                 for x in range(4):
                     val = s[4 * n + x] * scale_log2
                     if masked:
-                        i = i0 + 16 * w + g + 8 * (x >> 1)
+                        i = i0 + 64 * wg + 16 * w + g + 8 * (x >> 1)
                         j = j0 + 8 * n + 2 * t + (x & 1)
                         if j >= seqlen_k or (causal and j > i + diag):
                             val = NEG_INF
@@ -354,7 +360,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True):
             l[x] += ptx.shfl_xor_f32(l[x], 1)
             l[x] += ptx.shfl_xor_f32(l[x], 2)
         for x in range(2):
-            i = i0 + 16 * w + g + 8 * x
+            i = i0 + 64 * wg + 16 * w + g + 8 * x
             if i < seqlen_q:
                 inv_l = float32(0.0)
                 if l[x] != 0:  # 1 / l: the approximate reciprocal and one Newton step (a division's slow path is
