@@ -6,8 +6,9 @@ synccheck):
 sequences not a multiple of the tiles, causal on and off, float16 and bfloat16, one and two warpgroups, B_c 32, 48,
 64 and 128, GQA with a window, varlen with an empty sequence; the cases of two warpgroups and the producer warpgroup
 (the default threads) copy with tensor maps (head_dim 32, 64, 96, 128, 160 and 256, GQA with a window too), the
-ones of one warpgroup (head_dim 128 and 224) and varlen per thread; each result's largest error against the
-float64 reference is printed.
+ones of one warpgroup (head_dim 128 and 224) and varlen per thread; then the float32 3xTF32 forward on wgmma
+(``config.hopper_3xtf32``), one and two warpgroups. Each result's largest error against the float64 reference is
+printed.
 """
 
 import ml_dtypes
@@ -44,3 +45,15 @@ k, v = (rng.standard_normal((cu_k[-1], 2, 64)).astype(np.float16) for _ in range
 out, lse = flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                                 kernel="wgmma")
 print(f"wgmma varlen {lens_q} x {lens_k}: finite {bool(np.isfinite(out.astype(np.float32)).all())}")
+
+# The 3xTF32 forward on wgmma (float32; config.hopper_3xtf32): its cp.async copies of the next tile beside the split
+# of this one, one warpgroup and two
+flashnumba.config.hopper_3xtf32 = "per_step"
+for sq, sk, d, causal, bm, bn in ((77, 91, 64, True, 64, 16), (150, 70, 128, False, 128, 16),
+                                  (130, 200, 64, True, 128, 32), (65, 40, 128, True, 64, 32)):
+    q, k, v = (rng.standard_normal((1, s, 2, d)).astype(np.float32) for s in (sq, sk, sk))
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", block_m=bm, block_n=bn)
+    ref, _ = flashnumba.reference.attention_forward(q, k, v, causal=causal)
+    print(f"3xtf32 wgmma sq={sq} sk={sk} d={d} causal={causal} tiles=({bm}, {bn}): max error "
+          f"{float(np.abs(out - ref).max()):.2e}")
+flashnumba.config.hopper_3xtf32 = None
