@@ -2,8 +2,9 @@
 
 The kernel runs where ``flashnumba.config.hopper_3xtf32`` asks for it (off by default). In the
 simulator: causal and not, partial query and key tiles, both accumulations (chained in the wgmma accumulator,
-and each k-step from zero), each tile size, head_dim 64 and 128; compiled for sm_90a without a GPU (no spills,
-no serialised wgmma). On a GPU of compute capability 9.0: GPU sizes, and its error as a multiple of float32's.
+and each k-step from zero), each tile size, one and two warpgroups, head_dim 64 and 128; compiled for sm_90a
+without a GPU (no spills, no serialised wgmma). On a GPU of compute capability 9.0: GPU sizes, Hypothesis over
+shapes and tiles, and its error as a multiple of float32's.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import flashnumba
-from conftest import check_forward, compile_offline, max_err, random_qkv
+from conftest import check_forward, compile_offline, max_err, random_qkv, shard
 from flashnumba import config, reference
 from flashnumba._backend import cuda
 from flashnumba.kernels import wgmma_tf32
@@ -111,6 +114,23 @@ def test_3xtf32_wgmma_gpu_sizes(seqlen_q, seqlen_k, causal, D, chained, block_m,
     rng = np.random.default_rng(seqlen_q + seqlen_k + D)
     q, k, v = random_qkv(rng, 2, seqlen_q, seqlen_k, 3, D)
     out, lse = run(q, k, v, causal, block_n, chained, block_m)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("part", range(4))
+@shard(4)
+@given(batch=st.integers(1, 2), nheads=st.integers(1, 3), seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600),
+       D=st.sampled_from(wgmma_tf32.HEAD_DIMS), causal=st.booleans(),
+       tiles=st.sampled_from([(m, n) for m in wgmma_tf32.BLOCK_MS for n in (16, 32, 64)]),
+       seed=st.integers(0, 2**32 - 1))
+def test_drawn_shapes_gpu(part, batch, nheads, seqlen_q, seqlen_k, D, causal, tiles, seed):
+    """Hypothesis over shapes (lengths 1 .. 600 each way), head dims, causal and every tile, each k-step's
+    products from zero (the float32-class accumulation); the specialisations are few, so the examples are many."""
+    block_m, block_n = tiles if tiles[1] in wgmma_tf32.BLOCK_NS[D] else (tiles[0], 16)
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, D)
+    out, lse = run(q, k, v, causal, block_n, False, block_m)
     check_forward(out, lse, q, k, v, causal=causal)
 
 
