@@ -7,8 +7,8 @@ split on the host into big = tf32(x) and small = tf32(x - big), to nearest, as `
 
 * "tf32": A_big B_big^T, the eight k-steps chained in the accumulator (one product: TF32's own error);
 * "3xtf32 chained": A_small B_big^T + A_big B_small^T + A_big B_big^T, all 24 chained in one accumulator;
-* "3xtf32 per step": each k-step's three chained from zero in a second accumulator, waited for, and added to the
-  sum with float32 adds (what the ``mma.sync`` 3xTF32 kernels do, :mod:`flashnumba.kernels.mma_tf32`).
+* "3xtf32 per step": each k-step's three chained from zero in a scratch accumulator (two in turns), waited for,
+  and added to the sum with float32 adds (what the ``mma.sync`` 3xTF32 kernels do, :mod:`flashnumba.kernels.mma_tf32`).
 
 Each against the float64 product, as a multiple of a plain float32 computation's error (NumPy float32, the k-steps
 summed in order), median and largest over the draws. ``--repeat R``: the k-steps run R times over the same tiles
@@ -64,7 +64,8 @@ def make_products():
         b_small = hop.make_desc(hop.smem_address(smem, 2 * na + nb), LBO, sbo)
         one = cuda.local.array(nr, float32)
         chained = cuda.local.array(nr, float32)
-        step = cuda.local.array(nr, float32)
+        step = cuda.local.array(nr, float32)  # (two scratch accumulators, in turns)
+        step2 = cuda.local.array(nr, float32)
         total = cuda.local.array(nr, float32)
         for i in range(nr):
             total[i] = 0.0
@@ -78,7 +79,7 @@ def make_products():
             WAIT(0, chained)
         WAIT(0, one)
         for rep in range(reps):
-            per_step(total, step, a_small, a_big, b_big, b_small, K // 8)
+            per_step(total, step, step2, a_small, a_big, b_big, b_small, K // 8)
         w = tid // 32
         g = (tid % 32) >> 2
         t = tid & 3

@@ -31,10 +31,10 @@ Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 2 B_r: B_r =
 128 (two; warpgroup wg owns rows 64 wg .. 64 wg + 63, both multiply the same split K_j and V_j, so a split tile
 serves twice the rows); warp w of a warpgroup owns rows 16 w .. 16 w + 15 of its 64, lane (g, t) rows g and g + 8
 of them, the accumulators' layout of ptx_hopper. Block x takes query tile ceil(seqlen_q / B_r) - 1 - x (the
-longest causal rows first). Shared memory, dynamic, float32 bits: Q_big | Q_small | K_big | K_small | V^T_big | V^T_small | K_j+1 | V_j+1 (:func:`shared_bytes`). The tiles' loads
-are the pipeline: while a tile's products run, the next tile's K and V are copied (``cp.async``) as they are into
-the last two buffers; at the top of the next tile every thread splits them into the parts, and the copy of the
-one after starts::
+longest causal rows first). Shared memory, dynamic, float32 bits: Q_big | Q_small | K_big | K_small | V^T_big |
+V^T_small | K_j+1 | V_j+1 (:func:`shared_bytes`). The tiles' loads are the pipeline: while a tile's products run,
+the next tile's K and V are copied (``cp.async``) as they are into the last two buffers; at the top of the next
+tile every thread splits them into the parts, and the copy of the one after starts::
 
     copy K_0, V_0 | split Q_i
     tile j:  wait for the copies; barrier | split K_j, V_j^T | barrier | copy K_j+1, V_j+1 | S, softmax, O += P V
@@ -66,6 +66,7 @@ DEFAULT_BLOCK_N = 16  # the fastest at both head dims (docs/benchmarks.md)
 # elements a thread loads from global memory before it splits and stores them, their loads in flight together (a
 # latency a batch, not an element): 16, or a tile's share a thread where that is fewer (B_c 16 at D 64: 8)
 MAX_LOADS = 8
+TURNS = 8  # k-steps a run of make_three_products' per_step (its docstring: why not more)
 
 
 def shared_bytes(D, B_c, B_r=64):
@@ -107,8 +108,16 @@ def make_three_products(N):
     * ``chain(acc, a_small, a_big, b_big, b_small, steps, first)``: A_small B_big^T + A_big B_small^T + A_big B_big^T
       of every step issued on acc, chained (from zero where ``first`` is 0, else onto acc); not fenced, committed
       or waited for;
-    * ``per_step(acc, scratch, a_small, a_big, b_big, b_small, steps)``: each step's three from zero in ``scratch``,
-      waited for and added to acc with float32 adds."""
+    * ``per_step(acc, sa, sb, a_small, a_big, b_big, b_small, steps)``: each step's three from zero in a scratch
+      accumulator, waited for and added to acc with float32 adds, step after step. Two scratch accumulators take
+      turns (``steps`` even): step k + 1's products run on the tensor cores while step k's are added, so a step's
+      latency is waited for once, not twice::
+
+          issue 0 (sa) | issue 1 (sb) | wait sa, add | issue 2 (sa) | wait sb, add | issue 3 (sb) | wait sa, add ...
+
+      in runs of at most :data:`TURNS` steps, each drained before the next (compiled for sm_90a, one run over the
+      16 steps of S at head_dim 128 had the assembler serialise every wgmma for want of registers, C7511; two
+      runs of 8, not)."""
     mma, fence, wait = hop.wgmma_ops("tf32", N)
     NR = N // 2
 
@@ -121,14 +130,34 @@ def make_three_products(N):
             mma(acc, a_big + o, b_big + o, 1)
 
     @cuda.jit(device=True, inline=True)
-    def per_step(acc, scratch, a_small, a_big, b_big, b_small, steps):
-        for kk in range(steps):
-            fence(scratch)
-            chain(scratch, a_small + 16 * kk, a_big + 16 * kk, b_big + 16 * kk, b_small + 16 * kk, 1, 0)
-            hop.wgmma_commit()
-            wait(0, scratch)
+    def issue_step(scratch, a_small, a_big, b_big, b_small, kk):
+        o = 16 * kk
+        fence(scratch)
+        chain(scratch, a_small + o, a_big + o, b_big + o, b_small + o, 1, 0)
+        hop.wgmma_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def steps_in_turns(acc, sa, sb, a_small, a_big, b_big, b_small, first, n):
+        """Steps first .. first + n - 1 (n even) of per_step."""
+        issue_step(sa, a_small, a_big, b_big, b_small, first)
+        for kk in range(first, first + n, 2):
+            issue_step(sb, a_small, a_big, b_big, b_small, kk + 1)
+            wait(1, sa)  # step kk's products (step kk + 1's may still run)
             for i in range(NR):
-                acc[i] += scratch[i]
+                acc[i] += sa[i]
+            if kk + 2 < first + n:
+                issue_step(sa, a_small, a_big, b_big, b_small, kk + 2)
+                wait(1, sb)
+            else:
+                wait(0, sb)
+            for i in range(NR):
+                acc[i] += sb[i]
+
+    @cuda.jit(device=True, inline=True)
+    def per_step(acc, sa, sb, a_small, a_big, b_big, b_small, steps):
+        run = min(TURNS, steps)  # (steps a multiple of it: the runs' loops then have constant bounds, unrolled)
+        for first in range(0, steps, run):
+            steps_in_turns(acc, sa, sb, a_small, a_big, b_big, b_small, first, run)
 
     return chain, per_step
 
@@ -215,7 +244,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
             store_c(smem, VB, VS, e, fsmem[RV + 32 * (QUADS * (key >> 3) + (d >> 2)) + 4 * (key & 7) + (d & 3)])
 
     @cuda.jit(device=True, inline=True)
-    def products_s(s, scratch, qb, qs, kb, ks):
+    def products_s(s, scratch, scratch2, qb, qs, kb, ks):
         """S = Q_small K_big^T + Q_big K_small^T + Q_big K_big^T, waited for (descriptors of the four parts)."""
         if CHAINED:
             fence_s(s)
@@ -225,7 +254,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
         else:
             for i in range(NS):
                 s[i] = 0.0
-            per_step_s(s, scratch, qs, qb, kb, ks, KD)
+            per_step_s(s, scratch, scratch2, qs, qb, kb, ks, KD)
 
     @cuda.jit(device=True, inline=True)
     def products_o(o, scratch, pb, ps, vb, vs):
@@ -269,7 +298,8 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
         fsmem = cuda.shared.array(0, float32)  # (the same memory as float32: the copied tiles)
         s = cuda.local.array(NS, float32)
         o = cuda.local.array(NO, float32)
-        scratch_s = cuda.local.array(NS, float32)  # (each k-step's products: chained=False)
+        scratch_s = cuda.local.array(NS, float32)  # (each k-step's products, in turns: chained=False)
+        scratch_s2 = cuda.local.array(NS, float32)
         scratch_o = cuda.local.array(NO, float32)
         pb = cuda.local.array((KC, 4), uint32)  # P's big parts, the A operand of k-step c
         ps = cuda.local.array((KC, 4), uint32)
@@ -309,7 +339,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
                 copy_tile(fsmem, RV, v, b, h, j0 + B_c, seqlen_k, tid)
                 ptx.cp_async_commit()
 
-            products_s(s, scratch_s, qb, qs, kb, ks)
+            products_s(s, scratch_s, scratch_s2, qb, qs, kb, ks)
 
             # scale to base 2, mask, the online softmax (s[4 n + x]: row g + 8 (x >> 1), key 8 n + 2 t + (x & 1))
             masked = j0 + B_c > seqlen_k or (causal and j0 + B_c - 1 > i0 + diag)
