@@ -31,8 +31,15 @@ dP^T whole instead (six products a tile, no exchange), to compare the two (kept 
 ``hopper_3xtf32``: None (the default) runs the 3xTF32 forward (``precision="3xtf32"``) on ``mma.sync`` everywhere;
 "chained" or "per_step" runs it, on compute capability 9.0, on Hopper's wgmma
 (:mod:`flashnumba.kernels.wgmma_tf32`) with that accumulation. "per_step" is float32-class and, on an H100, 1.25x
-the ``mma.sync`` kernel's speed at head_dim 64 (0.9x at 128); "chained" errs several times float32's (docs/benchmarks.md).
+the ``mma.sync`` kernel's speed at head_dim 64 (0.9x at 128); "chained" errs several times float32's
+(docs/benchmarks.md).
+
+``temporarily(name, value)``: a context manager that sets one of these within a ``with`` block and restores what
+it was after (the benchmarks' and the tests' way to compare a setting with its default).
 """
+
+import contextlib
+
 
 poison_outputs = False
 warn_slow_path = True
@@ -41,3 +48,18 @@ check_cache_values = False
 hopper_tma = True
 hopper_exchange = True
 hopper_3xtf32 = None
+
+
+@contextlib.contextmanager
+def temporarily(name, value):
+    """``flashnumba.config.<name>`` set to ``value`` within the block, what it was restored after."""
+    if name not in ("poison_outputs", "warn_slow_path", "check_device_values", "check_cache_values", "hopper_tma",
+                    "hopper_exchange", "hopper_3xtf32"):
+        raise ValueError(f"flashnumba.config has no setting {name!r}")
+    module = globals()
+    saved = module[name]
+    module[name] = value
+    try:
+        yield
+    finally:
+        module[name] = saved

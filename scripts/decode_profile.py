@@ -385,11 +385,8 @@ elif mode == "latency":  # a call's host time, its GPU time alone (calls replaye
         return fn
 
     def checked():
-        saved, flashnumba.config.check_cache_values = flashnumba.config.check_cache_values, True
-        try:
+        with flashnumba.config.temporarily("check_cache_values", True):
             return step()
-        finally:
-            flashnumba.config.check_cache_values = saved
 
     def host_us(fn, calls=25, rounds=20):
         times = []

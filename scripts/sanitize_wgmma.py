@@ -48,12 +48,11 @@ print(f"wgmma varlen {lens_q} x {lens_k}: finite {bool(np.isfinite(out.astype(np
 
 # The 3xTF32 forward on wgmma (float32; config.hopper_3xtf32): its cp.async copies of the next tile beside the split
 # of this one, one warpgroup and two
-flashnumba.config.hopper_3xtf32 = "per_step"
 for sq, sk, d, causal, bm, bn in ((77, 91, 64, True, 64, 16), (150, 70, 128, False, 128, 16),
                                   (130, 200, 64, True, 128, 32), (65, 40, 128, True, 64, 32)):
     q, k, v = (rng.standard_normal((1, s, 2, d)).astype(np.float32) for s in (sq, sk, sk))
-    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", block_m=bm, block_n=bn)
+    with flashnumba.config.temporarily("hopper_3xtf32", "per_step"):
+        out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", block_m=bm, block_n=bn)
     ref, _ = flashnumba.reference.attention_forward(q, k, v, causal=causal)
     print(f"3xtf32 wgmma sq={sq} sk={sk} d={d} causal={causal} tiles=({bm}, {bn}): max error "
           f"{float(np.abs(out - ref).max()):.2e}")
-flashnumba.config.hopper_3xtf32 = None

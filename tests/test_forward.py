@@ -221,11 +221,8 @@ def test_nan_in_one_query_row_stays_in_that_row(kw):
     rng = np.random.default_rng(8)
     q, k, v = random_qkv(rng, 2, 20, 20, 2, 16)
     q[1, 7, 0, 3] = np.nan
-    flashnumba.config.poison_outputs = False  # a NaN must come from the input, not from poisoning
-    try:
+    with flashnumba.config.temporarily("poison_outputs", False):  # a NaN must come from the input, not poisoning
         out, lse = flashnumba.flash_attn_forward(q, k, v, **kw)
-    finally:
-        flashnumba.config.poison_outputs = True
     assert np.isnan(out[1, 7, 0]).all() and np.isnan(lse[1, 0, 7])
     bad = np.zeros(out.shape, bool)
     bad[1, 7, 0] = True

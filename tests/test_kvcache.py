@@ -256,12 +256,9 @@ def test_device_values_are_read_back_only_when_asked():
     want = kc.copy()
     want[kw["cache_batch_idx"][0], 3] = k[0, 0]  # sequence 0's key; sequence 1's falls outside: not written
     np.testing.assert_array_equal(cupy.asnumpy(dkc), want)
-    flashnumba.config.check_cache_values = True
-    try:
+    with flashnumba.config.temporarily("check_cache_values", True):
         with pytest.raises(ValueError, match="capacity"):
             flash_attn_with_kvcache(cupy.asarray(q), dkc, dvc, cupy.asarray(k), cupy.asarray(v), **dev)
-    finally:
-        flashnumba.config.check_cache_values = False
     np.testing.assert_array_equal(cupy.asnumpy(dkc), want)
 
 

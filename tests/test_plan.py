@@ -322,3 +322,18 @@ def test_a_simulated_launch_puts_back_the_switch_interval(monkeypatch):
     finally:
         sys.setswitchinterval(saved)
     assert calls[0] == pytest.approx(_launch.SIM_SWITCH_INTERVAL_S) and calls[-1] == pytest.approx(0.01)
+
+
+def test_config_temporarily_restores_and_refuses_unknown_names():
+    from flashnumba import config
+    before = config.hopper_tma
+    with config.temporarily("hopper_tma", not before):
+        assert config.hopper_tma is (not before)
+    assert config.hopper_tma is before
+    with pytest.raises(RuntimeError):
+        with config.temporarily("hopper_tma", not before):
+            raise RuntimeError("inside")
+    assert config.hopper_tma is before  # (restored on an exception too)
+    with pytest.raises(ValueError, match="no setting"):
+        with config.temporarily("hopper_tmaa", False):
+            pass

@@ -31,15 +31,12 @@ def hopper_or_simulator():
 def run(q, k, v, causal, block_n=32, chained=True, block_m=64):
     """(out, lse) of the forward with precision="3xtf32" on the wgmma kernel (config.hopper_3xtf32)."""
     hopper_or_simulator()
-    saved, config.hopper_3xtf32 = config.hopper_3xtf32, "chained" if chained else "per_step"
     tiles = dict(block_m=block_m, block_n=block_n)
-    try:
+    with config.temporarily("hopper_3xtf32", "chained" if chained else "per_step"):
         p = flashnumba.plan(q, k, v, causal=causal, precision="3xtf32", **tiles)
         assert p.launches[0].name == "forward 3xtf32 wgmma" and tuple(p.launches[0].tiles) == (block_m, block_n,
                                                                                                  2 * block_m)
         out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", **tiles)
-    finally:
-        config.hopper_3xtf32 = saved
     return np.asarray(out), np.asarray(lse)
 
 

@@ -21,7 +21,6 @@ Outputs: a table on stdout, ``bench.json`` and PNG plots (TFLOP/s vs seqlen; pea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -188,16 +187,6 @@ _flashnumba_wgmma.features = True
 _flashnumba_wgmma.dtypes = ("float16", "bfloat16")
 
 
-@contextlib.contextmanager
-def _setting(name, value):
-    """``flashnumba.config.<name>`` set to ``value`` within the block, what it was restored after."""
-    saved = getattr(config, name)
-    setattr(config, name, value)
-    try:
-        yield
-    finally:
-        setattr(config, name, saved)
-
 
 def _flashnumba_wgmma_cp_async(q, k, v, dout, causal, window_size=(-1, -1)):
     """The Hopper forward with its producer's per-thread copies (``config.hopper_tma = False`` around each call):
@@ -205,7 +194,7 @@ def _flashnumba_wgmma_cp_async(q, k, v, dout, causal, window_size=(-1, -1)):
     opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
 
     def forward():
-        with _setting("hopper_tma", False):
+        with config.temporarily("hopper_tma", False):
             return flash_attn_forward(q, k, v, **opts)
 
     forward()  # unsupported GPUs, dtypes and head dims raise here
@@ -235,10 +224,10 @@ def _flashnumba_3xtf32_wgmma(accumulation):
 
     def make(q, k, v, dout, causal):
         def forward():
-            with _setting("hopper_3xtf32", accumulation):
+            with config.temporarily("hopper_3xtf32", accumulation):
                 return flash_attn_forward(q, k, v, causal=causal, precision="3xtf32")
 
-        with _setting("hopper_3xtf32", accumulation):
+        with config.temporarily("hopper_3xtf32", accumulation):
             if plan(q, k, v, causal=causal, precision="3xtf32").launches[0].name != "forward 3xtf32 wgmma":
                 raise ValueError("the 3xTF32 wgmma forward runs on compute capability 9.0 only")
         forward()  # unsupported dtypes and head dims raise here

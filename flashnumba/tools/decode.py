@@ -99,11 +99,8 @@ def run(out_dir, seqlens=(8192, 32768), group_ms=20.0, splits=(0,), pages=(256,)
         """The default call, then again with config.check_cache_values on (the lengths and pages read back and
         checked at each call)."""
         measure(workload, "flashnumba (num_splits=0)", fn, kv_bytes, num_splits=0, **extra)
-        flashnumba.config.check_cache_values = True
-        try:
+        with flashnumba.config.temporarily("check_cache_values", True):
             measure(workload, "flashnumba (device values checked)", fn, kv_bytes, num_splits=0, **extra)
-        finally:
-            flashnumba.config.check_cache_values = False
 
     def cache(batch, n):
         return [cupy.asarray(rng.standard_normal((batch, n, NHEADS_K, HEAD_DIM), np.float32).astype(np.float16))
