@@ -559,6 +559,26 @@ def _cdiv(a, b):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads):
+    """(Tiles, reason) of the 3xTF32 forward on wgmma (``config.hopper_3xtf32`` set, compute capability 9.0): the
+    caller's block_m and block_n or :mod:`flashnumba.kernels.wgmma_tf32`'s defaults, checked against its tiles and
+    the device's shared memory."""
+    if config.hopper_3xtf32 not in ("chained", "per_step"):
+        raise ValueError(f"config.hopper_3xtf32 must be None, 'chained' or 'per_step', got {config.hopper_3xtf32!r}")
+    m, n = block_m or wgmma_tf32.DEFAULT_BLOCK_M, block_n or wgmma_tf32.DEFAULT_BLOCK_N
+    ns = wgmma_tf32.BLOCK_NS.get(D, ())
+    if n not in ns or m not in wgmma_tf32.BLOCK_MS or num_threads is not None:
+        raise ValueError(f"the 3xTF32 forward on wgmma at head_dim {D} takes block_m in {wgmma_tf32.BLOCK_MS} and "
+                         f"block_n in {ns} (its threads follow: 128 per 64 rows; no num_threads)")
+    smem = wgmma_tf32.shared_bytes(D, n, m)
+    if smem > limits.max_shared_per_block:
+        raise ValueError(f"the 3xTF32 forward on wgmma at tiles ({m}, {n}), head_dim {D} needs {smem} bytes of "
+                         f"shared memory, more than the {limits.max_shared_per_block} a block may use here")
+    given = "given by the caller" if (block_m, block_n) != (None, None) else "the default tiles"
+    return tiling.Tiles(m, n, 2 * m), (f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation "
+                                       f"(config.hopper_3xtf32); {given}")
+
+
 def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None, device=None,
                  batch=None, max_seqlen_q=None, cu=None) -> Plan:
     """The plan of a forward call (tq, tk, tv validated 4-D Tensors, or 3-D packed ones with ``cu`` given)."""
@@ -579,8 +599,12 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     lse_spec, arrays["lse"] = _output("lse", lse_user, np.dtype(np.float32), lead)
     scalars = _option_scalars(opts)
     table = family
-    t, reason = tiling.resolve(table, D, limits, block_m, block_n, num_threads,
-                               simulated=SIMULATOR and device is None)
+    hopper_3x = family == "3xtf32" and config.hopper_3xtf32 is not None and (SIMULATOR or tuple(limits.cc) == (9, 0))
+    if hopper_3x:  # (its own tiles and shared memory: _hopper_3xtf32_tiles)
+        t, reason = _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads)
+    else:
+        t, reason = tiling.resolve(table, D, limits, block_m, block_n, num_threads,
+                                   simulated=SIMULATOR and device is None)
     if pad:
         reason = f"{reason}; {_padding(D_user, D, (tq, tk, tv))}"
     nk = tk.shape[-2]
@@ -640,23 +664,11 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                               arch_specific=True, whole_program=tiling.wgmma_rebalances(t),
                               tensor_maps=tuple((name, rows, wgmma_forward.swizzle_span(D)) for name, rows in (
                                   ("q", t.block_m), ("k", t.block_n), ("v", t.block_n))) if tma else ())
-    elif family == "3xtf32" and config.hopper_3xtf32 is not None and (SIMULATOR or tuple(limits.cc) == (9, 0)):
-        if config.hopper_3xtf32 not in ("chained", "per_step"):
-            raise ValueError(f"config.hopper_3xtf32 must be None, 'chained' or 'per_step', got "
-                             f"{config.hopper_3xtf32!r}")
-        n = block_n or wgmma_tf32.DEFAULT_BLOCK_N
-        ns = wgmma_tf32.BLOCK_NS.get(D, ())
-        m = block_m or wgmma_tf32.DEFAULT_BLOCK_M
-        if n not in ns or m not in wgmma_tf32.BLOCK_MS or num_threads not in (None, 2 * m):
-            raise ValueError(f"the 3xTF32 forward on wgmma at head_dim {D} takes block_m in {wgmma_tf32.BLOCK_MS}, "
-                             f"block_n in {ns} and num_threads 2 * block_m")
-        t = tiling.Tiles(m, n, 2 * m)
+    elif hopper_3x:
         launch = KernelLaunch("forward 3xtf32 wgmma", table, wgmma_tf32.make_forward_3xtf32_wgmma,
-                              (D, opts.right == 0, n, config.hopper_3xtf32 == "chained", m), io + ("scale_log2",),
-                              (_cdiv(max_q, t.block_m), bsz * nheads), (t.num_threads,),
-                              wgmma_tf32.shared_bytes(D, n, m), t,
-                              f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation "
-                              f"(config.hopper_3xtf32)", arch_specific=True)
+                              (D, opts.right == 0, t.block_n, config.hopper_3xtf32 == "chained", t.block_m),
+                              io + ("scale_log2",), grid, (t.num_threads,),
+                              wgmma_tf32.shared_bytes(D, t.block_n, t.block_m), t, reason, arch_specific=True)
     else:  # tf32, 3xtf32
         smem, _ = tiling.shared_bytes(table, D, t)
         launch = KernelLaunch(f"forward {family}", table, mma_tf32.make_forward_tf32,

@@ -26,7 +26,7 @@ import numpy as np
 
 from flashnumba._backend import SIMULATOR, cuda  # (first: it chooses the simulator before Numba reads its config)
 from flashnumba.kernels import ptx_hopper as hop
-from flashnumba.kernels.wgmma_tf32 import make_store_split, make_three_products
+from flashnumba.kernels.wgmma_tf32 import check_steps, make_store_split, make_three_products
 from numba import float32  # noqa: E402  (after the backend)
 from tf32_error_model import split  # (this folder's: float32 -> TF32 big and small parts, to nearest)
 
@@ -42,6 +42,7 @@ def make_products():
     ns, na, nb, sbo, nr = NS, NA, NB, SBO, N // 2
     where, _ = make_store_split(K)  # element e of an operand at word e: (row, column) of it
     chain, per_step = make_three_products(N)
+    check_steps(K // 8, N)
 
     @cuda.jit
     def products(ab, as_, bb, bs, out, reps):

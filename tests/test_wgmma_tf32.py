@@ -64,6 +64,14 @@ def test_what_it_does_not_take_is_refused(monkeypatch):
     q128 = np.zeros((1, 8, 1, 128), np.float32)
     with pytest.raises(ValueError, match="head_dim 128 takes block_m in"):  # (256 KB of buffers)
         flashnumba.plan(q128, q128, q128, precision="3xtf32", block_n=64)
+    with pytest.raises(ValueError, match="no num_threads"):
+        flashnumba.plan(q, q, q, precision="3xtf32", num_threads=128)
+    # its own shared memory against the device's (a cap): at head_dim 64, (64, 16) needs 56 KB, (64, 32) 80 KB
+    monkeypatch.setenv("FLASHNUMBA_MAX_SHARED_BYTES", "65536")
+    assert flashnumba.plan(q, q, q, precision="3xtf32").launches[0].shared_bytes == 57344
+    with pytest.raises(ValueError, match="81920 bytes of shared memory, more than the 65536"):
+        flashnumba.plan(q, q, q, precision="3xtf32", block_n=32)
+    monkeypatch.delenv("FLASHNUMBA_MAX_SHARED_BYTES")
     monkeypatch.setattr(config, "hopper_3xtf32", "sometimes")
     with pytest.raises(ValueError, match="hopper_3xtf32 must be"):
         flashnumba.plan(q, q, q, precision="3xtf32")
@@ -81,7 +89,8 @@ a = "float32[:, :, :, ::1]"
 sig = f"void({a}, {a}, {a}, {a}, float32[:, :, ::1], float32)"
 out = {}
 for D, n, chained, m in ((64, 32, True, 64), (64, 64, True, 64), (128, 32, True, 64), (128, 16, False, 64),
-                         (128, 32, False, 64), (64, 16, False, 128), (128, 16, False, 128), (128, 32, False, 128)):
+                         (128, 32, False, 64), (64, 16, False, 128), (128, 16, False, 128), (128, 32, False, 128),
+                         (64, 64, False, 64), (64, 64, False, 128), (128, 32, True, 128)):
     fn = wgmma_tf32.make_forward_3xtf32_wgmma(D, True, n, chained, m)
     _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(2 * m, False), False)
     out[f"D={D} B_c={n} chained={chained} B_r={m}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))

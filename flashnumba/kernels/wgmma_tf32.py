@@ -63,10 +63,9 @@ DEFAULT_BLOCK_M = 64  # (the one measured)
 # memory a block may have with 128 rows too (at D 128, 64 keys would need 256 KB with 64 rows)
 BLOCK_NS = {64: (16, 32, 64), 128: (16, 32)}
 DEFAULT_BLOCK_N = 16  # the fastest at both head dims (docs/benchmarks.md)
-# elements a thread loads from global memory before it splits and stores them, their loads in flight together (a
-# latency a batch, not an element): 16, or a tile's share a thread where that is fewer (B_c 16 at D 64: 8)
+# Q_i's elements a thread loads from global memory before it splits and stores them, their loads in flight together
+# (a latency a batch, not an element): 8, or fewer where a K_j tile's share a thread is (B_c 16, D 64, B_r 128: 4)
 MAX_LOADS = 8
-TURNS = 8  # k-steps a run of make_three_products' per_step (its docstring: why not more)
 
 
 def shared_bytes(D, B_c, B_r=64):
@@ -99,6 +98,20 @@ def make_store_split(cols):
     return where_of, store_split
 
 
+def turns(N):
+    """The k-steps of a run of make_three_products(N)'s per_step: 8, or 4 at N 64 (compiled for sm_90a, a run of 16
+    steps at N 16 and one of 8 at N 64 were left as loops, and the assembler serialised every wgmma: C7511,
+    C7514; a run's loop must be unrolled for the accumulators in flight to stay in registers)."""
+    return 8 if N <= 32 else 4
+
+
+def check_steps(steps, N):
+    """ValueError unless make_three_products(N)'s per_step takes ``steps`` k-steps (its docstring)."""
+    if steps % 2 or steps % min(turns(N), steps):
+        raise ValueError(f"per_step at N {N} takes an even number of k-steps, at most {turns(N)} or a multiple "
+                         f"of it: {steps}")
+
+
 @functools.lru_cache(maxsize=None)
 def make_three_products(N):
     """(chain, per_step), the two accumulations of acc (64 x N) += A B^T in 3xTF32 over ``steps`` k-steps of 8
@@ -111,15 +124,15 @@ def make_three_products(N):
     * ``per_step(acc, sa, sb, a_small, a_big, b_big, b_small, steps)``: each step's three from zero in a scratch
       accumulator, waited for and added to acc with float32 adds, step after step. Two scratch accumulators take
       turns (``steps`` even): step k + 1's products run on the tensor cores while step k's are added, so a step's
-      latency is waited for once, not twice::
+      latency is waited for once, not twice (``steps`` even, and at most :func:`turns` (N) or a multiple of it:
+      :func:`check_steps`)::
 
           issue 0 (sa) | issue 1 (sb) | wait sa, add | issue 2 (sa) | wait sb, add | issue 3 (sb) | wait sa, add ...
 
-      in runs of at most :data:`TURNS` steps, each drained before the next (compiled for sm_90a, one run over the
-      16 steps of S at head_dim 128 had the assembler serialise every wgmma for want of registers, C7511; two
-      runs of 8, not)."""
+      in runs of at most :func:`turns` (N) steps, each drained before the next."""
     mma, fence, wait = hop.wgmma_ops("tf32", N)
     NR = N // 2
+    RUN = turns(N)
 
     @cuda.jit(device=True, inline=True)
     def chain(acc, a_small, a_big, b_big, b_small, steps, first):
@@ -155,7 +168,7 @@ def make_three_products(N):
 
     @cuda.jit(device=True, inline=True)
     def per_step(acc, sa, sb, a_small, a_big, b_big, b_small, steps):
-        run = min(TURNS, steps)  # (steps a multiple of it: the runs' loops then have constant bounds, unrolled)
+        run = min(RUN, steps)  # (steps a multiple of it: each run's loop has constant bounds, unrolled)
         for first in range(0, steps, run):
             steps_in_turns(acc, sa, sb, a_small, a_big, b_big, b_small, first, run)
 
@@ -177,6 +190,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
     if B_r not in BLOCK_MS:
         raise ValueError(f"the 3xTF32 wgmma forward takes block_m in {BLOCK_MS}, got {B_r}")
     BR, NT = B_r, 2 * B_r  # (a warpgroup of 128 threads a 64 rows)
+    check_steps(D // 8, B_c)
     CHAINED = bool(chained)
     NS = B_c // 2  # S accumulator registers a thread
     NO = D // 2  # O accumulator registers a thread
