@@ -33,7 +33,12 @@ def run(q, k, v, causal, block_n=32, chained=True, block_m=64):
     hopper_or_simulator()
     tiles = dict(block_m=block_m, block_n=block_n)
     with config.temporarily("hopper_3xtf32", "chained" if chained else "per_step"):
-        p = flashnumba.plan(q, k, v, causal=causal, precision="3xtf32", **tiles)
+        try:
+            p = flashnumba.plan(q, k, v, causal=causal, precision="3xtf32", **tiles)
+        except ValueError as e:  # (the GPU profile's run with the shared memory capped, as on smaller GPUs)
+            if "bytes of shared memory, more than" in str(e):
+                pytest.skip(str(e))
+            raise
         assert p.launches[0].name == "forward 3xtf32 wgmma" and tuple(p.launches[0].tiles) == (block_m, block_n,
                                                                                                  2 * block_m)
         out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal, precision="3xtf32", **tiles)
