@@ -113,6 +113,32 @@ def check_steps(steps, N):
 
 
 @functools.lru_cache(maxsize=None)
+def make_in_turns(issue, wait, NR):
+    """in_turns(acc, sa, sb, x1, x2, x3, x4, first, n): steps first .. first + n - 1 (n even) of a sum of k-steps,
+    each step's products issued from zero into a scratch accumulator by ``issue(scratch, x1, x2, x3, x4, step)``
+    (fenced and committed), waited for (``wait``) and added to acc (NR float32 a thread) in step order; sa and sb
+    take turns, step k + 1's products running while step k's are added (make_three_products' timeline)."""
+
+    @cuda.jit(device=True, inline=True)
+    def in_turns(acc, sa, sb, x1, x2, x3, x4, first, n):
+        issue(sa, x1, x2, x3, x4, first)
+        for kk in range(first, first + n, 2):
+            issue(sb, x1, x2, x3, x4, kk + 1)
+            wait(1, sa)  # step kk's products (step kk + 1's may still run)
+            for i in range(NR):
+                acc[i] += sa[i]
+            if kk + 2 < first + n:
+                issue(sa, x1, x2, x3, x4, kk + 2)
+                wait(1, sb)
+            else:
+                wait(0, sb)
+            for i in range(NR):
+                acc[i] += sb[i]
+
+    return in_turns
+
+
+@functools.lru_cache(maxsize=None)
 def make_three_products(N):
     """(chain, per_step), the two accumulations of acc (64 x N) += A B^T in 3xTF32 over ``steps`` k-steps of 8
     columns, A and B each given as the descriptors of their small and big parts in shared memory (K-major; a k-step
@@ -149,22 +175,7 @@ def make_three_products(N):
         chain(scratch, a_small + o, a_big + o, b_big + o, b_small + o, 1, 0)
         hop.wgmma_commit()
 
-    @cuda.jit(device=True, inline=True)
-    def steps_in_turns(acc, sa, sb, a_small, a_big, b_big, b_small, first, n):
-        """Steps first .. first + n - 1 (n even) of per_step."""
-        issue_step(sa, a_small, a_big, b_big, b_small, first)
-        for kk in range(first, first + n, 2):
-            issue_step(sb, a_small, a_big, b_big, b_small, kk + 1)
-            wait(1, sa)  # step kk's products (step kk + 1's may still run)
-            for i in range(NR):
-                acc[i] += sa[i]
-            if kk + 2 < first + n:
-                issue_step(sa, a_small, a_big, b_big, b_small, kk + 2)
-                wait(1, sb)
-            else:
-                wait(0, sb)
-            for i in range(NR):
-                acc[i] += sb[i]
+    steps_in_turns = make_in_turns(issue_step, wait, NR)
 
     @cuda.jit(device=True, inline=True)
     def per_step(acc, sa, sb, a_small, a_big, b_big, b_small, steps):
@@ -196,6 +207,9 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
     NO = D // 2  # O accumulator registers a thread
     KD = D // 8  # k-steps of S
     KC = B_c // 8  # k-steps of O += P V
+    # O's k-steps in turns between two scratch accumulators where a second one fits the registers (D / 2 more a
+    # thread: at head_dim 64, not at 128); each run of them is the tile's KC steps
+    O_TURNS = D <= 64 and not chained
     LOADS = min(MAX_LOADS, B_c * D // NT)  # (divides B_c D / NT and B_r D / NT)
     COPIES = B_c * D // (4 * NT)  # 16-byte copies a thread of a K_j or V_j tile
     QUADS = D // 4
@@ -271,7 +285,18 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
             per_step_s(s, scratch, scratch2, qs, qb, kb, ks, KD)
 
     @cuda.jit(device=True, inline=True)
-    def products_o(o, scratch, pb, ps, vb, vs):
+    def issue_o(scratch, pb, ps, vb, vs, c):
+        """k-step c of O's products, P_small V_big + P_big V_small + P_big V_big, from zero in scratch."""
+        fence_o(scratch)
+        mma_o(scratch, ps[c, 0], ps[c, 1], ps[c, 2], ps[c, 3], vb + 16 * c, 0)
+        mma_o(scratch, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vs + 16 * c, 1)
+        mma_o(scratch, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vb + 16 * c, 1)
+        hop.wgmma_commit()
+
+    o_in_turns = make_in_turns(issue_o, wait_o, NO)
+
+    @cuda.jit(device=True, inline=True)
+    def products_o(o, scratch, scratch2, pb, ps, vb, vs):
         """O += P_small V_big + P_big V_small + P_big V_big, waited for (P's parts in registers, k-step c's four
         at pb[c, 0 .. 3]; V^T's descriptors)."""
         if CHAINED:
@@ -282,13 +307,11 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
                 mma_o(o, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vb + 16 * c, 1)
             hop.wgmma_commit()
             wait_o(0, o)
+        elif O_TURNS:
+            o_in_turns(o, scratch, scratch2, pb, ps, vb, vs, 0, KC)
         else:
             for c in range(KC):
-                fence_o(scratch)
-                mma_o(scratch, ps[c, 0], ps[c, 1], ps[c, 2], ps[c, 3], vb + 16 * c, 0)
-                mma_o(scratch, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vs + 16 * c, 1)
-                mma_o(scratch, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vb + 16 * c, 1)
-                hop.wgmma_commit()
+                issue_o(scratch, pb, ps, vb, vs, c)
                 wait_o(0, scratch)
                 for i in range(NO):
                     o[i] += scratch[i]
@@ -315,6 +338,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
         scratch_s = cuda.local.array(NS, float32)  # (each k-step's products, in turns: chained=False)
         scratch_s2 = cuda.local.array(NS, float32)
         scratch_o = cuda.local.array(NO, float32)
+        scratch_o2 = cuda.local.array(NO if O_TURNS else 1, float32)  # (O's steps in turns: head_dim 64)
         pb = cuda.local.array((KC, 4), uint32)  # P's big parts, the A operand of k-step c
         ps = cuda.local.array((KC, 4), uint32)
         m = cuda.local.array(2, float32)
@@ -398,7 +422,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
                     pb[c, r] = hi
                     ps[c, r] = lo
 
-            products_o(o, scratch_o, pb, ps, vb, vs)
+            products_o(o, scratch_o, scratch_o2, pb, ps, vb, vs)
 
         for x in range(2):
             l[x] += ptx.shfl_xor_f32(l[x], 1)
