@@ -117,6 +117,23 @@ def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, head_dim, dtype=np.float3
     return q, k, v
 
 
+def float32_class_draw(seed, forward):
+    """(err, base_err, shape) of ``forward(q, k, v, causal) -> out`` on a shape drawn from ``seed`` (lengths
+    log-uniform in 16 .. 3000, head_dim 64 or 128, causal on odd seeds, float32): its largest error against the
+    float64 truth and that of NumPy's float32 attention, where the truth is finite ("float32-class": err <= 2
+    base_err)."""
+    rng = np.random.default_rng(seed)
+    seqlen_q, seqlen_k = (int(x) for x in np.exp(rng.uniform(np.log(16), np.log(3000), 2)).round())
+    D, causal = int(rng.choice([64, 128])), bool(seed % 2)
+    q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 2, D)
+    truth, _ = reference.attention_forward(q, k, v, causal=causal)
+    base, _ = reference.attention_forward(q, k, v, causal=causal, dtype=np.float32)
+    out = to_numpy(forward(q, k, v, causal))
+    finite = np.isfinite(truth)
+    err, base_err = (max_err(x[finite], truth[finite]) for x in (out, base))
+    return err, base_err, f"{seqlen_q}x{seqlen_k} d={D} causal={causal}"
+
+
 def max_err(a, b):
     """max |a - b| where both are finite; inf where one is NaN or they disagree on +-inf."""
     a = np.asarray(a, np.float64)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import flashnumba
-from conftest import (FULL_COMPILE, assert_close_to_truth, check_backward, check_forward, max_err, random_qkv,
-                      to_numpy)
+from conftest import (FULL_COMPILE, assert_close_to_truth, check_backward, check_forward, float32_class_draw, max_err,
+                      random_qkv, to_numpy)
 from flashnumba import reference
 
 
@@ -121,16 +121,9 @@ def test_3xtf32_error_is_float32_class(seed):
     """float32-class: at most 2x the error of NumPy's float32 attention (sgemm) on the same inputs, on each draw
     (scripts/tf32_error.py draws more, and the SIMT kernel beside it). The tensor cores truncate where they add:
     a kernel chaining its three ``mma`` a k-step into the running accumulator came out at 2-60x here."""
-    rng = np.random.default_rng(seed)
-    seqlen_q, seqlen_k = (int(x) for x in np.exp(rng.uniform(np.log(16), np.log(3000), 2)).round())
-    D, causal = int(rng.choice([64, 128])), bool(seed % 2)
-    q, k, v = random_qkv(rng, 1, seqlen_q, seqlen_k, 2, D)
-    truth, _ = reference.attention_forward(q, k, v, causal=causal)
-    base, _ = reference.attention_forward(q, k, v, causal=causal, dtype=np.float32)
-    out, _ = flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="3xtf32")
-    finite = np.isfinite(truth)
-    err, base_err = (max_err(x[finite], truth[finite]) for x in (to_numpy(out), base))
-    assert err <= 2 * base_err, f"{seqlen_q}x{seqlen_k} d={D} causal={causal}: {err:.3g} > 2 x {base_err:.3g}"
+    err, base_err, shape = float32_class_draw(
+        seed, lambda q, k, v, causal: flashnumba.flash_attn_forward(q, k, v, causal=causal, kernel="3xtf32")[0])
+    assert err <= 2 * base_err, f"{shape}: {err:.3g} > 2 x {base_err:.3g}"
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
