@@ -64,8 +64,8 @@ DEFAULT_BLOCK_M = 64  # (the one measured)
 BLOCK_NS = {64: (16, 32, 64), 128: (16, 32)}
 DEFAULT_BLOCK_N = 16  # the fastest at both head dims (docs/benchmarks.md)
 # Q_i's elements a thread loads from global memory before it splits and stores them, their loads in flight together
-# (a latency a batch, not an element): 8, or fewer where a K_j tile's share a thread is (B_c 16, D 64, B_r 128: 4)
-MAX_LOADS = 8
+# (a latency a batch, not an element); 8 divides a thread's share of Q_i (D / 2 at every B_r)
+LOADS = 8
 
 
 def shared_bytes(D, B_c, B_r=64):
@@ -210,7 +210,6 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
     # O's k-steps in turns between two scratch accumulators where a second one fits the registers (D / 2 more a
     # thread: at head_dim 64, not at 128); each run of them is the tile's KC steps
     O_TURNS = D <= 64 and not chained
-    LOADS = min(MAX_LOADS, B_c * D // NT)  # (divides B_c D / NT and B_r D / NT)
     COPIES = B_c * D // (4 * NT)  # 16-byte copies a thread of a K_j or V_j tile
     QUADS = D // 4
     RK, RV = 2 * BR * D + 4 * B_c * D, 2 * BR * D + 5 * B_c * D  # K_j and V_j as copied (float32 words)
@@ -231,8 +230,8 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
     @cuda.jit(device=True, inline=True)
     def load_rows(smem, big, small, x, b, h, row0, nrows, count, tid):
         """Rows row0 .. of x[b, :, h, :] (``count`` elements, zero past row nrows) split into the K-major parts at
-        words big and small: LOADS a thread loaded together, then split and stored (a load's latency once a
-        batch, not once an element)."""
+        words big and small: :data:`LOADS` a thread loaded together, then split and stored (a load's latency once
+        a batch, not once an element)."""
         vals = cuda.local.array(LOADS, float32)
         for u0 in range(0, count // NT, LOADS):
             for u in range(LOADS):

@@ -187,7 +187,6 @@ _flashnumba_wgmma.features = True
 _flashnumba_wgmma.dtypes = ("float16", "bfloat16")
 
 
-
 def _flashnumba_wgmma_cp_async(q, k, v, dout, causal, window_size=(-1, -1)):
     """The Hopper forward with its producer's per-thread copies (``config.hopper_tma = False`` around each call):
     beside ``flashnumba_wgmma``, what the copy engine's tensor-map copies buy."""
