@@ -380,13 +380,30 @@ def float32_tc(data, prefix="results/latest/"):
     return out
 
 
+def tf32_wgmma(d):
+    """The 3xTF32 forward on wgmma (per-step accumulation) beside the mma.sync one and torch's memory-efficient
+    float32 backend, TFLOP/s in both timing modes, ratios back to back (bench-3xtf32-wgmma-h100.json)."""
+    rows = {(r["impl"], r["head_dim"], r["seqlen"], r["causal"]): r for r in d["rows"] if r.get("tflops")}
+    out = ["| head_dim | seqlen | causal | 3xTF32 wgmma (per step) | 3xTF32 mma.sync | torch memory-efficient | "
+           "wgmma / mma.sync | wgmma / torch |", "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for _, hd, seqlen, causal in sorted((k for k in rows if k[0] == "flashnumba_3xtf32_wgmma_per_step"),
+                                        key=lambda k: (k[1], k[3], k[2])):
+        w, m, t = (rows[(impl, hd, seqlen, causal)] for impl in ("flashnumba_3xtf32_wgmma_per_step",
+                                                                  "flashnumba_3xtf32", "torch_sdpa_efficient"))
+        two = " | ".join(f"{r['tflops']:.1f} / {r['tflops_single']:.1f}" for r in (w, m, t))
+        out.append(f"| {hd} | {seqlen} | {'yes' if causal else 'no'} | {two} | {w['tflops'] / m['tflops']:.2f}x | "
+                   f"{w['tflops'] / t['tflops']:.2f}x |")
+    return out
+
+
 TARGETS = {  # file: (marker name, table function, its arguments)
     "docs/benchmarks.md": [("latency", latency, {}), ("caps", caps, {}), ("train", train, {}),
                            ("headline", headlines, {"prefix": "results/latest/"}), ("decode", decode, {}),
                            ("flex", flex, {}), ("hopper", hopper, {"source": "bench-wgmma.json"}),
                            ("hopper-backward", hopper, {"source": "bench-wgmma-bwd.json"}),
                            ("hopper-head-dims", hopper, {"source": "bench-wgmma-head-dims.json"}),
-                           ("float32-tc", float32_tc, {}), ("hopper-padded", padded, {})],
+                           ("float32-tc", float32_tc, {}), ("hopper-padded", padded, {}),
+                           ("tf32-wgmma", tf32_wgmma, {})],
     "docs/testing.md": [("numerics", numerics, {})],
     "README.md": [("train", train, {"prefix": "docs/results/latest/"}), ("headline", headlines, {}),
                   ("hopper-summary", hopper_summary, {}), ("hopper-backward-summary", hopper_backward_summary, {})],
@@ -397,6 +414,7 @@ SOURCES = {"latency": "latency.json", "caps": "caps.json", "train": "train_tiny_
            "hopper-backward": "bench-wgmma-bwd.json", "hopper-backward-summary": "bench-wgmma-bwd.json",
            "hopper-head-dims": "bench-wgmma-head-dims.json",
            "hopper-padded": ("bench-wgmma-padded-80-h100.json", "bench-wgmma-padded-h100.json"),
+           "tf32-wgmma": "bench-3xtf32-wgmma-h100.json",
            "float32-tc": ("bench-tf32-d64.json", "bench-tf32.json", "bench-tf32-chained.json", "tf32-error.json",
                           "tf32-error-chained.json")}
 
