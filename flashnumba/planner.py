@@ -47,7 +47,7 @@ from . import _arrays, _validate, config, tiling
 from ._backend import SIMULATOR, cuda
 from ._launch import ArrayMeta, KernelLaunch, array_meta, c_strides, compile_kernel, is_c_layout
 from .kernels import (mma_backward, mma_decode, mma_forward, mma_tf32, mma_tf32_backward, simt_backward,
-                      simt_forward, wgmma_backward, wgmma_forward, wgmma_tf32)
+                      simt_forward, wgmma_backward, wgmma_forward, wgmma_tf32, wgmma_tf32_backward)
 from .kernels.mma_tiles import WARP_ROWS
 from .kernels.ptx_hopper import MAP_WORDS
 from .kernels.common import MOD_ARGS
@@ -559,12 +559,19 @@ def _cdiv(a, b):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads):
-    """(Tiles, reason) of the 3xTF32 forward on wgmma (``config.hopper_3xtf32`` set, compute capability 9.0): the
-    caller's block_m and block_n or :mod:`flashnumba.kernels.wgmma_tf32`'s defaults, checked against its tiles and
-    the device's shared memory."""
+def _hopper_3x(family, limits):
+    """Whether a 3xTF32 call runs on Hopper's wgmma: ``config.hopper_3xtf32`` set (checked), compute capability 9.0
+    (or the simulator)."""
+    if family != "3xtf32" or config.hopper_3xtf32 is None:
+        return False
     if config.hopper_3xtf32 not in ("chained", "per_step"):
         raise ValueError(f"config.hopper_3xtf32 must be None, 'chained' or 'per_step', got {config.hopper_3xtf32!r}")
+    return SIMULATOR or tuple(limits.cc) == (9, 0)
+
+
+def _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads):
+    """(Tiles, reason) of the 3xTF32 forward on wgmma (:func:`_hopper_3x`): the caller's block_m and block_n or
+    :mod:`flashnumba.kernels.wgmma_tf32`'s defaults, checked against its tiles and the device's shared memory."""
     m, n = block_m or wgmma_tf32.DEFAULT_BLOCK_M, block_n or wgmma_tf32.DEFAULT_BLOCK_N
     ns = wgmma_tf32.BLOCK_NS.get(D, ())
     if n not in ns or m not in wgmma_tf32.BLOCK_MS or num_threads is not None:
@@ -599,7 +606,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     lse_spec, arrays["lse"] = _output("lse", lse_user, np.dtype(np.float32), lead)
     scalars = _option_scalars(opts)
     table = family
-    hopper_3x = family == "3xtf32" and config.hopper_3xtf32 is not None and (SIMULATOR or tuple(limits.cc) == (9, 0))
+    hopper_3x = _hopper_3x(family, limits)
     if hopper_3x:  # (its own tiles and shared memory: _hopper_3xtf32_tiles)
         t, reason = _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads)
     else:
@@ -925,6 +932,27 @@ def _fit_block_mask(table, D, block_mask, t, reason):
             f"{reason}; (block_m {m}, block_n {n}) to divide the block mask's blocks ({qb}, {kb})")
 
 
+def _hopper_3xtf32_backward_tiles(D, limits, block_m, block_n, num_threads):
+    """(dQ's Tiles, dK/dV's Tiles, reason) of the 3xTF32 backward on wgmma (:func:`_hopper_3x`): each kernel's own
+    rows a block are 64 (one warpgroup), its loop tiles the caller's (block_n: the dQ kernel's keys a tile, block_m:
+    the dK/dV kernel's query rows a tile) or :mod:`flashnumba.kernels.wgmma_tf32_backward`'s default, checked
+    against its tiles and the device's shared memory."""
+    own, loop = wgmma_tf32_backward.ROWS, wgmma_tf32_backward.LOOP_ROWS.get(D, ())
+    n, m = block_n or wgmma_tf32_backward.DEFAULT_LOOP_ROWS, block_m or wgmma_tf32_backward.DEFAULT_LOOP_ROWS
+    if n not in loop or m not in loop or num_threads is not None:
+        raise ValueError(f"the 3xTF32 backward on wgmma at head_dim {D} takes block_m (the dK/dV kernel's query "
+                         f"rows a tile) and block_n (the dQ kernel's keys a tile) in {loop}; its blocks are {own} "
+                         f"rows of 128 threads (no num_threads)")
+    for what, smem in (("dQ", wgmma_tf32_backward.shared_bytes_dq(D, n)),
+                       ("dK/dV", wgmma_tf32_backward.shared_bytes_dkdv(D, m))):
+        if smem > limits.max_shared_per_block:
+            raise ValueError(f"the 3xTF32 {what} kernel on wgmma at head_dim {D} needs {smem} bytes of shared "
+                             f"memory, more than the {limits.max_shared_per_block} a block may use here")
+    given = "given by the caller" if (block_m, block_n) != (None, None) else "the default tiles"
+    return (tiling.Tiles(own, n, 128), tiling.Tiles(m, own, 128),
+            f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation (config.hopper_3xtf32); {given}")
+
+
 def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None,
                   device=None, batch=None, max_seqlen_q=None, max_seqlen_k=None, cu=None,
                   deterministic=True) -> Plan:
@@ -1076,6 +1104,19 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                 grid, (t.num_threads,), smem, t, reason, arch_specific=True, whole_program=tma,
                 tensor_maps=tuple((m, rows_of[m], span) for m in maps) if tma else ()))
         dq, kv = launched
+    elif _hopper_3x(family, limits):
+        tq_t, tk_t, reason = _hopper_3xtf32_backward_tiles(D, limits, block_m, block_n, num_threads)
+        tail = ("scale_log2", "scale")
+        chained = config.hopper_3xtf32 == "chained"
+        dq = KernelLaunch("dQ 3xtf32 wgmma", "3xtf32_wgmma_dq", wgmma_tf32_backward.make_backward_dq_3xtf32_wgmma,
+                          (D, opts.right == 0, tq_t.block_n, chained), io_dq + tail,
+                          (_cdiv(max_q, tq_t.block_m), bsz * nheads), (tq_t.num_threads,),
+                          wgmma_tf32_backward.shared_bytes_dq(D, tq_t.block_n), tq_t, reason, arch_specific=True)
+        kv = KernelLaunch("dK/dV 3xtf32 wgmma", "3xtf32_wgmma_dkdv",
+                          wgmma_tf32_backward.make_backward_dkdv_3xtf32_wgmma, (D, opts.right == 0, tk_t.block_m,
+                                                                                chained), io_kv + tail,
+                          (_cdiv(max_k, tk_t.block_n), bsz * nk), (tk_t.num_threads,),
+                          wgmma_tf32_backward.shared_bytes_dkdv(D, tk_t.block_m), tk_t, reason, arch_specific=True)
     elif family in mma_tf32.PRECISIONS:
         tq_t, rq = tiling.resolve("tf32_dq", D, limits, block_m, block_n, num_threads)
         tk_t, rk = tiling.resolve("tf32_dkdv", D, limits, block_m, block_n, num_threads)

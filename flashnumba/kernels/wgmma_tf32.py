@@ -187,6 +187,153 @@ def make_three_products(N):
 
 
 @functools.lru_cache(maxsize=None)
+def make_tile_io(D, rows, NT):
+    """(load_rows, copy_tile, split_natural, split_transposed), the moves of a tile of ``rows`` rows x D float32
+    columns between global memory and a block of NT threads' shared memory (``smem`` as uint32, ``fsmem`` the same
+    memory as float32; offsets in words):
+
+    * ``load_rows(smem, big, small, x, b, h, row0, nrows, count, tid)``: rows row0 .. of x[b, :, h, :] (``count``
+      elements, zero past row nrows) split into the K-major parts at words big and small (:func:`make_store_split`
+      of D columns): :data:`LOADS` a thread loaded together, then split and stored (a load's latency once a batch,
+      not once an element);
+    * ``copy_tile(fsmem, raw, x, b, h, row0, nrows, tid)``: start copying the ``rows`` rows from row0 to word
+      ``raw`` on (cp.async, 16 bytes a copy): copy ch takes row 8 (ch >> 3) // (D / 4) + (ch & 7), columns
+      4 ((ch >> 3) % (D / 4)) .. + 3, to words 4 ch .. 4 ch + 3, which lays the tile out as the K-major core
+      matrices of make_store_split (a warp's 32 copies: 8 rows of 64 contiguous bytes in global memory, 512
+      contiguous bytes in shared memory). Rows from nrows on are zeroed with stores instead;
+    * ``split_natural(smem, fsmem, raw, big, small, tid)``: a copied tile split into its parts, as it lies (the B
+      operand of a product over the head dims, rows x D);
+    * ``split_transposed(smem, fsmem, raw, big, small, tid)``: a copied tile split into the parts of its transpose
+      (D x rows, K-major: the B operand of a product over the rows), position c of each 8 holding row pi(c) = 2c
+      (c < 4) or 2 (c - 4) + 1: the rows in the order of an accumulator's registers used as a TF32 A operand
+      (module docstring)."""
+    where_d, store_d = make_store_split(D)
+    where_r, store_r = make_store_split(rows)
+    COPIES = rows * D // (4 * NT)  # 16-byte copies a thread
+    QUADS = D // 4
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(smem, big, small, x, b, h, row0, nrows, count, tid):
+        vals = cuda.local.array(LOADS, float32)
+        for u0 in range(0, count // NT, LOADS):
+            for u in range(LOADS):
+                r, c = where_d(tid + NT * (u0 + u))
+                vals[u] = x[b, row0 + r, h, c] if row0 + r < nrows else float32(0.0)
+            for u in range(LOADS):
+                store_d(smem, big, small, tid + NT * (u0 + u), vals[u])
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile(fsmem, raw, x, b, h, row0, nrows, tid):
+        for u in range(COPIES):
+            ch = tid + NT * u
+            blk = ch >> 3
+            r = 8 * (blk // QUADS) + (ch & 7)
+            if row0 + r < nrows:
+                ptx.cp_async_16_at(fsmem, raw + 4 * ch, x, b, row0 + r, h, 4 * (blk - QUADS * (blk // QUADS)))
+            else:
+                for x4 in range(4):
+                    fsmem[raw + 4 * ch + x4] = float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def split_natural(smem, fsmem, raw, big, small, tid):
+        for u in range(rows * D // NT):
+            e = tid + NT * u
+            store_d(smem, big, small, e, fsmem[raw + e])
+
+    @cuda.jit(device=True, inline=True)
+    def split_transposed(smem, fsmem, raw, big, small, tid):
+        for u in range(rows * D // NT):
+            e = tid + NT * u
+            d, c = where_r(e)
+            r = (c & ~7) + (2 * (c & 3) + ((c >> 2) & 1))  # (r, d) lies at word e' with where_d(e') = (r, d)
+            store_r(smem, big, small, e, fsmem[raw + 32 * (QUADS * (r >> 3) + (d >> 2)) + 4 * (r & 7) + (d & 3)])
+
+    return load_rows, copy_tile, split_natural, split_transposed
+
+
+@functools.lru_cache(maxsize=None)
+def make_smem_products(N, steps, chained):
+    """products(acc, sa, sb, a_big, a_small, b_big, b_small): acc (64 x N) = A_small B_big^T + A_big B_small^T +
+    A_big B_big^T over ``steps`` k-steps, both operands read from shared memory (descriptors of their parts),
+    waited for: chained in acc, or each k-step from zero in the scratch accumulators sa, sb (in turns) and added
+    (:func:`make_three_products`)."""
+    _, fence, wait = hop.wgmma_ops("tf32", N)
+    chain, per_step = make_three_products(N)
+    NR = N // 2
+    if not chained:
+        check_steps(steps, N)
+
+    @cuda.jit(device=True, inline=True)
+    def products(acc, sa, sb, a_big, a_small, b_big, b_small):
+        if chained:
+            fence(acc)
+            chain(acc, a_small, a_big, b_big, b_small, steps, 0)
+            hop.wgmma_commit()
+            wait(0, acc)
+        else:
+            for i in range(NR):
+                acc[i] = 0.0
+            per_step(acc, sa, sb, a_small, a_big, b_big, b_small, steps)
+
+    return products
+
+
+@functools.lru_cache(maxsize=None)
+def make_register_products(N, steps, chained, in_turns):
+    """(pack, products), acc (64 x N) += F B in 3xTF32, F (64 x 8 steps) an accumulator's registers, B (8 steps x N)
+    in shared memory, K-major (the transposed parts of :func:`make_tile_io`):
+
+    * ``pack(fb, fs, f)``: F's registers f (an accumulator of N = 8 steps) split into the big and small TF32 parts of
+      the A operand of each k-step c, fb[c, 0 .. 3] and fs[c, 0 .. 3] (columns t, t + 4 of the step are its
+      accumulator columns 2t, 2t + 1: module docstring);
+    * ``products(acc, sa, sb, fb, fs, b_big, b_small)``: F_small B_big + F_big B_small + F_big B_big added to acc,
+      waited for: chained in acc, or each k-step from zero in a scratch accumulator and added; with ``in_turns``
+      two scratch accumulators take turns (sb then has N / 2 registers a thread too, else it is not used)."""
+    mma, fence, wait = hop.wgmma_ops("tf32", N, regs_a=True)
+    NR = N // 2
+
+    @cuda.jit(device=True, inline=True)
+    def pack(fb, fs, f):
+        for c in range(steps):
+            for r in range(4):
+                hi, lo = ptx.split_tf32(f[4 * c + 2 * (r & 1) + (r >> 1)])
+                fb[c, r] = hi
+                fs[c, r] = lo
+
+    @cuda.jit(device=True, inline=True)
+    def issue(scratch, fb, fs, b_big, b_small, c):
+        """k-step c's three products from zero in scratch."""
+        fence(scratch)
+        mma(scratch, fs[c, 0], fs[c, 1], fs[c, 2], fs[c, 3], b_big + 16 * c, 0)
+        mma(scratch, fb[c, 0], fb[c, 1], fb[c, 2], fb[c, 3], b_small + 16 * c, 1)
+        mma(scratch, fb[c, 0], fb[c, 1], fb[c, 2], fb[c, 3], b_big + 16 * c, 1)
+        hop.wgmma_commit()
+
+    steps_in_turns = make_in_turns(issue, wait, NR)
+
+    @cuda.jit(device=True, inline=True)
+    def products(acc, sa, sb, fb, fs, b_big, b_small):
+        if chained:
+            fence(acc)
+            for c in range(steps):
+                mma(acc, fs[c, 0], fs[c, 1], fs[c, 2], fs[c, 3], b_big + 16 * c, 1)
+                mma(acc, fb[c, 0], fb[c, 1], fb[c, 2], fb[c, 3], b_small + 16 * c, 1)
+                mma(acc, fb[c, 0], fb[c, 1], fb[c, 2], fb[c, 3], b_big + 16 * c, 1)
+            hop.wgmma_commit()
+            wait(0, acc)
+        elif in_turns:
+            steps_in_turns(acc, sa, sb, fb, fs, b_big, b_small, 0, steps)
+        else:
+            for c in range(steps):
+                issue(sa, fb, fs, b_big, b_small, c)
+                wait(0, sa)
+                for i in range(NR):
+                    acc[i] += sa[i]
+
+    return pack, products
+
+
+@functools.lru_cache(maxsize=None)
 def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
     """The 3xTF32 forward on wgmma for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS` of D), B_r
     query rows a block (:data:`BLOCK_MS`: one or two warpgroups, the second sharing the first's K_j and V_j and
@@ -210,110 +357,18 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
     # O's k-steps in turns between two scratch accumulators where a second one fits the registers (D / 2 more a
     # thread: at head_dim 64, not at 128); each run of them is the tile's KC steps
     O_TURNS = D <= 64 and not chained
-    COPIES = B_c * D // (4 * NT)  # 16-byte copies a thread of a K_j or V_j tile
-    QUADS = D // 4
     RK, RV = 2 * BR * D + 4 * B_c * D, 2 * BR * D + 5 * B_c * D  # K_j and V_j as copied (float32 words)
     QB, QS = 0, BR * D  # word offsets in shared memory
     KB, KS = 2 * BR * D, 2 * BR * D + B_c * D
     VB, VS = 2 * BR * D + 2 * B_c * D, 2 * BR * D + 3 * B_c * D
     SBO_D, SBO_C = 32 * D, 32 * B_c  # bytes: 8 rows of D columns (Q, K), of B_c columns (V^T)
-    _, fence_s, wait_s = hop.wgmma_ops("tf32", B_c)
-    chain_s, per_step_s = make_three_products(B_c)
-    mma_o, fence_o, wait_o = hop.wgmma_ops("tf32", D, regs_a=True)
-    where_d, store_d = make_store_split(D)
-    where_c, store_c = make_store_split(B_c)
+    products_s = make_smem_products(B_c, KD, CHAINED)
+    pack_p, products_o = make_register_products(D, KC, CHAINED, O_TURNS)
+    load_rows, copy_tile, split_natural, split_transposed = make_tile_io(D, B_c, NT)
     key_range = make_key_range(BR, B_c, False, causal)
     # (the steps of the online softmax on the accumulator's rows, with float32's exact exp2: the scores are scaled
     # to base 2 before the mask)
     quad_max, new_max, prob = make_online_softmax(False, exact=True)
-
-    @cuda.jit(device=True, inline=True)
-    def load_rows(smem, big, small, x, b, h, row0, nrows, count, tid):
-        """Rows row0 .. of x[b, :, h, :] (``count`` elements, zero past row nrows) split into the K-major parts at
-        words big and small: :data:`LOADS` a thread loaded together, then split and stored (a load's latency once
-        a batch, not once an element)."""
-        vals = cuda.local.array(LOADS, float32)
-        for u0 in range(0, count // NT, LOADS):
-            for u in range(LOADS):
-                r, c = where_d(tid + NT * (u0 + u))
-                vals[u] = x[b, row0 + r, h, c] if row0 + r < nrows else float32(0.0)
-            for u in range(LOADS):
-                store_d(smem, big, small, tid + NT * (u0 + u), vals[u])
-
-    @cuda.jit(device=True, inline=True)
-    def copy_tile(fsmem, raw, x, b, h, j0, seqlen_k, tid):
-        """Start copying rows j0 .. j0 + B_c - 1 of x[b, :, h, :] to word ``raw`` on (cp.async, 16 bytes a copy):
-        copy ch takes row 8 (ch >> 3) // (D / 4) + (ch & 7), columns 4 ((ch >> 3) % (D / 4)) .. + 3, to words
-        4 ch .. 4 ch + 3, which lays the tile out as the K-major core matrices of :func:`make_store_split` (a warp's
-        32 copies: 8 rows of 64 contiguous bytes in global memory, 512 contiguous bytes in shared memory). Rows
-        from seqlen_k on are zeroed with stores instead."""
-        for u in range(COPIES):
-            ch = tid + NT * u
-            blk = ch >> 3
-            r = 8 * (blk // QUADS) + (ch & 7)
-            if j0 + r < seqlen_k:
-                ptx.cp_async_16_at(fsmem, raw + 4 * ch, x, b, j0 + r, h, 4 * (blk - QUADS * (blk // QUADS)))
-            else:
-                for x4 in range(4):
-                    fsmem[raw + 4 * ch + x4] = float32(0.0)
-
-    @cuda.jit(device=True, inline=True)
-    def split_tiles(smem, fsmem, tid):
-        """K_j and V_j^T split into their big and small parts from the copied tiles (V^T's position c of each 8
-        holds key pi(c): module docstring)."""
-        for u in range(B_c * D // NT):
-            e = tid + NT * u
-            store_d(smem, KB, KS, e, fsmem[RK + e])
-        for u in range(B_c * D // NT):
-            e = tid + NT * u
-            d, c = where_c(e)
-            key = (c & ~7) + (2 * (c & 3) + ((c >> 2) & 1))  # (key, d) of V_j at word e' with where_d(e') = (key, d)
-            store_c(smem, VB, VS, e, fsmem[RV + 32 * (QUADS * (key >> 3) + (d >> 2)) + 4 * (key & 7) + (d & 3)])
-
-    @cuda.jit(device=True, inline=True)
-    def products_s(s, scratch, scratch2, qb, qs, kb, ks):
-        """S = Q_small K_big^T + Q_big K_small^T + Q_big K_big^T, waited for (descriptors of the four parts)."""
-        if CHAINED:
-            fence_s(s)
-            chain_s(s, qs, qb, kb, ks, KD, 0)
-            hop.wgmma_commit()
-            wait_s(0, s)
-        else:
-            for i in range(NS):
-                s[i] = 0.0
-            per_step_s(s, scratch, scratch2, qs, qb, kb, ks, KD)
-
-    @cuda.jit(device=True, inline=True)
-    def issue_o(scratch, pb, ps, vb, vs, c):
-        """k-step c of O's products, P_small V_big + P_big V_small + P_big V_big, from zero in scratch."""
-        fence_o(scratch)
-        mma_o(scratch, ps[c, 0], ps[c, 1], ps[c, 2], ps[c, 3], vb + 16 * c, 0)
-        mma_o(scratch, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vs + 16 * c, 1)
-        mma_o(scratch, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vb + 16 * c, 1)
-        hop.wgmma_commit()
-
-    o_in_turns = make_in_turns(issue_o, wait_o, NO)
-
-    @cuda.jit(device=True, inline=True)
-    def products_o(o, scratch, scratch2, pb, ps, vb, vs):
-        """O += P_small V_big + P_big V_small + P_big V_big, waited for (P's parts in registers, k-step c's four
-        at pb[c, 0 .. 3]; V^T's descriptors)."""
-        if CHAINED:
-            fence_o(o)
-            for c in range(KC):
-                mma_o(o, ps[c, 0], ps[c, 1], ps[c, 2], ps[c, 3], vb + 16 * c, 1)
-                mma_o(o, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vs + 16 * c, 1)
-                mma_o(o, pb[c, 0], pb[c, 1], pb[c, 2], pb[c, 3], vb + 16 * c, 1)
-            hop.wgmma_commit()
-            wait_o(0, o)
-        elif O_TURNS:
-            o_in_turns(o, scratch, scratch2, pb, ps, vb, vs, 0, KC)
-        else:
-            for c in range(KC):
-                issue_o(scratch, pb, ps, vb, vs, c)
-                wait_o(0, scratch)
-                for i in range(NO):
-                    o[i] += scratch[i]
 
     @cuda.jit
     def forward_3xtf32_wgmma(q, k, v, out, lse, scale_log2):
@@ -368,7 +423,8 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
             j0 = jt * B_c
             ptx.cp_async_wait_all()
             cuda.syncthreads()  # (K_j, V_j copied; every thread's products of tile j - 1 retired)
-            split_tiles(smem, fsmem, tid)
+            split_natural(smem, fsmem, RK, KB, KS, tid)  # K_j
+            split_transposed(smem, fsmem, RV, VB, VS, tid)  # V_j^T (keys in the order of P's registers)
             hop.fence_proxy_async()  # (the stores seen by the tensor cores' reads)
             cuda.syncthreads()  # (the copied tiles consumed: K_j+1 and V_j+1 copied there during tile j's products)
             if jt + 1 < n_tiles:
@@ -376,7 +432,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
                 copy_tile(fsmem, RV, v, b, h, j0 + B_c, seqlen_k, tid)
                 ptx.cp_async_commit()
 
-            products_s(s, scratch_s, scratch_s2, qb, qs, kb, ks)
+            products_s(s, scratch_s, scratch_s2, qb, qs, kb, ks)  # S = Q_i K_j^T
 
             # scale to base 2, mask, the online softmax (s[4 n + x]: row g + 8 (x >> 1), key 8 n + 2 t + (x & 1))
             masked = j0 + B_c > seqlen_k or (causal and j0 + B_c - 1 > i0 + diag)
@@ -414,14 +470,8 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
                 o[4 * n + 1] *= alpha[0]
                 o[4 * n + 2] *= alpha[1]
                 o[4 * n + 3] *= alpha[1]
-            # P's A operand of k-step c: columns t, t + 4 are keys 2t, 2t + 1 (V^T's order)
-            for c in range(KC):
-                for r in range(4):
-                    hi, lo = ptx.split_tf32(s[4 * c + 2 * (r & 1) + (r >> 1)])
-                    pb[c, r] = hi
-                    ps[c, r] = lo
-
-            products_o(o, scratch_o, scratch_o2, pb, ps, vb, vs)
+            pack_p(pb, ps, s)  # P's A operand of k-step c: columns t, t + 4 are keys 2t, 2t + 1 (V^T's order)
+            products_o(o, scratch_o, scratch_o2, pb, ps, vb, vs)  # O_i += P V_j
 
         for x in range(2):
             l[x] += ptx.shfl_xor_f32(l[x], 1)
