@@ -1,10 +1,11 @@
-"""The 3xTF32 forward on Hopper's wgmma (:mod:`flashnumba.kernels.wgmma_tf32`) against the float64 reference.
+"""The 3xTF32 forward and backward on Hopper's wgmma (:mod:`flashnumba.kernels.wgmma_tf32`,
+:mod:`flashnumba.kernels.wgmma_tf32_backward`) against the float64 reference.
 
-The kernel runs where ``flashnumba.config.hopper_3xtf32`` asks for it (off by default). In the
+The kernels run where ``flashnumba.config.hopper_3xtf32`` asks for them (off by default). In the
 simulator: causal and not, partial query and key tiles, both accumulations (chained in the wgmma accumulator,
-and each k-step from zero), each tile size, one and two warpgroups, head_dim 64 and 128; compiled for sm_90a
-without a GPU (no spills, no serialised wgmma). On a GPU of compute capability 9.0: GPU sizes, Hypothesis over
-shapes and tiles, and its error as a multiple of float32's.
+and each k-step from zero), each tile size, one and two warpgroups (forward), head_dim 64 and 128; compiled for
+sm_90a without a GPU (no spills, no serialised wgmma). On a GPU of compute capability 9.0: GPU sizes, Hypothesis
+over shapes and tiles, and the error as a multiple of float32's.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashnumba
-from conftest import check_forward, compile_offline, float32_class_draw, random_qkv, shard
-from flashnumba import config
+from conftest import (check_backward, check_forward, compile_offline, float32_class_draw, max_err, random_qkv, shard,
+                      to_numpy)
+from flashnumba import config, reference
 from flashnumba._backend import cuda
-from flashnumba.kernels import wgmma_tf32
+from flashnumba.kernels import wgmma_tf32, wgmma_tf32_backward
 
 
 def hopper_or_simulator():
@@ -158,3 +160,147 @@ def test_3xtf32_wgmma_error_against_float32(chained):
     print(f"chained={chained}: error / float32's: median {np.median(ratios):.2f}, largest {max(ratios):.2f}")
     if not chained:
         assert max(ratios) <= 2.0, ratios
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the backward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_backward(dout, q, k, v, out, lse, causal, block_m=16, block_n=16, chained=False):
+    """(dq, dk, dv) of the backward with precision="3xtf32" on the wgmma kernels (config.hopper_3xtf32): block_m
+    the dK/dV kernel's query rows a tile, block_n the dQ kernel's keys a tile."""
+    hopper_or_simulator()
+    tiles = dict(block_m=block_m, block_n=block_n)
+    with config.temporarily("hopper_3xtf32", "chained" if chained else "per_step"):
+        try:
+            p = flashnumba.plan_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32", **tiles)
+        except ValueError as e:  # (the GPU profile's run with the shared memory capped, as on smaller GPUs)
+            if "bytes of shared memory, more than" in str(e):
+                pytest.skip(str(e))
+            raise
+        assert [(s.name, tuple(s.tiles)) for s in p.launches[1:]] == [
+            ("dQ 3xtf32 wgmma", (64, block_n, 128)), ("dK/dV 3xtf32 wgmma", (block_m, 64, 128))]
+        return flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32", **tiles)
+
+
+def backward_case(rng, batch, seqlen_q, seqlen_k, nheads, D, causal):
+    """(dout, q, k, v, out, lse): random inputs and the exact forward's out and lse."""
+    q, k, v = random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, D)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = (to_numpy(x) for x in flashnumba.flash_attn_forward(q, k, v, causal=causal))
+    return dout, q, k, v, out, lse
+
+
+@pytest.mark.parametrize("D, causal, seqlen_q, seqlen_k, block_m, block_n, chained", [
+    (64, True, 70, 45, 16, 32, False),  # two 64-row blocks each way (the second partial), partial loop tiles
+    (64, True, 90, 30, 16, 16, True),  # chained; causal with 60 queries more than keys: rows that see no key
+    (128, False, 20, 40, 16, 16, False),
+])
+def test_3xtf32_wgmma_backward_matches_the_reference(D, causal, seqlen_q, seqlen_k, block_m, block_n, chained):
+    dout, q, k, v, out, lse = backward_case(np.random.default_rng(D + seqlen_q), 1, seqlen_q, seqlen_k, 1, D, causal)
+    grads = run_backward(dout, q, k, v, out, lse, causal, block_m, block_n, chained)
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+def test_what_the_backward_does_not_take_is_refused(monkeypatch):
+    monkeypatch.setattr(config, "hopper_3xtf32", "per_step")
+    x = np.zeros((1, 8, 1, 128), np.float32)
+    lse = np.zeros((1, 1, 8), np.float32)
+    with pytest.raises(ValueError, match=r"block_n \(the dQ kernel's keys a tile\) in \(16,\)"):  # (256 KB)
+        flashnumba.plan_backward(x, x, x, x, x, lse, precision="3xtf32", block_n=32)
+    with pytest.raises(ValueError, match="no num_threads"):
+        flashnumba.plan_backward(x, x, x, x, x, lse, precision="3xtf32", num_threads=128)
+    # its own shared memory against the device's (a cap): at head_dim 128 the dK/dV kernel needs 208 KB
+    monkeypatch.setenv("FLASHNUMBA_MAX_SHARED_BYTES", "200000")
+    with pytest.raises(ValueError, match="dK/dV kernel on wgmma at head_dim 128 needs 212992 bytes"):
+        flashnumba.plan_backward(x, x, x, x, x, lse, precision="3xtf32")
+    monkeypatch.delenv("FLASHNUMBA_MAX_SHARED_BYTES")
+    with pytest.raises(ValueError, match="head_dim"):
+        wgmma_tf32_backward.make_backward_dq_3xtf32_wgmma(96, False)
+    with pytest.raises(ValueError, match="rows a loop tile"):
+        wgmma_tf32_backward.make_backward_dkdv_3xtf32_wgmma(64, False, 48)
+
+
+COMPILE_BACKWARD = r"""
+import json
+from flashnumba import _launch
+from flashnumba.kernels import wgmma_tf32_backward as wb
+a, r = "float32[:, :, :, ::1]", "float32[:, :, ::1]"
+sigs = dict(dq=f"void({a}, {a}, {a}, {a}, {r}, {r}, {a}, float32, float32)",
+            dkdv=f"void({a}, {a}, {a}, {a}, {r}, {r}, {a}, {a}, float32, float32)")
+makes = dict(dq=wb.make_backward_dq_3xtf32_wgmma, dkdv=wb.make_backward_dkdv_3xtf32_wgmma)
+out = {}
+for which, D, n, chained in (("dq", 64, 32, False), ("dkdv", 64, 32, False), ("dq", 128, 16, False),
+                             ("dkdv", 128, 16, False), ("dkdv", 128, 16, True)):
+    fn = makes[which](D, True, n, chained)
+    _, log, ptx = _launch.build(fn.py_func, sigs[which], (9, 0, "a"), None, False)
+    out[f"{which} D={D} loop={n} chained={chained}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+print(json.dumps(out))
+"""
+
+
+def test_3xtf32_wgmma_backward_compiles_for_sm90a():
+    """Compiled for sm_90a without a GPU: both kernels' TF32 wgmma (from shared memory and with the A operand in
+    registers) in the PTX, no spills (the dK/dV kernel at head_dim 128 keeps dK_j, dV_j and a scratch of 64
+    registers each: 244 a thread), and no serialised wgmma."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    compiled = compile_offline(COMPILE_BACKWARD, os.path.dirname(__file__))
+    for name, r in compiled.items():
+        D, n = name.split("D=")[1].split()[0], name.split("loop=")[1].split()[0]
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32" in r["ptx"], name
+        assert f"wgmma.mma_async.sync.aligned.m64n{D}k8.f32.tf32.tf32" in r["ptx"], name
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r["log"][-600:])
+        assert "serialized" not in r["log"], (name, r["log"][-600:])
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("chained", [True, False])
+@pytest.mark.parametrize("D, block_m, block_n", [(64, 16, 16), (64, 32, 32), (128, 16, 16)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, causal", [(1, 1, False), (63, 65, True), (97, 1000, False),
+                                                         (1000, 97, True), (2048, 2048, False)])
+def test_3xtf32_wgmma_backward_gpu_sizes(seqlen_q, seqlen_k, causal, D, block_m, block_n, chained):
+    dout, q, k, v, out, lse = backward_case(np.random.default_rng(seqlen_q + seqlen_k + D), 2, seqlen_q, seqlen_k, 3,
+                                            D, causal)
+    grads = run_backward(dout, q, k, v, out, lse, causal, block_m, block_n, chained)
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("part", range(4))
+@shard(4)
+@given(batch=st.integers(1, 2), nheads=st.integers(1, 3), seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600),
+       D=st.sampled_from(wgmma_tf32.HEAD_DIMS), causal=st.booleans(), tiles=st.sampled_from([(16, 16), (16, 32),
+                                                                                             (32, 16), (32, 32)]),
+       seed=st.integers(0, 2**32 - 1))
+def test_drawn_shapes_backward_gpu(part, batch, nheads, seqlen_q, seqlen_k, D, causal, tiles, seed):
+    """Hypothesis over shapes, head dims, causal and every loop tile, each k-step's products from zero."""
+    block_m, block_n = (m if m in wgmma_tf32_backward.LOOP_ROWS[D] else 16 for m in tiles)
+    dout, q, k, v, out, lse = backward_case(np.random.default_rng(seed), batch, seqlen_q, seqlen_k, nheads, D, causal)
+    grads = run_backward(dout, q, k, v, out, lse, causal, block_m, block_n)
+    check_backward(grads, dout, q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="the simulator's wgmma sums exactly; the tensor cores truncate")
+@pytest.mark.parametrize("chained", [True, False])
+def test_3xtf32_wgmma_backward_error_against_float32(chained):
+    """The gradients' error against the float64 truth as a multiple of NumPy's float32 backward's (the same
+    algorithm from the same out and lse), the draws of the mma.sync 3xTF32 backward's test (tests/test_tf32.py):
+    at most 2x on the median for each k-step's products from zero; the ratios are printed (chained: what the
+    tensor cores' truncation costs)."""
+    ratios = []
+    for seed in range(24):
+        rng = np.random.default_rng(1000 + seed)
+        seqlen_q, seqlen_k = (int(x) for x in np.exp(rng.uniform(np.log(16), np.log(2000), 2)).round())
+        D, causal = int(rng.choice([64, 128])), bool(seed % 2)
+        q, k, v, dout = (rng.standard_normal((1, n, 2, D)).astype(np.float32)
+                         for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+        out, lse = (to_numpy(x) for x in flashnumba.flash_attn_forward(q, k, v, causal=causal))
+        truth = reference.attention_backward(dout, q, k, v, causal=causal)
+        base = reference.attention_backward_blocked(dout, q, k, v, out, lse, causal=causal, dtype=np.float32)
+        grads = run_backward(dout, q, k, v, out, lse, causal, chained=chained)
+        ratios += [max_err(to_numpy(g), t) / max_err(b, t) for g, t, b in zip(grads, truth, base)]
+    median = float(np.median(ratios))
+    print(f"chained={chained}: error / float32's: median {median:.2f}, largest {max(ratios):.2f}")
+    if not chained:
+        assert median <= 2.0, f"median {median:.2f}x NumPy float32's error (largest {max(ratios):.2f})"
