@@ -204,12 +204,14 @@ _flashnumba_wgmma_cp_async.dtypes = ("float16", "bfloat16")
 
 
 def _flashnumba_tf32(precision):
-    """The float32 forward on tensor cores (``kernel="tf32"`` or ``"3xtf32"``, head_dim 64 or 128)."""
+    """The float32 forward and backward on tensor cores (``kernel="tf32"`` or ``"3xtf32"``, head_dim 64 or 128)."""
 
     def make(q, k, v, dout, causal):
         opts = dict(causal=causal, kernel=precision)
-        flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
-        return {FWD: lambda: flash_attn_forward(q, k, v, **opts), PLANS: _plans(q, k, v, dout, None, None, opts)}
+        out, lse = flash_attn_forward(q, k, v, **opts)  # unsupported dtypes and head dims raise here, before timing
+        return {FWD: lambda: flash_attn_forward(q, k, v, **opts),
+                BWD: lambda: flash_attn_backward(dout, q, k, v, out, lse, **opts),
+                PLANS: _plans(q, k, v, dout, out, lse, opts, opts)}
 
     if precision == "tf32":  # operands rounded to 10 mantissa bits: float16's precision, float32's range
         make.baseline_dtype = np.float16
@@ -218,8 +220,8 @@ def _flashnumba_tf32(precision):
 
 
 def _flashnumba_3xtf32_wgmma(accumulation):
-    """The 3xTF32 forward on Hopper's wgmma (``config.hopper_3xtf32 = accumulation`` around each call: "chained"
-    or "per_step"; compute capability 9.0, head_dim 64 or 128)."""
+    """The 3xTF32 forward and backward on Hopper's wgmma (``config.hopper_3xtf32 = accumulation`` around each call:
+    "chained" or "per_step"; compute capability 9.0, head_dim 64 or 128)."""
 
     def make(q, k, v, dout, causal):
         def forward():
@@ -229,8 +231,13 @@ def _flashnumba_3xtf32_wgmma(accumulation):
         with config.temporarily("hopper_3xtf32", accumulation):
             if plan(q, k, v, causal=causal, precision="3xtf32").launches[0].name != "forward 3xtf32 wgmma":
                 raise ValueError("the 3xTF32 wgmma forward runs on compute capability 9.0 only")
-        forward()  # unsupported dtypes and head dims raise here
-        return {FWD: forward}
+        out, lse = forward()  # unsupported dtypes and head dims raise here
+
+        def backward():
+            with config.temporarily("hopper_3xtf32", accumulation):
+                return flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32")
+
+        return {FWD: forward, BWD: backward}
 
     make.dtypes = ("float32",)
     return make
