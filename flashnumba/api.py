@@ -306,7 +306,10 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     compute capability 9.0 where it applies, unless deterministic=False, a block mask or strided inputs), else
     "v2". stream: as for :func:`flash_attn_forward`.
     precision: float32 only, "ieee" (None: the same), or "tf32" / "3xtf32": the TF32 backward kernels
-    (flashnumba.kernels.mma_tf32_backward; head_dim 64 or 128, causal or not), as for the forward.
+    (flashnumba.kernels.mma_tf32_backward; head_dim 64 or 128, causal or not), as for the forward; with
+    flashnumba.config.hopper_3xtf32 set, "3xtf32" runs on Hopper's wgmma on compute capability 9.0
+    (flashnumba.kernels.wgmma_tf32_backward: block_m the dK/dV kernel's query rows a tile, block_n the dQ kernel's
+    keys a tile, 16 or 32 at head_dim 64, 16 at 128).
     deterministic: True (default); False, on the tensor cores, has the dK/dV kernel add dQ into a float32
     buffer with atomic adds (one kernel of five products instead of two of seven, FlashAttention-2's backward;
     extra memory 4 bytes per element of q), so dq's last bits vary from run to run (dk and dv do not). On the

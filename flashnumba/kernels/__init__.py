@@ -14,7 +14,8 @@ Read them in this order; each step uses only what the one before it showed:
 9. :mod:`.mma_decode` decoding against a KV cache (split-KV);
 10. :mod:`.ptx_hopper` Hopper's instructions (``wgmma``, mbarriers, bulk and tensor-map copies) with their stand-ins,
     :mod:`.wgmma_forward` and :mod:`.wgmma_backward` Algorithms 1 and 2 on them (a producer warpgroup, consumers
-    taking turns), and :mod:`.wgmma_tf32` float32's 3xTF32 forward on them (opt-in: ``config.hopper_3xtf32``).
+    taking turns), and :mod:`.wgmma_tf32` / :mod:`.wgmma_tf32_backward` float32's 3xTF32 forward and backward on
+    them (opt-in: ``config.hopper_3xtf32``).
 
 Which kernel runs with which tiles on a given GPU is decided above this package, in :mod:`flashnumba.tiling` and
 :mod:`flashnumba.planner`; launching is :mod:`flashnumba._launch`. Nothing here imports those.
