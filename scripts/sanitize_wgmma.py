@@ -7,8 +7,8 @@ sequences not a multiple of the tiles, causal on and off, float16 and bfloat16, 
 64 and 128, GQA with a window, varlen with an empty sequence; the cases of two warpgroups and the producer warpgroup
 (the default threads) copy with tensor maps (head_dim 32, 64, 96, 128, 160 and 256, GQA with a window too), the
 ones of one warpgroup (head_dim 128 and 224) and varlen per thread; then the float32 3xTF32 forward on wgmma
-(``config.hopper_3xtf32``), one and two warpgroups. Each result's largest error against the float64 reference is
-printed. Naming a part (``half``: float16 and bfloat16; ``3xtf32``) runs that part alone.
+(``config.hopper_3xtf32``), one and two warpgroups, and its backward. Each result's largest error against the
+float64 reference is printed. Naming a part (``half``: float16 and bfloat16; ``3xtf32``) runs that part alone.
 """
 
 import sys
@@ -61,3 +61,15 @@ for sq, sk, d, causal, bm, bn in tf32_cases if "3xtf32" in parts else ():
     ref, _ = flashnumba.reference.attention_forward(q, k, v, causal=causal)
     print(f"3xtf32 wgmma sq={sq} sk={sk} d={d} causal={causal} tiles=({bm}, {bn}): max error "
           f"{float(np.abs(out - ref).max()):.2e}")
+
+# its backward (both kernels: the dQ kernel's and the dK/dV kernel's next loop tile copied beside the split of this one)
+backward_cases = ((77, 91, 64, True, 16), (150, 70, 64, False, 32), (65, 140, 128, True, 16))
+for sq, sk, d, causal, loop in backward_cases if "3xtf32" in parts else ():
+    q, k, v, dout = (rng.standard_normal((1, s, 2, d)).astype(np.float32) for s in (sq, sk, sk, sq))
+    out, lse = flashnumba.flash_attn_forward(q, k, v, causal=causal)
+    with flashnumba.config.temporarily("hopper_3xtf32", "per_step"):
+        grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32",
+                                               block_m=loop, block_n=loop)
+    truth = flashnumba.reference.attention_backward(dout, q, k, v, causal=causal)
+    print(f"3xtf32 wgmma backward sq={sq} sk={sk} d={d} causal={causal} loop tiles {loop}: max error "
+          + ", ".join(f"{float(np.abs(np.asarray(g) - t).max()):.2e}" for g, t in zip(grads, truth)))
