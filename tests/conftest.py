@@ -134,6 +134,23 @@ def float32_class_draw(seed, forward):
     return err, base_err, f"{seqlen_q}x{seqlen_k} d={D} causal={causal}"
 
 
+def float32_class_backward_draw(seed, backward):
+    """[err / base_err of dq, dk, dv] of ``backward(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)`` on a shape
+    drawn from ``seed`` (lengths log-uniform in 16 .. 2000, head_dim 64 or 128, causal on odd seeds, float32; out
+    and lse from the exact forward): each gradient's largest error against the float64 truth as a multiple of
+    that of NumPy's float32 backward (the same algorithm from the same out and lse)."""
+    rng = np.random.default_rng(1000 + seed)
+    seqlen_q, seqlen_k = (int(x) for x in np.exp(rng.uniform(np.log(16), np.log(2000), 2)).round())
+    D, causal = int(rng.choice([64, 128])), bool(seed % 2)
+    q, k, v, dout = (rng.standard_normal((1, n, 2, D)).astype(np.float32)
+                     for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+    out, lse = (to_numpy(x) for x in flashnumba.flash_attn_forward(q, k, v, causal=causal))
+    truth = reference.attention_backward(dout, q, k, v, causal=causal)
+    base = reference.attention_backward_blocked(dout, q, k, v, out, lse, causal=causal, dtype=np.float32)
+    grads = backward(dout, q, k, v, out, lse, causal)
+    return [max_err(to_numpy(g), t) / max_err(b, t) for g, t, b in zip(grads, truth, base)]
+
+
 def max_err(a, b):
     """max |a - b| where both are finite; inf where one is NaN or they disagree on +-inf."""
     a = np.asarray(a, np.float64)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import flashnumba
-from conftest import (FULL_COMPILE, assert_close_to_truth, check_backward, check_forward, float32_class_draw, max_err,
-                      random_qkv, to_numpy)
+from conftest import (FULL_COMPILE, assert_close_to_truth, check_backward, check_forward, float32_class_backward_draw,
+                      float32_class_draw, random_qkv, to_numpy)
 from flashnumba import reference
 
 
@@ -152,16 +152,8 @@ def test_3xtf32_backward_error_is_float32_class_on_the_median():
     bound of the forward's test does not hold for either backward, and is not asserted here."""
     ratios = []
     for seed in range(24):
-        rng = np.random.default_rng(1000 + seed)
-        seqlen_q, seqlen_k = (int(x) for x in np.exp(rng.uniform(np.log(16), np.log(2000), 2)).round())
-        D, causal = int(rng.choice([64, 128])), bool(seed % 2)
-        q, k, v, dout = (rng.standard_normal((1, n, 2, D)).astype(np.float32)
-                         for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
-        out, lse = (to_numpy(x) for x in flashnumba.flash_attn_forward(q, k, v, causal=causal))
-        truth = reference.attention_backward(dout, q, k, v, causal=causal)
-        base = reference.attention_backward_blocked(dout, q, k, v, out, lse, causal=causal, dtype=np.float32)
-        grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32")
-        ratios += [max_err(to_numpy(g), t) / max_err(b, t) for g, t, b in zip(grads, truth, base)]
+        ratios += float32_class_backward_draw(seed, lambda dout, q, k, v, out, lse, causal: (
+            flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32")))
     median = float(np.median(ratios))
     assert median <= 2.0, f"median {median:.2f}x NumPy float32's error (largest {max(ratios):.2f})"
 

@@ -18,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashnumba
-from conftest import (check_backward, check_forward, compile_offline, float32_class_draw, max_err, random_qkv, shard,
-                      to_numpy)
-from flashnumba import config, reference
+from conftest import (check_backward, check_forward, compile_offline, float32_class_backward_draw, float32_class_draw,
+                      random_qkv, shard, to_numpy)
+from flashnumba import config
 from flashnumba._backend import cuda
 from flashnumba.kernels import wgmma_tf32, wgmma_tf32_backward
 
@@ -290,16 +290,8 @@ def test_3xtf32_wgmma_backward_error_against_float32(chained):
     tensor cores' truncation costs)."""
     ratios = []
     for seed in range(24):
-        rng = np.random.default_rng(1000 + seed)
-        seqlen_q, seqlen_k = (int(x) for x in np.exp(rng.uniform(np.log(16), np.log(2000), 2)).round())
-        D, causal = int(rng.choice([64, 128])), bool(seed % 2)
-        q, k, v, dout = (rng.standard_normal((1, n, 2, D)).astype(np.float32)
-                         for n in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
-        out, lse = (to_numpy(x) for x in flashnumba.flash_attn_forward(q, k, v, causal=causal))
-        truth = reference.attention_backward(dout, q, k, v, causal=causal)
-        base = reference.attention_backward_blocked(dout, q, k, v, out, lse, causal=causal, dtype=np.float32)
-        grads = run_backward(dout, q, k, v, out, lse, causal, chained=chained)
-        ratios += [max_err(to_numpy(g), t) / max_err(b, t) for g, t, b in zip(grads, truth, base)]
+        ratios += float32_class_backward_draw(seed, lambda dout, q, k, v, out, lse, causal: run_backward(
+            dout, q, k, v, out, lse, causal, chained=chained))
     median = float(np.median(ratios))
     print(f"chained={chained}: error / float32's: median {median:.2f}, largest {max(ratios):.2f}")
     if not chained:

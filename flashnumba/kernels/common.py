@@ -146,6 +146,17 @@ def make_online_softmax(fold, exact=False):
     return quad_max, new_max, prob
 
 
+@cuda.jit(device=True, inline=True)
+def row_stats(lse, delta, b, h, i, seqlen_q):
+    """(log2(e) L_i, D_i) of query row i for the backward's P = exp2(scale log2(e) S - log2(e) L_i) and dS =
+    P (dP - D_i): (0, 0) past the end of the sequence, and log2(e) L_i 0 for a row that sees no key (L_i -inf:
+    every entry of its row is masked)."""
+    if i >= seqlen_q:
+        return float32(0.0), float32(0.0)
+    L = lse[b, h, i]
+    return (L * LOG2E if L != NEG_INF else float32(0.0)), delta[b, h, i]
+
+
 def make_key_range(B_r, B_c, has_left, has_right):
     """key_range(i0, seqlen_q, seqlen_k, diag, left, right) -> (n_start, n_end): the keys that the query rows
     i0 .. i0 + B_r - 1 (within the sequence) can see lie in n_start .. n_end - 1. Row i sees keys

@@ -36,7 +36,7 @@ import math
 
 from . import ptx
 from .._backend import cuda
-from .common import LOG2E, NEG_INF, make_key_range
+from .common import make_key_range, row_stats
 from .mma_tf32 import HEAD_DIMS, PAD_K, PRECISIONS, make_load_a_step, make_tf32_ops
 from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
 from .scalars import float32, uint32
@@ -157,10 +157,7 @@ def make_backward_dq_tf32(D, causal, precision, B_c, warps):
         lrow = cuda.local.array(2, float32)  # log2(e) L_i of rows g, g + 8
         drow = cuda.local.array(2, float32)  # D_i of rows g, g + 8
         for x in range(2):
-            i = i0 + r0 + g + 8 * x
-            L = lse[b, h, i] if i < seqlen_q else float32(0.0)
-            lrow[x] = L * LOG2E if L != NEG_INF else float32(0.0)  # no visible key: every entry is masked
-            drow[x] = delta[b, h, i] if i < seqlen_q else float32(0.0)
+            lrow[x], drow[x] = row_stats(lse, delta, b, h, i0 + r0 + g + 8 * x, seqlen_q)
         for n in range(NO):
             for x in range(4):
                 acc[n, x] = 0.0
@@ -245,10 +242,7 @@ def make_backward_dkdv_tf32(D, causal, precision, B_m, warps):
         for x in range(SR):
             r = tid + x * NT
             if r < B_m:
-                i = row0 + r
-                L = lse[b, h, i] if i < seqlen_q else float32(0.0)
-                lsm[sel, r] = L * LOG2E if L != NEG_INF else float32(0.0)
-                dsm[sel, r] = delta[b, h, i] if i < seqlen_q else float32(0.0)
+                lsm[sel, r], dsm[sel, r] = row_stats(lse, delta, b, h, row0 + r, seqlen_q)
 
     @cuda.jit
     def backward_dkdv_tf32(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale):

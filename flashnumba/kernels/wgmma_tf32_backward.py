@@ -48,7 +48,7 @@ import math
 
 from . import ptx, ptx_hopper as hop
 from .._backend import cuda
-from .common import LOG2E, NEG_INF, make_key_range
+from .common import make_key_range, row_stats
 from .scalars import float32, uint32
 from .wgmma_tf32 import HEAD_DIMS, make_register_products, make_smem_products, make_tile_io
 
@@ -130,10 +130,7 @@ def make_backward_dq_3xtf32_wgmma(D, causal, B_c=DEFAULT_LOOP_ROWS, chained=Fals
         lrow = cuda.local.array(2, float32)  # log2(e) L_i of rows g, g + 8
         drow = cuda.local.array(2, float32)  # D_i of rows g, g + 8
         for x in range(2):
-            i = i0 + 16 * w + g + 8 * x
-            L = lse[b, h, i] if i < seqlen_q else float32(0.0)
-            lrow[x] = L * LOG2E if L != NEG_INF else float32(0.0)  # no visible key: every entry is masked
-            drow[x] = delta[b, h, i] if i < seqlen_q else float32(0.0)
+            lrow[x], drow[x] = row_stats(lse, delta, b, h, i0 + 16 * w + g + 8 * x, seqlen_q)
         for i in range(NQ):
             acc[i] = 0.0
 
@@ -270,15 +267,12 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
         # query tiles that see these keys: causal, rows i >= j0 - diag
         m_begin = max(0, j0 - diag) // B_r if causal else 0
         nt = max(0, (seqlen_q + B_r - 1) // B_r - m_begin)
-        nl = float32(0.0)  # (thread r < B_r: L_i, D_i of row r of the next query tile)
-        nd = float32(0.0)
+        # (thread r < B_r: log2(e) L_i, D_i of row r of the next query tile, fetched a tile ahead)
+        nl, nd = row_stats(lse, delta, b, h, m_begin * B_r + tid if tid < B_r else seqlen_q, seqlen_q)
         if nt > 0:  # Q_0 and dO_0 copied while K_j and V_j are split
             copy_tile(fsmem, RQ, q, b, h, m_begin * B_r, seqlen_q, tid)
             copy_tile(fsmem, RO, dout, b, h, m_begin * B_r, seqlen_q, tid)
             ptx.cp_async_commit()
-            if tid < B_r and m_begin * B_r + tid < seqlen_q:
-                nl = lse[b, h, m_begin * B_r + tid]
-                nd = delta[b, h, m_begin * B_r + tid]
         load_rows(smem, KB, KS, k, b, h, j0, seqlen_k, ROWS * D, tid)
         load_rows(smem, VB, VS, v, b, h, j0, seqlen_k, ROWS * D, tid)
         for it in range(nt):
@@ -290,7 +284,7 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
             split_transposed(smem, fsmem, RQ, QTB, QTS, tid)  # Q_i^T, dO_i^T: queries in the order of P^T's
             split_transposed(smem, fsmem, RO, OTB, OTS, tid)  # registers
             if tid < B_r:
-                lsm[tid] = nl * LOG2E if nl != NEG_INF else float32(0.0)  # (no visible key: masked entries)
+                lsm[tid] = nl
                 dsm[tid] = nd
             hop.fence_proxy_async()
             cuda.syncthreads()  # (the copies consumed, L_i and D_i visible)
@@ -298,11 +292,7 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
                 copy_tile(fsmem, RQ, q, b, h, i0 + B_r, seqlen_q, tid)
                 copy_tile(fsmem, RO, dout, b, h, i0 + B_r, seqlen_q, tid)
                 ptx.cp_async_commit()
-                nl = float32(0.0)
-                nd = float32(0.0)
-                if tid < B_r and i0 + B_r + tid < seqlen_q:
-                    nl = lse[b, h, i0 + B_r + tid]
-                    nd = delta[b, h, i0 + B_r + tid]
+                nl, nd = row_stats(lse, delta, b, h, i0 + B_r + tid if tid < B_r else seqlen_q, seqlen_q)
 
             products_s(s, sa, sb, kb, ks, qb, qs)  # S^T = K_j Q_i^T
             products_s(dp, sa, sb, vb, vs, ob, os_)  # dP^T = V_j dO_i^T
