@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashnumba
-from conftest import (check_backward, check_forward, compile_offline, float32_class_backward_draw, float32_class_draw,
-                      random_qkv, shard, to_numpy)
+from conftest import (FULL_COMPILE, check_backward, check_forward, compile_offline, float32_class_backward_draw,
+                      float32_class_draw, random_qkv, shard, to_numpy)
 from flashnumba import config
 from flashnumba._backend import cuda
 from flashnumba.kernels import wgmma_tf32, wgmma_tf32_backward
@@ -192,13 +192,15 @@ def backward_case(rng, batch, seqlen_q, seqlen_k, nheads, D, causal):
     return dout, q, k, v, out, lse
 
 
-@pytest.mark.parametrize("D, causal, seqlen_q, seqlen_k, block_m, block_n, chained", [
-    (64, True, 70, 45, 16, 32, False),  # two 64-row blocks each way (the second partial), partial loop tiles
-    (64, True, 90, 30, 16, 16, True),  # chained; causal with 60 queries more than keys: rows that see no key
-    (128, False, 20, 40, 16, 16, False),
+@pytest.mark.parametrize("D, causal, seqlen_q, seqlen_k, block_m, block_n, chained, batch, nheads", [
+    (64, True, 70, 45, 32, 32, False, 1, 1),  # two 64-row blocks each way (the second partial), partial loop tiles
+    (64, True, 90, 30, 16, 16, True, 2, 2),  # chained; causal with 60 queries more than keys: rows that see no key
+    (128, False, 20, 40, 16, 16, False, 1, 1),
 ])
-def test_3xtf32_wgmma_backward_matches_the_reference(D, causal, seqlen_q, seqlen_k, block_m, block_n, chained):
-    dout, q, k, v, out, lse = backward_case(np.random.default_rng(D + seqlen_q), 1, seqlen_q, seqlen_k, 1, D, causal)
+def test_3xtf32_wgmma_backward_matches_the_reference(D, causal, seqlen_q, seqlen_k, block_m, block_n, chained, batch,
+                                                     nheads):
+    dout, q, k, v, out, lse = backward_case(np.random.default_rng(D + seqlen_q), batch, seqlen_q, seqlen_k, nheads, D,
+                                            causal)
     grads = run_backward(dout, q, k, v, out, lse, causal, block_m, block_n, chained)
     check_backward(grads, dout, q, k, v, out, lse, causal=causal)
 
@@ -213,7 +215,7 @@ def test_what_the_backward_does_not_take_is_refused(monkeypatch):
         flashnumba.plan_backward(x, x, x, x, x, lse, precision="3xtf32", num_threads=128)
     # its own shared memory against the device's (a cap): at head_dim 128 the dK/dV kernel needs 208 KB
     monkeypatch.setenv("FLASHNUMBA_MAX_SHARED_BYTES", "200000")
-    with pytest.raises(ValueError, match="dK/dV kernel on wgmma at head_dim 128 needs 212992 bytes"):
+    with pytest.raises(ValueError, match="dK/dV kernel on wgmma at head_dim 128 needs 213120 bytes"):
         flashnumba.plan_backward(x, x, x, x, x, lse, precision="3xtf32")
     monkeypatch.delenv("FLASHNUMBA_MAX_SHARED_BYTES")
     with pytest.raises(ValueError, match="head_dim"):
@@ -231,11 +233,16 @@ sigs = dict(dq=f"void({a}, {a}, {a}, {a}, {r}, {r}, {a}, float32, float32)",
             dkdv=f"void({a}, {a}, {a}, {a}, {r}, {r}, {a}, {a}, float32, float32)")
 makes = dict(dq=wb.make_backward_dq_3xtf32_wgmma, dkdv=wb.make_backward_dkdv_3xtf32_wgmma)
 out = {}
-for which, D, n, chained in (("dq", 64, 32, False), ("dkdv", 64, 32, False), ("dq", 128, 16, False),
-                             ("dkdv", 128, 16, False), ("dkdv", 128, 16, True)):
-    fn = makes[which](D, True, n, chained)
+builds = [(which, D, n, chained, causal) for which in makes for D, ns in wb.LOOP_ROWS.items() for n in ns
+          for chained in (False, True) for causal in (False, True)]
+for which, D, n, chained, causal in builds:
+    if not FULL and (which, D, n, chained, causal) not in (
+            ("dq", 64, 32, False, True), ("dkdv", 64, 32, False, True), ("dq", 128, 16, False, True),
+            ("dkdv", 128, 16, False, True), ("dkdv", 128, 16, True, False)):
+        continue  # (per push: these five; FULL_COMPILE: every build)
+    fn = makes[which](D, causal, n, chained)
     _, log, ptx = _launch.build(fn.py_func, sigs[which], (9, 0, "a"), None, False)
-    out[f"{which} D={D} loop={n} chained={chained}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+    out[f"{which} D={D} loop={n} chained={chained} causal={causal}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 
@@ -243,9 +250,11 @@ print(json.dumps(out))
 def test_3xtf32_wgmma_backward_compiles_for_sm90a():
     """Compiled for sm_90a without a GPU: both kernels' TF32 wgmma (from shared memory and with the A operand in
     registers) in the PTX, no spills (the dK/dV kernel at head_dim 128 keeps dK_j, dV_j and a scratch of 64
-    registers each: 244 a thread), and no serialised wgmma."""
+    registers each: 244 a thread), and no serialised wgmma; five builds per push, FULL_COMPILE every one (both
+    kernels, head dims, loop tiles, accumulations, causal or not)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
-    compiled = compile_offline(COMPILE_BACKWARD, os.path.dirname(__file__))
+    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE_BACKWARD}", os.path.dirname(__file__))
+    assert len(compiled) == (24 if FULL_COMPILE else 5)
     for name, r in compiled.items():
         D, n = name.split("D=")[1].split()[0], name.split("loop=")[1].split()[0]
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32" in r["ptx"], name

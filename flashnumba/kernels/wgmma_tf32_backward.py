@@ -34,8 +34,9 @@ as it lies into the last buffers; at the top of the next iteration every thread 
 
 Shared memory, dynamic, float32 bits (:func:`shared_bytes_dq`, :func:`shared_bytes_dkdv`): the block's own two
 tiles' parts (Q_i and dO_i, or K_j and V_j: 64 rows each), then the loop tile's parts as they lie and transposed,
-then its two copies. L_i and D_i of the dK/dV kernel's query tile: a small static array, fetched a tile ahead into
-registers.
+then its two copies; last, the dK/dV kernel's L_i and D_i of the query tile (fetched a tile ahead into registers).
+The buffers are one dynamic array with no static shared array before it, so each lies at a multiple of 16 bytes
+from the start of shared memory, as a matrix descriptor needs (it drops an address's low four bits).
 
 float32 only, head_dim 64 or 128, causal or not (the options of the TF32 backward). The plan takes them for
 ``precision="3xtf32"`` on compute capability 9.0 where ``flashnumba.config.hopper_3xtf32`` is set.
@@ -67,8 +68,8 @@ def shared_bytes_dq(D, B_c):
 
 def shared_bytes_dkdv(D, B_r):
     """K_j's and V_j's parts (64 x D each), Q_i's and dO_i's as they lie and transposed (B_r x D each), Q_i+1 and
-    dO_i+1 as copied; float32 (L_i and D_i: static)."""
-    return 4 * (4 * ROWS * D + 10 * B_r * D)
+    dO_i+1 as copied, L_i and D_i (B_r each); float32."""
+    return 4 * (4 * ROWS * D + 10 * B_r * D + 2 * B_r)
 
 
 def _check(D, loop_rows, what):
@@ -213,6 +214,7 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
     QTB, QTS = base + 4 * B_r * D, base + 5 * B_r * D  # Q_i^T
     OTB, OTS = base + 6 * B_r * D, base + 7 * B_r * D  # dO_i^T
     RQ, RO = base + 8 * B_r * D, base + 9 * B_r * D  # Q_i+1, dO_i+1 as copied
+    LS, DS = base + 10 * B_r * D, base + 10 * B_r * D + B_r  # log2(e) L_i and D_i of the query tile
     SBO_D, SBO_R = 32 * D, 32 * B_r
     products_s = make_smem_products(B_r, KD, CHAINED)
     pack, products_kv = make_register_products(D, KC, CHAINED, TURNS)
@@ -235,8 +237,6 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
 
         smem = cuda.shared.array(0, uint32)
         fsmem = cuda.shared.array(0, float32)
-        lsm = cuda.shared.array(B_r, float32)  # log2(e) L_i of the query tile
-        dsm = cuda.shared.array(B_r, float32)  # D_i of the query tile
         s = cuda.local.array(NS, float32)  # S^T, then P^T (keys g, g + 8 of the warp's 16 x B_r queries)
         dp = cuda.local.array(NS, float32)  # dP^T, then dS^T
         sa = cuda.local.array(NS, float32)
@@ -284,8 +284,8 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
             split_transposed(smem, fsmem, RQ, QTB, QTS, tid)  # Q_i^T, dO_i^T: queries in the order of P^T's
             split_transposed(smem, fsmem, RO, OTB, OTS, tid)  # registers
             if tid < B_r:
-                lsm[tid] = nl
-                dsm[tid] = nd
+                fsmem[LS + tid] = nl
+                fsmem[DS + tid] = nd
             hop.fence_proxy_async()
             cuda.syncthreads()  # (the copies consumed, L_i and D_i visible)
             if it + 1 < nt:
@@ -302,14 +302,14 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
             for n in range(NS // 4):
                 for x in range(4):
                     c = 8 * n + 2 * t + (x & 1)
-                    p = float32(math.exp2(s[4 * n + x] * scale_log2 - lsm[c]))
+                    p = float32(math.exp2(s[4 * n + x] * scale_log2 - fsmem[LS + c]))
                     if masked:
                         i = i0 + c
                         j = j0 + 16 * w + g + 8 * (x >> 1)
                         if i >= seqlen_q or j >= seqlen_k or (causal and j > i + diag):
                             p = float32(0.0)
                     s[4 * n + x] = p
-                    dp[4 * n + x] = p * (dp[4 * n + x] - dsm[c])
+                    dp[4 * n + x] = p * (dp[4 * n + x] - fsmem[DS + c])
 
             pack(fb, fs, s)
             products_kv(dv_acc, ka, ka2, fb, fs, otb, ots)  # dV_j += P^T dO_i
