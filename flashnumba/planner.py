@@ -569,6 +569,12 @@ def _hopper_3x(family, limits):
     return SIMULATOR or tuple(limits.cc) == (9, 0)
 
 
+def _hopper_3x_reason(block_m, block_n):
+    """The plan's reason for a 3xTF32 kernel on wgmma: its accumulation, and whose tiles."""
+    given = "given by the caller" if (block_m, block_n) != (None, None) else "the default tiles"
+    return f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation (config.hopper_3xtf32); {given}"
+
+
 def _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads):
     """(Tiles, reason) of the 3xTF32 forward on wgmma (:func:`_hopper_3x`): the caller's block_m and block_n or
     :mod:`flashnumba.kernels.wgmma_tf32`'s defaults, checked against its tiles and the device's shared memory."""
@@ -581,9 +587,7 @@ def _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads):
     if smem > limits.max_shared_per_block:
         raise ValueError(f"the 3xTF32 forward on wgmma at tiles ({m}, {n}), head_dim {D} needs {smem} bytes of "
                          f"shared memory, more than the {limits.max_shared_per_block} a block may use here")
-    given = "given by the caller" if (block_m, block_n) != (None, None) else "the default tiles"
-    return tiling.Tiles(m, n, 2 * m), (f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation "
-                                       f"(config.hopper_3xtf32); {given}")
+    return tiling.Tiles(m, n, 2 * m), _hopper_3x_reason(block_m, block_n)
 
 
 def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None, device=None,
@@ -948,9 +952,7 @@ def _hopper_3xtf32_backward_tiles(D, limits, block_m, block_n, num_threads):
         if smem > limits.max_shared_per_block:
             raise ValueError(f"the 3xTF32 {what} kernel on wgmma at head_dim {D} needs {smem} bytes of shared "
                              f"memory, more than the {limits.max_shared_per_block} a block may use here")
-    given = "given by the caller" if (block_m, block_n) != (None, None) else "the default tiles"
-    return (tiling.Tiles(own, n, 128), tiling.Tiles(m, own, 128),
-            f"on Hopper's wgmma, {config.hopper_3xtf32.replace('_', ' ')} accumulation (config.hopper_3xtf32); {given}")
+    return tiling.Tiles(own, n, 128), tiling.Tiles(m, own, 128), _hopper_3x_reason(block_m, block_n)
 
 
 def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, block_n=None, num_threads=None,

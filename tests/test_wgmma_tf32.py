@@ -242,7 +242,8 @@ for which, D, n, chained, causal in builds:
         continue  # (per push: these five; FULL_COMPILE: every build)
     fn = makes[which](D, causal, n, chained)
     _, log, ptx = _launch.build(fn.py_func, sigs[which], (9, 0, "a"), None, False)
-    out[f"{which} D={D} loop={n} chained={chained} causal={causal}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+    name = f"{which} D={D} loop={n} chained={chained} causal={causal}"
+    out[name] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 

@@ -348,7 +348,6 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
     if B_r not in BLOCK_MS:
         raise ValueError(f"the 3xTF32 wgmma forward takes block_m in {BLOCK_MS}, got {B_r}")
     BR, NT = B_r, 2 * B_r  # (a warpgroup of 128 threads a 64 rows)
-    check_steps(D // 8, B_c)
     CHAINED = bool(chained)
     NS = B_c // 2  # S accumulator registers a thread
     NO = D // 2  # O accumulator registers a thread

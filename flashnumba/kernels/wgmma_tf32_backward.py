@@ -99,8 +99,7 @@ def make_backward_dq_3xtf32_wgmma(D, causal, B_c=DEFAULT_LOOP_ROWS, chained=Fals
     SBO_D, SBO_C = 32 * D, 32 * B_c
     products_s = make_smem_products(B_c, KD, CHAINED)
     pack, products_dq = make_register_products(D, KC, CHAINED, TURNS)
-    load_rows, _, _, _ = make_tile_io(D, ROWS, NT)
-    _, copy_tile, split_natural, split_transposed = make_tile_io(D, B_c, NT)
+    load_rows, copy_tile, split_natural, split_transposed = make_tile_io(D, B_c, NT)  # (load_rows: any count)
     key_range = make_key_range(ROWS, B_c, False, causal)
 
     @cuda.jit
@@ -218,8 +217,7 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
     SBO_D, SBO_R = 32 * D, 32 * B_r
     products_s = make_smem_products(B_r, KD, CHAINED)
     pack, products_kv = make_register_products(D, KC, CHAINED, TURNS)
-    load_rows, _, _, _ = make_tile_io(D, ROWS, NT)
-    _, copy_tile, split_natural, split_transposed = make_tile_io(D, B_r, NT)
+    load_rows, copy_tile, split_natural, split_transposed = make_tile_io(D, B_r, NT)  # (load_rows: any count)
 
     @cuda.jit
     def backward_dkdv_3xtf32_wgmma(dout, q, k, v, lse, delta, dk, dv, scale_log2, scale):
