@@ -417,29 +417,27 @@ def wgmma_for_mods(t: Tiles, D, blocks, score_mod=False, given=()) -> tuple[Tile
     mask of ``blocks`` (query block, key block; None: none), and why they differ from ``t`` ("" where not);
     ``given``: the names the caller chose (kept). A tile never straddles two blocks: one warpgroup (block_m 64, every
     thread computing) where the query blocks are a multiple of 64 but not of the table's rows, and key tiles that
-    divide the key blocks (64 where 128 does not). A score_mod's per-score work takes key tiles of 64 (compiled for
-    sm_90a, the relative-bias example beside 128 keys' scores spilled 180 bytes; at 64, none); above head_dim 64 so
-    does a block mask: its lists and states beside 128 keys' scores and O spill there (the causal and documents
-    masks 220-336 bytes; at 64 keys, none). Above head_dim 128 either takes key tiles of 32 (the relative-bias
-    example with documents and a block mask at d = 192 spilled 240 bytes beside 64 keys' scores)."""
+    divide the key blocks (the largest of the table's tile and the smaller ones that does). A score_mod's per-score
+    work takes key tiles of 64 (compiled for sm_90a, the relative-bias example beside 128 keys' scores spilled 180
+    bytes; at 64, none), and of 32 above head_dim 128 (that example with documents and a block mask at d = 192
+    spilled 240 bytes beside 64 keys' scores). A mask_mod alone keeps the table's tiles: the kernel evaluates it
+    before S_ij is issued, into one bit a score (``wgmma_forward.make_forward_wgmma``'s ``mask_tile``; the causal,
+    window, prefix-LM and documents masks with a block mask spill nothing at d = 128 with 128 keys a tile, nor at
+    d = 160 to 224 with 64)."""
     new, why = t, []
     if (blocks is not None and blocks[0] % t.block_m and blocks[0] % 64 == 0
             and not {"block_m", "num_threads"} & set(given)):
         new = new._replace(block_m=64, num_threads=wgmma_forward.threads(1))
         why.append(f"one warpgroup (block_m 64): to divide the block mask's query blocks of {blocks[0]}")
-    if "block_n" not in given and D > 128 and (score_mod or blocks is not None) and new.block_n > 32:
-        new = new._replace(block_n=32)
-        why.append("B_c 32: a user's score_mod or a block mask's lists beside O above head_dim 128 spill")
-    if "block_n" not in given and new.block_n > 64:
-        if score_mod:
-            new = new._replace(block_n=64)
-            why.append("B_c 64: a user's score_mod beside 128 keys' scores spills")
-        elif blocks is not None and blocks[1] % new.block_n:
-            new = new._replace(block_n=64)
-            why.append(f"B_c 64: to divide the block mask's key blocks of {blocks[1]}")
-        elif blocks is not None and D > 64:
-            new = new._replace(block_n=64)
-            why.append("B_c 64: a block mask's lists beside 128 keys' scores spill above head_dim 64")
+    if "block_n" not in given and score_mod and new.block_n > (32 if D > 128 else 64):
+        new = new._replace(block_n=32 if D > 128 else 64)
+        why.append(f"B_c {new.block_n}: a user's score_mod beside "
+                   + ("O above head_dim 128 spills" if D > 128 else "128 keys' scores spills"))
+    if "block_n" not in given and blocks is not None and blocks[1] % new.block_n:
+        fits = [n for n in wgmma_forward.BLOCK_NS if n < new.block_n and blocks[1] % n == 0]
+        if fits:
+            new = new._replace(block_n=max(fits))
+            why.append(f"B_c {new.block_n}: to divide the block mask's key blocks of {blocks[1]}")
     return new, "; ".join(why)
 
 

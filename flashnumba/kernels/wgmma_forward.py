@@ -107,8 +107,8 @@ from .scalars import float16, float32, int64, uint16, uint32, uint64
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .block_mask import make_block_full
-from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_online_softmax, make_score_mod,
-                     make_sequence_geometry, make_user_mods)
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_mask_bits, make_online_softmax,
+                     make_score_mod, make_sequence_geometry, make_user_mods)
 
 HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (the copies' 4 column blocks a warp), N of O's wgmma <= 256
 BLOCK_NS = (32, 48, 64, 128)  # keys a tile (N of S's wgmma, K of O's: multiples of 16; below 64 where three stages of
@@ -487,7 +487,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     SUB = block_mask[1] // B_c if BM else 1  # key tiles a block of the block mask
     USER_MASK = mods is not None and mods.mask_mod is not None
     USER_SCORE = mods is not None and mods.score_mod is not None
-    user_score, user_mask = make_user_mods(mods)
+    user_score, _ = make_user_mods(mods)
+    hide, hidden = make_mask_bits(mods)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups, producer):
@@ -532,12 +533,26 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     quad_max, new_max, prob = make_online_softmax(FOLD)  # (mma_forward's steps, on the same register layout)
 
     @cuda.jit(device=True, inline=True)
+    def mask_tile(b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3):
+        """The user's mask_mod on this lane's scores of the tile of keys from j0, before S_ij = Q_i K_j^T is
+        issued: one bit a score (bit 4 n + x: register s[4 n + x]), set where it hides the entry. Evaluated here its
+        code has the registers the products' results will take (beside them, with O_i and the packed P of the
+        product still running, 128 keys' scores spilled at head_dim 128), and the softmax reads one word."""
+        bits = uint64(0)
+        for n in range(NS // 4):
+            for x in range(4):
+                bits = hide(bits, 4 * n + x, int64(b), int64(h), i0 + r0 + 8 * (x >> 1), j0 + 8 * n + 2 * t + (x & 1),
+                            seqlen_q, seqlen_k, a0, a1, a2, a3)
+        return bits
+
+    @cuda.jit(device=True, inline=True)
     def softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row, scale_q,
-                     softcap, slope, left, right, p_drop, seed, offset, partial, a0, a1, a2, a3):
+                     softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3):
         """The online softmax of mma_forward on this lane's rows g and g + 8 of S_ij (registers s): scores in
         base 2 (softcap and ALiBi in natural units first), masked where the tile reaches past the sequence or out
-        of a row's band, and where the user's mask_mod hides them in a ``partial`` tile, m_i, alpha = exp2(m_old -
-        m_new), P_ij = exp2(S_ij - m_new) into s (0 where masked; dropout applied after l_i has summed it), l_i."""
+        of a row's band, and where the user's mask_mod hides them in a ``partial`` tile (``bits``, :func:`mask_tile`),
+        m_i, alpha = exp2(m_old - m_new), P_ij = exp2(S_ij - m_new) into s (0 where masked; dropout applied after
+        l_i has summed it), l_i."""
         masked = (j0 + B_c > seqlen_k or (HAS_RIGHT and j0 + B_c - 1 > i0 + diag + right)
                   or (HAS_LEFT and j0 < last_row + diag - left))
         if not FOLD:
@@ -560,8 +575,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                     if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                             or (HAS_RIGHT and j > i + diag + right)):
                         s[4 * n + x] = NEG_INF
-                    elif USER_MASK and partial and i < seqlen_q and not user_mask(int64(b), int64(h), i, j, a0, a1,
-                                                                                  a2, a3):
+                    elif USER_MASK and partial and hidden(bits, 4 * n + x):
                         s[4 * n + x] = NEG_INF
         mx0 = NEG_INF
         mx1 = NEG_INF
@@ -778,18 +792,20 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         if n_tiles > 0:
             j0 = first_key(0, n_start, qb, blocks)
             partial = part_of(bm_state, bbm, hbm, qb, j0)
+            bits = mask_tile(b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3) if partial else uint64(0)
             tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, 0)
             their_turn(gw)
             wait_s(0, s)
             softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
-                         scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, a0, a1, a2, a3)
+                         scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
             rescale_and_pack(o, pa, s, alpha)
         # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs
         for jt in range(1, n_tiles):
             j0 = first_key(jt, n_start, qb, blocks)
-            partial = part_of(bm_state, bbm, hbm, qb, j0)  # (read before the waits: its latency hides behind them)
+            partial = part_of(bm_state, bbm, hbm, qb, j0)
+            bits = mask_tile(b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3) if partial else uint64(0)
             tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, jt)
@@ -797,7 +813,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             their_turn(gw)
             wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
             softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
-                         scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, a0, a1, a2, a3)
+                         scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
             wait_o(0, o)
             tile_done(bars, jt - 1)
             rescale_and_pack(o, pa, s, alpha)
