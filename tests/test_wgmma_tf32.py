@@ -297,7 +297,9 @@ def test_3xtf32_wgmma_backward_error_against_float32(chained):
     """The gradients' error against the float64 truth as a multiple of NumPy's float32 backward's (the same
     algorithm from the same out and lse), the draws of the mma.sync 3xTF32 backward's test (tests/test_tf32.py):
     at most 2x on the median for each k-step's products from zero; the ratios are printed (chained: what the
-    tensor cores' truncation costs)."""
+    tensor cores' truncation costs). No draw may pass 10x: single draws of the mma.sync 3xTF32 and the SIMT
+    backwards reach 4-6x (tests/test_tf32.py), a wrong gradient is orders of magnitude off, and a median alone
+    would let one head dim's gradients be wrong where the other's are right."""
     ratios = []
     for seed in range(24):
         ratios += float32_class_backward_draw(seed, lambda dout, q, k, v, out, lse, causal: run_backward(
@@ -306,3 +308,4 @@ def test_3xtf32_wgmma_backward_error_against_float32(chained):
     print(f"chained={chained}: error / float32's: median {median:.2f}, largest {max(ratios):.2f}")
     if not chained:
         assert median <= 2.0, f"median {median:.2f}x NumPy float32's error (largest {max(ratios):.2f})"
+        assert max(ratios) <= 10.0, ratios
