@@ -75,12 +75,14 @@ tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep 
 reach into the next sequence, where the kernel needs zeros).
 
 **A user's score_mod, mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention`
-with ``kernel="wgmma"``). The score_mod modifies each score after softcap and ALiBi, as they do. The mask_mod is
-one more test in the mask's own pass, which then runs in every tile that it may hide entries of: every tile
-without a block mask, a block mask's partial blocks with one. With a block mask the
-key loop visits the tiles of the key blocks it lists for the query block, in order; the producer reads the same
-list for its copies, and the warpgroups read each tile's first key and its block's state at the top of their
-iteration, before they wait for the tile, so that those loads' latency hides behind the wait.
+with ``kernel="wgmma"``). The score_mod modifies each score after softcap and ALiBi, as they do. The mask_mod runs
+in every tile that it may hide entries of (every tile without a block mask, a block mask's partial blocks with
+one) before the tile's products are issued, leaving one bit a score that the mask's pass reads: its code then has
+the registers the scores will take (evaluated beside them, with O_i and the packed P of the running product, a
+mask of 128 keys spilled at head_dim 128). With a block mask the key loop visits the tiles of the key blocks it
+lists for the query block, in order; the producer reads the same list for its copies, and the warpgroups read each
+tile's first key and its block's state at the top of their iteration, before they wait for the tile (the state
+then says at once whether the mask_mod runs).
 
 **Registers where the work is.** The SM's 64K registers are shared by its threads: a block of 384 starts each at
 168. The producer only copies, so with two warpgroups it gives back all but 56 (``setmaxnreg.dec``) and each
@@ -469,8 +471,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     options': (q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed, offset, maps,
     a0, a1, a2, a3, bm_num, bm_idx, bm_state); q, k, v, out C-contiguous. ``mods``: a user's score_mod and mask_mod
     (:class:`flashnumba.kernels.common.Mods`), called for the entries within the sequences, reading the arrays a0 .. a3:
-    the score_mod at every score after softcap and ALiBi (as in make_forward_tc), the mask_mod in the mask's own pass of
-    the tiles it may hide entries of. ``block_mask``: (QB, KB) as in make_forward_tc (multiples of B_r and B_c): the key
+    the score_mod at every score after softcap and ALiBi (as in make_forward_tc), the mask_mod before the products of
+    the tiles it may hide entries of (:func:`mask_tile`). ``block_mask``: (QB, KB) as in make_forward_tc (multiples of B_r and B_c): the key
     loop, the producer's copies among it, visits only the key blocks bm_idx lists for the query block, and the mask_mod
     runs only in the partial ones. With ``producer`` (warps, one of :data:`PRODUCER_WARPS`) more warps of the block make
     every copy, the warpgroups wait for tiles on mbarriers and, two of them, take turns at the tensor cores (module
