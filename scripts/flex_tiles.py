@@ -1,5 +1,6 @@
 """The causal mask_mod with a block mask at several tensor-core forward tiles, beside the built-in causal kernel,
-then the backward (the dK/dV kernel's default tiles and (32, 128) at d=128). On a GPU:
+then the backward (the dK/dV kernel's default tiles and (32, 128) at d=128); on compute capability 9.0 the default
+is the Hopper forward (B_c 128 at d=128, 64 its tiles before the mask bits: "mod wgmma B_c 64"). On a GPU:
 
     python scripts/flex_tiles.py
 
@@ -49,7 +50,9 @@ for d in (64, 128):
     q, k, v = (cupy.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(3))
     bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
     cases = [("built-in causal", lambda: flashnumba.flash_attn_forward(q, k, v, causal=True)),
-             ("mod default", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm))]
+             ("mod default", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm)),
+             ("mod wgmma B_c 64", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm, kernel="wgmma",
+                                                                   block_n=64))]
     for m, bn, nt in ((128, 128, 256), (128, 64, 256), (128, 64, 128), (64, 64, 128)):
         cases.append((f"mod ({m}, {bn}, {nt})", lambda m=m, bn=bn, nt=nt: flashnumba.flex_attention(
             q, k, v, block_mask=bm, kernel="tc", block_m=m, block_n=bn, num_threads=nt)))
