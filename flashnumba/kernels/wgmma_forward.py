@@ -472,14 +472,14 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     a0, a1, a2, a3, bm_num, bm_idx, bm_state); q, k, v, out C-contiguous. ``mods``: a user's score_mod and mask_mod
     (:class:`flashnumba.kernels.common.Mods`), called for the entries within the sequences, reading the arrays a0 .. a3:
     the score_mod at every score after softcap and ALiBi (as in make_forward_tc), the mask_mod before the products of
-    the tiles it may hide entries of (:func:`mask_tile`). ``block_mask``: (QB, KB) as in make_forward_tc (multiples of B_r and B_c): the key
-    loop, the producer's copies among it, visits only the key blocks bm_idx lists for the query block, and the mask_mod
-    runs only in the partial ones. With ``producer`` (warps, one of :data:`PRODUCER_WARPS`) more warps of the block make
-    every copy, the warpgroups wait for tiles on mbarriers and, two of them, take turns at the tensor cores (module
-    docstring: warp specialisation). Compiled for sm_90a (wgmma). With ``tma`` (:func:`takes_tma`) the producer's one
-    thread copies each tile with the copy engine (module docstring: tensor-map copies), ``maps`` holding the tensor maps
-    of q, k and v (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid (ceil(max_seqlen_q / B_r),
-    batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`."""
+    the tiles it may hide entries of (``mask_tile``). ``block_mask``: (QB, KB) as in make_forward_tc (multiples of
+    B_r and B_c): the key loop, the producer's copies among it, visits only the key blocks bm_idx lists for the query
+    block, and the mask_mod runs only in the partial ones. With ``producer`` (warps, one of :data:`PRODUCER_WARPS`) more
+    warps of the block make every copy, the warpgroups wait for tiles on mbarriers and, two of them, take turns at the
+    tensor cores (module docstring: warp specialisation). Compiled for sm_90a (wgmma). With ``tma`` (:func:`takes_tma`)
+    the producer's one thread copies each tile with the copy engine (module docstring: tensor-map copies), ``maps``
+    holding the tensor maps of q, k and v (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid
+    (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`."""
     check(D, 64 * warpgroups, B_c, threads(warpgroups, producer))
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
@@ -535,16 +535,18 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     quad_max, new_max, prob = make_online_softmax(FOLD)  # (mma_forward's steps, on the same register layout)
 
     @cuda.jit(device=True, inline=True)
-    def mask_tile(b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3):
-        """The user's mask_mod on this lane's scores of the tile of keys from j0, before S_ij = Q_i K_j^T is
-        issued: one bit a score (bit 4 n + x: register s[4 n + x]), set where it hides the entry. Evaluated here its
-        code has the registers the products' results will take (beside them, with O_i and the packed P of the
-        product still running, 128 keys' scores spilled at head_dim 128), and the softmax reads one word."""
+    def mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3):
+        """The user's mask_mod on this lane's scores of the tile of keys from j0 where the tile is ``partial``
+        (none: 0), before S_ij = Q_i K_j^T is issued: one bit a score (bit 4 n + x: register s[4 n + x]), set where
+        it hides the entry. Evaluated here its code has the registers the products' results will take (beside them,
+        with O_i and the packed P of the product still running, 128 keys' scores spilled at head_dim 128), and the
+        softmax reads one word."""
         bits = uint64(0)
-        for n in range(NS // 4):
-            for x in range(4):
-                bits = hide(bits, 4 * n + x, int64(b), int64(h), i0 + r0 + 8 * (x >> 1), j0 + 8 * n + 2 * t + (x & 1),
-                            seqlen_q, seqlen_k, a0, a1, a2, a3)
+        if partial:
+            for n in range(NS // 4):
+                for x in range(4):
+                    bits = hide(bits, 4 * n + x, int64(b), int64(h), i0 + r0 + 8 * (x >> 1),
+                                j0 + 8 * n + 2 * t + (x & 1), seqlen_q, seqlen_k, a0, a1, a2, a3)
         return bits
 
     @cuda.jit(device=True, inline=True)
@@ -577,7 +579,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                     if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
                             or (HAS_RIGHT and j > i + diag + right)):
                         s[4 * n + x] = NEG_INF
-                    elif USER_MASK and partial and hidden(bits, 4 * n + x):
+                    elif USER_MASK and hidden(bits, 4 * n + x):  # (bits: 0 outside partial tiles)
                         s[4 * n + x] = NEG_INF
         mx0 = NEG_INF
         mx1 = NEG_INF
@@ -794,7 +796,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         if n_tiles > 0:
             j0 = first_key(0, n_start, qb, blocks)
             partial = part_of(bm_state, bbm, hbm, qb, j0)
-            bits = mask_tile(b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3) if partial else uint64(0)
+            bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
             tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, 0)
@@ -807,7 +809,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         for jt in range(1, n_tiles):
             j0 = first_key(jt, n_start, qb, blocks)
             partial = part_of(bm_state, bbm, hbm, qb, j0)
-            bits = mask_tile(b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3) if partial else uint64(0)
+            bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
             tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, jt)
