@@ -572,9 +572,41 @@ def _install_direct_device_calls():
     simkernel.swapped_cuda_module = swapped_cuda_module
 
 
+def _install_shared_arrays_made_once():
+    """Make each static shared array of a simulated launch once, whichever thread reaches it first (flashnumba
+    does this on import, under the simulator).
+
+    Numba's simulator keys a launch's static shared arrays by the line that declares them: the first thread to
+    reach the line makes the array and stores it, the others look it up. Looking up and storing are two steps, so
+    two threads of a block's first touch can each find nothing, each make an array, and the one stored last
+    wins: the other thread then writes to an array the block never reads, and the block reads uninitialised
+    memory where its writes should be (seen as a rare wrong gradient, once in about a hundred runs of a test).
+    Here the store is one atomic ``dict.setdefault``, so every thread gets the array stored first. The caller's
+    line comes from its frame rather than from a walk of the whole stack, as the simulator's did."""
+    from numba.cuda.simulator import kernelapi
+    kernelapi_types, numpy_support = kernelapi.types, kernelapi.numpy_support  # (as the simulator imports them)
+
+    simulators_array, getframe = kernelapi.FakeCUDAShared.array, sys._getframe
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory (one buffer), or the simulator's refusal
+            return simulators_array(self, shape, dtype, alignment)
+        frame = getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        made = self._allocations.get(caller)
+        if made is None:
+            if isinstance(dtype, kernelapi_types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            made = self._allocations.setdefault(caller, np.empty(shape, dtype))
+        return made
+
+    kernelapi.FakeCUDAShared.array = array
+
+
 if SIMULATOR:
     _install_yielding_block_manager()
     _install_direct_device_calls()
+    _install_shared_arrays_made_once()
 
 
 class SimBound:

@@ -324,6 +324,38 @@ def test_a_simulated_launch_puts_back_the_switch_interval(monkeypatch):
     assert calls[0] == pytest.approx(_launch.SIM_SWITCH_INTERVAL_S) and calls[-1] == pytest.approx(0.01)
 
 
+@pytest.mark.skipif(not flashnumba.SIMULATOR, reason="the simulator's shared arrays")
+def test_every_thread_of_a_simulated_block_gets_the_same_shared_array(monkeypatch):
+    # Numba's simulator looks a static shared array up, and makes and stores it where it finds none, in two steps:
+    # two threads could each make one and the block's writes then go to an array it never reads. Making the array
+    # slow (as an interrupted thread would be) lets every thread of the block miss; each must still get the first.
+    import threading
+    import time
+
+    made = []
+    empty = np.empty
+
+    def slow_empty(*args, **kwargs):
+        made.append(threading.get_ident())
+        time.sleep(0.002)
+        return empty(*args, **kwargs)
+
+    @cuda.jit
+    def rotate(out):
+        s = cuda.shared.array((32,), np.float32)
+        t = cuda.threadIdx.x
+        s[t] = t
+        cuda.syncthreads()
+        out[t] = s[(t + 1) % 32]
+
+    out = np.zeros(32, np.float32)
+    monkeypatch.setattr(np, "empty", slow_empty)
+    rotate[1, 32](out)
+    monkeypatch.undo()
+    assert len(made) > 1  # (the race was there to lose)
+    np.testing.assert_array_equal(out, (np.arange(32) + 1) % 32)
+
+
 def test_config_temporarily_restores_and_refuses_unknown_names():
     from flashnumba import config
     before = config.hopper_tma
