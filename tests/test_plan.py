@@ -327,17 +327,25 @@ def test_a_simulated_launch_puts_back_the_switch_interval(monkeypatch):
 @pytest.mark.skipif(not flashnumba.SIMULATOR, reason="the simulator's shared arrays")
 def test_every_thread_of_a_simulated_block_gets_the_same_shared_array(monkeypatch):
     # Numba's simulator looks a static shared array up, and makes and stores it where it finds none, in two steps:
-    # two threads could each make one and the block's writes then go to an array it never reads. Making the array
-    # slow (as an interrupted thread would be) lets every thread of the block miss; each must still get the first.
+    # two threads could each make one and the block's writes then go to an array it never reads. Here the first
+    # simulated thread to make the array waits (as an interrupted thread would) until a second one has missed it
+    # too; each must still get the same array.
     import threading
-    import time
+
+    from numba.cuda.simulator.kernel import BlockThread
 
     made = []
+    both_missed = threading.Barrier(2)
     empty = np.empty
 
     def slow_empty(*args, **kwargs):
-        made.append(threading.get_ident())
-        time.sleep(0.002)
+        if isinstance(threading.current_thread(), BlockThread):
+            made.append(threading.get_ident())
+            if len(made) <= 2:
+                try:
+                    both_missed.wait(timeout=10)
+                except threading.BrokenBarrierError:
+                    pass
         return empty(*args, **kwargs)
 
     @cuda.jit
@@ -352,7 +360,7 @@ def test_every_thread_of_a_simulated_block_gets_the_same_shared_array(monkeypatc
     monkeypatch.setattr(np, "empty", slow_empty)
     rotate[1, 32](out)
     monkeypatch.undo()
-    assert len(made) > 1  # (the race was there to lose)
+    assert len(made) > 1 and not both_missed.broken  # (the race was there to lose)
     np.testing.assert_array_equal(out, (np.arange(32) + 1) % 32)
 
 
