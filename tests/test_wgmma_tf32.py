@@ -92,6 +92,8 @@ COMPILE = r"""
 import json
 from flashnumba import _launch
 from flashnumba.kernels import wgmma_tf32
+from flashnumba.tools import sass
+unread = lambda cubin: sass.unread_accumulators(sass.disassemble(cubin)) if sass.nvdisasm_path() else None
 a = "float32[:, :, :, ::1]"
 sig = f"void({a}, {a}, {a}, {a}, float32[:, :, ::1], float32)"
 out = {}
@@ -99,15 +101,17 @@ for D, n, chained, m in ((64, 32, True, 64), (64, 64, True, 64), (128, 32, True,
                          (128, 32, False, 64), (64, 16, False, 128), (128, 16, False, 128), (128, 32, False, 128),
                          (64, 64, False, 64), (64, 64, False, 128), (128, 32, True, 128)):
     fn = wgmma_tf32.make_forward_3xtf32_wgmma(D, True, n, chained, m)
-    _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(2 * m, False), False)
-    out[f"D={D} B_c={n} chained={chained} B_r={m}"] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+    cubin, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(2 * m, False), False)
+    out[f"D={D} B_c={n} chained={chained} B_r={m}"] = dict(ptx=ptx, log=log, unread=unread(cubin),
+                                                          **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 
 
 def test_3xtf32_wgmma_compiles_for_sm90a():
-    """Compiled for sm_90a without a GPU: the TF32 wgmma in the PTX, no spills, and no serialised wgmma (a called
-    routine in the kernel, such as a 64-bit division or a division's slow path, serialises every one)."""
+    """Compiled for sm_90a without a GPU: the TF32 wgmma in the PTX, no spills, no serialised wgmma (a called
+    routine in the kernel, such as a 64-bit division or a division's slow path, serialises every one), and every
+    wgmma result read in the machine code (:func:`check_machine_code`)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(COMPILE, os.path.dirname(__file__))
     for name, r in compiled.items():
@@ -115,6 +119,16 @@ def test_3xtf32_wgmma_compiles_for_sm90a():
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32" in r["ptx"], name
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r["log"][-600:])
         assert "serialized" not in r["log"], (name, r["log"][-600:])
+    check_machine_code(compiled)
+
+
+def check_machine_code(compiled):
+    """Every wgmma group's accumulator read before it is overwritten, in the machine code
+    (:func:`flashnumba.tools.sass.unread_accumulators`; the assembler once dropped such reads where the PTX was
+    right); skipped where nvdisasm is not installed (the test extra has it)."""
+    if any(r["unread"] is None for r in compiled.values()):
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): the machine code is not checked")
+    assert {name: r["unread"] for name, r in compiled.items() if r["unread"]} == {}
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
@@ -251,6 +265,8 @@ COMPILE_BACKWARD = r"""
 import json
 from flashnumba import _launch
 from flashnumba.kernels import wgmma_tf32_backward as wb
+from flashnumba.tools import sass
+unread = lambda cubin: sass.unread_accumulators(sass.disassemble(cubin)) if sass.nvdisasm_path() else None
 a, r = "float32[:, :, :, ::1]", "float32[:, :, ::1]"
 sigs = dict(dq=f"void({a}, {a}, {a}, {a}, {r}, {r}, {a}, float32, float32)",
             dkdv=f"void({a}, {a}, {a}, {a}, {r}, {r}, {a}, {a}, float32, float32)")
@@ -264,9 +280,9 @@ for which, D, n, chained, causal in builds:
             ("dkdv", 128, 16, False, True), ("dkdv", 128, 16, True, False)):
         continue  # (per push: these five; FULL_COMPILE: every build)
     fn = makes[which](D, causal, n, chained)
-    _, log, ptx = _launch.build(fn.py_func, sigs[which], (9, 0, "a"), None, False)
+    cubin, log, ptx = _launch.build(fn.py_func, sigs[which], (9, 0, "a"), None, False)
     name = f"{which} D={D} loop={n} chained={chained} causal={causal}"
-    out[name] = dict(ptx=ptx, log=log, **_launch.resources_from_log(log))
+    out[name] = dict(ptx=ptx, log=log, unread=unread(cubin), **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 
@@ -274,7 +290,9 @@ print(json.dumps(out))
 def test_3xtf32_wgmma_backward_compiles_for_sm90a():
     """Compiled for sm_90a without a GPU: both kernels' TF32 wgmma (from shared memory and with the A operand in
     registers) in the PTX, no spills (the dK/dV kernel at head_dim 128 keeps dK_j, dV_j and a scratch of 64
-    registers each: 244 a thread), and no serialised wgmma; five builds per push, FULL_COMPILE every one (both
+    registers each: 244 a thread), no serialised wgmma, and every wgmma result read in the machine code
+    (:func:`check_machine_code`: at head_dim 64 S's first register was not, with S and dP sharing their scratch
+    accumulators); five builds per push, FULL_COMPILE every one (both
     kernels, head dims, loop tiles, accumulations, causal or not)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE_BACKWARD}", os.path.dirname(__file__))
@@ -285,6 +303,7 @@ def test_3xtf32_wgmma_backward_compiles_for_sm90a():
         assert f"wgmma.mma_async.sync.aligned.m64n{D}k8.f32.tf32.tf32" in r["ptx"], name
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r["log"][-600:])
         assert "serialized" not in r["log"], (name, r["log"][-600:])
+    check_machine_code(compiled)
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")

@@ -38,6 +38,12 @@ then its two copies; last, the dK/dV kernel's L_i and D_i of the query tile (fet
 The buffers are one dynamic array with no static shared array before it, so each lies at a multiple of 16 bytes
 from the start of shared memory, as a matrix descriptor needs (it drops an address's low four bits).
 
+S and dP's scratch: with per-step accumulation, S's k-steps and dP's each run in turns through two scratch
+accumulators. S and dP take two pairs of their own: with one pair for both, the assembler (nvJitLink 13.5 for
+sm_90a, at head_dim 64) dropped the adds of the first register of every S k-step and took P's first element from
+dP's sum, though the PTX was right (on the GPU the gradients came out wrong; in the simulator, right). Eight
+registers a pair at a loop tile of 16 keys or queries; the kernels' registers did not grow.
+
 float32 only, head_dim 64 or 128, causal or not (the options of the TF32 backward). The plan takes them for
 ``precision="3xtf32"`` on compute capability 9.0 where ``flashnumba.config.hopper_3xtf32`` is set.
 """
@@ -122,6 +128,8 @@ def make_backward_dq_3xtf32_wgmma(D, causal, B_c=DEFAULT_LOOP_ROWS, chained=Fals
         dp = cuda.local.array(NS, float32)  # dP, then dS
         sa = cuda.local.array(NS, float32)  # (each k-step's products, in turns)
         sb = cuda.local.array(NS, float32)
+        da = cuda.local.array(NS, float32)  # (dP's own: module docstring, "S and dP's scratch")
+        db = cuda.local.array(NS, float32)
         acc = cuda.local.array(NQ, float32)  # dQ_i
         qa = cuda.local.array(NQ, float32)  # (dQ's k-steps from zero)
         qa2 = cuda.local.array(NQ if TURNS else 1, float32)
@@ -168,7 +176,7 @@ def make_backward_dq_3xtf32_wgmma(D, causal, B_c=DEFAULT_LOOP_ROWS, chained=Fals
                 ptx.cp_async_commit()
 
             products_s(s, sa, sb, qb, qs, kb, ks)  # S = Q_i K_j^T
-            products_s(dp, sa, sb, ob, os_, vb, vs)  # dP = dO_i V_j^T
+            products_s(dp, da, db, ob, os_, vb, vs)  # dP = dO_i V_j^T
 
             # P from the logsumexp, dS = P (dP - D_i); s[4 n + x] is row g + 8 (x >> 1), key 8 n + 2 t + (x & 1)
             masked = j0 + B_c > seqlen_k or (causal and j0 + B_c - 1 > i0 + diag)
@@ -239,6 +247,8 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
         dp = cuda.local.array(NS, float32)  # dP^T, then dS^T
         sa = cuda.local.array(NS, float32)
         sb = cuda.local.array(NS, float32)
+        da = cuda.local.array(NS, float32)  # (dP^T's own: module docstring, "S and dP's scratch")
+        db = cuda.local.array(NS, float32)
         dk_acc = cuda.local.array(NK, float32)
         dv_acc = cuda.local.array(NK, float32)
         ka = cuda.local.array(NK, float32)  # (dK's, dV's k-steps from zero)
@@ -293,7 +303,7 @@ def make_backward_dkdv_3xtf32_wgmma(D, causal, B_r=DEFAULT_LOOP_ROWS, chained=Fa
                 nl, nd = row_stats(lse, delta, b, h, i0 + B_r + tid if tid < B_r else seqlen_q, seqlen_q)
 
             products_s(s, sa, sb, kb, ks, qb, qs)  # S^T = K_j Q_i^T
-            products_s(dp, sa, sb, vb, vs, ob, os_)  # dP^T = V_j dO_i^T
+            products_s(dp, da, db, vb, vs, ob, os_)  # dP^T = V_j dO_i^T
 
             # P^T, dS^T; s[4 n + x] is key g + 8 (x >> 1) of warp w's 16, query column c = 8 n + 2 t + (x & 1)
             masked = i0 + B_r > seqlen_q or j0 + ROWS > seqlen_k or (causal and j0 + ROWS - 1 > i0 + diag)
