@@ -263,6 +263,14 @@ def assert_reference_gradient_matches_finite_differences(q, k, v, dout, **opts):
         np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
 
 
+# what an offline compile script puts beside each build's cubin: the wgmma groups whose accumulators the machine
+# code never reads (None where nvdisasm is not installed), for check_machine_code
+UNREAD = """
+from flashnumba.tools import sass
+unread = lambda cubin: sass.unread_accumulators(sass.disassemble(cubin)) if sass.nvdisasm_path() else None
+"""
+
+
 def compile_offline(script, *args):
     """Run ``script`` (Python that compiles kernels and prints one JSON line last) with the real numba.cuda and no
     GPU needed; its JSON. Skips where NVVM is not installed."""
@@ -277,6 +285,15 @@ def compile_offline(script, *args):
         pytest.skip("NVVM is not installed (pip install numba-cuda[cu13])")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_machine_code(compiled):
+    """Every wgmma group's accumulator read before it is overwritten, in the machine code
+    (:func:`flashnumba.tools.sass.unread_accumulators`; the assembler once dropped such reads where the PTX was
+    right); skipped where nvdisasm is not installed (the test extra has it)."""
+    if any(r["unread"] is None for r in compiled.values()):
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): the machine code is not checked")
+    assert {name: r["unread"] for name, r in compiled.items() if r["unread"]} == {}
 
 
 def pytest_runtest_logreport(report):

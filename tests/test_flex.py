@@ -384,9 +384,9 @@ cases = ([(sys.argv[1], D, bm) for D in (64, 128) for bm in ((True, False) if ma
 
 def build(s, p, what):
     fn = s.factory(*s.factory_args)
-    _, log, ptx = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})", (9, 0, "a"),
-                                _launch.launch_bounds(s), s.whole_program)
-    out[f"{what} {s.name} tiles={tuple(s.tiles)}"] = dict(log=log, serialised="serialized" in log,
+    cubin, log, ptx = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})", (9, 0, "a"),
+                                    _launch.launch_bounds(s), s.whole_program)
+    out[f"{what} {s.name} tiles={tuple(s.tiles)}"] = dict(log=log, serialised="serialized" in log, unread=unread(cubin),
                                                          **_launch.resources_from_log(log))
 
 
@@ -425,9 +425,9 @@ def test_mods_compile_into_the_hopper_kernels(name):
     kernel (128 bytes): its score_mod's table, its mask_mod's document ids and the block mask's lists beside the
     accumulators; the result is right, at some cost."""
     pytest.importorskip("cuda.bindings.nvjitlink")
-    from conftest import compile_offline
+    from conftest import UNREAD, check_machine_code, compile_offline
 
-    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{HOPPER_COMPILE_SCRIPT}", name)
+    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{UNREAD}{HOPPER_COMPILE_SCRIPT}", name)
     assert len(compiled) == 3 * ((4 if EXAMPLES[name][2] is not None else 2) if FULL_COMPILE else 1)
     for name, r in compiled.items():
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
@@ -438,6 +438,7 @@ def test_mods_compile_into_the_hopper_kernels(name):
             assert r["spill_stores"] > 0, "the known spill is gone: remove the exception (docstring, docs)"
             continue
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: {r['log'][-600:]}"
+    check_machine_code(compiled)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import assume, given, strategies as st
 
 import flashnumba
-from conftest import FULL_COMPILE, GPU_SHAPES, check_backward, check_forward, compile_offline, random_qkv, shard
+from conftest import (FULL_COMPILE, GPU_SHAPES, UNREAD, check_backward, check_forward, check_machine_code,
+                      compile_offline, random_qkv, shard)
 from flashnumba import reference, tiling
 from flashnumba._backend import cuda
 
@@ -426,9 +427,9 @@ for D, n, wg, dt, var, gqa, producer in cases:
            f"int32[:], int32[:], float32, float32, uint64, uint64, uint64[:, ::1], float32[:], float32[:], "
            f"float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], int8[:, :, :, :])")
     whole = wgmma_forward.rebalances(wg, producer)  # (as the planner compiles it: _launch.compile_kernel)
-    _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)
+    cubin, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)
     out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer} tma={tma}"] = dict(
-        ptx=ptx, log=log, whole=whole, tma=tma, **_launch.resources_from_log(log))
+        ptx=ptx, log=log, whole=whole, tma=tma, unread=unread(cubin), **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
 
@@ -439,7 +440,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     registers apart)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     from flashnumba.kernels import wgmma_forward
-    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE}")
+    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{UNREAD}{COMPILE}")
     assert len(compiled) == (28 if FULL_COMPILE else 3)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
@@ -458,6 +459,7 @@ def test_wgmma_forward_compiles_for_sm90a():
         inc = f"setmaxnreg.inc.sync.aligned.u32 {wgmma_forward.CONSUMER_REGISTERS}"
         assert (inc in r["ptx"]) == r["whole"], name
         assert "setmaxnreg" not in r["log"], f"{name}: {r['log'][-600:]}"
+    check_machine_code(compiled)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -750,8 +752,8 @@ for which, D, loop, wg, dt, var, gqa in cases:
            f"uint64[:, ::1], float32[:], float32[:], float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], "
            f"int8[:, :, :, :])")
     # (as the planner compiles them: with the producer's setmaxnreg, the whole program)
-    _, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(wb.threads(wg, tma), tma), tma)
-    out[f"{which} {dt} D={D} loop={loop} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, tma=tma,
+    cubin, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(wb.threads(wg, tma), tma), tma)
+    out[f"{which} {dt} D={D} loop={loop} {var} gqa={gqa}"] = dict(ptx=ptx, log=log, tma=tma, unread=unread(cubin),
                                                                   **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
@@ -761,7 +763,7 @@ def test_wgmma_backward_compiles_for_sm90a():
     """Without a GPU: the dQ and dK/dV kernels assemble for sm_90a with their accumulators in registers (no
     spills) and their wgmma not serialised (no subroutine call: the options' call-free forms)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
-    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{BACKWARD_COMPILE}")
+    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{UNREAD}{BACKWARD_COMPILE}")
     assert len(compiled) == (31 if FULL_COMPILE else 4)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"] and "wgmma.mma_async.sync.aligned" in r["ptx"], name
@@ -771,6 +773,7 @@ def test_wgmma_backward_compiles_for_sm90a():
         print(f"{name}: {r['registers']} registers, {r['spill_stores']} spill stores")
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name}: {r['log'][-600:]}"
         assert "serialized" not in r["log"], f"{name}: {r['log'][-600:]}"
+    check_machine_code(compiled)
 
 
 @gpu_only

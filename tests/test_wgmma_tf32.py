@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashnumba
-from conftest import (FULL_COMPILE, check_backward, check_forward, compile_offline, float32_class_backward_draw,
-                      float32_class_draw, random_qkv, shard, to_numpy)
+from conftest import (FULL_COMPILE, UNREAD, check_backward, check_machine_code, check_forward, compile_offline,
+                      float32_class_backward_draw, float32_class_draw, random_qkv, shard, to_numpy)
 from flashnumba import config
 from flashnumba._backend import cuda
 from flashnumba.kernels import wgmma_tf32, wgmma_tf32_backward
@@ -92,8 +92,6 @@ COMPILE = r"""
 import json
 from flashnumba import _launch
 from flashnumba.kernels import wgmma_tf32
-from flashnumba.tools import sass
-unread = lambda cubin: sass.unread_accumulators(sass.disassemble(cubin)) if sass.nvdisasm_path() else None
 a = "float32[:, :, :, ::1]"
 sig = f"void({a}, {a}, {a}, {a}, float32[:, :, ::1], float32)"
 out = {}
@@ -113,22 +111,13 @@ def test_3xtf32_wgmma_compiles_for_sm90a():
     routine in the kernel, such as a 64-bit division or a division's slow path, serialises every one), and every
     wgmma result read in the machine code (:func:`check_machine_code`)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
-    compiled = compile_offline(COMPILE, os.path.dirname(__file__))
+    compiled = compile_offline(UNREAD + COMPILE, os.path.dirname(__file__))
     for name, r in compiled.items():
         n = name.split("B_c=")[1].split()[0]
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32" in r["ptx"], name
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r["log"][-600:])
         assert "serialized" not in r["log"], (name, r["log"][-600:])
     check_machine_code(compiled)
-
-
-def check_machine_code(compiled):
-    """Every wgmma group's accumulator read before it is overwritten, in the machine code
-    (:func:`flashnumba.tools.sass.unread_accumulators`; the assembler once dropped such reads where the PTX was
-    right); skipped where nvdisasm is not installed (the test extra has it)."""
-    if any(r["unread"] is None for r in compiled.values()):
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm): the machine code is not checked")
-    assert {name: r["unread"] for name, r in compiled.items() if r["unread"]} == {}
 
 
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
@@ -265,8 +254,6 @@ COMPILE_BACKWARD = r"""
 import json
 from flashnumba import _launch
 from flashnumba.kernels import wgmma_tf32_backward as wb
-from flashnumba.tools import sass
-unread = lambda cubin: sass.unread_accumulators(sass.disassemble(cubin)) if sass.nvdisasm_path() else None
 a, r = "float32[:, :, :, ::1]", "float32[:, :, ::1]"
 sigs = dict(dq=f"void({a}, {a}, {a}, {a}, {r}, {r}, {a}, float32, float32)",
             dkdv=f"void({a}, {a}, {a}, {a}, {r}, {r}, {a}, {a}, float32, float32)")
@@ -295,7 +282,7 @@ def test_3xtf32_wgmma_backward_compiles_for_sm90a():
     accumulators); five builds per push, FULL_COMPILE every one (both
     kernels, head dims, loop tiles, accumulations, causal or not)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
-    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{COMPILE_BACKWARD}", os.path.dirname(__file__))
+    compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{UNREAD}{COMPILE_BACKWARD}", os.path.dirname(__file__))
     assert len(compiled) == (24 if FULL_COMPILE else 5)
     for name, r in compiled.items():
         D, n = name.split("D=")[1].split()[0], name.split("loop=")[1].split()[0]

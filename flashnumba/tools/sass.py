@@ -46,36 +46,48 @@ def disassemble(cubin: bytes) -> str:
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
-_HGMMA = re.compile(r"HGMMA\.64x(\d+)x\d+\.F32\.\w+\s+R(\d+),")
+_HGMMA = re.compile(r"HGMMA\.64x(\d+)x\d+\.\w+(?:\.\w+)*\s+(RZ|R(\d+)),")  # (F32.TF32, F32, F32.BF16 ...)
 
 
 def unread_accumulators(sass: str) -> list[str]:
     """One line per wgmma group whose accumulator registers (64 x N float32: N / 2 a thread, from the HGMMA's
     first register) are not all read between the group's retirement and the next group that starts the same
-    registers from zero: the registers never read, and where."""
-    pending, retired, found, group = [], [], [], None
+    registers from zero: the registers never read, and where. A group is the HGMMAs up to one marked ``gsb0``
+    (its commit); an HGMMA that accumulates onto registers reads them."""
+    pending, retired, found = [], [], []
+    start, regs = None, set()  # the group being issued: its first HGMMA's address, its registers
     for addr, text in _INSTRUCTION.findall(sass):
         if text.startswith("HGMMA"):
             m = _HGMMA.match(text)
-            regs = set(range(int(m.group(2)), int(m.group(2)) + int(m.group(1)) // 2))
-            if "RZ, !UPT" in text:  # a group from zero: what it overwrites must have been read
-                for old in [r for r in retired if r[1] & regs]:
-                    if old[2] & regs:
-                        found.append(f"the group at {old[0]}: R{sorted(old[2] & regs)} never read before the "
-                                     f"group at {addr} overwrote them")
+            if m is None:
+                raise ValueError(f"an HGMMA of a form not read here: {text}")
+            if m.group(2) == "RZ":  # (one the assembler adds, writing no register: still a group the waits count)
+                these = set()
+            elif ".F32" in text.split()[0]:
+                these = set(range(int(m.group(3)), int(m.group(3)) + int(m.group(1)) // 2))
+            else:
+                raise ValueError(f"an HGMMA with a half-precision accumulator, not read here: {text}")
+            for old in [r for r in retired if r[1] & these]:
+                if "RZ, !UPT" in text and old[2] & these:  # from zero: what it overwrites must have been read
+                    found.append(f"the group at {old[0]}: R{sorted(old[2] & these)} never read before the group "
+                                 f"at {addr} overwrote them")
+                old[2].difference_update(these)  # (read by an accumulating HGMMA, or reported)
+                if not old[2]:
                     retired.remove(old)
-                group = (addr, regs)
+            start, regs = start or addr, regs | these
             if "gsb0" in text:  # the group's last instruction
-                pending.append(group)
+                pending.append((start, regs))
+                start, regs = None, set()
         elif text.startswith("WARPGROUP.DEPBAR"):
             left = int(re.search(r"0x([0-9a-f]+)", text).group(1), 16)
             while len(pending) > left:
-                addr0, regs = pending.pop(0)
-                retired.append((addr0, regs, set(regs)))
+                first, group = pending.pop(0)
+                if group:
+                    retired.append((first, group, set(group)))
         elif not text.startswith("WARPGROUP") and " " in text:
             operands = text.split(" ", 1)[1]
             sources = operands.split(",", 1)[1] if "," in operands else operands
             read = {int(r) for r in re.findall(r"\bR(\d+)\b", sources)}
-            for _, _, unread in retired:
-                unread -= read
+            for old in retired:
+                old[2].difference_update(read)
     return found
