@@ -572,7 +572,9 @@ def _hopper_3x(family, limits):
 def _hopper_3x_backward(D):
     """Whether the 3xTF32 backward on wgmma (:func:`_hopper_3x`) runs at head dim D: not with per-step accumulation
     at head_dim 64 on a GPU, whose gradients came out wrong on the H100 (2026-12-05; right in the simulator, chained
-    and at head_dim 128: docs/benchmarks.md); those calls take the ``mma.sync`` 3xTF32 backward."""
+    and at head_dim 128: docs/testing.md); those calls take the ``mma.sync`` 3xTF32 backward. The cause, found in
+    the machine code, is fixed in the kernels (S and dP's own scratch: :mod:`.kernels.wgmma_tf32_backward`); the
+    rule goes once the GPU has run them right (``scripts/wgmma_tf32_backward_variants.py as-is`` lifts it)."""
     return SIMULATOR or not (D == 64 and config.hopper_3xtf32 == "per_step")
 
 
