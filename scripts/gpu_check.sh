@@ -66,7 +66,8 @@ for step in $STEPS; do
         tests/test_wgmma_tf32.py > "$OUT/tests-wgmma-tf32.log" 2>&1
       echo "pytest exit $?"; grep -E "chained=|passed|failed|^FAILED" "$OUT/tests-wgmma-tf32.log" | tail -12
       timeout ${TILES_TIMEOUT:-200} python3 scripts/tf32_wgmma_tiles.py --backward 2>&1 | tee "$OUT/tiles-3xtf32-wgmma.log"
-      # the backward's per-step products at head_dim 64 swapped one form at a time (one process a variant)
+      # the backward's per-step products at head_dim 64 swapped one form at a time (one process a variant; "as-is"
+      # also runs the kernels at head_dim 64 per step that the planner's rule sends to mma.sync)
       for v in as-is no-turns smem-chained register-chained resources; do
         (FLASHNUMBA_CACHE_DIR=off timeout 150 python3 scripts/wgmma_tf32_backward_variants.py $v > "$OUT/variants-$v.txt" 2>&1) &
       done; wait; cat "$OUT"/variants-*.txt | grep -v simulator ;;
@@ -80,6 +81,8 @@ for step in $STEPS; do
         echo "cap $cap: pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_cap$cap.log" | tail -8
         grep -h "^FAILED" "$OUT/failures_cap$cap.log" 2>/dev/null
       done ;;
+    flextiles) # the causal mask_mod with a block mask beside the built-in causal kernel, at several tiles
+      timeout ${FLEX_TIMEOUT:-300} python3 scripts/flex_tiles.py 2>&1 | tee "$OUT/flex-tiles.log" ;;
     flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward": the backward pass too)
       timeout ${FLEX_TIMEOUT:-540} python3 scripts/flex_bench.py --out "$OUT" ${FLEX_ARGS:-} 2>&1 | tee "$OUT/flex.log" ;;
     cache) # the kernel disk cache back in parts of 15 MB (files come back at most 16 MiB each); where the call ran

@@ -805,16 +805,23 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
                          scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
             rescale_and_pack(o, pa, s, alpha)
-        # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs
+        # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs. The
+        # tile's first key and whether the mask_mod runs there are read a tile ahead (with a block mask, loads from
+        # its lists), behind the products, so that their latency does not stand before each tile's mask and issue
+        j_next = first_key(1, n_start, qb, blocks) if n_tiles > 1 else 0
+        partial_next = part_of(bm_state, bbm, hbm, qb, j_next) if n_tiles > 1 else False
         for jt in range(1, n_tiles):
-            j0 = first_key(jt, n_start, qb, blocks)
-            partial = part_of(bm_state, bbm, hbm, qb, j0)
+            j0 = j_next
+            partial = partial_next
             bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
             tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, jt)
             issue_pv(o, pa, kv_addr, jt - 1)
             their_turn(gw)
+            if jt + 1 < n_tiles:
+                j_next = first_key(jt + 1, n_start, qb, blocks)
+                partial_next = part_of(bm_state, bbm, hbm, qb, j_next)
             wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
             softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
                          scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
