@@ -542,11 +542,12 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         with O_i and the packed P of the product still running, 128 keys' scores spilled at head_dim 128), and the
         softmax reads one word."""
         bits = uint64(0)
-        if partial:
-            for n in range(NS // 4):
-                for x in range(4):
-                    bits = hide(bits, 4 * n + x, int64(b), int64(h), i0 + r0 + 8 * (x >> 1),
-                                j0 + 8 * n + 2 * t + (x & 1), seqlen_q, seqlen_k, a0, a1, a2, a3)
+        if USER_MASK:  # (a constant: partial, read a tile ahead, is a variable, and without a mask_mod no hide)
+            if partial:
+                for n in range(NS // 4):
+                    for x in range(4):
+                        bits = hide(bits, 4 * n + x, int64(b), int64(h), i0 + r0 + 8 * (x >> 1),
+                                    j0 + 8 * n + 2 * t + (x & 1), seqlen_q, seqlen_k, a0, a1, a2, a3)
         return bits
 
     @cuda.jit(device=True, inline=True)
