@@ -81,8 +81,8 @@ one) before the tile's products are issued, leaving one bit a score that the mas
 the registers the scores will take (evaluated beside them, with O_i and the packed P of the running product, a
 mask of 128 keys spilled at head_dim 128). With a block mask the key loop visits the tiles of the key blocks it
 lists for the query block, in order; the producer reads the same list for its copies, and the warpgroups read each
-tile's first key and its block's state at the top of their iteration, before they wait for the tile (the state
-then says at once whether the mask_mod runs).
+tile's first key and its block's state a tile ahead, behind the previous tile's products, so that these loads'
+latency does not stand before the tile's mask bits and products (the state says whether the mask_mod runs).
 
 **Registers where the work is.** The SM's 64K registers are shared by its threads: a block of 384 starts each at
 168. The producer only copies, so with two warpgroups it gives back all but 56 (``setmaxnreg.dec``) and each
