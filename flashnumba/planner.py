@@ -569,15 +569,6 @@ def _hopper_3x(family, limits):
     return SIMULATOR or tuple(limits.cc) == (9, 0)
 
 
-def _hopper_3x_backward(D):
-    """Whether the 3xTF32 backward on wgmma (:func:`_hopper_3x`) runs at head dim D: not with per-step accumulation
-    at head_dim 64 on a GPU, whose gradients came out wrong on the H100 (2026-12-05; right in the simulator, chained
-    and at head_dim 128: docs/testing.md); those calls take the ``mma.sync`` 3xTF32 backward. The cause, found in
-    the machine code, is fixed in the kernels (S and dP's own scratch: :mod:`.kernels.wgmma_tf32_backward`); the
-    rule goes once the GPU has run them right (``scripts/wgmma_tf32_backward_variants.py as-is`` lifts it)."""
-    return SIMULATOR or not (D == 64 and config.hopper_3xtf32 == "per_step")
-
-
 def _hopper_3x_reason(block_m, block_n):
     """The plan's reason for a 3xTF32 kernel on wgmma: its accumulation, and whose tiles."""
     given = "given by the caller" if (block_m, block_n) != (None, None) else "the default tiles"
@@ -1115,7 +1106,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                 grid, (t.num_threads,), smem, t, reason, arch_specific=True, whole_program=tma,
                 tensor_maps=tuple((m, rows_of[m], span) for m in maps) if tma else ()))
         dq, kv = launched
-    elif _hopper_3x(family, limits) and _hopper_3x_backward(D):
+    elif _hopper_3x(family, limits):
         tq_t, tk_t, reason = _hopper_3xtf32_backward_tiles(D, limits, block_m, block_n, num_threads)
         tail = ("scale_log2", "scale")
         chained = config.hopper_3xtf32 == "chained"
@@ -1131,9 +1122,6 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     elif family in mma_tf32.PRECISIONS:
         tq_t, rq = tiling.resolve("tf32_dq", D, limits, block_m, block_n, num_threads)
         tk_t, rk = tiling.resolve("tf32_dkdv", D, limits, block_m, block_n, num_threads)
-        if _hopper_3x(family, limits):  # (config.hopper_3xtf32 asked for wgmma, which does not take this call)
-            why_not = "not on wgmma: its per-step backward at head_dim 64 gave wrong gradients on the H100; "
-            rq, rk = why_not + rq, why_not + rk
         tail = ("scale_log2", "scale")
         dq = KernelLaunch(f"dQ {family}", "tf32_dq", mma_tf32_backward.make_backward_dq_tf32,
                           (D, opts.right == 0, family, tq_t.block_n, tq_t.block_m // WARP_ROWS), io_dq + tail,

@@ -174,9 +174,7 @@ def run_backward(dout, q, k, v, out, lse, causal, block_m=16, block_n=16, chaine
     """(dq, dk, dv) of the backward with precision="3xtf32" on the wgmma kernels (config.hopper_3xtf32): block_m
     the dK/dV kernel's query rows a tile, block_n the dQ kernel's keys a tile."""
     hopper_or_simulator()
-    # (per step at head_dim 64 a GPU takes the mma.sync backward at its own tiles: planner._hopper_3x_backward)
-    falls_back = not flashnumba.SIMULATOR and q.shape[-1] == 64 and not chained
-    tiles = {} if falls_back else dict(block_m=block_m, block_n=block_n)
+    tiles = dict(block_m=block_m, block_n=block_n)
     with config.temporarily("hopper_3xtf32", "chained" if chained else "per_step"):
         try:
             p = flashnumba.plan_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32", **tiles)
@@ -184,10 +182,6 @@ def run_backward(dout, q, k, v, out, lse, causal, block_m=16, block_n=16, chaine
             if "bytes of shared memory, more than" in str(e):
                 pytest.skip(str(e))
             raise
-        if falls_back:
-            assert [s.name for s in p.launches[1:]] == ["dQ 3xtf32", "dK/dV 3xtf32"], p
-            assert "not on wgmma" in p.launches[1].reason
-            return flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32")
         assert [(s.name, tuple(s.tiles)) for s in p.launches[1:]] == [
             ("dQ 3xtf32 wgmma", (64, block_n, 128)), ("dK/dV 3xtf32 wgmma", (block_m, 64, 128))]
         return flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, precision="3xtf32", **tiles)
@@ -231,23 +225,6 @@ def test_what_the_backward_does_not_take_is_refused(monkeypatch):
         wgmma_tf32_backward.make_backward_dq_3xtf32_wgmma(96, False)
     with pytest.raises(ValueError, match="rows a loop tile"):
         wgmma_tf32_backward.make_backward_dkdv_3xtf32_wgmma(64, False, 48)
-
-
-def test_a_gpu_takes_the_mma_sync_backward_per_step_at_head_dim_64(monkeypatch):
-    """On a GPU of compute capability 9.0 (a plan for "sm_90" with the simulator's flag off) per-step accumulation
-    at head_dim 64 takes the mma.sync 3xTF32 backward and says why (planner._hopper_3x_backward); chained, and per
-    step at 128, the wgmma one."""
-    from flashnumba import planner
-
-    monkeypatch.setattr(planner, "SIMULATOR", False)
-    lse = np.zeros((1, 1, 8), np.float32)
-    for D, setting, wgmma in ((64, "per_step", False), (64, "chained", True), (128, "per_step", True)):
-        x = np.zeros((1, 8, 1, D), np.float32)
-        with config.temporarily("hopper_3xtf32", setting):
-            p = flashnumba.plan_backward(x, x, x, x, x, lse, precision="3xtf32", device="sm_90")
-        names = [s.name for s in p.launches[1:]]
-        assert names == (["dQ 3xtf32 wgmma", "dK/dV 3xtf32 wgmma"] if wgmma else ["dQ 3xtf32", "dK/dV 3xtf32"])
-        assert ("not on wgmma" in p.launches[1].reason) != wgmma
 
 
 COMPILE_BACKWARD = r"""
