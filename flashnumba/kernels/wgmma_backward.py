@@ -63,7 +63,9 @@ built-in one
 (:func:`make_user_mask_tile`), in the tiles it may hide entries of; with a block mask the dQ kernel walks the key
 blocks listed for its query block, the dK/dV kernel the query blocks listed for its key block, for each query head
 of its key/value head in turn (with GQA the lists are one for every head: a mask made per head would give each head
-its own count of tiles, which the iteration's head and tile, computed from its index, does not allow).
+its own count of tiles, which the iteration's head and tile, computed from its index, does not allow). Each tile's
+list entry is read a tile ahead, behind the products: read at the top of the tile, the load of its full-or-partial
+state, addressed by it, waited there for it before the tile's issue.
 
 **Tensor-map copies** (``tma``, :func:`takes_tma`). With two warpgroups, a third, the producer, makes the copies
 as the forward's does (:mod:`flashnumba.kernels.wgmma_forward`, "Tensor-map copies"): one thread copies the tiles
@@ -287,11 +289,15 @@ def make_user_mask_tile(NS, mods, keys_are_rows):
     """user_mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3): 0 into this lane's entries of x
     and y (as :func:`make_mask_tile`'s) that a user's mask_mod (:class:`flashnumba.kernels.common.Mods`) hides,
     called for the entries within the sequences only (it may index its arrays by them); the kernels run it in the
-    tiles it may hide entries of (with a block mask, its partial blocks)."""
+    tiles it may hide entries of (with a block mask, its partial blocks). Without a mask_mod it does nothing (the
+    kernels' ``partial``, read a tile ahead, is a variable there too)."""
     _, user_mask = make_user_mods(mods)
+    USER_MASK = mods is not None and mods.mask_mod is not None
 
     @cuda.jit(device=True, inline=True)
     def user_mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3):
+        if not USER_MASK:
+            return
         for n in range(NS // 4):
             for e in range(4):
                 r = row0 + 8 * (e >> 1)
@@ -535,13 +541,18 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             if partial:  # (the user's mask_mod: dS 0 where it hides an entry)
                 user_mask_tile(dp, dp, i0 + r0, j0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
             pack_a(pa, dp)
-        # Tile j: S, dP issued, dQ_i += dS_i,j-1 K_j-1 behind them, dS of tile j while that runs
+        # Tile j: S, dP issued, dQ_i += dS_i,j-1 K_j-1 behind them, dS of tile j while that runs. The tile's first
+        # key is read a tile ahead (with a block mask, a load from its list), behind the products: the load of
+        # whether the mask_mod runs there, addressed by it, then goes out at once and is used after the wait
+        j_next = first_key(1, n_start, qb, blocks) if n_tiles > 1 else 0
         for jt in range(1, n_tiles):
-            j0 = first_key(jt, n_start, qb, blocks)
+            j0 = j_next if BM else first_key(jt, n_start, qb, blocks)  # (without one, arithmetic: no registers held)
             partial = part_of(bm_state, bbm, hbm, qb, j0)  # (read before the wait: its latency hides behind it)
             tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt)
             issue_dq(acc, pa, kv_addr, jt - 1)
+            if BM and jt + 1 < n_tiles:
+                j_next = first_key(jt + 1, n_start, qb, blocks)
             bits = keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh)
             wait_s(1, s)
             wait_s(1, dp)
@@ -896,11 +907,15 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             user_mask_tile(s, dp, j0 + r0, i0 + 2 * t, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3)
         pack_a(pp, s)
         pack_a(pd, dp)
-        # Tile i: S^T, dP^T issued, dV, dK of tile i - 1 behind them, the entries of tile i while those run
+        # Tile i: S^T, dP^T issued, dV, dK of tile i - 1 behind them, the entries of tile i while those run. The
+        # tile's query head and first row are read a tile ahead (with a block mask, a load from its list), behind
+        # the products: the load of whether the mask_mod runs there, addressed by them, then goes out at once and is
+        # used after the wait
         sel = 0
         phase = 0  # (tensor maps) the parity of buffer sel's phase of ``full``: flips as sel comes round
+        h_next, i_next = tile_of(1, hk, group, nt, m_begin, lists) if total > 1 else (h, i0)
         for it in range(1, total):
-            h, i0 = tile_of(it, hk, group, nt, m_begin, lists)
+            h, i0 = (h_next, i_next) if BM else tile_of(it, hk, group, nt, m_begin, lists)  # (as the dQ kernel's)
             partial = part_of(bm_state, bbm, h, i0, j0)  # (read before the wait: its latency hides behind it)
             # (it % NST, stepped: the remainder each tile spills under CUDA 13.0's assembler at d = 128)
             done = sel
@@ -917,6 +932,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                     fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
             issue_sdp(s, dp, k_addr, v_addr, sdp_base, it)
             issue_dkdv(dva, dka, pp, pd, q_base, it - 1, half)
+            if BM and it + 1 < total:
+                h_next, i_next = tile_of(it + 1, hk, group, nt, m_begin, lists)
             if not TMA and it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this barrier)
                 put_stats(lsm, dsm, (it + 1) % NST, st, tid)
             bits = keep_bits(i0, j0, r0, t, p_drop, seed, offset, b * nheads + h)
