@@ -1044,8 +1044,9 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                  and not _takes_tma_backward(D, opts, "dkdv", tk_t, n)))
         if why_own:
             tk_t, rk = tk_own, f"{rk}; {why_own}"
-        tq_own, why_own = tiling.wgmma_dq_for_variant(tq_t, opts.variant, ["block_n"] if block_n else [], D,
-                                                      tma=_takes_tma_backward(D, opts, "dq", tq_t, n))
+        tq_own, why_own = tiling.wgmma_dq_for_variant(
+            tq_t, opts.variant, ["block_n"] if block_n else [], D, tma=_takes_tma_backward(D, opts, "dq", tq_t, n),
+            block_masked=(opts.block_mask is not None and opts.mods is not None and opts.mods.score_mod is None))
         if why_own:
             tq_t, rq = tq_own, f"{rq}; {why_own}"
         given = [name for name, x in (("block_m", block_m), ("block_n", block_n)) if x]

@@ -470,13 +470,14 @@ def wgmma_dkdv_for_variant(t: Tiles, variant, D, given=(), tma=False) -> tuple[T
                                                               "beside dK_j, dV_j"))
 
 
-def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tuple[Tiles, str]:
+def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False, block_masked=False) -> tuple[Tiles, str]:
     """The Hopper dQ kernel's tiles for ``variant``: with more than two per-entry options the loop over a tile's
     64 keys is too long for the compiler to unroll, S and dP then go to local memory and the assembler serialises
     the wgmma (compiled for sm_90a); those variants take key tiles of 32. At head dim D = 64 with the tensor-map
     copies (``tma``) and a causal-like right bound alone, tiles of 128 keys halve the tiles of the rows' short
     loops (S, dP, dQ_i and dS packed within the producer's rebalanced registers; without the producer, in 255
-    registers a thread, they spill). The tiles of 48 keys of head dim 256 fit the shared memory only in the two
+    registers a thread, they spill). So does a user's mask_mod with a block mask and no other per-entry work
+    (``block_masked``: the mask evaluated in the partial blocks only, as the right bound in the diagonal's tiles). The tiles of 48 keys of head dim 256 fit the shared memory only in the two
     buffers of the tensor-map copies and were measured (and compiled without spills) with window bounds alone:
     the others take 32."""
     if "block_n" in given:
@@ -488,8 +489,10 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False) -> tupl
     if _per_entry_options(variant) > 2 and t.block_n > 32:
         return t._replace(block_n=32), "key tiles of 32: more than two per-entry options"
     has_right = variant[1]
-    if tma and D == 64 and has_right and _per_entry_options(variant) == 1 and t.block_n < 128:
-        return t._replace(block_n=128), "key tiles of 128: a right bound alone at d = 64 (fewer, longer tiles)"
+    if tma and D == 64 and t.block_n < 128 and (
+            (has_right and _per_entry_options(variant) == 1) or (block_masked and not _per_entry_options(variant))):
+        alone = "a block-masked mask_mod alone" if block_masked else "a right bound alone"
+        return t._replace(block_n=128), f"key tiles of 128: {alone} at d = 64 (fewer, longer tiles)"
     return t, ""
 
 

@@ -1,5 +1,6 @@
 """The causal mask_mod with a block mask at several tensor-core forward tiles, beside the built-in causal kernel,
-then the backward (the dK/dV kernel's default tiles and (32, 128) at d=128); on compute capability 9.0 the default
+then the backward (the causal and 8 documents' mask_mods with their block masks, at d=64 also with the dQ kernel's
+key tiles of 64 beside the planner's 128); on compute capability 9.0 the default
 is the Hopper forward (B_c 128 at d=128, 64 its tiles before the mask bits: "mod wgmma B_c 64"). On a GPU:
 
     python scripts/flex_tiles.py
@@ -65,28 +66,36 @@ for d in (64, 128):
         except Exception as e:  # noqa: BLE001
             print(f"d={d} {name}: {type(e).__name__} {str(e)[:200]}", flush=True)
 
-# the backward of the causal mask_mod with the block mask: the dK/dV kernel's default tiles, then (32, 128) at d=128
+# the backward of the causal mask_mod with the block mask, and of 8 documents' mask_mod with its block mask, at the
+# planner's tiles; at d=64 also with the dQ kernel's key tiles of 64 (the table's, without
+# tiling.wgmma_dq_for_variant's 128 for a block-masked mask_mod)
 from flashnumba import tiling  # noqa: E402
 
+
+def doc_mod(b, h, i, j, docs):
+    return docs[i] == docs[j]
+
+
+dq_tiles = tiling.wgmma_dq_for_variant
 for d in (64, 128):
     batch, heads = 16384 // n, 2048 // d
     rng = np.random.default_rng(d)
     q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(4))
     bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+    docs = cupy.asarray(np.repeat(np.arange(8), n // 8).astype(np.int32))
+    bm_doc = flashnumba.create_block_mask(doc_mod, 1, 1, n, n, score_mod_args=(docs,), BLOCK_SIZE=128)
     out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
     cases = [("built-in causal bwd", lambda: flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True)),
-             ("mod bwd default", lambda: flashnumba.flex_attention_backward(dout, q, k, v, out, lse, block_mask=bm))]
-    for name, fn in cases:
+             ("mod bwd default", lambda: flashnumba.flex_attention_backward(dout, q, k, v, out, lse, block_mask=bm)),
+             ("documents bwd default", lambda: flashnumba.flex_attention_backward(
+                 dout, q, k, v, out, lse, block_mask=bm_doc, score_mod_args=(docs,)))]
+    for name, fn in cases + ([("mod bwd dQ keys 64", cases[1][1]), ("documents bwd dQ keys 64", cases[2][1])]
+                             if d == 64 else []):
+        if "dQ keys 64" in name:
+            tiling.wgmma_dq_for_variant = lambda *a, block_masked=False, **kw: dq_tiles(*a, **kw)
+            flashnumba.clear_plan_cache()
         fn()
         ms, _ = cuda_time_ms(fn, warmup=2, repeat=10)
         print(f"d={d} {name:28s} {ms:8.3f} ms", flush=True)
-    if d == 128:
-        table = tiling.TABLES["tc_dkdv"]
-        first = table[1]
-        table[1] = tiling.Candidate(128, tiling.Tiles(32, 128, 256), "trial")
-        flashnumba.clear_plan_cache()
-        fn = cases[1][1]
-        fn()
-        ms, _ = cuda_time_ms(fn, warmup=2, repeat=10)
-        print(f"d={d} mod bwd dkdv (32, 128)          {ms:8.3f} ms", flush=True)
-        table[1] = first
+    tiling.wgmma_dq_for_variant = dq_tiles
+    flashnumba.clear_plan_cache()

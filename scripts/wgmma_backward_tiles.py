@@ -32,7 +32,7 @@ for part in config.split("+"):
                                          (t._replace(block_m=m), "forced"))
     elif part.startswith("dqn="):
         n = int(part.split("=")[1])
-        tiling.wgmma_dq_for_variant = (lambda t, variant, given=(), D=None, tma=False, n=n:
+        tiling.wgmma_dq_for_variant = (lambda t, variant, given=(), D=None, tma=False, block_masked=False, n=n:
                                        (t._replace(block_n=n), "forced"))
     elif part != "default":
         raise SystemExit(f"unknown configuration {part!r}: default, dkdv=M, dqn=N or both joined by +")

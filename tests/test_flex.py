@@ -611,6 +611,8 @@ HOPPER_BACKWARD_CASES = [  # as HOPPER_CASES, then the backward's tiles
     # (the backward's default tiles fitted to the blocks of 64: one warpgroup in each kernel)
     ("after-64", 150, 70, 1, 2, 32, dict(block_m=64, block_n=64, num_threads=128), 64, {}),
     ("causal", 70, 128, 1, 1, 32, {}, 128, {}),  # the default tiles: the producers' tensor-map copies
+    # (at head_dim 64 the dQ kernel's key tiles of 128: tiling.wgmma_dq_for_variant's block-masked mask_mod)
+    ("prefix-lm", 130, 140, 1, 1, 64, {}, 128, {}),
     # a score_mod (and its derivative) reading arrays, with a mask_mod in every tile: the planner's tiles of 64
     # and 32, GQA
     ("relative bias+documents", 40, 90, 1, 2, 32, {}, None, {}),
@@ -680,6 +682,21 @@ def test_the_hopper_forward_fits_its_tiles_to_the_blocks():
     at256 = tiling.Tiles(128, 48, 384)  # (head_dim 256: 48 keys a tile divide no block of 128)
     assert tiling.wgmma_for_mods(at256, 256, (128, 128)) == (
         tiling.Tiles(128, 32, 384), "B_c 32: to divide the block mask's key blocks of 128")
+
+
+def test_the_hopper_dq_kernel_takes_key_tiles_of_128_for_a_block_masked_mask_mod():
+    """At head_dim 64 with the producer's tensor-map copies, a mask_mod with a block mask and no other per-entry work
+    takes the dQ kernel's key tiles of 128, as a right bound alone does; not at other head dims, with an option, or
+    without the tensor maps, and not where the caller gave block_n."""
+    from flashnumba.kernels.common import Variant
+
+    t = tiling.Tiles(128, 64, 384)
+    assert tiling.wgmma_dq_for_variant(t, Variant(), (), 64, tma=True, block_masked=True) == (
+        tiling.Tiles(128, 128, 384), "key tiles of 128: a block-masked mask_mod alone at d = 64 (fewer, longer tiles)")
+    for variant, D, tma, given in ((Variant(), 128, True, ()), (Variant(softcap=True), 64, True, ()),
+                                   (Variant(), 64, False, ()), (Variant(), 64, True, ("block_n",))):
+        assert tiling.wgmma_dq_for_variant(t, variant, given, D, tma=tma, block_masked=True) == (t, "")
+    assert tiling.wgmma_dq_for_variant(t, Variant(), (), 64, tma=True) == (t, "")
 
 
 def test_what_the_hopper_kernels_do_not_take_is_refused():

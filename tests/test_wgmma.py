@@ -355,7 +355,8 @@ def test_backward_tiles_of_48_at_256_in_two_buffers(monkeypatch):
     tensor-map copies two buffers are refused."""
     from flashnumba.kernels import wgmma_backward
     monkeypatch.setattr(tiling, "wgmma_dq_for_variant",
-                        lambda t, variant, given=(), D=None, tma=False: (t._replace(block_n=48), "forced"))
+                        lambda t, variant, given=(), D=None, tma=False, block_masked=False:
+                        (t._replace(block_n=48), "forced"))
     monkeypatch.setattr(tiling, "wgmma_dkdv_for_variant",
                         lambda t, variant, D, given=(), tma=False: (t._replace(block_m=48), "forced"))
     rng = np.random.default_rng(48)
