@@ -32,7 +32,8 @@ dP^T whole instead (six products a tile, no exchange), to compare the two (kept 
 everywhere; "chained" or "per_step" runs them, on compute capability 9.0, on Hopper's wgmma
 (:mod:`flashnumba.kernels.wgmma_tf32`, :mod:`flashnumba.kernels.wgmma_tf32_backward`) with that accumulation.
 "per_step" is float32-class and, on an H100, ran 1.25x the ``mma.sync`` kernel's speed at head_dim 64 (0.9x at 128;
-measured before its k-steps took turns between two accumulators; the backward on wgmma not yet timed);
+measured before its k-steps took turns between two accumulators; the backward on wgmma 0.95x the ``mma.sync``
+backward's speed at head_dim 64, 0.98x at 128);
 "chained" errs several times float32's (docs/benchmarks.md).
 
 ``temporarily(name, value)``: a context manager that sets one of these within a ``with`` block and restores what
