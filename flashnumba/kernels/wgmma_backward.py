@@ -64,8 +64,8 @@ built-in one
 blocks listed for its query block, the dK/dV kernel the query blocks listed for its key block, for each query head
 of its key/value head in turn (with GQA the lists are one for every head: a mask made per head would give each head
 its own count of tiles, which the iteration's head and tile, computed from its index, does not allow). Each tile's
-list entry is read a tile ahead, behind the products: read at the top of the tile, the load of its full-or-partial
-state, addressed by it, waited there for it before the tile's issue.
+list entry is read a tile ahead, behind the products: read at the top of the tile, it held the load of the tile's
+full-or-partial state (addressed by it), and the tile's issue, behind a round trip to memory.
 
 **Tensor-map copies** (``tma``, :func:`takes_tma`). With two warpgroups, a third, the producer, makes the copies
 as the forward's does (:mod:`flashnumba.kernels.wgmma_forward`, "Tensor-map copies"): one thread copies the tiles
@@ -289,8 +289,7 @@ def make_user_mask_tile(NS, mods, keys_are_rows):
     """user_mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, b, h, a0, a1, a2, a3): 0 into this lane's entries of x
     and y (as :func:`make_mask_tile`'s) that a user's mask_mod (:class:`flashnumba.kernels.common.Mods`) hides,
     called for the entries within the sequences only (it may index its arrays by them); the kernels run it in the
-    tiles it may hide entries of (with a block mask, its partial blocks). Without a mask_mod it does nothing (the
-    kernels' ``partial``, read a tile ahead, is a variable there too)."""
+    tiles it may hide entries of (with a block mask, its partial blocks). Without a mask_mod it does nothing."""
     _, user_mask = make_user_mods(mods)
     USER_MASK = mods is not None and mods.mask_mod is not None
 
