@@ -613,6 +613,8 @@ HOPPER_BACKWARD_CASES = [  # as HOPPER_CASES, then the backward's tiles
     ("causal", 70, 128, 1, 1, 32, {}, 128, {}),  # the default tiles: the producers' tensor-map copies
     # (at head_dim 64 the dQ kernel's key tiles of 128: tiling.wgmma_dq_for_variant's block-masked mask_mod)
     ("prefix-lm", 130, 140, 1, 1, 64, {}, 128, {}),
+    # (three and four tiles a block's list in each kernel: the list entries read a tile ahead, past the first two)
+    ("prefix-lm", 200, 200, 1, 1, 32, dict(block_m=64, block_n=64, num_threads=128), 64, dict(block_m=64, block_n=64)),
     # a score_mod (and its derivative) reading arrays, with a mask_mod in every tile: the planner's tiles of 64
     # and 32, GQA
     ("relative bias+documents", 40, 90, 1, 2, 32, {}, None, {}),
