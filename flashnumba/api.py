@@ -300,8 +300,9 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
     128, 64 keys on two warpgroups, each half of the head dims) and tiles of 32 or 64 queries; the plan gives them
     tiles of 32 where the per-entry options would spill, the dK/dV kernel at head_dim 128 tiles of 32 where a
     producer warpgroup copies with tensor maps, the dQ kernel at head_dim 64 with a right bound alone (causal), or
-    a block-masked mask_mod alone, tiles of 128 keys (flashnumba.tiling, wgmma_dq_for_variant and wgmma_dkdv_for_variant); a block_m or block_n
-    given applies to both, so block_m 64 and block_n 64 or 128 (above head_dim 128, 64); no num_threads), see
+    a block-masked mask_mod alone, tiles of 128 keys (flashnumba.tiling, wgmma_dq_for_variant and
+    wgmma_dkdv_for_variant); a block_m or block_n given applies to both, so block_m 64 and block_n 64 or 128
+    (above head_dim 128, 64); no num_threads), see
     flashnumba.kernels.wgmma_backward. None (default): "tc" where it applies (as for the forward; "wgmma" on
     compute capability 9.0 where it applies, unless deterministic=False, a block mask or strided inputs), else
     "v2". stream: as for :func:`flash_attn_forward`.

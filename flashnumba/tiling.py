@@ -477,9 +477,10 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False, block_m
     copies (``tma``) and a causal-like right bound alone, tiles of 128 keys halve the tiles of the rows' short
     loops (S, dP, dQ_i and dS packed within the producer's rebalanced registers; without the producer, in 255
     registers a thread, they spill). So does a user's mask_mod with a block mask and no other per-entry work
-    (``block_masked``: the mask evaluated in the partial blocks only, as the right bound in the diagonal's tiles). The tiles of 48 keys of head dim 256 fit the shared memory only in the two
-    buffers of the tensor-map copies and were measured (and compiled without spills) with window bounds alone:
-    the others take 32."""
+    (``block_masked``: the mask evaluated in the partial blocks only, as the right bound in the diagonal's tiles;
+    1.13x key tiles of 64 for the causal mask_mod, docs/benchmarks.md). The tiles of 48 keys of head dim 256 fit
+    the shared memory only in the two buffers of the tensor-map copies and were measured (and compiled without
+    spills) with window bounds alone: the others take 32."""
     if "block_n" in given:
         return t, ""
     _, _, softcap, alibi, _, dropout = variant

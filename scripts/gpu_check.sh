@@ -65,7 +65,8 @@ for step in $STEPS; do
       timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -n ${PYTEST_WORKERS:-16} -rP --tb=short \
         tests/test_wgmma_tf32.py > "$OUT/tests-wgmma-tf32.log" 2>&1
       echo "pytest exit $?"; grep -E "chained=|passed|failed|^FAILED" "$OUT/tests-wgmma-tf32.log" | tail -12
-      timeout ${TILES_TIMEOUT:-200} python3 scripts/tf32_wgmma_tiles.py --backward 2>&1 | tee "$OUT/tiles-3xtf32-wgmma.log" ;;
+      timeout ${TILES_TIMEOUT:-200} python3 scripts/tf32_wgmma_tiles.py --backward 2>&1 \
+        | tee "$OUT/tiles-3xtf32-wgmma.log" ;;
     train) timeout ${TRAIN_TIMEOUT:-420} python3 examples/train_tiny_gpt.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log" ;;
     capped) # the GPU profile with the shared memory per block capped as on smaller GPUs (64 KB: T4; 99 KB: RTX, L4)
       for cap in ${CAPS:-65536 101376}; do
