@@ -415,16 +415,16 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         hop.wgmma_commit()
 
     @cuda.jit(device=True, inline=True)
-    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, row_end, hk, tid):
+    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, k_next, row_end, hk, tid):
         """Tile jt's K_j, V_j (and with the first, Q_i, dO_i) are in their buffer, seen by the tensor cores. With
         tensor maps: wait for its phase of ``full``. Without: :func:`publish_tile`, then start the copies of tile
-        jt + 1 (keys from k0 + :func:`first_key`) into the buffer that barrier freed."""
+        jt + 1 (keys from row k_next) into the buffer that barrier freed."""
         if TMA:
             wait_phase(bars, jt % NST, (jt // NST) & 1)
         else:
             publish_tile()
             if jt + 1 < n_tiles:
-                load_tile(smem, jt + 1, k, v, bb, k0 + first_key(jt + 1, n_start, qb, blocks), row_end, hk, tid)
+                load_tile(smem, jt + 1, k, v, bb, k_next, row_end, hk, tid)
 
     @cuda.jit(device=True, inline=True)
     def keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh):
@@ -527,10 +527,11 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             ptx.cp_async_commit()
 
         # The first tile: S, dP alone, dS, packed
+        j_next = first_key(1, n_start, qb, blocks) if n_tiles > 1 else 0
         if n_tiles > 0:
             j0 = first_key(0, n_start, qb, blocks)
             partial = part_of(bm_state, bbm, hbm, qb, j0)
-            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
+            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, 0)
             bits = keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh)
             wait_s(0, s)
@@ -542,15 +543,17 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             pack_a(pa, dp)
         # Tile j: S, dP issued, dQ_i += dS_i,j-1 K_j-1 behind them, dS of tile j while that runs. The tile's first
         # key is read a tile ahead (with a block mask, a load from its list), behind the products: the load of
-        # whether the mask_mod runs there, addressed by it, then goes out at once and is used after the wait
-        j_next = first_key(1, n_start, qb, blocks) if n_tiles > 1 else 0
+        # whether the mask_mod runs there, addressed by it, then goes out at once and is used after the wait.
+        # (Without tensor maps the copies of tile j + 1 start before the products, from the first key read there.)
         for jt in range(1, n_tiles):
             j0 = j_next if BM else first_key(jt, n_start, qb, blocks)  # (without one, arithmetic: no registers held)
             partial = part_of(bm_state, bbm, hbm, qb, j0)  # (read before the wait: its latency hides behind it)
-            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
+            if not TMA and jt + 1 < n_tiles:
+                j_next = first_key(jt + 1, n_start, qb, blocks)
+            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
             issue_sdp(s, dp, q_addr, do_addr, kv_addr, jt)
             issue_dq(acc, pa, kv_addr, jt - 1)
-            if BM and jt + 1 < n_tiles:
+            if TMA and BM and jt + 1 < n_tiles:
                 j_next = first_key(jt + 1, n_start, qb, blocks)
             bits = keep_bits(i0, r0, t, j0, p_drop, seed, offset, bh)
             wait_s(1, s)
@@ -882,14 +885,14 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             dka[n] = 0.0
 
         # The first tile: S^T, dP^T alone, the entries, packed
+        h_next, i_next = tile_of(1, hk, group, nt, m_begin, lists) if total > 1 else (h, i0)
         if TMA:
             wait_phase(bars, 0, 0)
         else:
             publish_tile()
             if total > 1:
-                h2, i2 = tile_of(1, hk, group, nt, m_begin, lists)
-                load_tile(smem, 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
-                fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
+                load_tile(smem, 1, q, dout, bb, q0 + i_next, q0 + seqlen_q, h_next, tid)
+                fetch_stats(st, lse, delta, bb, h_next, q0 + i_next, q0 + seqlen_q, tid)
         issue_sdp(s, dp, k_addr, v_addr, sdp_base, 0)
         if not TMA and total > 1:
             put_stats(lsm, dsm, 1, st, tid)
@@ -912,7 +915,6 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         # used after the wait
         sel = 0
         phase = 0  # (tensor maps) the parity of buffer sel's phase of ``full``: flips as sel comes round
-        h_next, i_next = tile_of(1, hk, group, nt, m_begin, lists) if total > 1 else (h, i0)
         for it in range(1, total):
             h, i0 = (h_next, i_next) if BM else tile_of(it, hk, group, nt, m_begin, lists)  # (as the dQ kernel's)
             partial = part_of(bm_state, bbm, h, i0, j0)  # (read before the wait: its latency hides behind it)
@@ -925,13 +927,13 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
                 wait_phase(bars, sel, phase)
             else:
                 publish_tile()
-                if it + 1 < total:
-                    h2, i2 = tile_of(it + 1, hk, group, nt, m_begin, lists)
-                    load_tile(smem, it + 1, q, dout, bb, q0 + i2, q0 + seqlen_q, h2, tid)
-                    fetch_stats(st, lse, delta, bb, h2, q0 + i2, q0 + seqlen_q, tid)
+                if it + 1 < total:  # (the next tile's entry read here, where its copies start)
+                    h_next, i_next = tile_of(it + 1, hk, group, nt, m_begin, lists)
+                    load_tile(smem, it + 1, q, dout, bb, q0 + i_next, q0 + seqlen_q, h_next, tid)
+                    fetch_stats(st, lse, delta, bb, h_next, q0 + i_next, q0 + seqlen_q, tid)
             issue_sdp(s, dp, k_addr, v_addr, sdp_base, it)
             issue_dkdv(dva, dka, pp, pd, q_base, it - 1, half)
-            if BM and it + 1 < total:
+            if TMA and BM and it + 1 < total:
                 h_next, i_next = tile_of(it + 1, hk, group, nt, m_begin, lists)
             if not TMA and it + 1 < total:  # (buffer sel + 1 was last read two tiles ago, before this barrier)
                 put_stats(lsm, dsm, (it + 1) % NST, st, tid)

@@ -658,11 +658,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     produce_tma = make_tma_producer(D, 1, B_R, 0, B_c, OFF_K, OFF_V, BUF, key_tile)
 
     @cuda.jit(device=True, inline=True)
-    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, row_end, hk, tid):
+    def tile_ready(smem, bars, jt, n_tiles, k, v, bb, k_next, row_end, hk, tid):
         """Tile jt's K_j, V_j are in their buffer, seen by the tensor cores. With a producer: wait for its phase of
         ``full`` (fence.proxy.async: the landed copies seen by the tensor cores). Without: :func:`publish_tile`,
-        then start the copies of tile jt + 1 (keys from k0 + :func:`first_key`) into the buffer that barrier
-        freed."""
+        then start the copies of tile jt + 1 (keys from row k_next) into the buffer that barrier freed."""
         if PRODUCER:
             wait_phase(bars, jt % STAGES, (jt // STAGES) & 1)
             if not TMA:  # (the copy engine's writes are the tensor cores' proxy already)
@@ -670,7 +669,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         else:
             publish_tile()
             if jt + 1 < n_tiles:
-                load_tile(smem, jt + 1, k, v, bb, k0 + first_key(jt + 1, n_start, qb, blocks), row_end, hk, tid)
+                load_tile(smem, jt + 1, k, v, bb, k_next, row_end, hk, tid)
 
     @cuda.jit(device=True, inline=True)
     def tile_done(bars, jt):
@@ -794,11 +793,12 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             their_turn(gw)  # warpgroup 0 takes the first turn
 
         # The first tile: S_i0 alone, its softmax, P_i0 packed (module docstring: the pipeline)
+        j_next = first_key(1, n_start, qb, blocks) if n_tiles > 1 else 0
         if n_tiles > 0:
             j0 = first_key(0, n_start, qb, blocks)
             partial = part_of(bm_state, bbm, hbm, qb, j0)
             bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
-            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
+            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, 0)
             their_turn(gw)
@@ -808,20 +808,23 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             rescale_and_pack(o, pa, s, alpha)
         # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs. The
         # tile's first key and whether the mask_mod runs there are read a tile ahead (with a block mask, loads from
-        # its lists), behind the products, so that their latency does not stand before each tile's mask and issue
-        j_next = first_key(1, n_start, qb, blocks) if n_tiles > 1 else 0
+        # its lists), behind the products, so that their latency does not stand before each tile's mask and issue.
+        # (Without a producer the copies of tile j + 1 start before the products, from the first key read there.)
         partial_next = part_of(bm_state, bbm, hbm, qb, j_next) if n_tiles > 1 else False
         for jt in range(1, n_tiles):
             j0 = j_next
             partial = partial_next
             bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
-            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0, n_start, qb, blocks, k0 + seqlen_k, hk, tid)
+            if not PRODUCER and jt + 1 < n_tiles:
+                j_next = first_key(jt + 1, n_start, qb, blocks)
+            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
             my_turn(gw)
             issue_s(s, q_addr, kv_addr, jt)
             issue_pv(o, pa, kv_addr, jt - 1)
             their_turn(gw)
             if jt + 1 < n_tiles:
-                j_next = first_key(jt + 1, n_start, qb, blocks)
+                if PRODUCER:
+                    j_next = first_key(jt + 1, n_start, qb, blocks)
                 partial_next = part_of(bm_state, bbm, hbm, qb, j_next)
             wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
             softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
