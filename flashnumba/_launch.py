@@ -21,6 +21,7 @@ which runs each thread in Python; nothing is compiled.
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import sys
 import threading
@@ -197,9 +198,23 @@ def _arch(cc) -> str:
 
 
 def _jit_link(kind, data: bytes, options: list, what: str):
-    """One nvJitLink run over one input: (its output, cubin or PTX, as bytes; the info log)."""
+    """One nvJitLink run over one input: (its output, cubin or PTX, as bytes; the info log). The run keeps out of
+    CUDA's compute cache (``CUDA_CACHE_DISABLE``, for its length): a link the cache serves runs no assembler and
+    its log states no registers or spills (:func:`resources_from_log`)."""
     from cuda.bindings import nvjitlink
 
+    before = os.environ.get("CUDA_CACHE_DISABLE")
+    os.environ["CUDA_CACHE_DISABLE"] = "1"
+    try:
+        return _jit_link_once(nvjitlink, kind, data, options, what)
+    finally:
+        if before is None:
+            del os.environ["CUDA_CACHE_DISABLE"]
+        else:
+            os.environ["CUDA_CACHE_DISABLE"] = before
+
+
+def _jit_link_once(nvjitlink, kind, data: bytes, options: list, what: str):
     handle = nvjitlink.create(len(options), options)
     try:
         nvjitlink.add_data(handle, kind, data, len(data), "kernel")
@@ -261,6 +276,12 @@ def build(pyfunc, signature: str, cc, launch_bounds=None, whole_program=False) -
 
 
 def resources_from_log(log: str) -> dict:
+    """Registers, static shared memory, spills and stack of a kernel, from the assembler's verbose log; each None
+    where the log states no registers (the assembler did not run: CUDA's compute cache served the link), never a
+    0 that was not measured."""
+    if not re.search(r"[Uu]sed (\d+) registers", log):
+        return dict.fromkeys(("registers", "static_shared_bytes", "spill_stores", "spill_loads", "stack_bytes"))
+
     def grab(pattern):
         found = re.search(pattern, log)
         return int(found.group(1)) if found else 0

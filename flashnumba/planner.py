@@ -124,7 +124,8 @@ class Plan:
 
     def resources(self) -> list:
         """Registers, spills and static shared memory of each kernel, compiled for the plan's device (also
-        without a GPU; the compiled code is kept in the disk cache)."""
+        without a GPU; the compiled code is kept in the disk cache), as the assembler's log states them (None where
+        it states none: :func:`flashnumba._launch.resources_from_log`)."""
         rows = []
         for s in self.launches:
             c = compile_kernel(s, s.signature(self.arrays, self.scalars), self.device.cc)

@@ -278,7 +278,9 @@ def compile_offline(script, *args):
     import subprocess
     import sys
 
-    env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0")
+    # (CUDA_CACHE_DISABLE: a link that CUDA's compute cache serves runs no assembler, and its log states no
+    # registers or spills; on a GPU machine the cache holds the kernels of the last run)
+    env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0", CUDA_CACHE_DISABLE="1")
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=1200)
     if proc.returncode != 0 and "NVVM" in proc.stderr and "not found" in proc.stderr.lower():

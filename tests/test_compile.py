@@ -161,6 +161,21 @@ def test_occupancy_calculator():
     assert occupancy(32, 0, 1024, tiling.ARCHS["sm_75"]) == (1, 32, 1.0, "threads")
 
 
+def test_resources_are_read_from_the_assemblers_log_and_unknown_without_it():
+    """The figures a plan reports come from the assembler's log; where it states none (CUDA's compute cache served
+    the link and no assembler ran: an empty log), each is None, never an unmeasured 0."""
+    from flashnumba._launch import resources_from_log
+
+    log = ("ptxas info    : Function properties for k\n"
+           "ptxas         .     8 bytes stack frame, 24 bytes spill stores, 20 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 16 barriers, 8 bytes cumulative stack size, 48 bytes smem\n")
+    assert resources_from_log(log) == dict(registers=168, static_shared_bytes=48, spill_stores=24, spill_loads=20,
+                                           stack_bytes=8)
+    assert resources_from_log("ptxas info    : Used 10 registers, used 0 barriers")["spill_stores"] == 0
+    assert set(resources_from_log("").values()) == {None}
+    assert set(resources_from_log("info    : 8 bytes gmem\n").values()) == {None}
+
+
 BOUND = r"""
 import numpy as np, flashnumba
 from flashnumba import _launch

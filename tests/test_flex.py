@@ -421,8 +421,8 @@ def test_mods_compile_into_the_hopper_kernels(name):
     planner's tiles, with and without a block mask: no spills and no serialised wgmma (per push the heaviest, a
     relative bias with documents at head_dim 128; every example at 64 and 128, with and without a block mask, in
     the GPU profile). One known exception, checked as such: that example at head_dim 128 spills a little in the
-    forward (16 bytes with a block mask, 24 without, at the planner's tiles) and, with a block mask, in the dK/dV
-    kernel (128 bytes): its score_mod's table, its mask_mod's document ids and the block mask's lists beside the
+    forward (24 bytes, with a block mask and without, at the planner's tiles) and, with a block mask, in the dK/dV
+    kernel (28 bytes): its score_mod's table, its mask_mod's document ids and the block mask's lists beside the
     accumulators; the result is right, at some cost."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     from conftest import UNREAD, check_machine_code, compile_offline

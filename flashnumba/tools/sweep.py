@@ -154,14 +154,17 @@ def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
     ms = float(np.median([cuda_events_ms(launch, 10) for _ in range(repeat)]))
     res = [b.compiled.resources for b in timed]
     threads = [int(np.prod(b.spec.block)) for b in timed]
-    shared = [b.spec.shared_bytes + r["static_shared_bytes"] for b, r in zip(timed, res)]
-    blocks = [occupancy(r["registers"], s, t, limits)[0] for t, r, s in zip(threads, res, shared)]
     default = tiling.default(family, D, limits).tiles
     is_default = (default.block_m, default.block_n) == (m, n) and (nt is None or default.num_threads == nt)
-    return dict(block_m=m, block_n=n, num_threads=threads[0] if nt is None else nt, ms=round(ms, 4),
-                tflops=round(_flops(pass_, q, causal) / ms / 1e9, 2), registers=max(r["registers"] for r in res),
-                spill_bytes=max(r["spill_stores"] + r["spill_loads"] for r in res), shared_bytes=max(shared),
-                blocks_per_sm=min(blocks), default=is_default)
+    row = dict(block_m=m, block_n=n, num_threads=threads[0] if nt is None else nt, ms=round(ms, 4),
+               tflops=round(_flops(pass_, q, causal) / ms / 1e9, 2), registers=None, spill_bytes=None,
+               shared_bytes=None, blocks_per_sm=None, default=is_default)
+    if all(r["registers"] is not None for r in res):  # (None: the assembler's log stated none)
+        shared = [b.spec.shared_bytes + r["static_shared_bytes"] for b, r in zip(timed, res)]
+        blocks = [occupancy(r["registers"], s, t, limits)[0] for t, r, s in zip(threads, res, shared)]
+        row.update(registers=max(r["registers"] for r in res), shared_bytes=max(shared), blocks_per_sm=min(blocks),
+                   spill_bytes=max(r["spill_stores"] + r["spill_loads"] for r in res))
+    return row
 
 
 def sweep(family, head_dims, seqlen, causal, dtype, repeat=5, progress=True, workers=None):
@@ -282,8 +285,8 @@ def main(argv=None):
             print(f"{r['head_dim']:4} {r['block_m']:4} {r['block_n']:4}  {r['error'][:90]}")
             continue
         print(f"{r['head_dim']:4} {r['block_m']:4} {r['block_n']:4} {r['num_threads']:4} {r['ms']:8.3f} "
-              f"{r['tflops']:8.1f} {r['registers']:5} {r['spill_bytes']:6} {r['shared_bytes']:7} "
-              f"{r['blocks_per_sm']:6}{'  default' if r['default'] else ''}")
+              f"{r['tflops']:8.1f} {r['registers']!s:>5} {r['spill_bytes']!s:>6} {r['shared_bytes']!s:>7} "
+              f"{r['blocks_per_sm']!s:>6}{'  default' if r['default'] else ''}")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"sweep-{args.family}")
     with open(base + ".json", "w") as f:
