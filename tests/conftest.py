@@ -23,6 +23,10 @@ from flashnumba import reference
 
 flashnumba.config.poison_outputs = True  # every output is NaN-filled before the kernel runs
 
+# A kernel's link that CUDA's compute cache serves runs no assembler, and its log then states no registers or spills
+# (on a GPU machine the cache holds the kernels of the last run): the tests that read those figures keep out of it.
+os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+
 PROFILE = os.environ.get("FLASHNUMBA_TEST_PROFILE", "ci" if flashnumba.SIMULATOR else "gpu")
 settings.register_profile(
     "ci",
@@ -278,8 +282,6 @@ def compile_offline(script, *args):
     import subprocess
     import sys
 
-    # (CUDA_CACHE_DISABLE: a link that CUDA's compute cache serves runs no assembler, and its log states no
-    # registers or spills; on a GPU machine the cache holds the kernels of the last run)
     env = dict(os.environ, FLASHNUMBA_SIMULATOR="0", NUMBA_ENABLE_CUDASIM="0", CUDA_CACHE_DISABLE="1")
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=1200)
