@@ -17,10 +17,7 @@ import numpy as np
 
 import flashnumba
 from flashnumba.tools.timing import cuda_time_ms
-
-
-def causal_mod(b, h, i, j):
-    return j <= i
+from flex_bench import causal_mod, doc_mod  # (the same masks as the benchmark's; this script's folder is on the path)
 
 
 n = 8192
@@ -70,10 +67,6 @@ for d in (64, 128):
 # planner's tiles; at d=64 also with the dQ kernel's key tiles of 64 (the table's, without
 # tiling.wgmma_dq_for_variant's 128 for a block-masked mask_mod)
 from flashnumba import tiling  # noqa: E402
-
-
-def doc_mod(b, h, i, j, docs):
-    return docs[i] == docs[j]
 
 
 dq_tiles = tiling.wgmma_dq_for_variant

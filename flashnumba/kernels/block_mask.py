@@ -15,6 +15,7 @@ import functools
 
 from .._backend import cuda
 from .common import make_user_mods
+from .scalars import int64, uint64
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 THREADS = 128
@@ -26,12 +27,13 @@ def make_block_tiles(on, block, tile):
     visits. ``on``: the tiles of the blocks (``block`` rows, a multiple of ``tile``) that idx[bb, hb, outer]
     lists, in order, block // tile tiles each; otherwise the tiles from row ``start`` on, one after the other
     (idx unread)."""
-    SUB = block // tile
+    SUB = uint64(block // tile)
 
     @cuda.jit(device=True, inline=True)
     def tile_start(n, start, idx, bb, hb, outer):
-        if on:
-            return idx[bb, hb, outer, n // SUB] * block + (n % SUB) * tile
+        if on:  # (unsigned indices, all >= 0: no wraparound of negative ones, no signed division's rounding term)
+            u = uint64(n)
+            return idx[uint64(bb), uint64(hb), uint64(outer), u // SUB] * block + int64(u % SUB) * tile
         return start + n * tile
 
     return tile_start
@@ -43,11 +45,12 @@ def make_block_full(on, block):
     state[bb, hb, outer] is a full one (False where ``on`` is not: no block mask); the kernels evaluate the
     mask_mod in the blocks that are not. The forward reads it a tile ahead of its use, so that its latency hides
     behind a tile's products."""
+    UBLOCK = uint64(block)
 
     @cuda.jit(device=True, inline=True)
     def block_full(state, bb, hb, outer, j):
-        if on:
-            return state[bb, hb, outer, j // block] == FULL
+        if on:  # (unsigned indices, as tile_start's)
+            return state[uint64(bb), uint64(hb), uint64(outer), uint64(j) // UBLOCK] == FULL
         return False
 
     return block_full

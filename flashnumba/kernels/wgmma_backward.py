@@ -659,8 +659,10 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             u = uint32(it) // uint32(nt)
             h = hk * group + int64(u)
             r = int64(uint32(it) - u * uint32(nt))
-        if BM:
-            return h, lists[h if lists.shape[0] > 1 else int64(0), m_begin, r // SUB] * QB + (r % SUB) * B_R
+        if BM:  # (the tile within its block by unsigned division: r >= 0, and a signed one keeps a rounding term)
+            ru = uint64(r)
+            row = int64(ru % uint64(SUB)) * B_R
+            return h, lists[h if lists.shape[0] > 1 else int64(0), m_begin, int64(ru // uint64(SUB))] * QB + row
         return h, (m_begin + r) * B_R
 
     @cuda.jit(device=True, inline=True)
