@@ -79,8 +79,12 @@ for step in $STEPS; do
       done ;;
     flextiles) # the causal mask_mod with a block mask beside the built-in causal kernel, at several tiles
       timeout ${FLEX_TIMEOUT:-300} python3 scripts/flex_tiles.py 2>&1 | tee "$OUT/flex-tiles.log" ;;
-    flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward": the backward pass too)
-      timeout ${FLEX_TIMEOUT:-540} python3 scripts/flex_bench.py --out "$OUT" ${FLEX_ARGS:-} 2>&1 | tee "$OUT/flex.log" ;;
+    flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward --head-dims 64": the backward pass too,
+      # one head dim; FLEX_SKIP="no block mask": the rows whose name holds that text left out)
+      timeout ${FLEX_TIMEOUT:-540} python3 scripts/flex_bench.py --out "$OUT" ${FLEX_ARGS:-} \
+        ${FLEX_SKIP:+--skip "$FLEX_SKIP"} 2>&1 | tee "$OUT/flex.log" ;;
+    compilelog) # whether the assembler's figures (registers, spills) survive CUDA's compute cache
+      python3 scripts/compile_log_check.py 2>&1 | tee "$OUT/compile-log-check.log" ;;
     cache) # the kernel disk cache back in parts of 15 MB (files come back at most 16 MiB each); where the call ran
       # with FLASHNUMBA_CACHE_DIR=$PWD/.gpucache and .gpucache carried, `cat gpucache.tgz.* | tar xz` here restores
       # it for the next call's carry, and the warm cache spares that call the compiles
