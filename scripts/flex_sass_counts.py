@@ -1,0 +1,108 @@
+"""Machine instructions of the Hopper kernels' tile loops for a mask_mod with a block mask, beside the built-in
+causal kernels', compiled for sm_90a at the planner's tiles (no GPU needed; nvdisasm from the test extra):
+
+    FLASHNUMBA_SIMULATOR=0 python scripts/flex_sass_counts.py [--docs] [--head-dims 64 128]
+
+For each kernel (forward, dQ, dK/dV) it prints the whole kernel's instruction count and, for the innermost loop
+that holds wgmma instructions (the tile loop: from a backward branch's target to the branch), its length and
+most frequent opcodes. ``--docs``: the documents' mask_mod (two arrays of ids) in place of the causal one. The
+static counts hold every branch of the loop, the mask_mod's among them, which runs in the partial tiles alone.
+"""
+
+import argparse
+import collections
+import dataclasses
+import re
+
+import numpy as np
+
+from flashnumba import _launch, _validate, planner
+from flashnumba.api import _check_block_mask, check_forward_args
+from flashnumba.blockmask import BlockMask
+from flashnumba.tools.sass import disassemble
+
+
+def causal_mod(b, h, i, j):
+    return j <= i
+
+
+def doc_mod(b, h, i, j, doc_q, doc_k):
+    return doc_q[i] == doc_k[j]
+
+
+def plans(d, mod, builtin, n=1024):
+    """The forward's and backward's plans at head_dim d (float16, 2 heads, seqlen n) for the sm_90 GPU: the
+    built-in causal option, or ``mod`` with a block mask of 128 (its arrays made here: no GPU to classify)."""
+    q = np.zeros((1, n, 2, d), np.float16)
+    (tq, tk, tv), opts = check_forward_args(q, q, q, causal=builtin)
+    if not builtin:
+        args = (np.zeros(n, np.int32), np.zeros(n, np.int32)) if mod is doc_mod else ()
+        mods, targs = _validate.check_mods(tq, tk, None, None, mod, args, False, backward=True)
+        z = np.zeros((1, 1, n // 128, n // 128), np.int32)
+        bm = BlockMask(mod, args, (n, n), 128, 128, z[..., 0].copy(), z, z.astype(np.int8), z[..., 0].copy(), z)
+        opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
+        opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
+    lse = np.zeros((1, 2, n), np.float32)
+    tdo, to, tl = (_validate.inspect(name, x, nd) for name, x, nd in (("dout", q, 4), ("out", q, 4), ("lse", lse, 3)))
+    forward = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90")
+    backward = planner.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel="wgmma", device="sm_90")
+    return [(forward, forward.launches[0])] + [(backward, s) for s in backward.launches[1:]]
+
+
+def instructions(sass):
+    """[(address, text)] of the machine code, and {label: address}."""
+    found, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            address = int(m.group(1), 16)
+            labels.update(dict.fromkeys(pending, address))
+            pending = []
+            found.append((address, m.group(2).strip()))
+    return found, labels
+
+
+def tile_loop(sass):
+    """The instructions of the first loop (in the order of their backward branches) that holds a wgmma."""
+    found, labels = instructions(sass)
+    for address, text in found:
+        m = re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), address) < address:
+            body = [t for a, t in found if labels[m.group(1)] <= a <= address]
+            if any("GMMA" in t for t in body):
+                return body
+    return []
+
+
+def opcode(text):
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--docs", action="store_true", help="the documents' mask_mod in place of the causal one")
+    args = ap.parse_args()
+    mod = doc_mod if args.docs else causal_mod
+    for d in args.head_dims:
+        for builtin in (True, False):
+            for p, s in plans(d, mod, builtin):
+                fn = s.factory(*s.factory_args)
+                cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})",
+                                              (9, 0, "a"), _launch.launch_bounds(s), s.whole_program)
+                sass = disassemble(cubin)
+                loop = tile_loop(sass)
+                r = _launch.resources_from_log(log)
+                what = "built-in causal" if builtin else f"{mod.__name__} + block mask"
+                top = ", ".join(f"{k} {v}" for k, v in collections.Counter(map(opcode, loop)).most_common(8))
+                print(f"d={d} {what:24} {s.name:14} tiles={tuple(s.tiles)}: {len(instructions(sass)[0])} "
+                      f"instructions, tile loop {len(loop)} ({top}); {r['registers']} registers, "
+                      f"{r['spill_stores']} bytes spilled", flush=True)
+
+
+if __name__ == "__main__":
+    main()
