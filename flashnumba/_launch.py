@@ -275,20 +275,20 @@ def build(pyfunc, signature: str, cc, launch_bounds=None, whole_program=False) -
     return cubin, log, ptx
 
 
+# what the assembler's verbose log states of a kernel, each figure's pattern
+_RESOURCES = {"registers": r"[Uu]sed (\d+) registers", "static_shared_bytes": r"(\d+) bytes smem",
+              "spill_stores": r"(\d+) bytes spill stores", "spill_loads": r"(\d+) bytes spill loads",
+              "stack_bytes": r"(\d+) bytes stack frame"}
+
+
 def resources_from_log(log: str) -> dict:
-    """Registers, static shared memory, spills and stack of a kernel, from the assembler's verbose log; each None
-    where the log states no registers (the assembler did not run: CUDA's compute cache served the link), never a
-    0 that was not measured."""
-    if not re.search(r"[Uu]sed (\d+) registers", log):
-        return dict.fromkeys(("registers", "static_shared_bytes", "spill_stores", "spill_loads", "stack_bytes"))
-
-    def grab(pattern):
-        found = re.search(pattern, log)
-        return int(found.group(1)) if found else 0
-
-    return {"registers": grab(r"[Uu]sed (\d+) registers"), "static_shared_bytes": grab(r"(\d+) bytes smem"),
-            "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads"),
-            "stack_bytes": grab(r"(\d+) bytes stack frame")}
+    """Registers, static shared memory, spills and stack of a kernel, from the assembler's verbose log (a figure it
+    leaves out is 0); each None where the log states no registers (the assembler did not run: CUDA's compute cache
+    served the link), never a 0 that was not measured."""
+    if not re.search(_RESOURCES["registers"], log):
+        return dict.fromkeys(_RESOURCES)
+    found = {name: re.search(pattern, log) for name, pattern in _RESOURCES.items()}
+    return {name: int(m.group(1)) if m else 0 for name, m in found.items()}
 
 
 _PARAM_SIZES = {"u64": 8, "b64": 8, "s64": 8, "f64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4,
