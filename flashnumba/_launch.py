@@ -21,7 +21,6 @@ which runs each thread in Python; nothing is compiled.
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import sys
 import threading
@@ -198,23 +197,13 @@ def _arch(cc) -> str:
 
 
 def _jit_link(kind, data: bytes, options: list, what: str):
-    """One nvJitLink run over one input: (its output, cubin or PTX, as bytes; the info log). The run keeps out of
-    CUDA's compute cache (``CUDA_CACHE_DISABLE``, for its length): a link the cache serves runs no assembler and
-    its log states no registers or spills (:func:`resources_from_log`)."""
+    """One nvJitLink run over one input: (its output, cubin or PTX, as bytes; the info log). Where CUDA's compute
+    cache (``~/.nv/ComputeCache``) serves a whole-program link it has seen, no assembler runs and the log states no
+    registers or spills (:func:`resources_from_log` reads them as None). nvJitLink reads ``CUDA_CACHE_DISABLE``
+    once a process, at its first link: a process that needs the figures sets it before (the tests' conftest, the
+    sweep command, :func:`compile_offline`'s processes)."""
     from cuda.bindings import nvjitlink
 
-    before = os.environ.get("CUDA_CACHE_DISABLE")
-    os.environ["CUDA_CACHE_DISABLE"] = "1"
-    try:
-        return _jit_link_once(nvjitlink, kind, data, options, what)
-    finally:
-        if before is None:
-            del os.environ["CUDA_CACHE_DISABLE"]
-        else:
-            os.environ["CUDA_CACHE_DISABLE"] = before
-
-
-def _jit_link_once(nvjitlink, kind, data: bytes, options: list, what: str):
     handle = nvjitlink.create(len(options), options)
     try:
         nvjitlink.add_data(handle, kind, data, len(data), "kernel")

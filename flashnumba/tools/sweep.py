@@ -270,6 +270,9 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=None,
                    help="processes compiling the configurations first (default: the CPU count, at most 16)")
     args = p.parse_args(argv)
+    # the registers and spills come from the assembler's log, which a link served by CUDA's compute cache leaves
+    # empty; nvJitLink reads the setting at the process's first link (flashnumba._launch._jit_link)
+    os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
     from .._backend import SIMULATOR
 
     if SIMULATOR:
