@@ -645,11 +645,15 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     natural units) and ``mask_mod(b, h, q_idx, kv_idx, *score_mod_args)`` whether query q_idx may see key kv_idx:
     plain Python functions of one entry, compiled by Numba as device functions into the kernels (in the
     simulator they run as Python, so a debugger steps through them). b: the batch entry, h: the query head,
-    q_idx and kv_idx: positions in the sequences (no alignment shift: a bottom-right causal mask is
-    ``q_idx + seqlen_k - seqlen_q >= kv_idx``). ``score_mod_args``: up to 4 arrays on q's device that the functions
-    read, indexed as they like (a bias table, document ids); a number is better closed over (each value compiles
-    its own kernel). A function may call other plain Python functions (a score_mod built from two others): they
-    are compiled with it. A function is compiled once per function object (define it once, not in a loop).
+    q_idx and kv_idx: positions in the sequences (no alignment shift: a bottom-right causal mask is ``q_idx + seqlen_k -
+    seqlen_q >= kv_idx``), each an int32; score a float32, and a Python float in the functions float32 beside it
+    (weak, as in NumPy 2 and FlexAttention); an integer and a float32 together are float64 in Numba, several times
+    slower on a GPU: ``np.float32(abs(q_idx - kv_idx))`` keeps ALiBi in float32 (a function that computes in float64
+    draws a one-time :class:`flashnumba.planner.SlowPathWarning`). ``score_mod_args``: up to 4 arrays on q's device
+    that the functions read, indexed as they like (a bias table, document ids); a number is better closed over (each
+    value compiles its own kernel). A function may call other plain Python functions (a score_mod built from two
+    others): they are compiled with it. A function is compiled once per function object (define it once, not in a
+    loop).
 
     q (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k, head_dim) in float32, float16 or
     bfloat16; nheads_k < nheads needs ``enable_gqa=True``. Returns out like q, or (out, lse) with
@@ -657,8 +661,8 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     for float16 / bfloat16 on a GPU (``kernel`` None or "tc") and on the register-tiled SIMT kernels otherwise
     (None, "v3" or "v2"); also on the Hopper forward (``kernel="wgmma"``, compute capability 9.0: the score_mod at
     every score, the mask_mod in the forward's mask pass, run only in the tiles it may hide entries of), which
-    ``kernel=None`` takes there for a block mask without a score_mod at the head dims of
-    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS` (its blocks multiples of 128);
+    ``kernel=None`` takes there at the head dims of :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS` for a
+    score_mod and for a mask_mod with a block mask (its blocks multiples of 128);
     ``block_m``, ``block_n``, ``num_threads`` tile them as in :func:`flash_attn_forward`.
     ``block_mask``: a :class:`flashnumba.blockmask.BlockMask` of the mask_mod (``create_block_mask``, with the
     same score_mod_args): the tensor-core and Hopper forwards then skip the key blocks it hides entirely and
@@ -765,7 +769,7 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
 
 def _flex_compiled(p, mods):
     """The plan, its kernels compiled now on a GPU, so that a function Numba cannot compile is reported, naming it,
-    before anything runs."""
+    before anything runs (and one that computes in float64 warned of)."""
     from ._backend import SIMULATOR
 
     if mods is None or SIMULATOR:
@@ -777,6 +781,7 @@ def _flex_compiled(p, mods):
                           if f is not None)
         raise TypeError(f"flex_attention: {names} could not be compiled into the kernels: "
                         f"{str(err).splitlines()[0][:300]}") from err
+    _plan.warn_float64_mods(mods)
     return p
 
 

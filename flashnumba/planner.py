@@ -58,7 +58,7 @@ PREPROCESS_ROWS = 8  # query rows per block of the backward's D_i kernel on a GP
 
 class SlowPathWarning(UserWarning):
     """kernel=None chose a kernel family slower than the inputs' dtype allows elsewhere (see the plan's
-    ``fallback``)."""
+    ``fallback``), or a user's score_mod / mask_mod computes in float64 (:func:`warn_float64_mods`)."""
 
 
 @dataclass(frozen=True)
@@ -242,10 +242,10 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
     the ``mma.sync`` kernels.
 
     ``mods``: a call with a user's mask_mod or block mask (``flex_attention``), where the head dims are
-    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`, a score_mod or a mask_mod without a block mask keeps
-    ``tc`` (the configurations measured), and a block mask is taken where its blocks are multiples of 128 (every
-    tile of the Hopper kernels divides them) and, in the backward with fewer key/value heads than query heads,
-    made for every head."""
+    :data:`flashnumba.tiling.WGMMA_MODS_DEFAULT_HEAD_DIMS`, a mask_mod without a block mask keeps ``tc`` (not
+    measured there; a score_mod, with a block mask or without a mask_mod, ran faster on the Hopper kernels), and a
+    block mask is taken where its blocks are multiples of 128 (every tile of the Hopper kernels divides them) and,
+    in the backward with fewer key/value heads than query heads, made for every head."""
     if tuple(limits.cc) != (9, 0):
         return ""
     D = tq.shape[-1]
@@ -263,9 +263,7 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
         if _arrays.cupy is None and any(t.kind in ("numba", "cai") for t in tensors):
             return f"; not wgmma: head_dim {D} runs there padded with zero columns, copies that need CuPy"
     D = padded_head_dim("wgmma", D)  # (the tiles and copies below: those of the head dim the kernels run)
-    if mods and opts.mods is not None and opts.mods.score_mod is not None:
-        return "; not wgmma: a score_mod (the Hopper kernels take one when asked for, kernel='wgmma')"
-    if mods and opts.block_mask is None:
+    if mods and opts.block_mask is None and opts.mods is not None and opts.mods.mask_mod is not None:
         return "; not wgmma: a mask_mod without a block mask (the Hopper kernels take one when asked for)"
     for table in ("wgmma",) if pass_ == "forward" else ("wgmma_dq", "wgmma_dkdv"):
         try:
@@ -343,6 +341,26 @@ def _warn_slow(pass_, reason):
 
 
 _warned: set = set()
+
+
+def warn_float64_mods(mods):
+    """Once per function: a one-time :class:`SlowPathWarning` naming what a user's score_mod, score_mod_grad or
+    mask_mod computes in float64, once its kernels are compiled (:func:`flashnumba.kernels.common.float64_use`)."""
+    from .kernels.common import float64_use
+
+    for role in ("score_mod", "score_mod_grad", "mask_mod"):
+        fn = getattr(mods, role)
+        if fn is None or not config.warn_slow_path or (role, fn) in _warned:
+            continue
+        found = float64_use(fn)
+        if found:
+            _warned.add((role, fn))
+            name = getattr(fn, "__name__", fn)
+            warnings.warn(f"flashnumba: {role} {name!r} computes in float64 ({', '.join(found)}), several"
+                          f" times slower on a GPU than float32: Numba types an integer and a float32 "
+                          f"together as float64, as NumPy does; write np.float32(...) around the integer, for example "
+                          f"np.float32(abs(q_idx - kv_idx)). (flashnumba.config.warn_slow_path = False silences this.)",
+                          SlowPathWarning, stacklevel=6)
 
 
 def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=True):

@@ -59,7 +59,7 @@ MMA_DEFAULT_HEAD_DIMS = MMA_HEAD_DIMS
 # 256, both passes
 WGMMA_DEFAULT_HEAD_DIMS = {"forward": (32, 64, 96, 128, 160, 192, 224, 256),
                            "backward": (32, 64, 96, 128, 160, 192, 224, 256)}
-# With a user's block mask (flex_attention; no score_mod), the head dims where kernel=None takes the
+# With a user's mask_mod and block mask, or a score_mod (flex_attention), the head dims where kernel=None takes the
 # Hopper kernels: those where they ran faster than the mma.sync kernels beside FlexAttention (docs/benchmarks.md,
 # "How fast is your own attention variant?"); elsewhere the mma.sync kernels
 WGMMA_MODS_DEFAULT_HEAD_DIMS = {"forward": (64, 128), "backward": (64, 128)}

@@ -32,7 +32,7 @@ import types
 
 from . import philox, ptx
 from .._backend import cuda
-from .scalars import float32, uint64
+from .scalars import float32, int32, uint64
 
 # The dropout mask's random numbers (see philox.py), as device functions.
 dropout_uniform = cuda.jit(device=True)(philox.make_uniform(cuda.jit(device=True)(philox.philox4x32_10)))
@@ -251,7 +251,8 @@ def _fixed_arity(name, params, body, namespace):
 def as_device_function(fn):
     """``fn`` as a Numba device function, with the plain Python functions it calls (through its globals or its
     closure, to any depth) made device functions too, so that a user's score_mod may call another, as
-    ``alibi(softcap(x, ...), ...)``. A function that is already a Numba dispatcher is returned as it is; the
+    ``alibi(softcap(x, ...), ...)``, and the Python floats it reads (constants, globals, closure cells) weak:
+    float32 (:func:`_weak_floats`). A function that is already a Numba dispatcher is returned as it is; the
     user's own function and its globals are left untouched (the device version reads a copy)."""
     return _as_device(fn, {})
 
@@ -268,14 +269,40 @@ def _as_device(fn, seen):
         value = env.get(name)
         if isinstance(value, types.FunctionType) and value is not fn:
             env[name] = _as_device(value, seen)
+        elif type(value) is float:
+            env[name] = float32(value)
     closure = fn.__closure__
     if closure:
-        closure = tuple(types.CellType(_as_device(c.cell_contents, seen)) if _is_function_cell(c) else c
-                        for c in closure)
-    copy = types.FunctionType(code, env, fn.__name__, fn.__defaults__, closure)
+        closure = tuple(types.CellType(_as_device(c.cell_contents, seen)) if _is_function_cell(c) else
+                        types.CellType(float32(c.cell_contents)) if _is_float_cell(c) else c for c in closure)
+    copy = types.FunctionType(_weak_floats(code), env, fn.__name__, fn.__defaults__, closure)
     copy.__qualname__ = fn.__qualname__
     seen[fn] = cuda.jit(device=True)(copy)
     return seen[fn]
+
+
+_FLOAT64_KINDS = {"mul": "a product", "sub": "a difference", "add": "a sum", "truediv": "a quotient",
+                  "floordiv": "a quotient", "pow": "a power", "call": "a call's result"}
+
+
+def float64_use(fn) -> list:
+    """What ``fn``'s compiled device versions (:func:`as_device_function`) compute in float64, as words ("a
+    product", "variable y"); empty before a kernel that calls it is compiled, and in the simulator. Numba types an
+    integer and a float32 together as float64, as NumPy does (``slope * abs(q_idx - kv_idx)``), and a GPU runs
+    float64 several times slower than float32."""
+    found = set()
+    for cres in getattr(as_device_function(fn), "overloads", {}).values():
+        for name, ty in cres.fndesc.typemap.items():
+            if str(ty) != "float64" or name.startswith("arg.") or "return_value" in name:
+                continue
+            if name.startswith("$"):
+                kind = next((k for k in _FLOAT64_KINDS if name.startswith((f"$binop_{k}", f"${k}"))
+                             or f"_{k}" in name.split(".")[0]), None)
+                if kind is not None:
+                    found.add(_FLOAT64_KINDS[kind])
+            else:
+                found.add(f"variable {name.split('.')[0]}")
+    return sorted(found)
 
 
 def _is_function_cell(cell):
@@ -285,6 +312,25 @@ def _is_function_cell(cell):
         return False
 
 
+def _is_float_cell(cell):
+    try:
+        return type(cell.cell_contents) is float
+    except ValueError:
+        return False
+
+
+def _weak_floats(code):
+    """``code`` with its Python float constants as float32 (and those of the code it holds: a nested function's).
+    Numba types a Python float as float64, and with it every product it enters: ``math.tanh(score / 20.0)`` would
+    run libdevice's double-precision tanh at each score, several times slower on a GPU than the float32 one. Here
+    a Python float is weak, as NumPy 2 (NEP 50) and FlexAttention take it: it adopts the score's float32, and the
+    function computes what it computes in the simulator, where the score is a NumPy float32. A float64 the user
+    asks for (``numpy.float64(...)``, a float64 array) stays float64."""
+    consts = tuple(float32(c) if type(c) is float else _weak_floats(c) if isinstance(c, types.CodeType) else c
+                   for c in code.co_consts)
+    return code.replace(co_consts=consts)
+
+
 def make_user_mods(mods):
     """(user_score, user_mask): the user's functions of :class:`Mods` behind a fixed signature::
 
@@ -292,26 +338,28 @@ def make_user_mods(mods):
         visible = user_mask(b, h, i, j, a0, a1, a2, a3)
 
     each passing the first ``mods.nargs`` arrays on; a missing score_mod is the identity (dmod 1), a missing
-    derivative 1, a missing mask_mod True. The kernels call them only for entries within the sequences, so a
-    function may index its arrays by q_idx and kv_idx."""
+    derivative 1, a missing mask_mod True. b, h, q_idx and kv_idx reach the user's functions as int32, as in
+    FlexAttention (the kernels' indices: 64-bit ones take two instructions for each add and compare). The kernels
+    call them only with indices within the sequences, so a function may index its arrays by q_idx and kv_idx."""
     if mods is None:
         return None, None
     given = [f"a{n}" for n in range(mods.nargs)]
     s_args, g_args, m_args = (given if w else [] for w in mods.with_args)
     every = ["a0", "a1", "a2", "a3"]
-    ns = {"float32": float32}
+    ns = {"float32": float32, "int32": int32}
     ns["score"] = (as_device_function(mods.score_mod) if mods.score_mod is not None
                    else _fixed_arity("score", ["x", "b", "h", "i", "j"] + s_args, "x", ns))
     ns["grad"] = (as_device_function(mods.score_mod_grad) if mods.score_mod_grad is not None
                   else _fixed_arity("grad", ["x", "b", "h", "i", "j"] + g_args, "float32(1.0)", ns))
     ns["mask"] = (as_device_function(mods.mask_mod) if mods.mask_mod is not None
                   else _fixed_arity("mask", ["b", "h", "i", "j"] + m_args, "True", ns))
-    score = ", ".join(["x", "b", "h", "i", "j"] + s_args)
-    grad = ", ".join(["x", "b", "h", "i", "j"] + g_args)
+    idx = ["int32(b)", "int32(h)", "int32(i)", "int32(j)"]
+    score = ", ".join(["x"] + idx + s_args)
+    grad = ", ".join(["x"] + idx + g_args)
     user_score = _fixed_arity("user_score", ["x", "b", "h", "i", "j"] + every,
                               f"float32(score({score})), float32(grad({grad}))", ns)
     user_mask = _fixed_arity("user_mask", ["b", "h", "i", "j"] + every,
-                             f"bool(mask({', '.join(['b', 'h', 'i', 'j'] + m_args)}))", ns)
+                             f"bool(mask({', '.join(idx + m_args)}))", ns)
     return user_score, user_mask
 
 

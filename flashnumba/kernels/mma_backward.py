@@ -133,10 +133,10 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
     (softcap, ALiBi, then a user's score_mod), P recomputed from the logsumexp, 0 where ``masked`` and the entry
     lies outside the sequence or the band, or where ``partial`` and a user's mask_mod hides it (a block mask's
     full blocks pass partial False: the mask_mod shows all of them), the forward's dropout mask regenerated, and
-    dS = P (Z dP - D_i) times the derivative of the score's modifications (softcap's, the user's
-    score_mod_grad). The user's functions (``mods``, :func:`flashnumba.kernels.common.make_user_mods`) are called
-    only for entries within the sequences, the score_mod only for those the mask_mod shows, as in the SIMT
-    backward. ``no_calls``: softcap's tanh without a subroutine call (the Hopper kernels',
+    dS = P (Z dP - D_i) times the derivative of the score's modifications (softcap's, the user's score_mod_grad). The
+    user's functions (``mods``, :func:`flashnumba.kernels.common.make_user_mods`) are called with indices within the
+    sequences (an entry past them with the last row's or key's, its result then unused), the score_mod only where
+    the mask_mod shows the entry. ``no_calls``: softcap's tanh without a subroutine call (the Hopper kernels',
     :func:`flashnumba.kernels.common.make_score_mod`). ``keep_given``: the entry takes one more argument, ``kept``,
     whether the dropout mask keeps it, drawn beforehand by the caller (the Hopper kernels draw a tile's mask apart
     from the entries: the generator's rounds inside the loop over a tile's entries leave that loop rolled, and the
@@ -158,8 +158,8 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
             shown = i < seqlen_q and j < seqlen_k and user_mask(b, h, i, j, a0, a1, a2, a3)
         if SCORE_MOD:
             x, dcap = score_mod(sv * scale, softcap, slope, i, j, diag)
-            if USER_SCORE and shown and i < seqlen_q and j < seqlen_k:
-                x, dmod = user_score(x, b, h, i, j, a0, a1, a2, a3)
+            if USER_SCORE and shown:  # (at indices within the sequences, as in the forward)
+                x, dmod = user_score(x, b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1), a0, a1, a2, a3)
                 dcap *= dmod
             p = ptx.exp2_ftz(x * LOG2E - l2)
         else:  # one FMA and the exponential
@@ -167,6 +167,7 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
         if masked:
             if outside(i, j, seqlen_q, seqlen_k, diag, left, right):
                 p = float32(0.0)
+                dcap = float32(1.0)  # (the score_mod's derivative at the clamped entry stays out of dS)
         if USER_MASK and not shown:
             p = float32(0.0)
         if DROPOUT:

@@ -568,8 +568,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                         i = i0 + r0 + 8 * (x >> 1)
                         j = j0 + 8 * n + 2 * t + (x & 1)
                         val, _ = score_mod(val, softcap, slope, i, j, diag)
-                        if USER_SCORE and i < seqlen_q and j < seqlen_k:  # (it may index by i and j)
-                            val, _ = user_score(val, int64(b), int64(h), i, j, a0, a1, a2, a3)
+                        if USER_SCORE:  # (at indices within the sequences, which it may index by: the
+                            # entries past them are masked below or never stored; no branch a score)
+                            val, _ = user_score(val, b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1),
+                                                a0, a1, a2, a3)
                         val *= LOG2E
                     s[4 * n + x] = val
         if masked or partial:
