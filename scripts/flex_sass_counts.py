@@ -1,12 +1,16 @@
-"""Machine instructions of the Hopper kernels' tile loops for a mask_mod with a block mask, beside the built-in
-causal kernels', compiled for sm_90a at the planner's tiles (no GPU needed; nvdisasm from the test extra):
+"""Machine instructions of the Hopper kernels' tile loops for a user's function, beside the built-in option it
+reproduces, compiled for sm_90a at the planner's tiles (no GPU needed; nvdisasm from the test extra):
 
-    FLASHNUMBA_SIMULATOR=0 python scripts/flex_sass_counts.py [--docs] [--head-dims 64 128]
+    FLASHNUMBA_SIMULATOR=0 python scripts/flex_sass_counts.py [--mod causal|docs|alibi|softcap|bias] [--docs]
+        [--head-dims 64 128] [--forward]
 
-For each kernel (forward, dQ, dK/dV) it prints the whole kernel's instruction count and, for the innermost loop
-that holds wgmma instructions (the tile loop: from a backward branch's target to the branch), its length and
-most frequent opcodes. ``--docs``: the documents' mask_mod (two arrays of ids) in place of the causal one. The
-static counts hold every branch of the loop, the mask_mod's among them, which runs in the partial tiles alone.
+For each kernel (forward, dQ, dK/dV; ``--forward``: the forward alone) it prints the whole kernel's instruction
+count and, for the innermost loop that holds wgmma instructions (the tile loop: from a backward branch's target to
+the branch), its length and most frequent opcodes. ``--mod``: the causal mask_mod with a block mask of 128 (the
+default; ``--docs``: the documents' mask_mod, two arrays of ids), or a score_mod of scripts/flex_score_mods.py:
+ALiBi with the causal block mask (built-in: ``alibi_slopes`` and ``causal``), tanh softcap (built-in: ``softcap``),
+the relative-bias table with the causal block mask (no built-in). The static counts hold every branch of the loop,
+a mask_mod's among them, which runs in the partial tiles alone.
 """
 
 import argparse
@@ -16,6 +20,7 @@ import re
 
 import numpy as np
 
+import flex_score_mods as fsm  # (scripts/: the score_mods timed there)
 from flashnumba import _launch, _validate, planner
 from flashnumba.api import _check_block_mask, check_forward_args
 from flashnumba.blockmask import BlockMask
@@ -30,21 +35,38 @@ def doc_mod(b, h, i, j, doc_q, doc_k):
     return doc_q[i] == doc_k[j]
 
 
-def plans(d, mod, builtin, n=1024):
+def cases(n):
+    """name: (the built-in options it reproduces or None, score_mod, its derivative, mask_mod, the arrays they
+    read); the score_mods are scripts/flex_score_mods.py's."""
+    slopes, table = np.zeros(2, np.float32), np.zeros((2, 2 * n + 1), np.float32)
+    ids = (np.zeros(n, np.int32), np.zeros(n, np.int32))
+    return {"causal": (dict(causal=True), None, None, causal_mod, ()),
+            "docs": (None, None, None, doc_mod, ids),
+            "alibi": (dict(causal=True, alibi_slopes=slopes), fsm.alibi_mod, fsm.one, causal_mod, (slopes,)),
+            "softcap": (dict(softcap=fsm.SOFTCAP), fsm.softcap_mod, fsm.softcap_grad, None, ()),
+            "bias": (None, fsm.bias_mod, fsm.one, causal_mod, (table,))}
+
+
+def plans(d, name, builtin, forward_only=False, n=1024):
     """The forward's and backward's plans at head_dim d (float16, 2 heads, seqlen n) for the sm_90 GPU: the
-    built-in causal option, or ``mod`` with a block mask of 128 (its arrays made here: no GPU to classify)."""
+    built-in options of case ``name``, or its functions, a mask_mod with a block mask of 128 (its arrays made
+    here: no GPU to classify)."""
+    options, score_mod, grad, mask_mod, args = cases(n)[name]
     q = np.zeros((1, n, 2, d), np.float16)
-    (tq, tk, tv), opts = check_forward_args(q, q, q, causal=builtin)
+    (tq, tk, tv), opts = check_forward_args(q, q, q, **(options if builtin else {}))
     if not builtin:
-        args = (np.zeros(n, np.int32), np.zeros(n, np.int32)) if mod is doc_mod else ()
-        mods, targs = _validate.check_mods(tq, tk, None, None, mod, args, False, backward=True)
-        z = np.zeros((1, 1, n // 128, n // 128), np.int32)
-        bm = BlockMask(mod, args, (n, n), 128, 128, z[..., 0].copy(), z, z.astype(np.int8), z[..., 0].copy(), z)
+        mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, args, False, backward=True)
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
-        opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
+        if mask_mod is not None:
+            z = np.zeros((1, 1, n // 128, n // 128), np.int32)
+            bm = BlockMask(mask_mod, args, (n, n), 128, 128, z[..., 0].copy(), z, z.astype(np.int8),
+                           z[..., 0].copy(), z)
+            opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
+    forward = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90")
+    if forward_only:
+        return [(forward, forward.launches[0])]
     lse = np.zeros((1, 2, n), np.float32)
     tdo, to, tl = (_validate.inspect(name, x, nd) for name, x, nd in (("dout", q, 4), ("out", q, 4), ("lse", lse, 3)))
-    forward = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90")
     backward = planner.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel="wgmma", device="sm_90")
     return [(forward, forward.launches[0])] + [(backward, s) for s in backward.launches[1:]]
 
@@ -85,19 +107,22 @@ def opcode(text):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--docs", action="store_true", help="the documents' mask_mod in place of the causal one")
+    ap.add_argument("--mod", choices=["causal", "docs", "alibi", "softcap", "bias"], default="causal")
+    ap.add_argument("--docs", action="store_true", help="the documents' mask_mod (--mod docs)")
+    ap.add_argument("--forward", action="store_true", help="the forward kernel alone")
     args = ap.parse_args()
-    mod = doc_mod if args.docs else causal_mod
+    name = "docs" if args.docs else args.mod
     for d in args.head_dims:
-        for builtin in (True, False):
-            for p, s in plans(d, mod, builtin):
+        for builtin in (True, False) if cases(1024)[name][0] is not None else (False,):
+            for p, s in plans(d, name, builtin, args.forward):
                 fn = s.factory(*s.factory_args)
                 cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})",
                                               (9, 0, "a"), _launch.launch_bounds(s), s.whole_program)
                 sass = disassemble(cubin)
                 loop = tile_loop(sass)
                 r = _launch.resources_from_log(log)
-                what = "built-in causal" if builtin else f"{mod.__name__} + block mask"
+                what = f"built-in {name}" if builtin else f"{name} mod" + (" + block mask" if cases(1024)[name][3]
+                                                                            is not None else "")
                 top = ", ".join(f"{k} {v}" for k, v in collections.Counter(map(opcode, loop)).most_common(8))
                 print(f"d={d} {what:24} {s.name:14} tiles={tuple(s.tiles)}: {len(instructions(sass)[0])} "
                       f"instructions, tile loop {len(loop)} ({top}); {r['registers']} registers, "

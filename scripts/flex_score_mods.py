@@ -50,8 +50,8 @@ def bias_mod(x, b, h, i, j, table):
     return x + table[h, i - j + table.shape[1] // 2]
 
 
-def softcap_mod(x, b, h, i, j):
-    return SOFTCAP * math.tanh(x / SOFTCAP)
+def softcap_mod(x, b, h, i, j):  # (times the reciprocal: x / SOFTCAP is IEEE-rounded, a branch a score)
+    return SOFTCAP * math.tanh(x * (1.0 / SOFTCAP))
 
 
 def one(x, b, h, i, j, arg):
@@ -59,7 +59,7 @@ def one(x, b, h, i, j, arg):
 
 
 def softcap_grad(x, b, h, i, j):
-    t = math.tanh(x / SOFTCAP)
+    t = math.tanh(x * (1.0 / SOFTCAP))
     return 1.0 - t * t
 
 

@@ -363,6 +363,22 @@ def make_user_mods(mods):
     return user_score, user_mask
 
 
+def make_user_score_within(mods):
+    """``score_within(x, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3) -> (x, dmod)``: the user's score_mod
+    (:func:`make_user_mods`) at an entry of a tile, its indices clamped into the sequences (an entry past a
+    sequence's end takes the last row's or key's; the kernels mask it or never store it). The tensor-core kernels
+    call it at every entry: no branch a score, so that what the function reads at fixed indices (``slopes[h]``)
+    is read once a tile, and the clamp is two 32-bit minima."""
+    user_score, _ = make_user_mods(mods)
+
+    @cuda.jit(device=True, inline=True)
+    def score_within(x, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3):
+        return user_score(x, b, h, min(int32(i), int32(seqlen_q - 1)), min(int32(j), int32(seqlen_k - 1)),
+                          a0, a1, a2, a3)
+
+    return score_within
+
+
 @functools.lru_cache(maxsize=None)
 def make_mask_bits(mods):
     """(hide, hidden) for a user's mask_mod in the tensor-core forward, which evaluates it for a tile before its

@@ -56,7 +56,7 @@ from . import bf16, ptx
 from .._backend import cuda
 from .block_mask import make_block_full, make_block_tiles
 from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_score_mod,
-                     make_sequence_geometry, make_user_mods)
+                     make_sequence_geometry, make_user_mods, make_user_score_within)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
                         make_mma_atb, padded, tile_landed)
 from .scalars import float16, float32, uint16, uint32
@@ -144,7 +144,8 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, _, DROPOUT = variant
     USER_SCORE = mods is not None and mods.score_mod is not None
     USER_MASK = mods is not None and mods.mask_mod is not None
-    user_score, user_mask = make_user_mods(mods)
+    _, user_mask = make_user_mods(mods)
+    score_within = make_user_score_within(mods)
     SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE
     score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls)
     outside = make_outside(HAS_LEFT, HAS_RIGHT)
@@ -159,7 +160,7 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
         if SCORE_MOD:
             x, dcap = score_mod(sv * scale, softcap, slope, i, j, diag)
             if USER_SCORE and shown:  # (at indices within the sequences, as in the forward)
-                x, dmod = user_score(x, b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1), a0, a1, a2, a3)
+                x, dmod = score_within(x, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3)
                 dcap *= dmod
             p = ptx.exp2_ftz(x * LOG2E - l2)
         else:  # one FMA and the exponential

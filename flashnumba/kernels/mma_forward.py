@@ -60,7 +60,7 @@ from . import bf16, ptx
 from .._backend import cuda
 from .block_mask import make_block_full, make_block_tiles
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_mask_bits, make_online_softmax,
-                     make_score_mod, make_sequence_geometry, make_user_mods)
+                     make_score_mod, make_sequence_geometry, make_user_score_within)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
 from .scalars import float16, float32, uint16, uint32, uint64
@@ -134,7 +134,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     USER_SCORE = mods is not None and mods.score_mod is not None
     USER_MASK = mods is not None and mods.mask_mod is not None
-    user_score, _ = make_user_mods(mods)
+    score_within = make_user_score_within(mods)
     hide, hidden = make_mask_bits(mods)
     SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE  # the score formed in natural units, modified, then base 2
     BM = block_mask is not None
@@ -279,10 +279,8 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                                 i = i0 + r0 + 16 * w + g + 8 * (x >> 1)
                                 j = j0 + 8 * n + 2 * t + (x & 1)
                                 val, _ = score_mod(val, softcap, slope, i, j, diag)
-                                if USER_SCORE:  # (at indices within the sequences, which it may index by:
-                                    # the entries past them are masked below or never stored; no branch a score)
-                                    val, _ = user_score(val, b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1),
-                                                        a0, a1, a2, a3)
+                                if USER_SCORE:  # (at indices clamped into the sequences, no branch a score)
+                                    val, _ = score_within(val, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3)
                                 val *= LOG2E
                             s[w, n, x] = val
             if masked or partial:

@@ -110,7 +110,7 @@ from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .block_mask import make_block_full
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_mask_bits, make_online_softmax,
-                     make_score_mod, make_sequence_geometry, make_user_mods)
+                     make_score_mod, make_sequence_geometry, make_user_score_within)
 
 HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (the copies' 4 column blocks a warp), N of O's wgmma <= 256
 BLOCK_NS = (32, 48, 64, 128)  # keys a tile (N of S's wgmma, K of O's: multiples of 16; below 64 where three stages of
@@ -489,7 +489,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     SUB = block_mask[1] // B_c if BM else 1  # key tiles a block of the block mask
     USER_MASK = mods is not None and mods.mask_mod is not None
     USER_SCORE = mods is not None and mods.score_mod is not None
-    user_score, _ = make_user_mods(mods)
+    score_within = make_user_score_within(mods)
     hide, hidden = make_mask_bits(mods)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     TMA = bool(tma)
@@ -568,10 +568,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                         i = i0 + r0 + 8 * (x >> 1)
                         j = j0 + 8 * n + 2 * t + (x & 1)
                         val, _ = score_mod(val, softcap, slope, i, j, diag)
-                        if USER_SCORE:  # (at indices within the sequences, which it may index by: the
-                            # entries past them are masked below or never stored; no branch a score)
-                            val, _ = user_score(val, b, h, min(i, seqlen_q - 1), min(j, seqlen_k - 1),
-                                                a0, a1, a2, a3)
+                        if USER_SCORE:  # (at indices clamped into the sequences, no branch a score)
+                            val, _ = score_within(val, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3)
                         val *= LOG2E
                     s[4 * n + x] = val
         if masked or partial:
