@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 import flex_score_mods as fsm  # (scripts/: the score_mods timed there)
-from flashnumba import _launch, _validate, planner
+from flashnumba import _launch, _validate, planner, tiling
 from flashnumba.api import _check_block_mask, check_forward_args
 from flashnumba.blockmask import BlockMask
 from flashnumba.tools.sass import disassemble
@@ -110,7 +110,14 @@ def main():
     ap.add_argument("--mod", choices=["causal", "docs", "alibi", "softcap", "bias"], default="causal")
     ap.add_argument("--docs", action="store_true", help="the documents' mask_mod (--mod docs)")
     ap.add_argument("--forward", action="store_true", help="the forward kernel alone")
+    ap.add_argument("--table-tiles", action="store_true",
+                    help="a score_mod at the tiles of a mask_mod alone (without the smaller tiles the planner gives "
+                         "a score_mod: tiling.wgmma_for_mods, wgmma_backward_for_mods)")
     args = ap.parse_args()
+    if args.table_tiles:
+        for_mods, backward_for_mods = tiling.wgmma_for_mods, tiling.wgmma_backward_for_mods
+        tiling.wgmma_for_mods = lambda t, D, blocks, score_mod=False, given=(): for_mods(t, D, blocks, False, given)
+        tiling.wgmma_backward_for_mods = lambda tq, tk, score_mod, given=(): backward_for_mods(tq, tk, False, given)
     name = "docs" if args.docs else args.mod
     for d in args.head_dims:
         for builtin in (True, False) if cases(1024)[name][0] is not None else (False,):
