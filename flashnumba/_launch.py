@@ -199,9 +199,10 @@ def _arch(cc) -> str:
 def _jit_link(kind, data: bytes, options: list, what: str):
     """One nvJitLink run over one input: (its output, cubin or PTX, as bytes; the info log). Where CUDA's compute
     cache (``~/.nv/ComputeCache``) serves a whole-program link it has seen, no assembler runs and the log states no
-    registers or spills (:func:`resources_from_log` reads them as None). nvJitLink reads ``CUDA_CACHE_DISABLE``
-    once a process, at its first link: a process that needs the figures sets it before (the tests' conftest, the
-    sweep command, :func:`compile_offline`'s processes)."""
+    registers or spills (:func:`resources_from_log` reads them as None). ``CUDA_CACHE_DISABLE`` keeps the links
+    out of the cache where the process sets it before it imports numba (the tests' conftest; seen to work on a
+    GPU), not where it is set around a link after others (seen not to); the sweep command sets it at its start,
+    after flashnumba's import (a None in its rows: the log stated nothing)."""
     from cuda.bindings import nvjitlink
 
     handle = nvjitlink.create(len(options), options)

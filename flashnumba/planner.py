@@ -381,7 +381,7 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=
                 and _mma_blocker(tq, tensors, limits, tiles_given, pass_) is None):
             hopper = _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=True)
             if hopper is None:
-                return "wgmma", "a user's mask_mod on Hopper's warpgroup MMA (wgmma)", None
+                return "wgmma", "a user's score_mod / mask_mod on Hopper's warpgroup MMA (wgmma)", None
             return "tc", f"a user's score_mod / mask_mod on the tensor cores{hopper}", None
         return kernel or simt, "a user's score_mod / mask_mod: the register-tiled SIMT kernels", None
     if kernel is not None:

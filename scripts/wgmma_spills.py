@@ -73,7 +73,7 @@ def main():
     with ProcessPoolExecutor(2) as pool:
         jobs = [(D, n, producer, gqa, dtype, tma, backward, exchange, v) for v in variants]
         for flags, regs, st, ld, ser in pool.map(compile_one, jobs):
-            print(f"  {'+'.join(flags) or 'none':18s} {regs:4d} registers, spills {st:5d} stores {ld:5d} loads"
+            print(f"  {'+'.join(flags) or 'none':18s} {regs!s:>4} registers, spills {st!s:>5} stores {ld!s:>5} loads"
                   f"{', wgmma serialised' if ser else ''}", flush=True)
 
 

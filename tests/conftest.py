@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import os
 
+# A kernel's link that CUDA's compute cache serves runs no assembler, and its log then states no registers or spills
+# (on a GPU machine the cache holds the kernels of the last run): the tests that read those figures keep out of it,
+# set before numba is imported (set later, around a link, it was seen not to take).
+os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
@@ -23,9 +28,6 @@ from flashnumba import reference
 
 flashnumba.config.poison_outputs = True  # every output is NaN-filled before the kernel runs
 
-# A kernel's link that CUDA's compute cache serves runs no assembler, and its log then states no registers or spills
-# (on a GPU machine the cache holds the kernels of the last run): the tests that read those figures keep out of it.
-os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
 
 PROFILE = os.environ.get("FLASHNUMBA_TEST_PROFILE", "ci" if flashnumba.SIMULATOR else "gpu")
 settings.register_profile(

@@ -300,6 +300,13 @@ def test_python_floats_in_the_functions_are_float32_on_the_device():
     r = dev(np.float32(1.5), 0, 0, 0, 0)  # (float32 throughout; the user's function gives a Python float)
     assert type(r) is np.float32 and abs(r - 10.6) < 1e-5 and type(closed(1.5, 0, 0, 0, 0)) is float
 
+    def defaults_and_big(x, b, h, i, j, cap=20.0, pair=(0.5, 2)):
+        return x - 1e39 * (j > i) + cap * pair[0]  # (1e39: beyond float32's range, kept: float32 would be inf)
+
+    dev = common.as_device_function(defaults_and_big).py_func
+    assert [type(v) for v in dev.__defaults__[1]] == [np.float32, int] and type(dev.__defaults__[0]) is np.float32
+    assert any(type(c) is float and c == 1e39 for c in dev.__code__.co_consts)
+
 
 @pytest.mark.parametrize("kernel, dtype, backward", [(None, np.float32, True), ("tc", np.float16, True),
                                                      ("wgmma", np.float16, True)])
@@ -345,8 +352,17 @@ def alibi_f32(x, b, h, i, j):
 def softcap(x, b, h, i, j):                      # Python floats: float32 beside the score
     return 5.0 * math.tanh(x / 5.0)
 
+def log_bias(x, b, h, i, j):                     # math.log of an integer: float64
+    return x + np.float32(math.log(i + 1))
+
+def helper(i, j):
+    return np.float32(0.5 * abs(i - j) / 3)
+
+def calls_helper(x, b, h, i, j):                 # the float64 in the function it calls
+    return x - helper(i, j)
+
 found = {}
-for fn in (alibi, alibi_f32, softcap):
+for fn in (alibi, alibi_f32, softcap, log_bias, calls_helper):
     mods = Mods(fn, None, None, 0, (False, False, False))
     user_score, _ = make_user_mods(mods)
 
@@ -365,14 +381,16 @@ print(json.dumps(found))
 
 def test_a_function_that_computes_in_float64_is_warned_of():
     """Once its kernel is compiled for the GPU (no GPU needed), a score_mod that Numba types in float64 (an integer
-    times a float32) draws one SlowPathWarning naming what it computes so; the same function written with np.float32(),
-    and one whose Python floats are float32 beside the score, draw none."""
+    times a float32, a math function of an integer, a function it calls) draws one SlowPathWarning naming what it
+    computes so; the same function written with np.float32(), and one whose Python floats are float32 beside the
+    score, draw none."""
     from conftest import compile_offline
 
     found = compile_offline(FLOAT64_SCRIPT)
     assert len(found["alibi"]) == 1 and "score_mod 'alibi' computes in float64 (a difference, a product" in \
         found["alibi"][0] and "np.float32(abs(q_idx - kv_idx))" in found["alibi"][0]
     assert found["alibi_f32"] == [] and found["softcap"] == []
+    assert "(a call's result)" in found["log_bias"][0] and "(a product, a quotient)" in found["calls_helper"][0]
 
 
 def bad(x, b):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import types
 
 from . import philox, ptx
@@ -265,17 +266,18 @@ def _as_device(fn, seen):
     seen[fn] = None  # a function that calls itself is left for Numba to refuse
     code = fn.__code__
     env = dict(fn.__globals__)
-    for name in code.co_names:
+    for name in _names(code):
         value = env.get(name)
         if isinstance(value, types.FunctionType) and value is not fn:
             env[name] = _as_device(value, seen)
-        elif type(value) is float:
-            env[name] = float32(value)
+        elif name in env:
+            env[name] = _float32_of(value)
     closure = fn.__closure__
     if closure:
         closure = tuple(types.CellType(_as_device(c.cell_contents, seen)) if _is_function_cell(c) else
-                        types.CellType(float32(c.cell_contents)) if _is_float_cell(c) else c for c in closure)
-    copy = types.FunctionType(_weak_floats(code), env, fn.__name__, fn.__defaults__, closure)
+                        types.CellType(_float32_of(c.cell_contents)) if _is_float_cell(c) else c for c in closure)
+    copy = types.FunctionType(_weak_floats(code), env, fn.__name__, _float32_of(fn.__defaults__), closure)
+    copy.__kwdefaults__ = _float32_of(fn.__kwdefaults__)
     copy.__qualname__ = fn.__qualname__
     seen[fn] = cuda.jit(device=True)(copy)
     return seen[fn]
@@ -290,19 +292,39 @@ def float64_use(fn) -> list:
     product", "variable y"); empty before a kernel that calls it is compiled, and in the simulator. Numba types an
     integer and a float32 together as float64, as NumPy does (``slope * abs(q_idx - kv_idx)``), and a GPU runs
     float64 several times slower than float32."""
+    return sorted(_float64_use(as_device_function(fn), set()))
+
+
+def _float64_use(dispatcher, visited):
+    """:func:`float64_use` of one device function and the device functions it calls (its globals and closure)."""
+    if id(dispatcher) in visited:
+        return set()
+    visited.add(id(dispatcher))
     found = set()
-    for cres in getattr(as_device_function(fn), "overloads", {}).values():
+    for cres in getattr(dispatcher, "overloads", {}).values():
         for name, ty in cres.fndesc.typemap.items():
             if str(ty) != "float64" or name.startswith("arg.") or "return_value" in name:
                 continue
-            if name.startswith("$"):
-                kind = next((k for k in _FLOAT64_KINDS if name.startswith((f"$binop_{k}", f"${k}"))
-                             or f"_{k}" in name.split(".")[0]), None)
-                if kind is not None:
-                    found.add(_FLOAT64_KINDS[kind])
-            else:
+            m = re.match(r"\$\d*(?:binop_i?|inplace_binop_i?)?([a-z]+?)\d*(?:\.\d+)?$", name)
+            if not name.startswith("$"):
                 found.add(f"variable {name.split('.')[0]}")
-    return sorted(found)
+            elif m and m.group(1) in _FLOAT64_KINDS:
+                found.add(_FLOAT64_KINDS[m.group(1)])
+    py = getattr(dispatcher, "py_func", None)
+    if py is not None:
+        called = [py.__globals__.get(n) for n in _names(py.__code__)]
+        called += [c.cell_contents for c in py.__closure__ or () if _is_function_cell(c) or _is_dispatcher_cell(c)]
+        for f in called:
+            if hasattr(f, "overloads") and f is not dispatcher:
+                found |= _float64_use(f, visited)
+    return found
+
+
+def _is_dispatcher_cell(cell):
+    try:
+        return hasattr(cell.cell_contents, "overloads")
+    except ValueError:
+        return False
 
 
 def _is_function_cell(cell):
@@ -314,20 +336,40 @@ def _is_function_cell(cell):
 
 def _is_float_cell(cell):
     try:
-        return type(cell.cell_contents) is float
+        return type(cell.cell_contents) in (float, tuple)
     except ValueError:
         return False
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32_of(value):
+    """A Python float as float32 (within float32's range; beyond it, where it would become infinite, it stays),
+    the same through tuples and dicts (default values); anything else as it is."""
+    if type(value) is float:
+        return float32(value) if abs(value) <= _FLOAT32_MAX or value != value or abs(value) == math.inf else value
+    if type(value) is tuple:
+        return tuple(_float32_of(v) for v in value)
+    if type(value) is dict:
+        return {k: _float32_of(v) for k, v in value.items()}
+    return value
+
+
+def _names(code):
+    """The global names ``code`` and the code it holds (nested functions, lambdas) read."""
+    return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
 def _weak_floats(code):
     """``code`` with its Python float constants as float32 (and those of the code it holds: a nested function's).
     Numba types a Python float as float64, and with it every product it enters: ``math.tanh(score / 20.0)`` would
-    run libdevice's double-precision tanh at each score, several times slower on a GPU than the float32 one. Here
-    a Python float is weak, as NumPy 2 (NEP 50) and FlexAttention take it: it adopts the score's float32, and the
-    function computes what it computes in the simulator, where the score is a NumPy float32. A float64 the user
-    asks for (``numpy.float64(...)``, a float64 array) stays float64."""
-    consts = tuple(float32(c) if type(c) is float else _weak_floats(c) if isinstance(c, types.CodeType) else c
-                   for c in code.co_consts)
+    run libdevice's double-precision tanh at each score, several times slower on a GPU than the float32 one. Here a
+    Python float is float32, as FlexAttention's compiler takes one beside a float32 score, and the function computes
+    what it computes in the simulator, where the score is a NumPy float32 (NumPy 2 keeps a Python float weak). Unlike
+    NumPy 2's, the constant is rounded to float32 beside an integer or a float64 too (``q_idx * 0.1`` multiplies by
+    float32's 0.1); one beyond float32's range stays float64."""
+    consts = tuple(_weak_floats(c) if isinstance(c, types.CodeType) else _float32_of(c) for c in code.co_consts)
     return code.replace(co_consts=consts)
 
 

@@ -271,7 +271,8 @@ def main(argv=None):
                    help="processes compiling the configurations first (default: the CPU count, at most 16)")
     args = p.parse_args(argv)
     # the registers and spills come from the assembler's log, which a link served by CUDA's compute cache leaves
-    # empty; nvJitLink reads the setting at the process's first link (flashnumba._launch._jit_link)
+    # empty (flashnumba._launch._jit_link: set before numba's import it is seen to work; here, after it, the rows'
+    # None says where the log stated nothing)
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
     from .._backend import SIMULATOR
 
