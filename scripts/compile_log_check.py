@@ -1,8 +1,8 @@
 """Whether the assembler's figures survive CUDA's compute cache: the same kernel compiled in three fresh processes,
 each printing what ``_launch.build``'s two links (PTX assembled as one unit, and the whole program) report. The
 first two start with ``CUDA_CACHE_DISABLE`` unset: the second's links are ones the cache has seen, and a link the
-cache serves leaves the log empty (figures None). The third sets it itself before its first link, as the tests'
-conftest and the sweep command do. On a GPU machine:
+cache serves leaves the log empty (figures None). The third sets it itself before it imports numba, as the tests'
+conftest does. On a GPU machine:
 
     python scripts/compile_log_check.py
 """
