@@ -275,7 +275,7 @@ def _as_device(fn, seen):
     closure = fn.__closure__
     if closure:
         closure = tuple(types.CellType(_as_device(c.cell_contents, seen)) if _is_function_cell(c) else
-                        types.CellType(_float32_of(c.cell_contents)) if _is_float_cell(c) else c for c in closure)
+                        types.CellType(_float32_of(c.cell_contents)) if _holds_floats(c) else c for c in closure)
     copy = types.FunctionType(_weak_floats(code), env, fn.__name__, _float32_of(fn.__defaults__), closure)
     copy.__kwdefaults__ = _float32_of(fn.__kwdefaults__)
     copy.__qualname__ = fn.__qualname__
@@ -305,15 +305,16 @@ def _float64_use(dispatcher, visited):
         for name, ty in cres.fndesc.typemap.items():
             if str(ty) != "float64" or name.startswith("arg.") or "return_value" in name:
                 continue
-            m = re.match(r"\$\d*(?:binop_i?|inplace_binop_i?)?([a-z]+?)\d*(?:\.\d+)?$", name)
             if not name.startswith("$"):
                 found.add(f"variable {name.split('.')[0]}")
-            elif m and m.group(1) in _FLOAT64_KINDS:
+                continue
+            m = re.match(r"\$\d*(?:binop_i?|inplace_binop_i?)?([a-z]+?)\d*(?:\.\d+)?$", name)
+            if m and m.group(1) in _FLOAT64_KINDS:
                 found.add(_FLOAT64_KINDS[m.group(1)])
     py = getattr(dispatcher, "py_func", None)
     if py is not None:
         called = [py.__globals__.get(n) for n in _names(py.__code__)]
-        called += [c.cell_contents for c in py.__closure__ or () if _is_function_cell(c) or _is_dispatcher_cell(c)]
+        called += [c.cell_contents for c in py.__closure__ or () if _is_dispatcher_cell(c)]  # (the copy's)
         for f in called:
             if hasattr(f, "overloads") and f is not dispatcher:
                 found |= _float64_use(f, visited)
@@ -334,7 +335,7 @@ def _is_function_cell(cell):
         return False
 
 
-def _is_float_cell(cell):
+def _holds_floats(cell):
     try:
         return type(cell.cell_contents) in (float, tuple)
     except ValueError:
@@ -373,6 +374,7 @@ def _weak_floats(code):
     return code.replace(co_consts=consts)
 
 
+@functools.lru_cache(maxsize=None)
 def make_user_mods(mods):
     """(user_score, user_mask): the user's functions of :class:`Mods` behind a fixed signature::
 
@@ -405,6 +407,7 @@ def make_user_mods(mods):
     return user_score, user_mask
 
 
+@functools.lru_cache(maxsize=None)
 def make_user_score_within(mods):
     """``score_within(x, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3) -> (x, dmod)``: the user's score_mod
     (:func:`make_user_mods`) at an entry of a tile, its indices clamped into the sequences (an entry past a
