@@ -105,7 +105,6 @@ def make_score_mod(softcap_on, alibi_on, no_calls=False):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def make_online_softmax(fold, exact=False):
     """(quad_max, new_max, prob): the steps of the online softmax on one row of a tile of scores as the tensor-core
     kernels hold it (``mma.sync``'s C fragment, and ``wgmma``'s accumulator, which repeats it): each row spread
