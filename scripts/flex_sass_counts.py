@@ -27,10 +27,6 @@ from flashnumba.blockmask import BlockMask
 from flashnumba.tools.sass import disassemble
 
 
-def causal_mod(b, h, i, j):
-    return j <= i
-
-
 def doc_mod(b, h, i, j, doc_q, doc_k):
     return doc_q[i] == doc_k[j]
 
@@ -40,11 +36,11 @@ def cases(n):
     read); the score_mods are scripts/flex_score_mods.py's."""
     slopes, table = np.zeros(2, np.float32), np.zeros((2, 2 * n + 1), np.float32)
     ids = (np.zeros(n, np.int32), np.zeros(n, np.int32))
-    return {"causal": (dict(causal=True), None, None, causal_mod, ()),
+    return {"causal": (dict(causal=True), None, None, fsm.causal_mod, ()),
             "docs": (None, None, None, doc_mod, ids),
-            "alibi": (dict(causal=True, alibi_slopes=slopes), fsm.alibi_mod, fsm.one, causal_mod, (slopes,)),
+            "alibi": (dict(causal=True, alibi_slopes=slopes), fsm.alibi_mod, fsm.one, fsm.causal_mod, (slopes,)),
             "softcap": (dict(softcap=fsm.SOFTCAP), fsm.softcap_mod, fsm.softcap_grad, None, ()),
-            "bias": (None, fsm.bias_mod, fsm.one, causal_mod, (table,))}
+            "bias": (None, fsm.bias_mod, fsm.one, fsm.causal_mod, (table,))}
 
 
 def plans(d, name, builtin, forward_only=False, n=1024):
