@@ -274,7 +274,8 @@ _RESOURCES = {"registers": r"[Uu]sed (\d+) registers", "static_shared_bytes": r"
 def resources_from_log(log: str) -> dict:
     """Registers, static shared memory, spills and stack of a kernel, from the assembler's verbose log (a figure it
     leaves out is 0); each None where the log states no registers (the assembler did not run: CUDA's compute cache
-    served the link), never a 0 that was not measured."""
+    served the link), never a 0 that was not measured (once loaded on a GPU, :func:`loaded_resources` fills in what
+    the driver states)."""
     if not re.search(_RESOURCES["registers"], log):
         return dict.fromkeys(_RESOURCES)
     found = {name: re.search(pattern, log) for name, pattern in _RESOURCES.items()}
@@ -390,6 +391,8 @@ def _function(compiled: Compiled, device_id: int, shared_bytes: int):
         image = ctypes.create_string_buffer(compiled.cubin, len(compiled.cubin))
         module = _check(drv.cuModuleLoadData(ctypes.addressof(image)), "cuModuleLoadData")
         fn = _check(drv.cuModuleGetFunction(module, compiled.entry.encode()), "cuModuleGetFunction")
+        if compiled.resources.get("registers") is None:
+            compiled.resources.update(loaded_resources(drv, fn))
         fn = [fn, module, 0]  # (function, module kept alive, opted-in shared bytes)
         _functions[key] = fn
     if shared_bytes > STATIC_SHARED_LIMIT and shared_bytes > fn[2]:
@@ -398,6 +401,18 @@ def _function(compiled: Compiled, device_id: int, shared_bytes: int):
         _check(drv.cuFuncSetAttribute(fn[0], attr, shared_bytes), "cuFuncSetAttribute")
         fn[2] = shared_bytes
     return fn[0]
+
+
+def loaded_resources(drv, function) -> dict:
+    """Registers, static shared memory and local memory (``stack_bytes``) a thread of a loaded kernel takes, as the
+    driver states them: for a kernel whose assembler's log stated none (CUDA's compute cache served its link, or
+    the disk cache kept None). Spills stay None: the driver tells a thread's local memory, not what fills it."""
+    attr = drv.CUfunction_attribute
+    found = {name: int(_check(drv.cuFuncGetAttribute(getattr(attr, which), function), "cuFuncGetAttribute"))
+             for name, which in (("registers", "CU_FUNC_ATTRIBUTE_NUM_REGS"),
+                                 ("static_shared_bytes", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES"),
+                                 ("stack_bytes", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES"))}
+    return found
 
 
 def _launcher():

@@ -176,6 +176,31 @@ def test_resources_are_read_from_the_assemblers_log_and_unknown_without_it():
     assert set(resources_from_log("info    : 8 bytes gmem\n").values()) == {None}
 
 
+def test_a_loaded_kernel_states_its_registers_and_local_memory_where_the_log_did_not():
+    """Where the log stated nothing, the loaded kernel's attributes give registers, static shared memory and local
+    memory (the driver's figures, each asked by its own attribute); spills stay unknown."""
+    import types
+
+    from flashnumba._launch import loaded_resources
+
+    names = ("CU_FUNC_ATTRIBUTE_NUM_REGS", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES")
+    values = dict(zip(names, (232, 16, 40)))
+    asked = []
+
+    def get(attribute, function):
+        asked.append((attribute, function))
+        return 0, values[attribute]
+
+    drv = types.SimpleNamespace(CUfunction_attribute=types.SimpleNamespace(**{n: n for n in names}),
+                                cuFuncGetAttribute=get)
+    r = loaded_resources(drv, "fn")
+    assert r == dict(registers=232, static_shared_bytes=16, stack_bytes=40)
+    assert asked == [(n, "fn") for n in names]
+    drv.cuFuncGetAttribute = lambda attribute, function: (1, 0)
+    with pytest.raises(RuntimeError, match="cuFuncGetAttribute"):
+        loaded_resources(drv, "fn")
+
+
 BOUND = r"""
 import numpy as np, flashnumba
 from flashnumba import _launch

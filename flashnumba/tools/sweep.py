@@ -6,8 +6,8 @@ plan is made with those tiles (:func:`flashnumba.plan` / :func:`flashnumba.plan_
 the family's kernels launched back to back between two CUDA events: kernel time only, no host time, the median of
 ``--repeat`` groups. Per configuration: milliseconds, TFLOP/s (the pass's FLOP count over these kernels' time; for
 ``tc_dq`` and ``tc_dkdv``, the whole backward's count over that one kernel's time: a rate to compare the tiles of
-one kernel, not a throughput), registers per thread, spills, shared memory per block, the
-blocks that fit on one SM (:func:`flashnumba.tools.resources.occupancy`), and whether it is the table's default here.
+one kernel, not a throughput), registers per thread, spills (None where the assembler's log stated none), local
+memory per thread (stack), shared memory per block, the blocks that fit on one SM (:func:`flashnumba.tools.resources.occupancy`), and whether it is the table's default here.
 
 Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``,
 ``wgmma`` (the Hopper forward: one or two warpgroups, its key tiles, each producer);
@@ -159,11 +159,13 @@ def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
     row = dict(block_m=m, block_n=n, num_threads=threads[0] if nt is None else nt, ms=round(ms, 4),
                tflops=round(_flops(pass_, q, causal) / ms / 1e9, 2), registers=None, spill_bytes=None,
                shared_bytes=None, blocks_per_sm=None, default=is_default)
-    if all(r["registers"] is not None for r in res):  # (None: the assembler's log stated none)
+    if all(r["registers"] is not None for r in res):  # (the assembler's log, else the loaded kernel's attributes)
         shared = [b.spec.shared_bytes + r["static_shared_bytes"] for b, r in zip(timed, res)]
         blocks = [occupancy(r["registers"], s, t, limits)[0] for t, r, s in zip(threads, res, shared)]
+        spills = [None if r["spill_stores"] is None else r["spill_stores"] + r["spill_loads"] for r in res]
         row.update(registers=max(r["registers"] for r in res), shared_bytes=max(shared), blocks_per_sm=min(blocks),
-                   spill_bytes=max(r["spill_stores"] + r["spill_loads"] for r in res))
+                   spill_bytes=None if None in spills else max(spills),
+                   stack_bytes=max(r["stack_bytes"] for r in res))
     return row
 
 
@@ -270,9 +272,9 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=None,
                    help="processes compiling the configurations first (default: the CPU count, at most 16)")
     args = p.parse_args(argv)
-    # the registers and spills come from the assembler's log, which a link served by CUDA's compute cache leaves
-    # empty (flashnumba._launch._jit_link: set before numba's import it is seen to work; here, after it, the rows'
-    # None says where the log stated nothing)
+    # the spills come from the assembler's log, which a link served by CUDA's compute cache leaves empty
+    # (flashnumba._launch._jit_link: set before numba's import it is seen to work; here, after it, a row's None
+    # says where the log stated nothing); registers and local memory (stack) from the loaded kernel where it did
     os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
     from .._backend import SIMULATOR
 
@@ -283,13 +285,14 @@ def main(argv=None):
     result = sweep(args.family, args.head_dims, args.seqlen, args.causal, args.dtype, args.repeat,
                    workers=args.workers)
     print(f"{'d':>4} {'B_r':>4} {'B_c':>4} {'thr':>4} {'ms':>8} {'TFLOP/s':>8} {'regs':>5} {'spill':>6} "
-          f"{'smem':>7} {'blk/SM':>6}")
+          f"{'stack':>6} {'smem':>7} {'blk/SM':>6}")
     for r in result["rows"]:
         if "error" in r:
             print(f"{r['head_dim']:4} {r['block_m']:4} {r['block_n']:4}  {r['error'][:90]}")
             continue
         print(f"{r['head_dim']:4} {r['block_m']:4} {r['block_n']:4} {r['num_threads']:4} {r['ms']:8.3f} "
-              f"{r['tflops']:8.1f} {r['registers']!s:>5} {r['spill_bytes']!s:>6} {r['shared_bytes']!s:>7} "
+              f"{r['tflops']:8.1f} {r['registers']!s:>5} {r['spill_bytes']!s:>6} {r.get('stack_bytes')!s:>6} "
+              f"{r['shared_bytes']!s:>7} "
               f"{r['blocks_per_sm']!s:>6}{'  default' if r['default'] else ''}")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"sweep-{args.family}")
