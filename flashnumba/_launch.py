@@ -415,6 +415,16 @@ def loaded_resources(drv, function) -> dict:
     return found
 
 
+def uses_local_memory(spec: KernelLaunch, arrays: dict, scalars: dict, device) -> bool:
+    """Whether a thread of the kernel of ``spec`` (compiled for ``device``, a GPU's) takes local memory: spills or
+    a stack, from the assembler's log, else from the kernel loaded on the current device."""
+    compiled = compile_kernel(spec, spec.signature(arrays, scalars), device.cc)
+    r = compiled.resources
+    if r.get("registers") is None:
+        _function(compiled, cuda.get_current_device().id, spec.shared_bytes)  # (fills in the driver's figures)
+    return bool(r["stack_bytes"] or r.get("spill_stores") or r.get("spill_loads"))
+
+
 def _launcher():
     """The fastest driver entry point at hand, as ``launch(function, gx, gy, gz, bx, by, bz, shared, stream,
     params, extra)``: CuPy's launchKernel (a Cython wrapper taking plain integers), else cuda-bindings'

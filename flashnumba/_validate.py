@@ -286,6 +286,9 @@ class Options:
     mods: object = None  # a user's score_mod / mask_mod (flashnumba.kernels.common.Mods), or None
     mod_args: tuple = ()  # the Tensors of the arrays they read
     block_mask: tuple | None = None  # (Q block, KV block, Tensors of kv_num_blocks, kv_indices, state), or None
+    # the kernels (tables "wgmma", "wgmma_dq", "wgmma_dkdv") that keep their table's tiles beside a score_mod,
+    # instead of the smaller ones its per-score work may need (tried first: flashnumba.api._flex_compiled)
+    mods_table_tiles: frozenset = frozenset()
 
     @property
     def variant(self) -> Variant:

@@ -127,7 +127,7 @@ def _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_sl
 
 def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
                    block_m, block_n, num_threads, kernel, device=None, flex=None, deterministic=True,
-                   block_mask=None):
+                   block_mask=None, mods_table_tiles=frozenset()):
     tq, tk, tv = (inspect(n, x, 4) for n, x in (("q", q), ("k", k), ("v", v)))
     tdo, to, tl = inspect("dout", dout, 4), inspect("out", out, 4), inspect("lse", lse, 3)
     check_same_place((tq, tk, tv, tdo, to, tl))
@@ -140,7 +140,7 @@ def _backward_plan(dout, q, k, v, out, lse, softmax_scale, causal, window_size, 
     if flex is not None:  # flex_attention_backward's (score_mod, score_mod_grad, mask_mod, args, enable_gqa)
         mods, targs = check_mods(tq, tk, *flex[:4], flex[4], backward=True)
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs, block_mask=None if block_mask is None else
-                                   _check_block_mask(block_mask, tq, tk))
+                                   _check_block_mask(block_mask, tq, tk), mods_table_tiles=mods_table_tiles)
     block_m, block_n, num_threads = check_blocks(block_m, block_n, num_threads)
     check_flag("deterministic", deterministic)
     p = _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=block_m, block_n=block_n,
@@ -683,8 +683,12 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs,
                                    block_mask=None if block_mask is None else _check_block_mask(block_mask, tq, tk))
         bm, bn, nt = check_blocks(block_m, block_n, num_threads)
-        return _launch.Call(_flex_compiled(_plan.forward_plan(tq, tk, tv, opts, kernel=kernel, block_m=bm,
-                                                              block_n=bn, num_threads=nt), mods))
+
+        def make(keep):
+            return _plan.forward_plan(tq, tk, tv, dataclasses.replace(opts, mods_table_tiles=keep), kernel=kernel,
+                                      block_m=bm, block_n=bn, num_threads=nt), mods
+
+        return _launch.Call(_flex_compiled(make, ("wgmma",)))
 
     call = _cached(key, build)
     out, lse = call.run((q, k, v, None, None, None) + args + (None,) * (len(_plan.MOD_PARAMS) - len(args)) + bm,
@@ -756,24 +760,45 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
                 blocks))
 
     def build():
-        p, opts = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, block_m, block_n,
-                                 num_threads, kernel,
-                                 flex=(score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa),
-                                 block_mask=block_mask)
-        return _launch.Call(_flex_compiled(p, opts.mods))
+        def make(keep):
+            p, opts = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, block_m,
+                                     block_n, num_threads, kernel,
+                                     flex=(score_mod, score_mod_grad, mask_mod, score_mod_args, enable_gqa),
+                                     block_mask=block_mask, mods_table_tiles=keep)
+            return p, opts.mods
+
+        return _launch.Call(_flex_compiled(make, ("wgmma_dq", "wgmma_dkdv")))
 
     call = _cached(key, build)
     return tuple(call.run((dout, q, k, v, out, lse, None, None, None) + args
                           + (None,) * (len(_plan.MOD_PARAMS) - len(args)) + bm, 0, 0, _stream(stream, q)))
 
 
-def _flex_compiled(p, mods):
-    """The plan, its kernels compiled now on a GPU, so that a function Numba cannot compile is reported, naming it,
-    before anything runs (and one that computes in float64 warned of)."""
+def _flex_compiled(make, tables):
+    """The plan of ``make(keep) -> (plan, mods)``, its kernels compiled now on a GPU, so that a function Numba
+    cannot compile is reported, naming it, before anything runs (and one that computes in float64 warned of).
+    Beside a score_mod the kernels of ``tables`` first keep their table's tiles (``keep``): a light function (a
+    bias from registers, a cap) fits them as the built-in options do; each kernel whose thread then takes local
+    memory (spills) is planned again with the smaller tiles a heavier function needs (compiled twice)."""
     from ._backend import SIMULATOR
 
+    keep = frozenset() if SIMULATOR else frozenset(tables)
+    p, mods = make(keep)
     if mods is None or SIMULATOR:
         return p
+    _compile_mods(p, mods)
+    if mods.score_mod is not None:
+        spilled = {s.table for s in p.launches
+                   if s.table in keep and _launch.uses_local_memory(s, p.arrays, p.scalars, p.device)}
+        if spilled:
+            p, _ = make(keep - spilled)
+            _compile_mods(p, mods)
+    _plan.warn_float64_mods(mods)
+    return p
+
+
+def _compile_mods(p, mods):
+    """Compiles the plan's kernels; a user's function Numba cannot compile raises a TypeError naming it."""
     try:
         p.resources()
     except Exception as err:  # noqa: BLE001  (Numba's typing and lowering errors)
@@ -781,8 +806,6 @@ def _flex_compiled(p, mods):
                           if f is not None)
         raise TypeError(f"flex_attention: {names} could not be compiled into the kernels: "
                         f"{str(err).splitlines()[0][:300]}") from err
-    _plan.warn_float64_mods(mods)
-    return p
 
 
 __all__ = ["Options", "flash_attn_forward", "flash_attn_backward", "flash_attn_func", "attention_probs",

@@ -675,7 +675,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
         t_own, why_own = tiling.wgmma_for_mods(t, D, None if opts.block_mask is None else opts.block_mask[:2],
-                                               opts.mods is not None and opts.mods.score_mod is not None, given)
+                                               opts.mods is not None and opts.mods.score_mod is not None, given,
+                                               "wgmma" in opts.mods_table_tiles)
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
         grid = (_cdiv(max_q, t.block_m), bsz * nheads)  # (block_m fitted to a block mask's query blocks)
@@ -1070,7 +1071,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             tq_t, rq = tq_own, f"{rq}; {why_own}"
         given = [name for name, x in (("block_m", block_m), ("block_n", block_n)) if x]
         tq_own, tk_own, why_own = tiling.wgmma_backward_for_mods(
-            tq_t, tk_t, opts.mods is not None and opts.mods.score_mod is not None, given)
+            tq_t, tk_t, opts.mods is not None and opts.mods.score_mod is not None, given, opts.mods_table_tiles)
         if why_own:
             tq_t, tk_t, rq, rk = tq_own, tk_own, f"{rq}; {why_own}", f"{rk}; {why_own}"
         tail = ("scale_log2", "scale") + OPTION_PARAMS

@@ -412,27 +412,31 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     return new, "; ".join(why)
 
 
-def wgmma_for_mods(t: Tiles, D, blocks, score_mod=False, given=()) -> tuple[Tiles, str]:
+def wgmma_for_mods(t: Tiles, D, blocks, score_mod=False, given=(), keep=False) -> tuple[Tiles, str]:
     """The Hopper forward's tiles with a user's functions (``score_mod``: whether there is a score_mod) and a block
     mask of ``blocks`` (query block, key block; None: none), and why they differ from ``t`` ("" where not);
-    ``given``: the names the caller chose (kept). A tile never straddles two blocks: one warpgroup (block_m 64, every
-    thread computing) where the query blocks are a multiple of 64 but not of the table's rows, and key tiles that
-    divide the key blocks (the largest of the table's tile and the smaller ones that does). A score_mod's per-score
-    work takes key tiles of 64 (compiled for sm_90a, the relative-bias example beside 128 keys' scores spilled 180
-    bytes; at 64, none), and of 32 above head_dim 128 (that example with documents and a block mask at d = 192
-    spilled 240 bytes beside 64 keys' scores). A mask_mod alone keeps the table's tiles: the kernel evaluates it
-    before S_ij is issued, into one bit a score (``wgmma_forward.make_forward_wgmma``'s ``mask_tile``; the causal,
-    window, prefix-LM and documents masks with a block mask spill nothing at d = 128 with 128 keys a tile, nor at
-    d = 160 to 224 with 64)."""
+    ``given``: the names the caller chose (kept); ``keep``: the table's key tiles beside the score_mod (a light
+    function fits them: tried first on a GPU, :func:`flashnumba.api._flex_compiled`). A tile never straddles two
+    blocks: one warpgroup (block_m 64, every thread computing) where the query blocks are a multiple of 64 but not
+    of the table's rows, and key tiles that divide the key blocks (the largest of the table's tile and the smaller
+    ones that does). A score_mod's per-score work takes key tiles of 64 (compiled for sm_90a, the relative-bias
+    example beside 128 keys' scores spilled 180 bytes; at 64, none), and of 32 above head_dim 128 (that example with
+    documents and a block mask at d = 192 spilled 240 bytes beside 64 keys' scores). A mask_mod alone keeps the
+    table's tiles: the kernel evaluates it before S_ij is issued, into one bit a score
+    (``wgmma_forward.make_forward_wgmma``'s ``mask_tile``; the causal, window, prefix-LM and documents masks with a
+    block mask spill nothing at d = 128 with 128 keys a tile, nor at d = 160 to 224 with 64)."""
     new, why = t, []
     if (blocks is not None and blocks[0] % t.block_m and blocks[0] % 64 == 0
             and not {"block_m", "num_threads"} & set(given)):
         new = new._replace(block_m=64, num_threads=wgmma_forward.threads(1))
         why.append(f"one warpgroup (block_m 64): to divide the block mask's query blocks of {blocks[0]}")
     if "block_n" not in given and score_mod and new.block_n > (32 if D > 128 else 64):
-        new = new._replace(block_n=32 if D > 128 else 64)
-        why.append(f"B_c {new.block_n}: a user's score_mod beside "
-                   + ("O above head_dim 128 spills" if D > 128 else "128 keys' scores spills"))
+        if keep:
+            why.append(f"B_c {new.block_n} beside a user's score_mod: its kernel spills nothing there")
+        else:
+            new = new._replace(block_n=32 if D > 128 else 64)
+            why.append(f"B_c {new.block_n}: a user's score_mod beside "
+                       + ("O above head_dim 128 spills" if D > 128 else "128 keys' scores spills"))
     if "block_n" not in given and blocks is not None and blocks[1] % new.block_n:
         fits = [n for n in wgmma_forward.BLOCK_NS if n < new.block_n and blocks[1] % n == 0]
         if fits:
@@ -497,18 +501,25 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False, block_m
     return t, ""
 
 
-def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=()) -> tuple[Tiles, Tiles, str]:
+def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=(), keep=()) -> tuple[Tiles, Tiles, str]:
     """The Hopper backward's tiles (dQ, dK/dV) with a user's score_mod (``score_mod``: whether there is one), and
-    why they differ ("" where not); ``given``: the names the caller chose (kept). The score_mod's work at each entry
-    beside S and dP of 64 (compiled for sm_90a, the relative-bias example spilled 40-68 bytes) takes tiles of 32
-    for the loop of each kernel: the dQ kernel's keys, the dK/dV kernel's queries."""
+    why they differ ("" where not); ``given``: the names the caller chose (kept); ``keep``: the tables of the
+    kernels ("wgmma_dq", "wgmma_dkdv") that keep their tiles beside the score_mod (tried first on a GPU). The
+    score_mod's work at each entry beside S and dP of 64 (compiled for sm_90a, the relative-bias example spilled
+    40-68 bytes) takes tiles of 32 for the loop of each kernel: the dQ kernel's keys, the dK/dV kernel's queries."""
     if not score_mod:
         return tq, tk, ""
-    nq = tq if "block_n" in given or tq.block_n <= 32 else tq._replace(block_n=32)
-    nk = tk if "block_m" in given or tk.block_m <= 32 else tk._replace(block_m=32)
-    if (nq, nk) == (tq, tk):
-        return tq, tk, ""
-    return nq, nk, "tiles of 32 in both loops: a user's score_mod beside S and dP of 64 spills"
+    loops = (("the dQ kernel's keys", "wgmma_dq", tq, "block_n"), ("the dK/dV kernel's queries", "wgmma_dkdv", tk,
+                                                                       "block_m"))
+    would = [(what, table) for what, table, t, name in loops if name not in given and getattr(t, name) > 32]
+    shrunk = [what for what, table in would if table not in keep]
+    kept = [what for what, table in would if table in keep]
+    nq = tq._replace(block_n=32) if "the dQ kernel's keys" in shrunk else tq
+    nk = tk._replace(block_m=32) if "the dK/dV kernel's queries" in shrunk else tk
+    why = ([f"tiles of 32 for {' and '.join(shrunk)}: a user's score_mod beside S and dP of 64 spills"]
+           if shrunk else []) + ([f"the table's tiles for {' and '.join(kept)} beside a user's score_mod: its "
+                                  "kernel spills nothing there"] if kept else [])
+    return nq, nk, "; ".join(why)
 
 
 def _powers_of_two(sizes):

@@ -805,6 +805,68 @@ def test_the_hopper_forward_fits_its_tiles_to_the_blocks():
         tiling.Tiles(128, 32, 384), "B_c 32: to divide the block mask's key blocks of 128")
 
 
+def test_a_score_mod_keeps_the_tables_tiles_where_asked():
+    """``keep`` (the tiles tried first on a GPU) leaves the table's tiles beside a score_mod, saying so; without it
+    the smaller tiles; what the caller gave stays; the backward's kernels each by their own table."""
+    t = tiling.Tiles(128, 128, 384)
+    assert tiling.wgmma_for_mods(t, 64, (128, 128), score_mod=True, keep=True) == (
+        t, "B_c 128 beside a user's score_mod: its kernel spills nothing there")
+    assert tiling.wgmma_for_mods(t, 64, None, score_mod=True, keep=True)[0] == t
+    assert tiling.wgmma_for_mods(t, 64, None, keep=True) == (t, "")  # (no score_mod: nothing to say)
+    tq, tk = tiling.Tiles(128, 64, 256), tiling.Tiles(64, 128, 256)
+    assert tiling.wgmma_backward_for_mods(tq, tk, True) == (
+        tiling.Tiles(128, 32, 256), tiling.Tiles(32, 128, 256), "tiles of 32 for the dQ kernel's keys and the dK/dV "
+        "kernel's queries: a user's score_mod beside S and dP of 64 spills")
+    assert tiling.wgmma_backward_for_mods(tq, tk, True, keep=("wgmma_dq",)) == (
+        tq, tiling.Tiles(32, 128, 256), "tiles of 32 for the dK/dV kernel's queries: a user's score_mod beside S "
+        "and dP of 64 spills; the table's tiles for the dQ kernel's keys beside a user's score_mod: its kernel "
+        "spills nothing there")
+    assert tiling.wgmma_backward_for_mods(tq, tk, True, keep=("wgmma_dq", "wgmma_dkdv"))[:2] == (tq, tk)
+    assert tiling.wgmma_backward_for_mods(tq, tk, True, given=("block_n", "block_m")) == (tq, tk, "")
+    assert tiling.wgmma_backward_for_mods(tq, tk, False, keep=("wgmma_dq",)) == (tq, tk, "")
+
+
+def test_a_kernel_that_spills_at_the_tables_tiles_is_planned_again_with_the_smaller(monkeypatch):
+    """On a GPU, beside a score_mod, the plan first keeps the table's tiles; each kernel whose thread then takes local
+    memory is planned again with the smaller tiles, the others keep theirs; without a score_mod, or where nothing
+    spills, one plan; in the simulator the smaller tiles at once."""
+    import types
+
+    from flashnumba import _backend, _launch, api, planner
+
+    class Plan:
+        def __init__(self, keep):
+            self.keep = keep
+            self.launches = [types.SimpleNamespace(table=t) for t in ("wgmma_dq", "wgmma_dkdv")]
+            self.arrays = self.scalars = self.device = None
+
+        def resources(self):
+            compiled.append(self.keep)
+
+    def run(score_mod, spills, simulator=False):
+        monkeypatch.setattr(_backend, "SIMULATOR", simulator)
+        made.clear()
+        compiled.clear()
+        mods = types.SimpleNamespace(score_mod=score_mod, score_mod_grad=None, mask_mod=None)
+        monkeypatch.setattr(_launch, "uses_local_memory", lambda s, a, sc, d: s.table in spills)
+
+        def make(keep):
+            made.append(keep)
+            return Plan(keep), mods
+
+        return api._flex_compiled(make, ("wgmma_dq", "wgmma_dkdv")).keep
+
+    made, compiled = [], []
+    monkeypatch.setattr(planner, "warn_float64_mods", lambda mods: None)
+    both = frozenset({"wgmma_dq", "wgmma_dkdv"})
+    assert run(lambda *a: 0.0, {"wgmma_dkdv"}) == frozenset({"wgmma_dq"}) and made == [both, {"wgmma_dq"}]
+    assert compiled == made  # (each plan's kernels compiled, the second's too)
+    assert run(lambda *a: 0.0, set()) == both and made == [both]
+    assert run(lambda *a: 0.0, both) == frozenset() and made == [both, frozenset()]
+    assert run(None, both) == both and made == [both]  # (a mask_mod alone: its tiles do not depend on keep)
+    assert run(lambda *a: 0.0, both, simulator=True) == frozenset() and made == [frozenset()] and not compiled
+
+
 def test_the_hopper_dq_kernel_takes_key_tiles_of_128_for_a_block_masked_mask_mod():
     """At head_dim 64 with the producer's tensor-map copies, a mask_mod with a block mask and no other per-entry work
     takes the dQ kernel's key tiles of 128, as a right bound alone does; not at other head dims, with an option, or
