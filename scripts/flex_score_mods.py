@@ -42,8 +42,8 @@ SOFTCAP = 20.0
 # the user's functions (plain Python, compiled into the kernels) and their derivatives in the score
 
 
-def alibi_mod(x, b, h, i, j, slopes):
-    return x - slopes[h] * np.float32(abs(i - j))  # (float32: an integer and a float32 together are float64 in Numba)
+def alibi_mod(x, b, h, i, j, slopes):  # (the distance in float32: Numba's integer arithmetic is 64-bit)
+    return x - slopes[h] * abs(np.float32(i) - np.float32(j))
 
 
 def bias_mod(x, b, h, i, j, table):
