@@ -417,7 +417,8 @@ def loaded_resources(drv, function) -> dict:
 
 def uses_local_memory(spec: KernelLaunch, arrays: dict, scalars: dict, device) -> bool:
     """Whether a thread of the kernel of ``spec`` (compiled for ``device``, a GPU's) takes local memory: spills or
-    a stack, from the assembler's log, else from the kernel loaded on the current device."""
+    a stack (the driver tells local memory alone, not what fills it), from the assembler's log, else from the
+    kernel loaded on the current device."""
     compiled = compile_kernel(spec, spec.signature(arrays, scalars), device.cc)
     r = compiled.resources
     if r.get("registers") is None:

@@ -778,8 +778,9 @@ def _flex_compiled(make, tables):
     """The plan of ``make(keep) -> (plan, mods)``, its kernels compiled now on a GPU, so that a function Numba
     cannot compile is reported, naming it, before anything runs (and one that computes in float64 warned of).
     Beside a score_mod the kernels of ``tables`` first keep their table's tiles (``keep``): a light function (a
-    bias from registers, a cap) fits them as the built-in options do; each kernel whose thread then takes local
-    memory (spills) is planned again with the smaller tiles a heavier function needs (compiled twice)."""
+    bias from registers, a cap) fits them as the built-in options do; each kernel whose tiles that changed and
+    whose thread then takes local memory (spills, or a stack: conservative) is planned again with the smaller
+    tiles a heavier function needs (compiled twice)."""
     from ._backend import SIMULATOR
 
     keep = frozenset() if SIMULATOR else frozenset(tables)
@@ -788,8 +789,9 @@ def _flex_compiled(make, tables):
         return p
     _compile_mods(p, mods)
     if mods.score_mod is not None:
-        spilled = {s.table for s in p.launches
-                   if s.table in keep and _launch.uses_local_memory(s, p.arrays, p.scalars, p.device)}
+        smaller = {s.table: s.tiles for s in make(frozenset())[0].launches}  # (planned, not compiled)
+        spilled = {s.table for s in p.launches if s.table in keep and s.tiles != smaller.get(s.table)
+                   and _launch.uses_local_memory(s, p.arrays, p.scalars, p.device)}
         if spilled:
             p, _ = make(keep - spilled)
             _compile_mods(p, mods)

@@ -125,7 +125,9 @@ class Plan:
     def resources(self) -> list:
         """Registers, spills and static shared memory of each kernel, compiled for the plan's device (also
         without a GPU; the compiled code is kept in the disk cache), as the assembler's log states them (None where
-        it states none: :func:`flashnumba._launch.resources_from_log`)."""
+        it states none: :func:`flashnumba._launch.resources_from_log`); once a kernel whose log stated none is
+        loaded on a GPU, its registers, static shared memory and local memory (``stack_bytes``) are the driver's
+        (:func:`flashnumba._launch.loaded_resources`) and its spills stay None."""
         rows = []
         for s in self.launches:
             c = compile_kernel(s, s.signature(self.arrays, self.scalars), self.device.cc)
@@ -1070,10 +1072,9 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
         if why_own:
             tq_t, rq = tq_own, f"{rq}; {why_own}"
         given = [name for name, x in (("block_m", block_m), ("block_n", block_n)) if x]
-        tq_own, tk_own, why_own = tiling.wgmma_backward_for_mods(
+        tq_t, tk_t, why_q, why_k = tiling.wgmma_backward_for_mods(
             tq_t, tk_t, opts.mods is not None and opts.mods.score_mod is not None, given, opts.mods_table_tiles)
-        if why_own:
-            tq_t, tk_t, rq, rk = tq_own, tk_own, f"{rq}; {why_own}", f"{rk}; {why_own}"
+        rq, rk = (f"{r}; {why}" if why else r for r, why in ((rq, why_q), (rk, why_k)))
         tail = ("scale_log2", "scale") + OPTION_PARAMS
         name, gqa = _dtype_name(dt), nk != nheads
         span = wgmma_forward.swizzle_span(D)

@@ -432,7 +432,8 @@ def wgmma_for_mods(t: Tiles, D, blocks, score_mod=False, given=(), keep=False) -
         why.append(f"one warpgroup (block_m 64): to divide the block mask's query blocks of {blocks[0]}")
     if "block_n" not in given and score_mod and new.block_n > (32 if D > 128 else 64):
         if keep:
-            why.append(f"B_c {new.block_n} beside a user's score_mod: its kernel spills nothing there")
+            why.append(f"B_c {new.block_n} beside a user's score_mod (tried first: where its kernel spills, planned "
+                       "again with the smaller tiles)")
         else:
             new = new._replace(block_n=32 if D > 128 else 64)
             why.append(f"B_c {new.block_n}: a user's score_mod beside "
@@ -501,25 +502,24 @@ def wgmma_dq_for_variant(t: Tiles, variant, given=(), D=None, tma=False, block_m
     return t, ""
 
 
-def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=(), keep=()) -> tuple[Tiles, Tiles, str]:
+def wgmma_backward_for_mods(tq: Tiles, tk: Tiles, score_mod, given=(), keep=()) -> tuple[Tiles, Tiles, str, str]:
     """The Hopper backward's tiles (dQ, dK/dV) with a user's score_mod (``score_mod``: whether there is one), and
-    why they differ ("" where not); ``given``: the names the caller chose (kept); ``keep``: the tables of the
+    why each differs ("" where not); ``given``: the names the caller chose (kept); ``keep``: the tables of the
     kernels ("wgmma_dq", "wgmma_dkdv") that keep their tiles beside the score_mod (tried first on a GPU). The
     score_mod's work at each entry beside S and dP of 64 (compiled for sm_90a, the relative-bias example spilled
     40-68 bytes) takes tiles of 32 for the loop of each kernel: the dQ kernel's keys, the dK/dV kernel's queries."""
-    if not score_mod:
-        return tq, tk, ""
-    loops = (("the dQ kernel's keys", "wgmma_dq", tq, "block_n"), ("the dK/dV kernel's queries", "wgmma_dkdv", tk,
-                                                                       "block_m"))
-    would = [(what, table) for what, table, t, name in loops if name not in given and getattr(t, name) > 32]
-    shrunk = [what for what, table in would if table not in keep]
-    kept = [what for what, table in would if table in keep]
-    nq = tq._replace(block_n=32) if "the dQ kernel's keys" in shrunk else tq
-    nk = tk._replace(block_m=32) if "the dK/dV kernel's queries" in shrunk else tk
-    why = ([f"tiles of 32 for {' and '.join(shrunk)}: a user's score_mod beside S and dP of 64 spills"]
-           if shrunk else []) + ([f"the table's tiles for {' and '.join(kept)} beside a user's score_mod: its "
-                                  "kernel spills nothing there"] if kept else [])
-    return nq, nk, "; ".join(why)
+    out = []
+    for table, t, name, loop in (("wgmma_dq", tq, "block_n", "key"), ("wgmma_dkdv", tk, "block_m", "query")):
+        if not score_mod or name in given or getattr(t, name) <= 32:
+            out.append((t, ""))
+        elif table in keep:
+            out.append((t, f"{loop} tiles of {getattr(t, name)} beside a user's score_mod (tried first: where the "
+                           "kernel spills, planned again with tiles of 32)"))
+        else:
+            out.append((t._replace(**{name: 32}), f"{loop} tiles of 32: a user's score_mod beside S and dP of 64 "
+                                                   "spills"))
+    (nq, why_q), (nk, why_k) = out
+    return nq, nk, why_q, why_k
 
 
 def _powers_of_two(sizes):

@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 import flex_score_mods as fsm  # (scripts/: the score_mods timed there)
-from flashnumba import _launch, _validate, planner, tiling
+from flashnumba import _launch, _validate, planner
 from flashnumba.api import _check_block_mask, check_forward_args
 from flashnumba.blockmask import BlockMask
 from flashnumba.tools.sass import disassemble
@@ -43,16 +43,17 @@ def cases(n):
             "bias": (None, fsm.bias_mod, fsm.one, fsm.causal_mod, (table,))}
 
 
-def plans(d, name, builtin, forward_only=False, n=1024):
+def plans(d, name, builtin, forward_only=False, n=1024, table_tiles=False):
     """The forward's and backward's plans at head_dim d (float16, 2 heads, seqlen n) for the sm_90 GPU: the
     built-in options of case ``name``, or its functions, a mask_mod with a block mask of 128 (its arrays made
-    here: no GPU to classify)."""
+    here: no GPU to classify); ``table_tiles``: a score_mod at the table's tiles (those a GPU tries first)."""
     options, score_mod, grad, mask_mod, args = cases(n)[name]
     q = np.zeros((1, n, 2, d), np.float16)
     (tq, tk, tv), opts = check_forward_args(q, q, q, **(options if builtin else {}))
     if not builtin:
         mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, args, False, backward=True)
-        opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
+        opts = dataclasses.replace(opts, mods=mods, mod_args=targs, mods_table_tiles=frozenset(
+            ("wgmma", "wgmma_dq", "wgmma_dkdv") if table_tiles else ()))
         if mask_mod is not None:
             z = np.zeros((1, 1, n // 128, n // 128), np.int32)
             bm = BlockMask(mask_mod, args, (n, n), 128, 128, z[..., 0].copy(), z, z.astype(np.int8),
@@ -107,17 +108,13 @@ def main():
     ap.add_argument("--docs", action="store_true", help="the documents' mask_mod (--mod docs)")
     ap.add_argument("--forward", action="store_true", help="the forward kernel alone")
     ap.add_argument("--table-tiles", action="store_true",
-                    help="a score_mod at the tiles of a mask_mod alone (without the smaller tiles the planner gives "
-                         "a score_mod: tiling.wgmma_for_mods, wgmma_backward_for_mods)")
+                    help="a score_mod at the table's tiles, which a GPU tries first (without: the smaller tiles it "
+                         "takes where those spill, as the planner gives them here)")
     args = ap.parse_args()
-    if args.table_tiles:
-        for_mods, backward_for_mods = tiling.wgmma_for_mods, tiling.wgmma_backward_for_mods
-        tiling.wgmma_for_mods = lambda t, D, blocks, score_mod=False, given=(): for_mods(t, D, blocks, False, given)
-        tiling.wgmma_backward_for_mods = lambda tq, tk, score_mod, given=(): backward_for_mods(tq, tk, False, given)
     name = "docs" if args.docs else args.mod
     for d in args.head_dims:
         for builtin in (True, False) if cases(1024)[name][0] is not None else (False,):
-            for p, s in plans(d, name, builtin, args.forward):
+            for p, s in plans(d, name, builtin, args.forward, table_tiles=args.table_tiles):
                 fn = s.factory(*s.factory_args)
                 cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})",
                                               (9, 0, "a"), _launch.launch_bounds(s), s.whole_program)

@@ -807,29 +807,60 @@ def test_the_hopper_forward_fits_its_tiles_to_the_blocks():
 
 def test_a_score_mod_keeps_the_tables_tiles_where_asked():
     """``keep`` (the tiles tried first on a GPU) leaves the table's tiles beside a score_mod, saying so; without it
-    the smaller tiles; what the caller gave stays; the backward's kernels each by their own table."""
+    the smaller tiles; what the caller gave stays; the backward's kernels each by their own table, each with its
+    own reason."""
     t = tiling.Tiles(128, 128, 384)
     assert tiling.wgmma_for_mods(t, 64, (128, 128), score_mod=True, keep=True) == (
-        t, "B_c 128 beside a user's score_mod: its kernel spills nothing there")
+        t, "B_c 128 beside a user's score_mod (tried first: where its kernel spills, planned again with the smaller "
+           "tiles)")
     assert tiling.wgmma_for_mods(t, 64, None, score_mod=True, keep=True)[0] == t
     assert tiling.wgmma_for_mods(t, 64, None, keep=True) == (t, "")  # (no score_mod: nothing to say)
     tq, tk = tiling.Tiles(128, 64, 256), tiling.Tiles(64, 128, 256)
+    small = "tiles of 32: a user's score_mod beside S and dP of 64 spills"
     assert tiling.wgmma_backward_for_mods(tq, tk, True) == (
-        tiling.Tiles(128, 32, 256), tiling.Tiles(32, 128, 256), "tiles of 32 for the dQ kernel's keys and the dK/dV "
-        "kernel's queries: a user's score_mod beside S and dP of 64 spills")
+        tiling.Tiles(128, 32, 256), tiling.Tiles(32, 128, 256), "key " + small, "query " + small)
     assert tiling.wgmma_backward_for_mods(tq, tk, True, keep=("wgmma_dq",)) == (
-        tq, tiling.Tiles(32, 128, 256), "tiles of 32 for the dK/dV kernel's queries: a user's score_mod beside S "
-        "and dP of 64 spills; the table's tiles for the dQ kernel's keys beside a user's score_mod: its kernel "
-        "spills nothing there")
+        tq, tiling.Tiles(32, 128, 256), "key tiles of 64 beside a user's score_mod (tried first: where the kernel "
+        "spills, planned again with tiles of 32)", "query " + small)
     assert tiling.wgmma_backward_for_mods(tq, tk, True, keep=("wgmma_dq", "wgmma_dkdv"))[:2] == (tq, tk)
-    assert tiling.wgmma_backward_for_mods(tq, tk, True, given=("block_n", "block_m")) == (tq, tk, "")
-    assert tiling.wgmma_backward_for_mods(tq, tk, False, keep=("wgmma_dq",)) == (tq, tk, "")
+    assert tiling.wgmma_backward_for_mods(tq, tk, True, given=("block_n", "block_m")) == (tq, tk, "", "")
+    assert tiling.wgmma_backward_for_mods(tq, tk, False, keep=("wgmma_dq",)) == (tq, tk, "", "")
+    narrow = tk._replace(block_m=32)  # (already 32: nothing kept, nothing said)
+    assert tiling.wgmma_backward_for_mods(tq, narrow, True, keep=("wgmma_dkdv",))[1:] == (narrow, "key " + small, "")
+
+
+def test_the_plans_take_the_tables_tiles_beside_a_score_mod_where_asked():
+    """Options.mods_table_tiles reaches the Hopper kernels' tiles: the table's (128 keys forward, 64 in the dQ
+    kernel's loop, 64 queries in the dK/dV kernel's at d = 64) for the kernels named, the smaller for the others."""
+    import dataclasses
+
+    from flashnumba import _validate, planner
+    from flashnumba.api import check_forward_args
+
+    score_mod, grad, mask_mod, _ = EXAMPLES["softcap"]
+    q = np.zeros((1, 256, 2, 64), np.float16)
+    (tq, tk, tv), opts = check_forward_args(q, q, q)
+    mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, (), False, backward=True)
+    lse = np.zeros((1, 2, 256), np.float32)
+    tdo, to, tl = (_validate.inspect(n, x, nd) for n, x, nd in (("dout", q, 4), ("out", q, 4), ("lse", lse, 3)))
+
+    def tiles(keep):
+        o = dataclasses.replace(opts, mods=mods, mod_args=targs, mods_table_tiles=frozenset(keep))
+        fwd = planner.forward_plan(tq, tk, tv, o, kernel="wgmma", device="sm_90")
+        bwd = planner.backward_plan(tdo, tq, tk, tv, to, tl, o, kernel="wgmma", device="sm_90")
+        return {s.table: tuple(s.tiles)[:2] for p in (fwd, bwd) for s in p.launches if s.table.startswith("wgmma")}
+
+    assert tiles(()) == {"wgmma": (128, 64), "wgmma_dq": (128, 32), "wgmma_dkdv": (32, 128)}
+    assert tiles(("wgmma", "wgmma_dq", "wgmma_dkdv")) == {"wgmma": (128, 128), "wgmma_dq": (128, 64),
+                                                          "wgmma_dkdv": (64, 128)}
+    assert tiles(("wgmma_dkdv",)) == {"wgmma": (128, 64), "wgmma_dq": (128, 32), "wgmma_dkdv": (64, 128)}
 
 
 def test_a_kernel_that_spills_at_the_tables_tiles_is_planned_again_with_the_smaller(monkeypatch):
-    """On a GPU, beside a score_mod, the plan first keeps the table's tiles; each kernel whose thread then takes local
-    memory is planned again with the smaller tiles, the others keep theirs; without a score_mod, or where nothing
-    spills, one plan; in the simulator the smaller tiles at once."""
+    """On a GPU, beside a score_mod, the plan first keeps the table's tiles; each kernel whose tiles that changed and
+    whose thread then takes local memory is planned again with the smaller tiles, the others keep theirs; without a
+    score_mod, where nothing spills, or where keeping changed no tile, one plan compiled; in the simulator the
+    smaller tiles at once."""
     import types
 
     from flashnumba import _backend, _launch, api, planner
@@ -837,18 +868,26 @@ def test_a_kernel_that_spills_at_the_tables_tiles_is_planned_again_with_the_smal
     class Plan:
         def __init__(self, keep):
             self.keep = keep
-            self.launches = [types.SimpleNamespace(table=t) for t in ("wgmma_dq", "wgmma_dkdv")]
+            self.launches = [types.SimpleNamespace(table=t, tiles="table" if t in keep and t in grows else "smaller")
+                             for t in ("wgmma_dq", "wgmma_dkdv")]
             self.arrays = self.scalars = self.device = None
 
         def resources(self):
             compiled.append(self.keep)
 
-    def run(score_mod, spills, simulator=False):
+    def run(score_mod, spills, simulator=False, grown=("wgmma_dq", "wgmma_dkdv")):
         monkeypatch.setattr(_backend, "SIMULATOR", simulator)
         made.clear()
         compiled.clear()
+        asked.clear()
+        grows[:] = grown
         mods = types.SimpleNamespace(score_mod=score_mod, score_mod_grad=None, mask_mod=None)
-        monkeypatch.setattr(_launch, "uses_local_memory", lambda s, a, sc, d: s.table in spills)
+
+        def local(s, a, sc, d):
+            asked.append(s.table)
+            return s.table in spills
+
+        monkeypatch.setattr(_launch, "uses_local_memory", local)
 
         def make(keep):
             made.append(keep)
@@ -856,15 +895,32 @@ def test_a_kernel_that_spills_at_the_tables_tiles_is_planned_again_with_the_smal
 
         return api._flex_compiled(make, ("wgmma_dq", "wgmma_dkdv")).keep
 
-    made, compiled = [], []
+    made, compiled, asked, grows = [], [], [], []
     monkeypatch.setattr(planner, "warn_float64_mods", lambda mods: None)
-    both = frozenset({"wgmma_dq", "wgmma_dkdv"})
-    assert run(lambda *a: 0.0, {"wgmma_dkdv"}) == frozenset({"wgmma_dq"}) and made == [both, {"wgmma_dq"}]
-    assert compiled == made  # (each plan's kernels compiled, the second's too)
-    assert run(lambda *a: 0.0, set()) == both and made == [both]
-    assert run(lambda *a: 0.0, both) == frozenset() and made == [both, frozenset()]
-    assert run(None, both) == both and made == [both]  # (a mask_mod alone: its tiles do not depend on keep)
-    assert run(lambda *a: 0.0, both, simulator=True) == frozenset() and made == [frozenset()] and not compiled
+    both, none = frozenset({"wgmma_dq", "wgmma_dkdv"}), frozenset()
+    assert run(lambda *a: 0.0, {"wgmma_dkdv"}) == frozenset({"wgmma_dq"})
+    assert made == [both, none, {"wgmma_dq"}] and compiled == [both, {"wgmma_dq"}]  # (the plan to compare: no compile)
+    assert run(lambda *a: 0.0, set()) == both and compiled == [both]
+    assert run(lambda *a: 0.0, both) == none and compiled == [both, none]
+    assert run(lambda *a: 0.0, both, grown=("wgmma_dq",)) == frozenset({"wgmma_dkdv"}) and asked == ["wgmma_dq"]
+    assert run(None, both) == both and made == [both] and not asked  # (a mask_mod alone: keep changes no tile)
+    assert run(lambda *a: 0.0, both, simulator=True) == none and made == [none] and not compiled
+
+
+def test_local_memory_is_read_from_the_log_where_it_states_it(monkeypatch):
+    """_launch.uses_local_memory: spills or a stack in the assembler's figures, without loading the kernel."""
+    import types
+
+    from flashnumba import _launch
+
+    spec = types.SimpleNamespace(signature=lambda a, s: (), shared_bytes=0)
+    for resources, expected in ((dict(registers=168, spill_stores=0, spill_loads=0, stack_bytes=0), False),
+                                (dict(registers=168, spill_stores=24, spill_loads=20, stack_bytes=24), True),
+                                (dict(registers=40, spill_stores=0, spill_loads=0, stack_bytes=16), True)):
+        compiled = _launch.Compiled(b"", "k", [], resources)
+        monkeypatch.setattr(_launch, "compile_kernel", lambda s, sig, cc, c=compiled: c)
+        monkeypatch.setattr(_launch, "_function", lambda *a: pytest.fail("loaded where the log stated its figures"))
+        assert _launch.uses_local_memory(spec, {}, {}, types.SimpleNamespace(cc=(9, 0))) is expected
 
 
 def test_the_hopper_dq_kernel_takes_key_tiles_of_128_for_a_block_masked_mask_mod():

@@ -7,7 +7,8 @@ the family's kernels launched back to back between two CUDA events: kernel time 
 ``--repeat`` groups. Per configuration: milliseconds, TFLOP/s (the pass's FLOP count over these kernels' time; for
 ``tc_dq`` and ``tc_dkdv``, the whole backward's count over that one kernel's time: a rate to compare the tiles of
 one kernel, not a throughput), registers per thread, spills (None where the assembler's log stated none), local
-memory per thread (stack), shared memory per block, the blocks that fit on one SM (:func:`flashnumba.tools.resources.occupancy`), and whether it is the table's default here.
+memory per thread (stack), shared memory per block, the blocks that fit on one SM
+(:func:`flashnumba.tools.resources.occupancy`), and whether it is the table's default here.
 
 Families (the tables of :mod:`flashnumba.tiling`): forward ``v1``, ``v2``, ``v3``, ``tc``, ``tf32``, ``3xtf32``,
 ``wgmma`` (the Hopper forward: one or two warpgroups, its key tiles, each producer);
@@ -158,7 +159,7 @@ def measure(family, D, tiles, q, k, v, dout, causal, repeat, limits):
     is_default = (default.block_m, default.block_n) == (m, n) and (nt is None or default.num_threads == nt)
     row = dict(block_m=m, block_n=n, num_threads=threads[0] if nt is None else nt, ms=round(ms, 4),
                tflops=round(_flops(pass_, q, causal) / ms / 1e9, 2), registers=None, spill_bytes=None,
-               shared_bytes=None, blocks_per_sm=None, default=is_default)
+               stack_bytes=None, shared_bytes=None, blocks_per_sm=None, default=is_default)
     if all(r["registers"] is not None for r in res):  # (the assembler's log, else the loaded kernel's attributes)
         shared = [b.spec.shared_bytes + r["static_shared_bytes"] for b, r in zip(timed, res)]
         blocks = [occupancy(r["registers"], s, t, limits)[0] for t, r, s in zip(threads, res, shared)]
@@ -291,7 +292,7 @@ def main(argv=None):
             print(f"{r['head_dim']:4} {r['block_m']:4} {r['block_n']:4}  {r['error'][:90]}")
             continue
         print(f"{r['head_dim']:4} {r['block_m']:4} {r['block_n']:4} {r['num_threads']:4} {r['ms']:8.3f} "
-              f"{r['tflops']:8.1f} {r['registers']!s:>5} {r['spill_bytes']!s:>6} {r.get('stack_bytes')!s:>6} "
+              f"{r['tflops']:8.1f} {r['registers']!s:>5} {r['spill_bytes']!s:>6} {r['stack_bytes']!s:>6} "
               f"{r['shared_bytes']!s:>7} "
               f"{r['blocks_per_sm']!s:>6}{'  default' if r['default'] else ''}")
     os.makedirs(args.out, exist_ok=True)
