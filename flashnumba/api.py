@@ -778,8 +778,8 @@ def _flex_compiled(make, tables):
     """The plan of ``make(keep) -> (plan, mods)``, its kernels compiled now on a GPU, so that a function Numba
     cannot compile is reported, naming it, before anything runs (and one that computes in float64 warned of).
     Beside a score_mod the kernels of ``tables`` first keep their table's tiles (``keep``): a light function (a
-    bias from registers, a cap) fits them as the built-in options do; each kernel whose tiles that changed and
-    whose thread then takes local memory (spills, or a stack: conservative) is planned again with the smaller
+    bias from registers, a cap) fits them as the built-in options do; each kernel to which keeping gave other tiles
+    and whose thread then takes local memory (spills, or a stack: conservative) is planned again with the smaller
     tiles a heavier function needs (compiled twice)."""
     from ._backend import SIMULATOR
 
