@@ -408,11 +408,10 @@ def loaded_resources(drv, function) -> dict:
     driver states them: for a kernel whose assembler's log stated none (CUDA's compute cache served its link, or
     the disk cache kept None). Spills stay None: the driver tells a thread's local memory, not what fills it."""
     attr = drv.CUfunction_attribute
-    found = {name: int(_check(drv.cuFuncGetAttribute(getattr(attr, which), function), "cuFuncGetAttribute"))
-             for name, which in (("registers", "CU_FUNC_ATTRIBUTE_NUM_REGS"),
-                                 ("static_shared_bytes", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES"),
-                                 ("stack_bytes", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES"))}
-    return found
+    return {name: int(_check(drv.cuFuncGetAttribute(getattr(attr, which), function), "cuFuncGetAttribute"))
+            for name, which in (("registers", "CU_FUNC_ATTRIBUTE_NUM_REGS"),
+                                ("static_shared_bytes", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES"),
+                                ("stack_bytes", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES"))}
 
 
 def uses_local_memory(spec: KernelLaunch, arrays: dict, scalars: dict, device) -> bool:

@@ -273,8 +273,7 @@ def _as_device(fn, seen):
             env[name] = _float32_of(value)
     closure = fn.__closure__
     if closure:
-        closure = tuple(types.CellType(_as_device(c.cell_contents, seen)) if _is_function_cell(c) else
-                        types.CellType(_float32_of(c.cell_contents)) if _holds_floats(c) else c for c in closure)
+        closure = tuple(_device_cell(c, seen) for c in closure)
     copy = types.FunctionType(_weak_floats(code), env, fn.__name__, _float32_of(fn.__defaults__), closure)
     copy.__kwdefaults__ = _float32_of(fn.__kwdefaults__)
     copy.__qualname__ = fn.__qualname__
@@ -313,32 +312,30 @@ def _float64_use(dispatcher, visited):
     py = getattr(dispatcher, "py_func", None)
     if py is not None:
         called = [py.__globals__.get(n) for n in _names(py.__code__)]
-        called += [c.cell_contents for c in py.__closure__ or () if _is_dispatcher_cell(c)]  # (the copy's)
+        called += [_contents(c) for c in py.__closure__ or ()]  # (the copy's)
         for f in called:
             if hasattr(f, "overloads") and f is not dispatcher:
                 found |= _float64_use(f, visited)
     return found
 
 
-def _is_dispatcher_cell(cell):
+def _contents(cell):
+    """What a closure cell holds (None for an empty one)."""
     try:
-        return hasattr(cell.cell_contents, "overloads")
+        return cell.cell_contents
     except ValueError:
-        return False
+        return None
 
 
-def _is_function_cell(cell):
-    try:
-        return isinstance(cell.cell_contents, types.FunctionType)
-    except ValueError:  # an empty cell
-        return False
-
-
-def _holds_floats(cell):
-    try:
-        return type(cell.cell_contents) in (float, tuple)
-    except ValueError:
-        return False
+def _device_cell(cell, seen):
+    """A closure cell of the device copy: a plain function it holds made a device function, its floats (alone or
+    in a tuple) float32, anything else the cell itself."""
+    value = _contents(cell)
+    if isinstance(value, types.FunctionType):
+        return types.CellType(_as_device(value, seen))
+    if type(value) in (float, tuple):
+        return types.CellType(_float32_of(value))
+    return cell
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
