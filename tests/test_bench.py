@@ -134,3 +134,15 @@ def test_both_timing_modes(tmp_path):
     assert rc == 0
     (row,) = [r for r in json.loads((tmp_path / "bench.json").read_text())["rows"] if "ms" in r]
     assert row["ms"] > 0 and row["ms_single"] > 0 and row["tflops_single"] > 0
+
+
+def test_a_measurements_command_names_what_ran(tmp_path, monkeypatch):
+    """The command recorded beside a measurement: the package's command, or the script with its arguments."""
+    from flashnumba.tools.environment import command
+
+    main = str(tmp_path / "flashnumba" / "__main__.py")
+    assert command([main, "bench", "--out", "r"]) == "python -m flashnumba bench --out r"
+    monkeypatch.chdir(tmp_path)
+    script = str(tmp_path / "scripts" / "flex_bench.py")
+    assert command([script, "--backward"]) == "python scripts/flex_bench.py --backward"
+    assert command(["/elsewhere/x.py"]) == "python /elsewhere/x.py"

@@ -10,10 +10,23 @@ import sys
 from .. import _backend
 
 
+def command(argv=None) -> str:
+    """The command line that is running: ``python -m flashnumba ...`` for the package's command, ``python
+    scripts/x.py ...`` for a script (its path relative to the working directory where it lies below it)."""
+    argv = sys.argv if argv is None else argv
+    script = argv[0] if argv else ""
+    if os.path.basename(script) == "__main__.py":
+        run = "-m " + os.path.basename(os.path.dirname(os.path.abspath(script)))
+    else:
+        rel = os.path.relpath(os.path.abspath(script)) if script else ""
+        run = script if rel.startswith("..") or not rel else rel
+    return " ".join(["python", run, *argv[1:]])
+
+
 def environment():
     env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                device=_backend.device_name(), backend=_backend.BACKEND, versions=_backend.versions(),
-               command="python -m flashnumba " + " ".join(sys.argv[1:]))
+               command=command())
     try:
         import torch
 
