@@ -28,6 +28,7 @@ from .api import (
 )
 from .decode import flash_attn_with_kvcache
 from .blockmask import BlockMask, create_block_mask
+from .kernels.score_math import tanh_approx  # (for a score_mod: the built-in softcap's tanh)
 
 __version__ = "0.1.0"
 
@@ -49,6 +50,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "create_block_mask",
     "BlockMask",
+    "tanh_approx",
     "plan",
     "plan_backward",
     "clear_plan_cache",

@@ -1,16 +1,16 @@
 """Machine instructions of the Hopper kernels' tile loops for a user's function, beside the built-in option it
 reproduces, compiled for sm_90a at the planner's tiles (no GPU needed; nvdisasm from the test extra):
 
-    FLASHNUMBA_SIMULATOR=0 python scripts/flex_sass_counts.py [--mod causal|docs|alibi|softcap|bias] [--docs]
-        [--head-dims 64 128] [--forward]
+    FLASHNUMBA_SIMULATOR=0 python scripts/flex_sass_counts.py [--mod causal|docs|alibi|softcap|softcap-approx|bias]
+        [--docs] [--head-dims 64 128] [--forward]
 
 For each kernel (forward, dQ, dK/dV; ``--forward``: the forward alone) it prints the whole kernel's instruction
 count and, for the innermost loop that holds wgmma instructions (the tile loop: from a backward branch's target to
 the branch), its length and most frequent opcodes. ``--mod``: the causal mask_mod with a block mask of 128 (the
 default; ``--docs``: the documents' mask_mod, two arrays of ids), or a score_mod of scripts/flex_score_mods.py:
-ALiBi with the causal block mask (built-in: ``alibi_slopes`` and ``causal``), tanh softcap (built-in: ``softcap``),
-the relative-bias table with the causal block mask (no built-in). The static counts hold every branch of the loop,
-a mask_mod's among them, which runs in the partial tiles alone.
+ALiBi with the causal block mask (built-in: ``alibi_slopes`` and ``causal``), tanh softcap through math.tanh or
+flashnumba.tanh_approx (built-in: ``softcap``), the relative-bias table with the causal block mask (no built-in).
+The static counts hold every branch of the loop, a mask_mod's among them, which runs in the partial tiles alone.
 """
 
 import argparse
@@ -40,6 +40,7 @@ def cases(n):
             "docs": (None, None, None, doc_mod, ids),
             "alibi": (dict(causal=True, alibi_slopes=slopes), fsm.alibi_mod, fsm.one, fsm.causal_mod, (slopes,)),
             "softcap": (dict(softcap=fsm.SOFTCAP), fsm.softcap_mod, fsm.softcap_grad, None, ()),
+            "softcap-approx": (dict(softcap=fsm.SOFTCAP), fsm.softcap_approx_mod, fsm.softcap_approx_grad, None, ()),
             "bias": (None, fsm.bias_mod, fsm.one, fsm.causal_mod, (table,))}
 
 
@@ -104,7 +105,7 @@ def opcode(text):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--mod", choices=["causal", "docs", "alibi", "softcap", "bias"], default="causal")
+    ap.add_argument("--mod", choices=["causal", "docs", "alibi", "softcap", "softcap-approx", "bias"], default="causal")
     ap.add_argument("--docs", action="store_true", help="the documents' mask_mod (--mod docs)")
     ap.add_argument("--forward", action="store_true", help="the forward kernel alone")
     ap.add_argument("--table-tiles", action="store_true",

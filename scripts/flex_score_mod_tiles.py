@@ -7,8 +7,8 @@ built-in option it reproduces:
 Cases (seqlen 8192, float16, batch = 16384 / seqlen, heads = 2048 / head_dim; scripts/flex_score_mods.py's
 functions, with a causal block mask of 128 where the built-in is causal): ALiBi written three ways (``alibi_f32``:
 the distance of the indices in float32, as docs/usage.md advises; ``alibi``: ``np.float32(abs(i - j))``, Numba's
-64-bit integer distance; ``alibi_i32``: the distance narrowed, ``np.int32(i - j)``), the tanh softcap, the
-relative-bias table. Each row: ms of one call a pair of CUDA events (median of 20 after warm-up) and, in brackets,
+64-bit integer distance; ``alibi_i32``: the distance narrowed, ``np.int32(i - j)``), the tanh softcap (through
+math.tanh, and ``softcap-approx`` through flashnumba.tanh_approx), the relative-bias table. Each row: ms of one call a pair of CUDA events (median of 20 after warm-up) and, in brackets,
 calls back to back; the tiles each kernel took and whether its thread takes local memory there. "smaller": every
 kernel planned as if it spilled. The outputs and gradients of the two plans are compared (float16 rounding).
 """
@@ -21,8 +21,6 @@ import flashnumba
 import flex_score_mods as fsm  # (scripts/: the functions timed there)
 from flashnumba import _launch
 from flashnumba.tools.timing import cuda_events_ms, cuda_time_ms
-
-n = 8192
 
 
 def alibi_i64(x, b, h, i, j, slopes):  # (Numba's 64-bit distance; flex_score_mods.alibi_mod takes it in float32)
@@ -58,28 +56,25 @@ def main():
 
     def row(d, case, what, fn):
         ms, b2b = timed(fn)
-        print(f"d={d} {case:9s} {what}{' [' + '; '.join(seen) + ']' if seen else ''}: {ms:.3f} ms "
+        print(f"d={d} {case:14s} {what}{' [' + '; '.join(seen) + ']' if seen else ''}: {ms:.3f} ms "
               f"(back to back {b2b:.3f})", flush=True)
         seen.clear()
 
     n = 8192
     for d in map(int, sys.argv[1:] or ["64", "128"]):
-        batch, heads = 16384 // n, 2048 // d
-        rng = np.random.default_rng(d)
-        q, k, v, dout = (cp.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(4))
-        slopes = cp.asarray((2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32))
-        table = cp.asarray((0.5 * rng.standard_normal((heads, 2 * n + 1))).astype(np.float32))
-        bm = flashnumba.create_block_mask(fsm.causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+        q, k, v, dout, slopes, table, bm = fsm.workload(d, n, 16384, 2048, cp)
         cases = {"alibi_f32": (fsm.alibi_mod, fsm.one, (slopes,), bm),
                  "softcap": (fsm.softcap_mod, fsm.softcap_grad, (), None),
+                 "softcap-approx": (fsm.softcap_approx_mod, fsm.softcap_approx_grad, (), None),
                  "alibi": (alibi_i64, fsm.one, (slopes,), bm), "alibi_i32": (alibi_i32, fsm.one, (slopes,), bm),
                  "bias": (fsm.bias_mod, fsm.one, (table,), bm)}
         for case, (mod, grad, args, bmask) in cases.items():
             backward = case not in ("alibi", "alibi_i32") or d == 64
             if case != "bias":
-                builtin = dict(softcap=fsm.SOFTCAP) if case == "softcap" else dict(causal=True, alibi_slopes=slopes)
+                builtin = (dict(softcap=fsm.SOFTCAP) if case.startswith("softcap")
+                           else dict(causal=True, alibi_slopes=slopes))
                 row(d, case, "forward  built-in", lambda: flashnumba.flash_attn_forward(q, k, v, **builtin))
-                if case in ("alibi_f32", "softcap"):
+                if case in ("alibi_f32", "softcap", "softcap-approx"):
                     o, lse = flashnumba.flash_attn_forward(q, k, v, **builtin)
                     row(d, case, "backward built-in",
                         lambda: flashnumba.flash_attn_backward(dout, q, k, v, o, lse, **builtin))

@@ -1,9 +1,9 @@
 """A user's score_mod on the GPU beside the built-in option it reproduces and PyTorch's FlexAttention with the same
-function: the score_mod examples of notebook 04 (ALiBi with a causal block mask, tanh softcap, a learned
-relative-position bias table with a causal block mask).
+function: the score_mod examples of notebook 04 (ALiBi with a causal block mask, tanh softcap through math.tanh and
+through flashnumba.tanh_approx, a learned relative-position bias table with a causal block mask).
 
     python scripts/flex_score_mods.py [--out DIR] [--seqlen 8192] [--head-dims 64 128] [--backward]
-        [--cases alibi softcap bias] [--tokens 16384] [--width 2048]
+        [--cases alibi softcap softcap-approx bias] [--tokens 16384] [--width 2048]
 
 Workload: float16, batch = 16384 / seqlen, heads = 2048 / head_dim. Rows: milliseconds of one call per pair of CUDA
 events after warm-up, and TFLOP/s of the entries the mask leaves (a backward counted as 2.5 forwards):
@@ -54,12 +54,21 @@ def softcap_mod(x, b, h, i, j):  # (times the reciprocal: x / SOFTCAP is IEEE-ro
     return SOFTCAP * math.tanh(x * (1.0 / SOFTCAP))
 
 
+def softcap_approx_mod(x, b, h, i, j):  # (the built-in softcap's tanh: ex2.approx and rcp.approx)
+    return SOFTCAP * flashnumba.tanh_approx(x * (1.0 / SOFTCAP))
+
+
 def one(x, b, h, i, j, arg):
     return 1.0
 
 
 def softcap_grad(x, b, h, i, j):
     t = math.tanh(x * (1.0 / SOFTCAP))
+    return 1.0 - t * t
+
+
+def softcap_approx_grad(x, b, h, i, j):
+    t = flashnumba.tanh_approx(x * (1.0 / SOFTCAP))
     return 1.0 - t * t
 
 
@@ -71,12 +80,26 @@ def flops(batch, heads, seqlen, d, density):
     return 4.0 * batch * heads * seqlen * seqlen * d * density
 
 
+def workload(d, n, tokens, width, xp):
+    """One head dim's arrays, the same in each script that times these functions: q, k, v, dout (float16, (batch,
+    n, heads, d), batch = tokens / n, heads = width / d), ALiBi's slopes (heads,), the relative-bias table (heads,
+    2 n + 1) and the causal block mask of 128, drawn from a generator seeded with d."""
+    batch, heads = max(1, tokens // n), max(1, width // d)
+    rng = np.random.default_rng(d)
+    q, k, v, dout = (xp.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(4))
+    slopes = xp.asarray((2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32))
+    table = xp.asarray((0.5 * rng.standard_normal((heads, 2 * n + 1))).astype(np.float32))
+    bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+    return q, k, v, dout, slopes, table, bm
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--cases", nargs="+", default=["alibi", "softcap", "bias"], choices=["alibi", "softcap", "bias"])
+    every = ["alibi", "softcap", "softcap-approx", "bias"]
+    ap.add_argument("--cases", nargs="+", default=every, choices=every)
     ap.add_argument("--backward", action="store_true", help="time the backward pass too")
     ap.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     ap.add_argument("--width", type=int, default=2048, help="heads * head_dim")
@@ -111,13 +134,8 @@ def main():
         torch._dynamo.config.recompile_limit = 64  # (each head dim, dtype and function its own specialisation)
         compiled = torch.compile(tflex.flex_attention, dynamic=False)
     for d in args.head_dims:
-        batch, heads = max(1, args.tokens // n), max(1, args.width // d)
-        rng = np.random.default_rng(d)
-        q, k, v, dout = (xp.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(4))
-        slopes_np = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
-        table_np = (0.5 * rng.standard_normal((heads, 2 * n + 1))).astype(np.float32)
-        slopes, table = xp.asarray(slopes_np), xp.asarray(table_np)
-        bm_causal = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+        q, k, v, dout, slopes, table, bm_causal = workload(d, n, args.tokens, args.width, xp)
+        batch, _, heads, _ = q.shape
         if torch is not None:
             tq, tk, tv, tdout = (torch.as_tensor(x, device="cuda").transpose(1, 2) for x in (q, k, v, dout))
             tslopes, ttable = torch.as_tensor(slopes, device="cuda"), torch.as_tensor(table, device="cuda")
@@ -141,6 +159,8 @@ def main():
                       "t_alibi", "causal"),
             "softcap": (1.0, dict(softcap=SOFTCAP), softcap_mod, softcap_grad, (), None, "t_softcap", None),
             "bias": (0.5, None, bias_mod, one, (table,), bm_causal, "t_bias", "causal"),
+            "softcap-approx": (1.0, dict(softcap=SOFTCAP), softcap_approx_mod, softcap_approx_grad, (), None,
+                               "t_softcap", None),
         }
         for case in args.cases:
             dens, builtin, mod, grad, mod_args, bm, tname, tmask = cases[case]

@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import flashnumba
 from conftest import FULL_COMPILE, assert_close_to_truth, random_qkv, shard, to_numpy
-from flashnumba import reference as ref, tiling
+from flashnumba import reference as ref, tanh_approx, tiling
 
 def _skip_unless_hopper():
     """kernel="wgmma" runs on compute capability 9.0, and in the simulator."""
@@ -51,6 +51,15 @@ def softcap_grad(x, b, h, i, j):
     return 1.0 - t * t
 
 
+def softcap_approx(x, b, h, i, j):  # (the built-in softcap's tanh: flashnumba.tanh_approx)
+    return 5.0 * tanh_approx(x / 5.0)
+
+
+def softcap_approx_grad(x, b, h, i, j):  # (the same, called as the package's attribute)
+    t = flashnumba.tanh_approx(x / 5.0)
+    return 1.0 - t * t
+
+
 def alibi(x, b, h, i, j):
     return x - (0.5 / (h + 1)) * abs(i - j)
 
@@ -81,11 +90,11 @@ def _table(sq, sk, rng, nheads=6):  # (the most query heads the tests draw: 2 ke
 
 
 def softcap_alibi(x, b, h, i, j):
-    return alibi(softcap(x, b, h, i, j), b, h, i, j)
+    return alibi(softcap_approx(x, b, h, i, j), b, h, i, j)
 
 
 def softcap_alibi_grad(x, b, h, i, j):
-    return softcap_grad(x, b, h, i, j)
+    return softcap_approx_grad(x, b, h, i, j)
 
 
 def bias_docs(x, b, h, i, j, table, doc_q, doc_k):
@@ -270,6 +279,77 @@ def test_rows_that_see_no_key():
     assert not out[0, 2].any() and lse[0, 0, 2] == -np.inf and np.isfinite(lse[0, 0, [0, 1, 3]]).all()
     dq, _, _ = flashnumba.flex_attention_backward(dout, q, k, v, out, lse, mask_mod=hide_row_2)
     assert not to_numpy(dq)[0, 2].any()
+
+
+def test_tanh_approx_is_exact_on_the_host_and_the_gpus_formula_on_a_float32():
+    """flashnumba.tanh_approx: NumPy's tanh on a float64 (the reference's truth); on a float32 (a score in the
+    simulator) the built-in softcap's 1 - 2 / (2^(2 x log2 e) + 1), within a few float32 ulps of 1 of the truth,
+    saturating to +-1, NaN kept; the Hopper kernels' softcap computes with the same function."""
+    x = np.linspace(-40.0, 40.0, 8001)
+    assert np.array_equal(tanh_approx(x), np.tanh(x)) and tanh_approx(0.3) == np.tanh(0.3)
+    got = np.array([tanh_approx(np.float32(v)) for v in x.astype(np.float32)])
+    assert got.dtype == np.float32
+    err = np.abs(got.astype(np.float64) - np.tanh(x.astype(np.float32).astype(np.float64)))
+    assert err.max() <= 3 * np.finfo(np.float32).eps, err.max()
+    assert tanh_approx(np.float32(100.0)) == 1.0 and tanh_approx(np.float32(-100.0)) == -1.0
+    assert np.isnan(tanh_approx(np.float32(np.nan)))
+    from flashnumba.kernels.common import make_score_mod
+
+    cap = np.float32(5.0)
+    for v in (np.float32(-7.25), np.float32(0.125), np.float32(31.0)):
+        built, dcap = make_score_mod(True, False, no_calls=True)(v, cap, np.float32(0.0), 0, 0, 0)
+        assert built == cap * tanh_approx(np.float32(v * (np.float32(1.0) / cap)))
+
+
+TANH_COMPILE_SCRIPT = r"""
+import json, math
+import flashnumba
+from flashnumba import _launch, tanh_approx
+from flashnumba._backend import cuda
+from flashnumba.kernels.common import as_device_function
+
+
+def by_name(x, b, h, i, j):
+    return 20.0 * tanh_approx(x * (1.0 / 20.0))
+
+
+def as_attribute(x, b, h, i, j):
+    return 20.0 * flashnumba.tanh_approx(x * (1.0 / 20.0))
+
+
+def libdevice(x, b, h, i, j):
+    return 20.0 * math.tanh(x * (1.0 / 20.0))
+
+
+out = {}
+for fn in (by_name, as_attribute, libdevice):
+    mod = as_device_function(fn)
+
+    def kernel(out, x):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = mod(x[i], 0, 0, i, i)
+
+    ptx = _launch.compile_ptx(kernel, "void(float32[:], float32[:])", (8, 0))
+    body = ptx[ptx.index("{"):]
+    out[fn.__name__] = dict(ex2=body.count("ex2.approx"), rcp=body.count("rcp.approx"), call=body.count("call"),
+                            lines=sum(1 for line in body.splitlines() if line.strip().endswith(";")),
+                            float64=flashnumba.kernels.common.float64_use(fn))
+print(json.dumps(out))
+"""
+
+
+def test_tanh_approx_compiles_to_the_special_function_unit():
+    """A score_mod's tanh_approx, called by name or as flashnumba.tanh_approx, compiles for the GPU (sm_80, no GPU
+    needed) to one ex2.approx and one rcp.approx, no call and no float64, fewer instructions than math.tanh's
+    libdevice tanhf."""
+    from conftest import compile_offline
+
+    got = compile_offline(TANH_COMPILE_SCRIPT)
+    for name in ("by_name", "as_attribute"):
+        assert got[name]["ex2"] == 1 and got[name]["rcp"] == 1 and got[name]["call"] == 0, got
+        assert got[name]["float64"] == [] and got[name]["lines"] == got["by_name"]["lines"], got
+    assert got["libdevice"]["lines"] > got["by_name"]["lines"] + 5, got
 
 
 WEAK = 5.0  # (a Python float a function reads as a global)

@@ -33,6 +33,7 @@ import types
 
 from . import philox, ptx
 from .._backend import cuda
+from .score_math import COMPILED, tanh_approx
 from .scalars import float32, int32, uint64
 
 # The dropout mask's random numbers (see philox.py), as device functions.
@@ -82,15 +83,15 @@ def make_score_mod(softcap_on, alibi_on, no_calls=False):
     multiplies into dS. The forward ignores dcap and the compiler drops it.
 
     ``no_calls``: the tanh as 1 - 2 / (exp(2 y) + 1) from ``ex2.approx`` and ``rcp.approx`` (within a few float32
-    ulps of 1 in absolute terms), for the Hopper kernels: a float32 division and libdevice's tanhf have slow paths
-    that are subroutine calls, and the assembler serialises the wgmma of a kernel that makes any call."""
+    ulps of 1 in absolute terms: :func:`.score_math.tanh_approx`, which a user's score_mod may call too), for the
+    Hopper kernels: a float32 division and libdevice's tanhf have slow paths that are subroutine calls, and the
+    assembler serialises the wgmma of a kernel that makes any call."""
 
     @cuda.jit(device=True, inline=True)
     def score_mod(x, softcap, slope, i, j, diag):
         dcap = float32(1.0)
         if softcap_on and no_calls:
-            e = ptx.exp2_ftz(x * ptx.rcp_approx(softcap) * float32(2.0 * LOG2E))  # exp(2 x / softcap)
-            th = float32(1.0) - float32(2.0) * ptx.rcp_approx(e + float32(1.0))
+            th = tanh_approx(float32(x * ptx.rcp_approx(softcap)))
             x = softcap * th
             dcap = float32(1.0) - th * th
         elif softcap_on:
@@ -252,13 +253,14 @@ def as_device_function(fn):
     """``fn`` as a Numba device function, with the plain Python functions it calls (through its globals or its
     closure, to any depth) made device functions too, so that a user's score_mod may call another, as
     ``alibi(softcap(x, ...), ...)``, and the Python floats it reads (constants, globals, closure cells) weak:
-    float32 (:func:`_weak_floats`). A function that is already a Numba dispatcher is returned as it is; the
+    float32 (:func:`_weak_floats`). A function that is already a Numba dispatcher, or one of :mod:`.score_math`'s
+    (``tanh_approx``), is kept as it is; the
     user's own function and its globals are left untouched (the device version reads a copy)."""
     return _as_device(fn, {})
 
 
 def _as_device(fn, seen):
-    if not isinstance(fn, types.FunctionType):
+    if not isinstance(fn, types.FunctionType) or fn in COMPILED:  # (COMPILED: compiled as they are)
         return fn
     if fn in seen:
         return seen[fn]
