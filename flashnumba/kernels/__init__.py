@@ -2,7 +2,8 @@
 
 Read them in this order; each step uses only what the one before it showed:
 
-1. :mod:`.common` who sees whom (causal, window, varlen), the score modifications, the dropout stream;
+1. :mod:`.common` who sees whom (causal, window, varlen), the score modifications, the dropout stream, a user's
+   score_mod and mask_mod (with :mod:`.score_math`, what a score_mod may call: the softcap's tanh);
 2. :mod:`.simt_forward` FlashAttention-2 Algorithm 1 on CUDA cores: v1 (a thread per query row), v2 and v3
    (register tiles);
 3. :mod:`.simt_backward` Algorithm 2 on CUDA cores (D_i preprocess, dK/dV and dQ kernels);

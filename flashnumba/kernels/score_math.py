@@ -2,9 +2,9 @@
 
 A score_mod is plain Python, and what it calls compiles as Numba compiles it: ``math.tanh`` on a float32 becomes
 libdevice's ``tanhf``, about eighteen instructions a score (its exponential and reciprocal, a polynomial for small
-arguments and two selects), where the built-in ``softcap`` computes its tanh in about six. In a tile loop that
-does little else per score the difference is several per cent of a kernel's time. :func:`tanh_approx` is the
-built-in softcap's tanh, which every kernel's softcap calls too (``common.make_score_mod``), offered to a score_mod:
+arguments and two selects), where the built-in ``softcap`` of the Hopper kernels computes its tanh in about six. In
+a tile loop that does little else per score the difference is several per cent of a kernel's time. :func:`tanh_approx`
+is that tanh (``common.make_score_mod`` calls it for the Hopper kernels' softcap), offered to a score_mod:
 
     def softcap(score, b, h, q_idx, kv_idx):
         return 20.0 * tanh_approx(score * (1.0 / 20.0))
@@ -29,7 +29,7 @@ TWO_LOG2E = np.float32(2.0 / math.log(2.0))  # exp(2 y) = 2^(2 y log2 e)
 
 
 def tanh_approx(x):
-    """tanh(x) as the built-in softcap computes it on a GPU: 1 - 2 / (2^(2 x log2 e) + 1), from ``ex2.approx.ftz``
+    """tanh(x) as the Hopper kernels' softcap computes it: 1 - 2 / (2^(2 x log2 e) + 1), from ``ex2.approx.ftz``
     and ``rcp.approx.ftz``: about six instructions where ``math.tanh`` (libdevice's tanhf) takes about eighteen.
 
     Its error is absolute, within a few float32 ulps of 1 (about 3e-7), not relative: near 0, where tanh(x) is about
