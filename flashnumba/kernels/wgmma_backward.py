@@ -676,13 +676,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     # through the entries, whose registers d = 128 needs); with tensor maps, by a warp of the producer
     fetch_stats, put_stats = make_stats(B_R, NC)
     fetch_stats_p, put_stats_p = make_stats(B_R, 32)
-    @cuda.jit(device=True, inline=True)
-    def query_tile(it, hk, group, nt, m_begin, lists):
-        """The producer's coordinates of Q_i, dO_i: :func:`tile_of`."""
-        return tile_of(it, hk, group, nt, m_begin, lists)
-
-    # the producer's copies (one thread): K_j, V_j with the first tile, then Q_i, dO_i of each
-    produce = make_tma_producer(D, 2, B_C, OFF_V, B_R, OFF_Q, OFF_DO, BUF, query_tile, NST)
+    # the producer's copies (one thread): K_j, V_j with the first tile, then Q_i, dO_i of each (at tile_of's rows)
+    produce = make_tma_producer(D, 2, B_C, OFF_V, B_R, OFF_Q, OFF_DO, BUF, tile_of, NST)
 
     @cuda.jit(device=True, inline=True)
     def produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, lists, total, lane):
