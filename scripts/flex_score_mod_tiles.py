@@ -8,9 +8,10 @@ Cases (seqlen 8192, float16, batch = 16384 / seqlen, heads = 2048 / head_dim; sc
 functions, with a causal block mask of 128 where the built-in is causal): ALiBi written three ways (``alibi_f32``:
 the distance of the indices in float32, as docs/usage.md advises; ``alibi``: ``np.float32(abs(i - j))``, Numba's
 64-bit integer distance; ``alibi_i32``: the distance narrowed, ``np.int32(i - j)``), the tanh softcap (through
-math.tanh, and ``softcap-approx`` through flashnumba.tanh_approx), the relative-bias table. Each row: ms of one call a pair of CUDA events (median of 20 after warm-up) and, in brackets,
-calls back to back; the tiles each kernel took and whether its thread takes local memory there. "smaller": every
-kernel planned as if it spilled. The outputs and gradients of the two plans are compared (float16 rounding).
+math.tanh, and ``softcap-approx`` through flashnumba.tanh_approx), the relative-bias table. Each row: ms of one call
+a pair of CUDA events (median of 20 after warm-up) and, in brackets, calls back to back; the tiles each kernel took
+and whether its thread takes local memory there. "smaller": every kernel planned as if it spilled. The outputs and
+gradients of the two plans are compared (float16 rounding).
 """
 import sys
 

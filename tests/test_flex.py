@@ -52,11 +52,11 @@ def softcap_grad(x, b, h, i, j):
 
 
 def softcap_approx(x, b, h, i, j):  # (the built-in softcap's tanh: flashnumba.tanh_approx)
-    return 5.0 * tanh_approx(x / 5.0)
+    return 5.0 * tanh_approx(x * (1.0 / 5.0))
 
 
 def softcap_approx_grad(x, b, h, i, j):  # (the same, called as the package's attribute)
-    t = flashnumba.tanh_approx(x / 5.0)
+    t = flashnumba.tanh_approx(x * (1.0 / 5.0))
     return 1.0 - t * t
 
 
@@ -282,8 +282,8 @@ def test_rows_that_see_no_key():
 
 
 def test_tanh_approx_is_exact_on_the_host_and_the_gpus_formula_on_a_float32():
-    """flashnumba.tanh_approx: NumPy's tanh on a float64 (the reference's truth); on a float32 (a score in the
-    simulator) the built-in softcap's 1 - 2 / (2^(2 x log2 e) + 1), within a few float32 ulps of 1 of the truth,
+    """flashnumba.tanh_approx: NumPy's tanh on a float64 (the float64 reference's truth); on a float32 (a score in
+    the simulator) the Hopper softcap's 1 - 2 / (2^(2 x log2 e) + 1), within a few float32 ulps of 1 of the truth,
     saturating to +-1, NaN kept; the Hopper kernels' softcap computes with the same function."""
     x = np.linspace(-40.0, 40.0, 8001)
     assert np.array_equal(tanh_approx(x), np.tanh(x)) and tanh_approx(0.3) == np.tanh(0.3)
@@ -293,6 +293,13 @@ def test_tanh_approx_is_exact_on_the_host_and_the_gpus_formula_on_a_float32():
     assert err.max() <= 3 * np.finfo(np.float32).eps, err.max()
     assert tanh_approx(np.float32(100.0)) == 1.0 and tanh_approx(np.float32(-100.0)) == -1.0
     assert np.isnan(tanh_approx(np.float32(np.nan)))
+    # the formula's own values, not tanh's: near 0 the error is absolute (2^(2 x log2 e) rounds to 1: 0, not x)
+    assert tanh_approx(np.float32(1e-8)) == 0.0 and np.tanh(np.float32(1e-8)) != 0.0
+    e = np.exp2(np.float32(0.75) * np.float32(2.0 / math.log(2.0)))
+    one = np.float32(1.0)
+    assert tanh_approx(np.float32(0.75)) == one - np.float32(2.0) * (one / (e + one))
+    # a float16 or an integer is made float32 first, as on the GPU
+    assert tanh_approx(np.float16(0.5)) == tanh_approx(np.float32(0.5)) and tanh_approx(2) == tanh_approx(np.float32(2))
     from flashnumba.kernels.common import make_score_mod
 
     cap = np.float32(5.0)

@@ -13,7 +13,7 @@ One function serves three places. In a kernel on the GPU it is ``ex2.approx`` an
 overload for the CUDA target). In the simulator a score is a NumPy float32, and on a float32 the function computes
 the same formula with the stand-ins of those instructions (``ptx._sim_exp2_ftz``, ``_sim_rcp_approx``): the
 simulator runs what the GPU runs. On a float64 (the float64 reference, ``flashnumba.reference``) it is NumPy's exact
-tanh, the truth the kernels are compared with.
+tanh, the truth the kernels are compared with; on the GPU a float64 argument is float32's formula too.
 """
 
 from __future__ import annotations
@@ -38,22 +38,31 @@ def tanh_approx(x):
     of a few ulps of the cap, below float16's and bfloat16's rounding of the inputs.
 
     Called in a score_mod (``from flashnumba import tanh_approx``, or as ``flashnumba.tanh_approx``) it compiles
-    into the kernels; on a NumPy float32 (a score in the simulator) it computes the same float32 formula; on
-    anything else (a Python or NumPy float64, an array) it is the exact ``np.tanh``, as the float64 reference wants."""
-    if isinstance(x, np.float32):
-        e = ptx._sim_exp2_ftz(x * TWO_LOG2E)
-        return np.float32(np.float32(1.0) - np.float32(2.0) * ptx._sim_rcp_approx(e + np.float32(1.0)))
-    return np.tanh(x)
+    into the kernels, where it takes any number as float32 and computes the formula. On the host it computes the
+    same float32 formula on a NumPy float32 (a score in the simulator), a float16 or an integer (each made float32
+    first, as the GPU does), and NumPy's exact tanh on a float64, a Python float or an array: the float64 reference
+    (``flashnumba.reference`` at its default dtype) calls a score_mod with float64 scores. (A Python float that a
+    score_mod makes in the simulator, ``math.sqrt(score)`` for example, is float64 here and float32 on the GPU: the
+    simulator then computes this tanh exactly.)"""
+    if isinstance(x, (float, np.float64, np.ndarray)):
+        return np.tanh(x)
+    x = np.float32(x)
+    e = ptx._sim_exp2_ftz(x * TWO_LOG2E)
+    return np.float32(np.float32(1.0) - np.float32(2.0) * ptx._sim_rcp_approx(e + np.float32(1.0)))
 
 
 def _cuda_overloads():
     """:func:`tanh_approx` for the CUDA target: what a kernel compiles in its place."""
+    from numba.core import errors, types
     from numba.cuda.extending import overload
 
     from .scalars import float32
 
     @overload(tanh_approx, target="cuda")
     def _tanh_approx(x):
+        if not isinstance(x, (types.Float, types.Integer, types.Boolean)):
+            raise errors.TypingError(f"flashnumba.tanh_approx takes one number (a score), not {x}")
+
         def impl(x):
             e = ptx.exp2_ftz(float32(x) * TWO_LOG2E)
             return float32(1.0) - float32(2.0) * ptx.rcp_approx(e + float32(1.0))
