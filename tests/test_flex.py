@@ -52,11 +52,11 @@ def softcap_grad(x, b, h, i, j):
 
 
 def softcap_approx(x, b, h, i, j):  # (the built-in softcap's tanh: flashnumba.tanh_approx)
-    return 5.0 * tanh_approx(x * (1.0 / 5.0))
+    return 5.0 * tanh_approx(x / 5.0)
 
 
 def softcap_approx_grad(x, b, h, i, j):  # (the same, called as the package's attribute)
-    t = flashnumba.tanh_approx(x * (1.0 / 5.0))
+    t = flashnumba.tanh_approx(x / 5.0)
     return 1.0 - t * t
 
 
