@@ -85,7 +85,11 @@ def make_score_mod(softcap_on, alibi_on, no_calls=False):
     ``no_calls``: the tanh as 1 - 2 / (exp(2 y) + 1) from ``ex2.approx`` and ``rcp.approx`` (within a few float32
     ulps of 1 in absolute terms: :func:`.score_math.tanh_approx`, which a user's score_mod may call too), for the
     Hopper kernels: a float32 division and libdevice's tanhf have slow paths that are subroutine calls, and the
-    assembler serialises the wgmma of a kernel that makes any call."""
+    assembler serialises the wgmma of a kernel that makes any call. With it too, ALiBi's distance in float32 from
+    the 32-bit indices: Numba computes integer arithmetic in 64 bits, and |i + diag - j| then costs a 64-bit sum,
+    absolute value and conversion a score, where float32(i) + float32(diag) is one per row, float32(j) one per
+    column, and a score one subtraction (its absolute value an operand modifier). Exact below 2^24 (every index and
+    distance a float32 holds exactly)."""
 
     @cuda.jit(device=True, inline=True)
     def score_mod(x, softcap, slope, i, j, diag):
@@ -98,7 +102,9 @@ def make_score_mod(softcap_on, alibi_on, no_calls=False):
             th = float32(math.tanh(x / softcap))
             x = softcap * th
             dcap = float32(1.0) - th * th
-        if alibi_on:
+        if alibi_on and no_calls:  # (the row's part and the column's hoisted out of a tile's scores)
+            x -= slope * abs((float32(int32(i)) + float32(int32(diag))) - float32(int32(j)))
+        elif alibi_on:
             x -= slope * float32(abs(i + diag - j))
         return x, dcap
 
