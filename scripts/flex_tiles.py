@@ -1,7 +1,8 @@
 """The causal mask_mod with a block mask at several tensor-core forward tiles, beside the built-in causal kernel,
-then the backward (the causal and 8 documents' mask_mods with their block masks, at d=64 also with the dQ kernel's
-key tiles of 64 beside the planner's 128); on compute capability 9.0 the default
-is the Hopper forward (B_c 128 at d=128, 64 its tiles before the mask bits: "mod wgmma B_c 64"). On a GPU:
+8 documents' mask_mod on the Hopper forward at the planner's and one warpgroup's tiles, then the backward (the
+causal and 8 documents' mask_mods with their block masks, at d=64 also with the dQ kernel's key tiles of 64 beside
+the planner's 128); on compute capability 9.0 the default is the Hopper forward (B_c 128 at d=128, 64 its tiles
+before the mask bits: "mod wgmma B_c 64"). On a GPU:
 
     python scripts/flex_tiles.py
 
@@ -55,6 +56,30 @@ for d in (64, 128):
         cases.append((f"mod ({m}, {bn}, {nt})", lambda m=m, bn=bn, nt=nt: flashnumba.flex_attention(
             q, k, v, block_mask=bm, kernel="tc", block_m=m, block_n=bn, num_threads=nt)))
     print(d, "built-in", flashnumba.plan(q, k, v, causal=True).launches[0].tiles, flush=True)
+    for name, fn in cases:
+        try:
+            fn()
+            ms, _ = cuda_time_ms(fn, warmup=3, repeat=10)
+            print(f"d={d} {name:28s} {ms:8.3f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"d={d} {name}: {type(e).__name__} {str(e)[:200]}", flush=True)
+
+# 8 documents' mask_mod with its block mask on the Hopper forward at the planner's tiles and at one warpgroup's (a
+# short key loop: 8 tiles a query block, where one block of 384 threads an SM does not overlap one block's start
+# and end with another's tiles)
+for d in (64, 128):
+    batch, heads = 16384 // n, 2048 // d
+    rng = np.random.default_rng(d)
+    q, k, v = (cupy.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(3))
+    docs = cupy.asarray(np.repeat(np.arange(8), n // 8).astype(np.int32))
+    bm_doc = flashnumba.create_block_mask(doc_mod, 1, 1, n, n, score_mod_args=(docs,), BLOCK_SIZE=128)
+    cases = [("dense built-in", lambda: flashnumba.flash_attn_forward(q, k, v)),
+             ("documents default", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_doc,
+                                                                      score_mod_args=(docs,)))]
+    for m, bn, nt in ((64, 128, 128), (64, 64, 128)):
+        cases.append((f"documents wgmma ({m}, {bn}, {nt})", lambda m=m, bn=bn, nt=nt: flashnumba.flex_attention(
+            q, k, v, block_mask=bm_doc, score_mod_args=(docs,), kernel="wgmma", block_m=m, block_n=bn,
+            num_threads=nt)))
     for name, fn in cases:
         try:
             fn()
