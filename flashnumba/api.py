@@ -648,10 +648,11 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     q_idx and kv_idx: positions in the sequences (no alignment shift: a bottom-right causal mask is ``q_idx + seqlen_k -
     seqlen_q >= kv_idx``), each an int32; score a float32, and a Python float in the functions float32 (as
     FlexAttention's compiler takes one beside the score); an integer and a float32 together are float64 in Numba,
-    several times slower on a GPU: ``np.float32(abs(q_idx - kv_idx))`` keeps ALiBi in float32 (a function that
-    computes in float64 draws a one-time :class:`flashnumba.planner.SlowPathWarning`). ``score_mod_args``: up to 4
-    arrays on q's device that the functions read, indexed as they like (a bias table, document ids); a number is
-    better closed over (each value compiles its own kernel). A function may call other plain Python functions (a
+    several times slower on a GPU: ``abs(np.float32(q_idx) - np.float32(kv_idx))`` keeps ALiBi in float32 (a
+    function that computes in float64 draws a one-time :class:`flashnumba.planner.SlowPathWarning`), and
+    ``flashnumba.tanh_approx`` is the built-in softcap's tanh. ``score_mod_args``: up to 4 arrays on q's device
+    that the functions read, indexed as they like (a bias table, document ids); a number is better closed over
+    (each value compiles its own kernel). A function may call other plain Python functions (a
     score_mod built from two others): they are compiled with it. A function is compiled once per function object
     (define it once, not in a loop).
 

@@ -360,8 +360,10 @@ def warn_float64_mods(mods):
             name = getattr(fn, "__name__", fn)
             warnings.warn(f"flashnumba: {role} {name!r} computes in float64 ({', '.join(found)}), several"
                           f" times slower on a GPU than float32: Numba types an integer and a float32 "
-                          f"together as float64, as NumPy does; write np.float32(...) around the integer, for example "
-                          f"np.float32(abs(q_idx - kv_idx)). (flashnumba.config.warn_slow_path = False silences this.)",
+                          f"together as float64, as NumPy does; write np.float32(...) around the integers, for example "
+                          f"abs(np.float32(q_idx) - np.float32(kv_idx)) (Numba's integer arithmetic is 64-bit: the "
+                          f"difference of the float32 indices is the cheaper). (flashnumba.config.warn_slow_path = "
+                          f"False silences this.)",
                           SlowPathWarning, stacklevel=6)
 
 
