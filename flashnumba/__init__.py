@@ -28,7 +28,7 @@ from .api import (
 )
 from .decode import flash_attn_with_kvcache
 from .blockmask import BlockMask, create_block_mask
-from .kernels.score_math import tanh_approx  # (for a score_mod: the built-in softcap's tanh)
+from .kernels.score_math import tanh_approx  # (for a score_mod: the Hopper kernels' softcap's tanh)
 
 __version__ = "0.1.0"
 

@@ -650,7 +650,7 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     FlexAttention's compiler takes one beside the score); an integer and a float32 together are float64 in Numba,
     several times slower on a GPU: ``abs(np.float32(q_idx) - np.float32(kv_idx))`` keeps ALiBi in float32 (a
     function that computes in float64 draws a one-time :class:`flashnumba.planner.SlowPathWarning`), and
-    ``flashnumba.tanh_approx`` is the built-in softcap's tanh. ``score_mod_args``: up to 4 arrays on q's device
+    ``flashnumba.tanh_approx`` is the Hopper kernels' softcap's tanh. ``score_mod_args``: up to 4 arrays on q's device
     that the functions read, indexed as they like (a bias table, document ids); a number is better closed over
     (each value compiles its own kernel). A function may call other plain Python functions (a
     score_mod built from two others): they are compiled with it. A function is compiled once per function object

@@ -184,13 +184,13 @@ def main():
                         raise
                     rows.append(dict(head_dim=d, seqlen=n, case=f"{case} {name}", failed=next((line for line in str(err).splitlines() if "Error" in line),
                                                              str(err).splitlines()[-1])))
-                    print(f"d={d} {case:8s} {name:24s} failed: {rows[-1]['failed'][:200]}", flush=True)
+                    print(f"d={d} {case:14s} {name:24s} failed: {rows[-1]['failed'][:200]}", flush=True)
                     continue
                 sync()
                 ms = timed(fn)
                 rows.append(dict(head_dim=d, seqlen=n, batch=batch, heads=heads, case=f"{case} {name}", ms=ms,
                                  tflops=flops(batch, heads, n, d, dens) / ms / 1e9))
-                print(f"d={d} {case:8s} {name:24s} {ms:9.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
+                print(f"d={d} {case:14s} {name:24s} {ms:9.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s", flush=True)
             if "torch flex" in outs:  # differences from FlexAttention in float32
                 want = to_np(compiled(*(x.float() for x in (tq, tk, tv)), score_mod=tfn, block_mask=tbm))
                 theirs = float(np.abs(to_np(outs["torch flex"]) - want).max())
@@ -232,7 +232,7 @@ def main():
                 ms = timed(fn)
                 rows.append(dict(head_dim=d, seqlen=n, batch=batch, heads=heads, case=f"backward {case} {name}",
                                  ms=ms, tflops=2.5 * flops(batch, heads, n, d, dens) / ms / 1e9))
-                print(f"d={d} backward {case:8s} {name:24s} {ms:9.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s",
+                print(f"d={d} backward {case:14s} {name:24s} {ms:9.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s",
                       flush=True)
             if "torch flex" in grads:
                 theirs = [to_np(g) for g in grads["torch flex"]]

@@ -146,3 +146,5 @@ def test_a_measurements_command_names_what_ran(tmp_path, monkeypatch):
     script = str(tmp_path / "scripts" / "flex_bench.py")
     assert command([script, "--backward"]) == "python scripts/flex_bench.py --backward"
     assert command(["/elsewhere/x.py"]) == "python /elsewhere/x.py"
+    assert command([script, "--cases", "a b"]) == "python scripts/flex_bench.py --cases 'a b'"
+    assert command([]) == command([""]) == "python"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shlex
 import sys
 
 from .. import _backend
@@ -15,12 +16,14 @@ def command(argv=None) -> str:
     scripts/x.py ...`` for a script (its path relative to the working directory where it lies below it)."""
     argv = sys.argv if argv is None else argv
     script = argv[0] if argv else ""
+    if not script:  # (an interactive interpreter)
+        return "python"
     if os.path.basename(script) == "__main__.py":
-        run = "-m " + os.path.basename(os.path.dirname(os.path.abspath(script)))
+        run = ["-m", os.path.basename(os.path.dirname(os.path.abspath(script)))]
     else:
-        rel = os.path.relpath(os.path.abspath(script)) if script else ""
-        run = script if rel.startswith("..") or not rel else rel
-    return " ".join(["python", run, *argv[1:]])
+        rel = os.path.relpath(os.path.abspath(script))
+        run = [script if rel.startswith("..") else rel]
+    return shlex.join(["python", *run, *argv[1:]])
 
 
 def environment():

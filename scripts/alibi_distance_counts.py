@@ -1,0 +1,84 @@
+"""ALiBi's distance |i + diag - j| as the 64-bit integer Numba computes (the mma.sync and SIMT kernels) against the
+float32 difference of the 32-bit indices (the Hopper kernels': ``common.make_score_mod`` with ``no_calls``), compiled
+into the planner's sm_80 kernels for causal attention with ALiBi (no GPU needed; nvdisasm from the test extra):
+
+    FLASHNUMBA_SIMULATOR=0 python scripts/alibi_distance_counts.py [--head-dims 64] [--float-distance]
+
+Prints, for the float32 SIMT kernels (v3 forward, v2 dQ and dK/dV) and the float16 tensor-core kernels (forward,
+dQ, dK/dV), the machine instructions of each kernel, the lengths of its loops (the longest is the tile loop),
+registers and spilled bytes. ``--float-distance``: every kernel's ALiBi takes the float32 distance (the Hopper
+kernels' score modification with the softcap off, which is the same as the others' but for the distance); run once
+without and once with it.
+"""
+
+import argparse
+import re
+import sys
+
+import numpy as np
+
+from flashnumba import _launch, _validate, planner
+from flashnumba.api import check_forward_args
+from flashnumba.kernels import common, mma_backward, mma_forward, simt_backward, simt_forward
+from flashnumba.tools.sass import disassemble
+
+
+def loops(sass):
+    """The lengths of the loops of the machine code (from a backward branch's target to the branch)."""
+    found, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            labels.update(dict.fromkeys(pending, int(m.group(1), 16)))
+            pending = []
+            found.append((int(m.group(1), 16), m.group(2)))
+    out = []
+    for address, text in found:
+        m = re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), address) < address:
+            out.append(sum(1 for a, _ in found if labels[m.group(1)] <= a <= address))
+    return len(found), out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64])
+    ap.add_argument("--float-distance", action="store_true")
+    args = ap.parse_args()
+    if args.float_distance:
+        make = common.make_score_mod
+
+        def float_distance(softcap_on, alibi_on, no_calls=False):
+            if softcap_on:
+                sys.exit("the float32 distance alone is compared here: softcap off")
+            return make(softcap_on, alibi_on, True)
+
+        for module in (simt_forward, simt_backward, mma_forward, mma_backward):
+            module.make_score_mod = float_distance
+    n = 1024
+    for d in args.head_dims:
+        for dtype, kernel in ((np.float32, "v3"), (np.float16, "tc")):
+            q = np.zeros((1, n, 2, d), dtype)
+            (tq, tk, tv), opts = check_forward_args(q, q, q, causal=True, alibi_slopes=np.ones(2, np.float32))
+            lse = np.zeros((1, 2, n), np.float32)
+            tdo, to, tl = (_validate.inspect(name, x, nd) for name, x, nd in (("dout", q, 4), ("out", q, 4),
+                                                                            ("lse", lse, 3)))
+            fp = planner.forward_plan(tq, tk, tv, opts, kernel=kernel, device="sm_80")
+            bp = planner.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=None, device="sm_80")
+            for p, s in [(fp, fp.launches[0])] + [(bp, x) for x in bp.launches[1:]]:
+                fn = s.factory(*s.factory_args)
+                cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})",
+                                              (8, 0), _launch.launch_bounds(s), s.whole_program)
+                total, lengths = loops(disassemble(cubin))
+                r = _launch.resources_from_log(log)
+                print(f"{np.dtype(dtype).name} d={d} {s.name:12s} tiles={tuple(s.tiles)}: {total} instructions, "
+                      f"longest loop {max(lengths, default=0)}; {r['registers']} registers, {r['spill_stores']} bytes "
+                      f"spilled", flush=True)
+
+
+if __name__ == "__main__":
+    main()
