@@ -21,21 +21,12 @@ from flashnumba import _launch, _validate, planner
 from flashnumba.api import check_forward_args
 from flashnumba.kernels import common, mma_backward, mma_forward, simt_backward, simt_forward
 from flashnumba.tools.sass import disassemble
+from flex_sass_counts import instructions  # (scripts/: the machine code's instructions and labels)
 
 
 def loops(sass):
-    """The lengths of the loops of the machine code (from a backward branch's target to the branch)."""
-    found, labels, pending = [], {}, []
-    for line in sass.splitlines():
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            labels.update(dict.fromkeys(pending, int(m.group(1), 16)))
-            pending = []
-            found.append((int(m.group(1), 16), m.group(2)))
+    """(instructions, [length of each loop]) of the machine code (a loop: from a backward branch's target to it)."""
+    found, labels = instructions(sass)
     out = []
     for address, text in found:
         m = re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)

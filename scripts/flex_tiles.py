@@ -22,6 +22,19 @@ from flex_bench import causal_mod, doc_mod  # (the same masks as the benchmark's
 
 
 n = 8192
+
+
+def time_cases(d, cases):
+    """Each (name, call) of ``cases`` once, then ms of one call per event pair; a failure is printed, not raised."""
+    for name, fn in cases:
+        try:
+            fn()
+            ms, _ = cuda_time_ms(fn, warmup=3, repeat=10)
+            print(f"d={d} {name:28s} {ms:8.3f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"d={d} {name}: {type(e).__name__} {str(e)[:200]}", flush=True)
+
+
 if len(sys.argv) > 2 and sys.argv[1] == "ncu":
     d = int(sys.argv[2])
     rng = np.random.default_rng(d)
@@ -56,13 +69,7 @@ for d in (64, 128):
         cases.append((f"mod ({m}, {bn}, {nt})", lambda m=m, bn=bn, nt=nt: flashnumba.flex_attention(
             q, k, v, block_mask=bm, kernel="tc", block_m=m, block_n=bn, num_threads=nt)))
     print(d, "built-in", flashnumba.plan(q, k, v, causal=True).launches[0].tiles, flush=True)
-    for name, fn in cases:
-        try:
-            fn()
-            ms, _ = cuda_time_ms(fn, warmup=3, repeat=10)
-            print(f"d={d} {name:28s} {ms:8.3f} ms", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"d={d} {name}: {type(e).__name__} {str(e)[:200]}", flush=True)
+    time_cases(d, cases)
 
 # 8 documents' mask_mod with its block mask on the Hopper forward at the planner's tiles and at one warpgroup's (a
 # short key loop: 8 tiles a query block, where one block of 384 threads an SM does not overlap one block's start
@@ -80,13 +87,7 @@ for d in (64, 128):
         cases.append((f"documents wgmma ({m}, {bn}, {nt})", lambda m=m, bn=bn, nt=nt: flashnumba.flex_attention(
             q, k, v, block_mask=bm_doc, score_mod_args=(docs,), kernel="wgmma", block_m=m, block_n=bn,
             num_threads=nt)))
-    for name, fn in cases:
-        try:
-            fn()
-            ms, _ = cuda_time_ms(fn, warmup=3, repeat=10)
-            print(f"d={d} {name:28s} {ms:8.3f} ms", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"d={d} {name}: {type(e).__name__} {str(e)[:200]}", flush=True)
+    time_cases(d, cases)
 
 # the backward of the causal mask_mod with the block mask, and of 8 documents' mask_mod with its block mask, at the
 # planner's tiles; at d=64 also with the dQ kernel's key tiles of 64 (the table's, without
