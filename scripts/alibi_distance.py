@@ -1,14 +1,17 @@
 """ALiBi's distance |i + diag - j| as the 64-bit integer Numba computes (the mma.sync and SIMT kernels) against the
-float32 difference of the 32-bit indices (the Hopper kernels': ``common.make_score_mod`` with ``no_calls``), compiled
-into the planner's sm_80 kernels for causal attention with ALiBi (no GPU needed; nvdisasm from the test extra):
+float32 difference of the 32-bit indices (the Hopper kernels': ``common.make_score_mod`` with ``no_calls``).
 
-    FLASHNUMBA_SIMULATOR=0 python scripts/alibi_distance_counts.py [--head-dims 64] [--float-distance]
+    FLASHNUMBA_SIMULATOR=0 python scripts/alibi_distance.py [--head-dims 64] [--float-distance]
+    python scripts/alibi_distance.py --time [--head-dims 64 128] [--float-distance]     (on a GPU)
 
-Prints, for the float32 SIMT kernels (v3 forward, v2 dQ and dK/dV) and the float16 tensor-core kernels (forward,
-dQ, dK/dV), the machine instructions of each kernel, the lengths of its loops (the longest is the tile loop),
-registers and spilled bytes. ``--float-distance``: every kernel's ALiBi takes the float32 distance (the Hopper
-kernels' score modification with the softcap off, which is the same as the others' but for the distance); run once
-without and once with it.
+Without ``--time`` (no GPU needed; nvdisasm from the test extra): the planner's sm_80 kernels for causal attention
+with ALiBi compiled, and for the float32 SIMT kernels (v3 forward, v2 dQ and dK/dV) and the float16 tensor-core
+kernels (forward, dQ, dK/dV) the machine instructions of each kernel, the length of its longest loop (the tile
+loop), registers and spilled bytes. With ``--time``: the same calls on the GPU (float32 at the SIMT kernels, float16
+at ``kernel="tc"``; seqlen 4096, batch 4, heads 2048 / head_dim, causal, ALiBi), forward and backward, ms of one call
+per pair of CUDA events and of 20 calls back to back. ``--float-distance``: every kernel's ALiBi takes the float32
+distance (the Hopper kernels' score modification with the softcap off, the same as the others' but for the
+distance); run once without and once with it, each in its own process.
 """
 
 import argparse
@@ -39,6 +42,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64])
     ap.add_argument("--float-distance", action="store_true")
+    ap.add_argument("--time", action="store_true", help="time the calls on the GPU instead of counting instructions")
     args = ap.parse_args()
     if args.float_distance:
         make = common.make_score_mod
@@ -50,6 +54,8 @@ def main():
 
         for module in (simt_forward, simt_backward, mma_forward, mma_backward):
             module.make_score_mod = float_distance
+    if args.time:
+        return timed(args.head_dims, "float32 distance" if args.float_distance else "int64 distance")
     n = 1024
     for d in args.head_dims:
         for dtype, kernel in ((np.float32, "v3"), (np.float16, "tc")):
@@ -69,6 +75,30 @@ def main():
                 print(f"{np.dtype(dtype).name} d={d} {s.name:12s} tiles={tuple(s.tiles)}: {total} instructions, "
                       f"longest loop {max(lengths, default=0)}; {r['registers']} registers, {r['spill_stores']} bytes "
                       f"spilled", flush=True)
+
+
+def timed(head_dims, what):
+    import cupy as cp
+
+    import flashnumba
+    from flashnumba.tools.timing import cuda_events_ms, cuda_time_ms
+
+    n = 4096
+    for d in head_dims:
+        batch, heads = 16384 // n, 2048 // d
+        rng = np.random.default_rng(d)
+        slopes = cp.asarray((2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32))
+        for dtype, kernel in ((np.float32, None), (np.float16, "tc")):
+            q, k, v, dout = (cp.asarray(rng.standard_normal((batch, n, heads, d)).astype(dtype)) for _ in range(4))
+            opts = dict(causal=True, alibi_slopes=slopes, kernel=kernel)
+            out, lse = flashnumba.flash_attn_forward(q, k, v, **opts)
+            calls = {"forward": lambda: flashnumba.flash_attn_forward(q, k, v, **opts),
+                     "backward": lambda: flashnumba.flash_attn_backward(dout, q, k, v, out, lse, **opts)}
+            for name, fn in calls.items():
+                fn()
+                ms, _ = cuda_time_ms(fn, warmup=3, repeat=20)
+                print(f"{what} {np.dtype(dtype).name} kernel={kernel} d={d} {name:8s} {ms:8.3f} ms "
+                      f"(back to back {cuda_events_ms(fn, 20):.3f})", flush=True)
 
 
 if __name__ == "__main__":
