@@ -153,3 +153,22 @@ def test_flash_attn_func_positional_order_matches_flash_attn():
                                      num_threads=32)
     ref, _ = reference.attention_forward(q, k, v, softmax_scale=0.5, causal=True, window_size=(3, 0), softcap=2.0)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_hopper_kernels_alibi_distance_is_the_integer_one():
+    """The Hopper kernels' ALiBi (``make_score_mod`` with ``no_calls``) takes |i + diag - j| as a difference of
+    float32 indices: the same score as the other kernels' integer distance, bit for bit, wherever indices and
+    distances stay below 2^24 (diag negative too)."""
+    from flashnumba.kernels.common import make_score_mod
+
+    rng = np.random.default_rng(7)
+    hopper, others = make_score_mod(False, True, no_calls=True), make_score_mod(False, True)
+    slope = np.float32(0.37)
+    cases = [(0, 0, 0), (5, 9, -3), (2**24 - 1, 0, 0), (0, 2**24 - 1, 0), (2**23, 2**23 - 7, 2**23)]
+    cases += [tuple(int(x) for x in rng.integers(0, 2**20, 2)) + (int(rng.integers(-2**20, 2**20)),)
+              for _ in range(200)]
+    for i, j, diag in cases:
+        x = np.float32(rng.standard_normal())
+        got, _ = hopper(x, np.float32(0.0), slope, np.int64(i), np.int64(j), np.int64(diag))
+        want, _ = others(x, np.float32(0.0), slope, np.int64(i), np.int64(j), np.int64(diag))
+        assert got == want == np.float32(x - slope * np.float32(abs(i + diag - j))), (i, j, diag)
