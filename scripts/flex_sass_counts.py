@@ -86,16 +86,18 @@ def instructions(sass):
     return found, labels
 
 
-def tile_loop(sass):
-    """The instructions of the first loop (in the order of their backward branches) that holds a wgmma."""
-    found, labels = instructions(sass)
+def loop_bodies(found, labels):
+    """The instructions of each loop of :func:`instructions`' code (from a backward branch's target to the branch),
+    in the order of their branches."""
     for address, text in found:
         m = re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)
         if m and labels.get(m.group(1), address) < address:
-            body = [t for a, t in found if labels[m.group(1)] <= a <= address]
-            if any("GMMA" in t for t in body):
-                return body
-    return []
+            yield [t for a, t in found if labels[m.group(1)] <= a <= address]
+
+
+def tile_loop(sass):
+    """The instructions of the first loop (in the order of their backward branches) that holds a wgmma."""
+    return next((body for body in loop_bodies(*instructions(sass)) if any("GMMA" in t for t in body)), [])
 
 
 def opcode(text):
@@ -105,7 +107,8 @@ def opcode(text):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--mod", choices=["causal", "docs", "alibi", "softcap", "softcap-approx", "bias"], default="causal")
+    ap.add_argument("--mod", choices=["causal", "docs", "alibi", "softcap", "softcap-approx", "bias"],
+                    default="causal")
     ap.add_argument("--docs", action="store_true", help="the documents' mask_mod (--mod docs)")
     ap.add_argument("--forward", action="store_true", help="the forward kernel alone")
     ap.add_argument("--table-tiles", action="store_true",

@@ -16,7 +16,6 @@ kernels' form; run once without and once with it, each in its own process.
 """
 
 import argparse
-import re
 
 import numpy as np
 
@@ -24,18 +23,13 @@ from flashnumba import _launch, _validate, planner
 from flashnumba.api import check_forward_args
 from flashnumba.kernels import common, mma_backward, mma_forward, simt_backward, simt_forward
 from flashnumba.tools.sass import disassemble
-from flex_sass_counts import instructions  # (scripts/: the machine code's instructions and labels)
+from flex_sass_counts import instructions, loop_bodies  # (scripts/: the machine code's instructions and loops)
 
 
 def loops(sass):
     """(instructions, [length of each loop]) of the machine code (a loop: from a backward branch's target to it)."""
     found, labels = instructions(sass)
-    out = []
-    for address, text in found:
-        m = re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)
-        if m and labels.get(m.group(1), address) < address:
-            out.append(sum(1 for a, _ in found if labels[m.group(1)] <= a <= address))
-    return len(found), out
+    return len(found), [len(body) for body in loop_bodies(found, labels)]
 
 
 def main():

@@ -260,8 +260,8 @@ def as_device_function(fn):
     closure, to any depth) made device functions too, so that a user's score_mod may call another, as
     ``alibi(softcap(x, ...), ...)``, and the Python floats it reads (constants, globals, closure cells) weak:
     float32 (:func:`_weak_floats`). A function that is already a Numba dispatcher, or one of :mod:`.score_math`'s
-    (``tanh_approx``), is kept as it is; the
-    user's own function and its globals are left untouched (the device version reads a copy)."""
+    (``tanh_approx``), is kept as it is; the user's own function and its globals are left untouched (the device
+    version reads a copy)."""
     return _as_device(fn, {})
 
 
