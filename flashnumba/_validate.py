@@ -196,7 +196,36 @@ def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enab
         return None, tuple(args)
     if not backward:
         score_mod_grad, with_args[1] = None, False
+    from ._backend import SIMULATOR
+
+    if SIMULATOR:
+        for name, fn, lead, w in (("score_mod", score_mod, 5, with_args[0]),
+                                  ("score_mod_grad", score_mod_grad, 5, with_args[1]),
+                                  ("mask_mod", mask_mod, 4, with_args[2])):
+            if fn is not None:
+                _try_on_the_host(name, fn, lead, [a.array for a in args] if w else [])
     return Mods(score_mod, score_mod_grad, mask_mod, n, tuple(with_args)), tuple(args)
+
+
+def _try_on_the_host(name, fn, lead, arrays):
+    """In the simulator, where nothing is compiled, a user's function is called once here as the kernels will call
+    it first, at score 1.0 and b = h = q_idx = kv_idx = 0 (an entry every call has), so that one that raises or
+    returns something other than one number (a tuple, None: what Numba's typing refuses on a GPU) is reported,
+    naming it, before any launch rather than from inside a kernel's thread."""
+    zero = np.int32(0)
+    call = (np.float32(1.0),) * (lead == 5) + (zero,) * 4 + tuple(arrays)
+    label = f"{name} {getattr(fn, '__name__', fn)!r}"
+    try:
+        with np.errstate(all="ignore"):
+            result = fn(*call)
+    except Exception as err:  # noqa: BLE001  (whatever the user's code raises, named)
+        where = "score 1.0 and indices 0" if lead == 5 else "indices 0"
+        raise TypeError(f"{label} raised {type(err).__name__} at {where}: {err}") from err
+    if isinstance(result, np.ndarray) and result.shape == ():
+        result = result[()]
+    if not isinstance(result, (bool, int, float, np.bool_, np.integer, np.floating)):
+        what = "one number (the score)" if lead == 5 else "one bool (True keeps the entry)"
+        raise TypeError(f"{label} returns {type(result).__name__}; it must return {what}")
 
 
 PRECISIONS = ("ieee", "tf32", "3xtf32")

@@ -654,7 +654,9 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
     that the functions read, indexed as they like (a bias table, document ids); a number is better closed over
     (each value compiles its own kernel). A function may call other plain Python functions (a
     score_mod built from two others): they are compiled with it. A function is compiled once per function object
-    (define it once, not in a loop).
+    (define it once, not in a loop). One that Numba cannot compile, that takes the wrong arguments or that returns
+    something other than one number raises a TypeError naming it before any launch (in the simulator, which compiles
+    nothing, each function is called once on the host first, at score 1.0 and indices 0).
 
     q (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k, head_dim) in float32, float16 or
     bfloat16; nheads_k < nheads needs ``enable_gqa=True``. Returns out like q, or (out, lse) with
@@ -777,7 +779,8 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
 
 def _flex_compiled(make, tables):
     """The plan of ``make(keep) -> (plan, mods)``, its kernels compiled now on a GPU, so that a function Numba
-    cannot compile is reported, naming it, before anything runs (and one that computes in float64 warned of).
+    cannot compile, or that returns something other than one number, is reported, naming it, before anything runs
+    (and one that computes in float64 warned of).
     Beside a score_mod the kernels of ``tables`` first keep their table's tiles (``keep``): a light function (a
     bias from registers, a cap) fits them as the built-in options do; each kernel to which keeping gave other tiles
     and whose thread then takes local memory (spills, or a stack: conservative) is planned again with the smaller
@@ -788,27 +791,16 @@ def _flex_compiled(make, tables):
     p, mods = make(keep)
     if mods is None or SIMULATOR:
         return p
-    _compile_mods(p, mods)
+    _plan.compile_mods(p, mods)
     if mods.score_mod is not None:
         smaller = {s.table: s.tiles for s in make(frozenset())[0].launches}  # (planned, not compiled)
         spilled = {s.table for s in p.launches if s.table in keep and s.tiles != smaller.get(s.table)
                    and _launch.uses_local_memory(s, p.arrays, p.scalars, p.device)}
         if spilled:
             p, _ = make(keep - spilled)
-            _compile_mods(p, mods)
+            _plan.compile_mods(p, mods)
     _plan.warn_float64_mods(mods)
     return p
-
-
-def _compile_mods(p, mods):
-    """Compiles the plan's kernels; a user's function Numba cannot compile raises a TypeError naming it."""
-    try:
-        p.resources()
-    except Exception as err:  # noqa: BLE001  (Numba's typing and lowering errors)
-        names = ", ".join(getattr(f, "__name__", "?") for f in (mods.score_mod, mods.score_mod_grad, mods.mask_mod)
-                          if f is not None)
-        raise TypeError(f"flex_attention: {names} could not be compiled into the kernels: "
-                        f"{str(err).splitlines()[0][:300]}") from err
 
 
 __all__ = ["Options", "flash_attn_forward", "flash_attn_backward", "flash_attn_func", "attention_probs",

@@ -78,12 +78,19 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
     state = xp.zeros((B, H, nq, nk), np.int8)
     kernel_args = [t.array for t in targs] + [xp.zeros(1, np.float32)] * (4 - len(targs))
     launch = make_classify(mods, qb, kb)[(nq, nk, B * H), (THREADS,)]
-    if xp is np and not SIMULATOR:  # NumPy arrays on a GPU: copied there and back once, explicitly
-        dev = cuda.to_device(state)
-        launch(dev, Q_LEN, KV_LEN, *[cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in kernel_args])
-        state = dev.copy_to_host()
-    else:
-        launch(state, Q_LEN, KV_LEN, *kernel_args)
+    from numba.core.errors import NumbaError
+
+    try:  # (the kernel compiles at its first launch: a mask_mod Numba cannot type is refused, named, before it runs)
+        if xp is np and not SIMULATOR:  # NumPy arrays on a GPU: copied there and back once, explicitly
+            dev = cuda.to_device(state)
+            launch(dev, Q_LEN, KV_LEN, *[cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in kernel_args])
+            state = dev.copy_to_host()
+        else:
+            launch(state, Q_LEN, KV_LEN, *kernel_args)
+    except NumbaError as err:
+        from .kernels.common import why_not_compiled
+
+        raise TypeError(f"create_block_mask: {why_not_compiled(mods, err)}") from err
     num, order = _lists(state, xp)
     q_num, q_order = _lists(xp.ascontiguousarray(state.transpose(0, 1, 3, 2)), xp)
     return BlockMask(mask_mod, args, (Q_LEN, KV_LEN), qb, kb, num, order, state, q_num, q_order)

@@ -345,6 +345,18 @@ def _warn_slow(pass_, reason):
 _warned: set = set()
 
 
+def compile_mods(p, mods):
+    """Compiles plan ``p``'s kernels now (on a GPU); a user's function that Numba cannot compile into them, or that
+    returns something other than one number, raises a TypeError naming it and the problem
+    (:func:`flashnumba.kernels.common.why_not_compiled`) before anything is launched."""
+    from .kernels.common import why_not_compiled
+
+    try:
+        p.resources()
+    except Exception as err:  # noqa: BLE001  (Numba's typing and lowering errors)
+        raise TypeError(f"flex_attention: {why_not_compiled(mods, err)}") from err
+
+
 def warn_float64_mods(mods):
     """Once per function: a one-time :class:`SlowPathWarning` naming what a user's score_mod, score_mod_grad or
     mask_mod computes in float64, once its kernels are compiled (:func:`flashnumba.kernels.common.float64_use`)."""

@@ -484,6 +484,28 @@ def bad(x, b):
     return x
 
 
+def returns_a_pair(score, b, h, q_idx, kv_idx):
+    return score, score
+
+
+def forgets_to_return(score, b, h, q_idx, kv_idx):
+    score * 2.0
+
+
+def calls_an_unknown_name(b, h, q_idx, kv_idx):
+    return undefined_helper(q_idx) >= kv_idx  # noqa: F821  (the mistake under test)
+
+
+# a user's function that cannot run, and what the error must say (the simulator calls it once on the host, a GPU
+# types it in the kernels: the same words either way)
+BROKEN = {"returns a pair": (dict(score_mod=returns_a_pair), "score_mod 'returns_a_pair' returns .*must return one "
+                             "number"),
+          "no return": (dict(score_mod=forgets_to_return), "score_mod 'forgets_to_return' returns .*must return one "
+                        "number"),
+          "unknown name": (dict(mask_mod=calls_an_unknown_name), "mask_mod 'calls_an_unknown_name' .*NameError.*"
+                           "undefined_helper")}
+
+
 def test_bad_functions_and_arguments_are_clear_errors():
     q, k, v = random_qkv(np.random.default_rng(5), 1, 4, 4, 2, 8, np.float32)
     with pytest.raises(TypeError, match="score_mod 'bad' must take \\(score, b, h, q_idx, kv_idx\\)"):
@@ -507,6 +529,9 @@ def test_bad_functions_and_arguments_are_clear_errors():
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap, score_mod_grad=softcap_grad, kernel="tc")
     with pytest.raises(ValueError, match="score_mod_grad"):
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap)
+    for kwargs, message in BROKEN.values():  # (before any launch: out stays as it was)
+        with pytest.raises(TypeError, match=message):
+            flashnumba.flex_attention(q, k, v, **kwargs)
     before = [x.copy() for x in (q, k, v)]
     flashnumba.flex_attention(q, k, v, softcap, causal_mask, score_mod_args=(np.array([0], np.int32),))
     assert all(np.array_equal(a, b) for a, b in zip(before, (q, k, v)))  # inputs untouched
@@ -552,6 +577,17 @@ for name, (score_mod, grad, mask_mod, make_args) in t.EXAMPLES.items():
         r = planner.backward_plan(tdo, hq, hk, hv, to, tl, hopts, kernel="tc", device="sm_80").resources()
         assert all(x["spill_stores"] == 0 for x in r), (name, "block mask, backward", r)
     print("compiled", name)
+q = np.zeros((1, 24, 2, 16), np.float32)
+(tq, tk, tv), opts = check_forward_args(q, q, q)
+for kwargs, message in t.BROKEN.values():  # (typed in the kernels: refused before any launch, named)
+    mods, targs = _validate.check_mods(tq, tk, kwargs.get("score_mod"), None, kwargs.get("mask_mod"), (), False)
+    p = planner.forward_plan(tq, tk, tv, dataclasses.replace(opts, mods=mods, mod_args=targs), device="sm_80")
+    try:
+        planner.compile_mods(p, mods)
+    except TypeError as err:
+        import re
+        assert re.search(message, str(err)), err
+        print("refused", list(kwargs.values())[0].__name__)
 """
 
 
@@ -563,7 +599,8 @@ COMPILED_PER_PUSH = ("relative bias+documents",)
 def test_each_example_compiles_for_the_gpu():
     """Every example's functions compile into the SIMT kernels for the GPU (sm_80, no GPU needed), the two that
     compose functions into the tensor-core forward too, without spills: the simulator runs them as Python, where a
-    score_mod calling another plain function works whether or not Numba could compile it."""
+    score_mod calling another plain function works whether or not Numba could compile it. And the BROKEN functions
+    are refused there, typed in the kernels, with the error that names them (planner.compile_mods)."""
     import os
     import subprocess
     import sys
@@ -574,6 +611,7 @@ def test_each_example_compiles_for_the_gpu():
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("compiled") == (len(EXAMPLES) if FULL_COMPILE else len(COMPILED_PER_PUSH))
+    assert r.stdout.count("refused") == len(BROKEN), r.stdout
 
 
 HOPPER_COMPILE_SCRIPT = r"""
@@ -1102,6 +1140,11 @@ def test_block_mask_on_the_simt_kernels_gives_the_same_result():
     with_bm = flashnumba.flex_attention(q, k, v, block_mask=bm, score_mod_args=args)
     without = flashnumba.flex_attention(q, k, v, mask_mod=mask_mod, score_mod_args=args)
     np.testing.assert_array_equal(to_numpy(with_bm), to_numpy(without))
+
+
+def test_a_broken_mask_mod_is_named_by_create_block_mask():
+    with pytest.raises(TypeError, match=BROKEN["unknown name"][1]):
+        flashnumba.create_block_mask(calls_an_unknown_name, 1, 1, 32, 32, BLOCK_SIZE=16)
 
 
 def test_block_mask_errors():

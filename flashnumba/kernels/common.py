@@ -289,6 +289,28 @@ def _as_device(fn, seen):
     return seen[fn]
 
 
+def why_not_compiled(mods, err) -> str:
+    """Why a kernel with the user's functions of :class:`Mods` did not compile, in a line that names the function:
+    one that Numba typed but that returns something other than one number (a tuple, None: the function's own
+    compiled version says what), else the innermost error Numba's message states (``NameError: name 'helper' is not
+    defined``)."""
+    from numba.core import types as nbtypes
+
+    named = [(n, f) for n, f in (("score_mod", mods.score_mod), ("score_mod_grad", mods.score_mod_grad),
+                                 ("mask_mod", mods.mask_mod)) if f is not None]
+    for name, fn in named:
+        for cres in getattr(as_device_function(fn), "overloads", {}).values():
+            returned = cres.signature.return_type
+            if not isinstance(returned, (nbtypes.Number, nbtypes.Boolean)):
+                what = "one number (the score)" if name != "mask_mod" else "one bool (True keeps the entry)"
+                return f"{name} {getattr(fn, '__name__', fn)!r} returns {returned}; it must return {what}"
+    text = str(err)
+    stated = re.findall(r"^\s*(\w*(?:Error|Exception): .+)$", text, re.M)
+    detail = stated[-1].strip() if stated else (text.splitlines() or [type(err).__name__])[0]
+    names = ", ".join(f"{n} {getattr(f, '__name__', f)!r}" for n, f in named)
+    return f"{names} could not be compiled into the kernels: {detail[:300]}"
+
+
 _FLOAT64_KINDS = {"mul": "a product", "sub": "a difference", "add": "a sum", "truediv": "a quotient",
                   "floordiv": "a quotient", "pow": "a power", "call": "a call's result"}
 
