@@ -304,7 +304,7 @@ def why_not_compiled(mods, err) -> str:
             if not isinstance(returned, (nbtypes.Number, nbtypes.Boolean)):
                 what = "one number (the score)" if name != "mask_mod" else "one bool (True keeps the entry)"
                 return f"{name} {getattr(fn, '__name__', fn)!r} returns {returned}; it must return {what}"
-    text = str(err)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # (Numba colours its messages on a terminal)
     stated = re.findall(r"^\s*(\w*(?:Error|Exception): .+)$", text, re.M)
     detail = stated[-1].strip() if stated else (text.splitlines() or [type(err).__name__])[0]
     names = ", ".join(f"{n} {getattr(f, '__name__', f)!r}" for n, f in named)
