@@ -21,7 +21,7 @@ os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, Phase, settings, strategies as st
 
 import flashnumba
 from flashnumba import reference
@@ -38,12 +38,16 @@ settings.register_profile(
     derandomize=False,
     print_blob=True,
 )
+# FLASHNUMBA_SHRINK=0: a failing example is reported as drawn, not shrunk first (on the GPU each shrinking step may
+# compile another kernel specialisation, and a call's time limit can end a run before any failure is reported)
+SHRINK = os.environ.get("FLASHNUMBA_SHRINK", "1") not in ("", "0")
 settings.register_profile(
     "gpu",
     max_examples=int(os.environ.get("FLASHNUMBA_GPU_EXAMPLES", "60")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
+    phases=tuple(Phase) if SHRINK else tuple(p for p in Phase if p != Phase.shrink),
 )
 settings.load_profile(PROFILE)
 FULL_COMPILE = PROFILE == "gpu" or os.environ.get("FLASHNUMBA_FULL_COMPILE", "0") not in ("", "0")
