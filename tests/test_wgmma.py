@@ -529,16 +529,33 @@ def packed_sequences(dtype, seed):
     return lens_q, lens_k, cu_q, cu_k, q, k, v
 
 
+# What the drawn GPU tests below draw that decides a plan: head dims, tiles (block_m, block_n[, num_threads]) and
+# the options. test_every_drawn_gpu_case_has_a_plan plans each combination without a GPU, so that no test draws
+# tiles the planner refuses (a refusal fails a test on the GPU as a wrong result does)
+WINDOWS, SOFTCAPS, DROPOUTS = [None, (33, 70), (100, 0)], [0.0, 3.0], [0.0, 0.2]
+DRAWN_FORWARD = ([32, 64, 96, 128], [None, (128, 128, 256), (128, 64, 256), (64, 64, 128), (128, 64, 288),
+                                     (64, 64, 160), (128, 64, 384), (128, 128, 384)])
+DRAWN_PADDED = ([40, 56, 72, 80, 104, 120, 136], [None])
+DRAWN_ABOVE_128 = ([160, 192, 224, 256], [None, (128, 32, 256), (64, 32, 128), (128, 32, 288), (128, 32, 384),
+                                          (128, 48, 384)])
+DRAWN_BACKWARD = ([32, 64, 96, 128, 160, 192, 224, 256], [None, (64, 64), (64, 128)])
+
+
+def backward_tiles_drawn(D, tiles):
+    """Whether the drawn backward test takes these tiles: any up to head_dim 128, the default above it, and
+    (64, 64) up to 160 (above it the dK/dV kernel's query tiles of 64 with its warpgroups' exchange buffers need
+    more shared memory than sm_90 has: the plan refuses them)."""
+    return D <= 128 or tiles is None or (tiles == (64, 64) and D <= 160)
+
+
 @gpu_only
 @pytest.mark.parametrize("part", range(SHARDS))
 @shard(SHARDS)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-       seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from([32, 64, 96, 128]),
-       dtype=st.sampled_from(["float16", "bfloat16"]),
-       tiles=st.sampled_from([None, (128, 128, 256), (128, 64, 256), (64, 64, 128), (128, 64, 288), (64, 64, 160),
-                              (128, 64, 384), (128, 128, 384)]),
-       causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
-       alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+       seqlen_q=st.integers(1, 600), seqlen_k=st.integers(1, 600), D=st.sampled_from(DRAWN_FORWARD[0]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), tiles=st.sampled_from(DRAWN_FORWARD[1]),
+       causal=st.booleans(), window=st.sampled_from(WINDOWS), softcap=st.sampled_from(SOFTCAPS),
+       alibi=st.booleans(), dropout=st.sampled_from(DROPOUTS), seed=st.integers(0, 2**32 - 1))
 def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
                                       window, softcap, alibi, dropout, seed):
     """Hypothesis over shapes (GQA groups, lengths 1 .. 600 each way), head dims, dtypes, tiles and every option;
@@ -554,10 +571,10 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
 @pytest.mark.parametrize("part", range(SHARDS // 2))
 @shard(SHARDS // 2)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2]),
-       seqlen_q=st.integers(1, 500), seqlen_k=st.integers(1, 500), D=st.sampled_from([40, 56, 72, 80, 104, 120, 136]),
-       dtype=st.sampled_from(["float16", "bfloat16"]), causal=st.booleans(),
-       window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]), alibi=st.booleans(),
-       dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+       seqlen_q=st.integers(1, 500), seqlen_k=st.integers(1, 500), D=st.sampled_from(DRAWN_PADDED[0]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), causal=st.booleans(), window=st.sampled_from(WINDOWS),
+       softcap=st.sampled_from(SOFTCAPS), alibi=st.booleans(), dropout=st.sampled_from(DROPOUTS),
+       seed=st.integers(0, 2**32 - 1))
 def test_drawn_padded_head_dims_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
                                     softcap, alibi, dropout, seed):
     """The head dims that run padded to the next multiple of 32 (kernel=None's on compute capability 9.0 from 40),
@@ -575,11 +592,10 @@ def test_drawn_padded_head_dims_gpu(part, batch, nheads_k, group, seqlen_q, seql
 @pytest.mark.parametrize("part", range(SHARDS // 2))
 @shard(SHARDS // 2)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2]),
-       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from([160, 192, 224, 256]),
-       dtype=st.sampled_from(["float16", "bfloat16"]),
-       tiles=st.sampled_from([None, (128, 32, 256), (64, 32, 128), (128, 32, 288), (128, 32, 384), (128, 48, 384)]),
-       causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
-       alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from(DRAWN_ABOVE_128[0]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), tiles=st.sampled_from(DRAWN_ABOVE_128[1]),
+       causal=st.booleans(), window=st.sampled_from(WINDOWS), softcap=st.sampled_from(SOFTCAPS),
+       alibi=st.booleans(), dropout=st.sampled_from(DROPOUTS), seed=st.integers(0, 2**32 - 1))
 def test_drawn_head_dims_above_128_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles, causal,
                                        window, softcap, alibi, dropout, seed):
     """The property above over the head dims above 128, at the default tiles or tiles of 32 keys that fit every
@@ -804,18 +820,15 @@ def test_backward_gpu_sizes_head_dims_above_128(seqlen_q, seqlen_k, causal, D, d
 @pytest.mark.parametrize("part", range(SHARDS))
 @shard(SHARDS)
 @given(batch=st.integers(1, 2), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400),
-       D=st.sampled_from([32, 64, 96, 128, 160, 192, 224, 256]),
-       dtype=st.sampled_from(["float16", "bfloat16"]),
-       tiles=st.sampled_from([None, (64, 64), (64, 128)]),
-       causal=st.booleans(), window=st.sampled_from([None, (33, 70), (100, 0)]), softcap=st.sampled_from([0.0, 3.0]),
-       alibi=st.booleans(), dropout=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**32 - 1))
+       seqlen_q=st.integers(1, 400), seqlen_k=st.integers(1, 400), D=st.sampled_from(DRAWN_BACKWARD[0]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), tiles=st.sampled_from(DRAWN_BACKWARD[1]),
+       causal=st.booleans(), window=st.sampled_from(WINDOWS), softcap=st.sampled_from(SOFTCAPS),
+       alibi=st.booleans(), dropout=st.sampled_from(DROPOUTS), seed=st.integers(0, 2**32 - 1))
 def test_backward_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, tiles,
                                                causal, window, softcap, alibi, dropout, seed):
     """Hypothesis over shapes, GQA groups, head dims, dtypes, both kernels' tiles and every option (above head_dim
-    128 the dK/dV kernel takes 64 keys a block, and the dQ kernel at 256 key tiles of 32: the default tiles, or
-    block_n 64 below 256)."""
-    assume(D <= 128 or tiles is None or (tiles == (64, 64) and D < 256))
+    128 the default tiles, or (64, 64) up to 160: backward_tiles_drawn)."""
+    assume(backward_tiles_drawn(D, tiles))
     rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
                                          softcap, alibi, dropout, seed)
     out, lse = flashnumba.flash_attn_forward(q, k, v, **opts)
@@ -823,6 +836,42 @@ def test_backward_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seq
     blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1])
     grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, kernel="wgmma", **blocks, **opts)
     check_backward(grads[:3], dout, q, k, v, out, lse, **ref)
+
+
+def test_every_drawn_gpu_case_has_a_plan():
+    """The drawn GPU tests' head dims, tiles and options, each combination planned for sm_90 without a GPU (with one
+    and four query heads a key/value head, a single query and keys past the tiles): every one the tests may draw has
+    a plan, forward and, where the test runs it, backward, so that only a kernel's result can fail them there. And the
+    tiles the backward test leaves out are refused as such: (64, 64) above 160 (the dK/dV kernel's exchange buffers)."""
+    import itertools
+
+    spaces = [(DRAWN_FORWARD, False, lambda D, t: True), (DRAWN_PADDED, True, lambda D, t: True),
+              (DRAWN_ABOVE_128, False, lambda D, t: True), (DRAWN_BACKWARD, True, backward_tiles_drawn)]
+    planned = 0
+    for (dims, tile_list), backward, taken in spaces:
+        for D, tiles, causal, window, softcap, alibi, dropout, group, (sq, sk) in itertools.product(
+                dims, tile_list, (False, True), WINDOWS, SOFTCAPS, (False, True), DROPOUTS, (1, 4),
+                ((1, 400), (300, 257))):
+            if not taken(D, tiles):
+                continue
+            q, k = np.zeros((1, sq, group, D), np.float16), np.zeros((1, sk, 1, D), np.float16)
+            opts = dict(causal=causal, softcap=softcap, dropout_p=dropout, window_size=window or (-1, -1))
+            if alibi:
+                opts["alibi_slopes"] = np.ones(group, np.float32)
+            blocks = dict(zip(("block_m", "block_n", "num_threads"), tiles or ()))
+            if backward:  # (the forward at kernel=None's choice, the backward at the tiles drawn)
+                flashnumba.plan(q, k, k, device="sm_90", **opts)
+                flashnumba.plan_backward(q, q, k, k, q, np.zeros((1, group, sq), np.float32), kernel="wgmma",
+                                         device="sm_90", **blocks, **opts)
+            else:
+                flashnumba.plan(q, k, k, kernel="wgmma", device="sm_90", **blocks, **opts)
+            planned += 1
+    assert planned > 10000
+    lse = np.zeros((1, 2, 70), np.float32)
+    for D in (192, 224):
+        q = np.zeros((1, 70, 2, D), np.float16)
+        with pytest.raises(ValueError, match="shared memory"):
+            flashnumba.plan_backward(q, q, q, q, q, lse, kernel="wgmma", device="sm_90", block_m=64, block_n=64)
 
 
 @gpu_only
