@@ -879,22 +879,19 @@ def test_mods_on_the_hopper_backward(name, sq, sk, nheads_k, groups, d, tiles, b
         assert not grads[0][0, :64].any()
 
 
-@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
-@pytest.mark.parametrize("part", range(SHARDS))
-@shard(SHARDS)
-@given(name=st.sampled_from(list(EXAMPLES) + ["after-64"]),
-       sq=st.sampled_from([1, 63, 200, 513]), sk=st.sampled_from([1, 80, 200, 700]),
-       nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
-       d=st.sampled_from([32, 64, 96, 128, 192, 256]),
-       tiles=st.sampled_from([{}, dict(block_n=64), dict(block_m=64, block_n=64, num_threads=128)]),
-       blocks=st.sampled_from([None, 128, (128, 64)]), backward=st.booleans(), seed=st.integers(0, 99))
-def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, groups, d, tiles, blocks, backward,
-                                               seed):
-    """Hypothesis over masks, shapes, GQA groups, head dims, the forward's tiles and block masks; with ``backward``
-    the backward at its default tiles too (blocks of 128, which they divide). (At head_dim 256 two warpgroups with
-    key tiles of 64 would not fit the shared memory.)"""
-    assume(d < 256 or tiles != dict(block_n=64))
-    _skip_unless_hopper()
+# what test_drawn_masks_on_the_hopper_kernels_gpu draws (test_every_drawn_hopper_mask_case_has_a_plan plans it all)
+DRAWN_HOPPER = dict(name=list(EXAMPLES) + ["after-64"], sq=[1, 63, 200, 513], sk=[1, 80, 200, 700], nheads_k=[1, 2],
+                    groups=[1, 3], d=[32, 64, 96, 128, 192, 256],
+                    tiles=[{}, dict(block_n=64), dict(block_m=64, block_n=64, num_threads=128)],
+                    blocks=[None, 128, (128, 64)], backward=[False, True])
+
+
+def _hopper_draw(name, d, tiles, blocks, backward):
+    """(taken, tiles, blocks) of a draw: whether the test takes it (at head_dim 256 two warpgroups with key tiles of
+    64 would not fit the shared memory), and the forward's tiles and the block mask's blocks as it runs them: no
+    block mask without a mask_mod; with the backward the default tiles and blocks of 128 (which they divide); one
+    warpgroup's tiles with blocks of 64."""
+    taken = d < 256 or tiles != dict(block_n=64)
     if name != "after-64" and EXAMPLES[name][2] is None:
         blocks = None  # (no mask_mod to make a block mask of)
     if backward:
@@ -902,7 +899,68 @@ def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, gro
         blocks = None if blocks is None else 128
     elif blocks is not None and "block_m" in tiles:
         blocks = 64
+    return taken, tiles, blocks
+
+
+@pytest.mark.skipif(flashnumba.SIMULATOR, reason="GPU sizes: minutes per case in the simulator")
+@pytest.mark.parametrize("part", range(SHARDS))
+@shard(SHARDS)
+@given(**{n: st.sampled_from(v) for n, v in DRAWN_HOPPER.items()}, seed=st.integers(0, 99))
+def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, groups, d, tiles, blocks, backward,
+                                               seed):
+    """Hypothesis over masks, shapes, GQA groups, head dims, the forward's tiles and block masks; with ``backward``
+    the backward at its default tiles too (:func:`_hopper_draw`)."""
+    taken, tiles, blocks = _hopper_draw(name, d, tiles, blocks, backward)
+    assume(taken)
+    _skip_unless_hopper()
     _run_hopper(name, sq, sk, nheads_k, groups, d, tiles, blocks, seed, backward={} if backward else None)
+
+
+def test_every_drawn_hopper_mask_case_has_a_plan():
+    """Every draw of the test above that it takes is planned for sm_90 without a GPU (its block mask's lists
+    stand-ins of its shape: the plan reads only the blocks' sizes), forward and, where drawn, backward, with the
+    table's tiles kept and without (the two plans a score_mod may take on a GPU): none is refused, so that only a
+    kernel's result can fail it there. The lengths: 1 and 513 queries, 1 and 700 keys."""
+    import dataclasses
+    import itertools
+
+    from flashnumba import _validate, planner
+    from flashnumba.api import _backward_plan, _check_block_mask, check_forward_args
+    from flashnumba.blockmask import BlockMask
+
+    space = dict(DRAWN_HOPPER, sq=[1, 513], sk=[700, 1])
+    planned = 0
+    for draw in itertools.product(*space.values()):
+        name, sq, sk, nheads_k, groups, d, tiles, blocks, backward = draw
+        taken, tiles, blocks = _hopper_draw(name, d, tiles, blocks, backward)
+        if not taken:
+            continue
+        score_mod, grad, mask_mod, make_args = EXAMPLES.get(name) or (None, None, after_64, None)
+        q, k = np.zeros((1, sq, nheads_k * groups, d), np.float16), np.zeros((1, sk, nheads_k, d), np.float16)
+        args = make_args(sq, sk, np.random.default_rng(0)) if make_args else ()
+        (tq, tk, tv), opts = check_forward_args(q, k, k)
+        mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, args, groups > 1, backward=True)
+        bm = None
+        if blocks is not None:
+            qb, kb = (blocks, blocks) if isinstance(blocks, int) else blocks
+            nq, nk = -(-sq // qb), -(-sk // kb)
+            lists = np.zeros((1, 1, nq, nk), np.int32)
+            bm = BlockMask(mask_mod, args, (sq, sk), qb, kb, lists[..., 0].copy(), lists, lists.astype(np.int8),
+                           np.zeros((1, 1, nk), np.int32), np.zeros((1, 1, nk, nq), np.int32))
+        opts = dataclasses.replace(opts, mods=mods, mod_args=targs,
+                                   block_mask=None if bm is None else _check_block_mask(bm, tq, tk))
+        for keep in (True, False):
+            planner.forward_plan(tq, tk, tv, dataclasses.replace(opts, mods_table_tiles=frozenset({"wgmma"} if keep
+                                                                                             else ())),
+                                 kernel="wgmma", device="sm_90", **tiles)
+            if backward:
+                lse = np.zeros((1, nheads_k * groups, sq), np.float32)
+                _backward_plan(q, q, k, k, q, lse, None, False, (-1, -1), 0.0, None, 0.0, None, None, None, "wgmma",
+                               device="sm_90", flex=(score_mod, grad, None if bm else mask_mod, args, groups > 1),
+                               block_mask=bm,
+                               mods_table_tiles=frozenset({"wgmma_dq", "wgmma_dkdv"} if keep else ()))
+            planned += 1
+    assert planned > 5000
 
 
 def test_the_hopper_forward_fits_its_tiles_to_the_blocks():
