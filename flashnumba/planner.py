@@ -1130,7 +1130,8 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
             if smem > limits.max_shared_per_block:  # (three buffers without the producer's tensor-map copies)
                 raise ValueError(f"the wgmma {'dQ' if which == 'dq' else 'dK/dV'} kernel at tiles {tuple(t)[:2]} "
                                  f"needs {smem} bytes of shared memory without the tensor-map copies (this call does "
-                                 f"not take them), more than the {limits.max_shared_per_block} a block may use here")
+                                 f"not take them), more than the {limits.max_shared_per_block} a block may use here; "
+                                 f"the plan's own tiles fit (leave block_m and block_n out)")
             grid = ((_cdiv(max_q, t.block_m), bsz * nheads) if which == "dq" else (_cdiv(max_k, t.block_n), bsz * nk))
             launched.append(KernelLaunch(
                 "dQ wgmma" if which == "dq" else "dK/dV wgmma", f"wgmma_{which}",
