@@ -42,7 +42,7 @@ def main():
     if args.no_calls:
         make = common.make_score_mod
 
-        def hopper_form(softcap_on, alibi_on, no_calls=False):
+        def hopper_form(softcap_on, alibi_on, no_calls=False, float32_distance=False):
             return make(softcap_on, alibi_on, True)
 
         for module in (simt_forward, simt_backward, mma_forward, mma_backward):

@@ -156,13 +156,15 @@ def test_flash_attn_func_positional_order_matches_flash_attn():
 
 
 def test_the_hopper_kernels_alibi_distance_is_the_integer_one():
-    """The Hopper kernels' ALiBi (``make_score_mod`` with ``no_calls``) takes |i + diag - j| as a difference of
-    float32 indices: the same score as the other kernels' integer distance, bit for bit, wherever indices and
-    distances stay below 2^24 (diag negative too)."""
+    """The Hopper kernels' ALiBi (``make_score_mod`` with ``no_calls``; the other forwards and dQ kernels with
+    ``float32_distance``) takes |i + diag - j| as a difference of float32 indices: the same score as the dK/dV
+    kernels' integer distance, bit for bit, wherever indices and distances stay below 2^24 (diag negative too), so a
+    backward recomputes the forward's P whichever form each kernel takes."""
     from flashnumba.kernels.common import make_score_mod
 
     rng = np.random.default_rng(7)
     hopper, others = make_score_mod(False, True, no_calls=True), make_score_mod(False, True)
+    distance32 = make_score_mod(False, True, float32_distance=True)
     slope = np.float32(0.37)
     cases = [(0, 0, 0), (5, 9, -3), (2**24 - 1, 0, 0), (0, 2**24 - 1, 0), (2**23, 2**23 - 7, 2**23)]
     cases += [tuple(int(x) for x in rng.integers(0, 2**20, 2)) + (int(rng.integers(-2**20, 2**20)),)
@@ -171,4 +173,5 @@ def test_the_hopper_kernels_alibi_distance_is_the_integer_one():
         x = np.float32(rng.standard_normal())
         got, _ = hopper(x, np.float32(0.0), slope, np.int64(i), np.int64(j), np.int64(diag))
         want, _ = others(x, np.float32(0.0), slope, np.int64(i), np.int64(j), np.int64(diag))
-        assert got == want == np.float32(x - slope * np.float32(abs(i + diag - j))), (i, j, diag)
+        also, _ = distance32(x, np.float32(0.0), slope, np.int64(i), np.int64(j), np.int64(diag))
+        assert got == want == also == np.float32(x - slope * np.float32(abs(i + diag - j))), (i, j, diag)

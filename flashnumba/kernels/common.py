@@ -72,7 +72,7 @@ def make_sequence_geometry(varlen):
     return sequence
 
 
-def make_score_mod(softcap_on, alibi_on, no_calls=False):
+def make_score_mod(softcap_on, alibi_on, no_calls=False, float32_distance=False):
     """The device function that modifies a score before the softmax, as every kernel does it (and as
     ``flashnumba.reference._scores``):
 
@@ -89,7 +89,10 @@ def make_score_mod(softcap_on, alibi_on, no_calls=False):
     the 32-bit indices: Numba computes integer arithmetic in 64 bits, and |i + diag - j| then costs a 64-bit sum,
     absolute value and conversion a score, where float32(i) + float32(diag) is one per row, float32(j) one per
     column, and a score one subtraction (its absolute value an operand modifier). Exact below 2^24 (every index and
-    distance a float32 holds exactly)."""
+    distance a float32 holds exactly). ``float32_distance``: that distance alone, for the other kernels whose loops
+    it shortens without more registers (a kernel may take either form: the two distances are the same number)."""
+
+    F32_DISTANCE = no_calls or float32_distance
 
     @cuda.jit(device=True, inline=True)
     def score_mod(x, softcap, slope, i, j, diag):
@@ -102,7 +105,7 @@ def make_score_mod(softcap_on, alibi_on, no_calls=False):
             th = float32(math.tanh(x / softcap))
             x = softcap * th
             dcap = float32(1.0) - th * th
-        if alibi_on and no_calls:  # (the row's part and the column's hoisted out of a tile's scores)
+        if alibi_on and F32_DISTANCE:  # (the row's part and the column's hoisted out of a tile's scores)
             x -= slope * abs((float32(int32(i)) + float32(int32(diag))) - float32(int32(j)))
         elif alibi_on:
             x -= slope * float32(abs(i + diag - j))

@@ -127,7 +127,7 @@ def _store_bf16(x):
 
 
 @functools.lru_cache(maxsize=None)
-def make_entry(variant, mods=None, no_calls=False, keep_given=False):
+def make_entry(variant, mods=None, no_calls=False, keep_given=False, float32_distance=False):
     """entry(sv, dpv, i, j, l2, di, masked, partial, ...) -> (P_ij keep_ij, dS_ij) of one entry, from sv =
     (Q_i K_j^T)_ij, dpv = (dO_i V_j^T)_ij, l2 = log2(e) L_i and di = D_i: the score as the forward formed it
     (softcap, ALiBi, then a user's score_mod), P recomputed from the logsumexp, 0 where ``masked`` and the entry
@@ -137,17 +137,17 @@ def make_entry(variant, mods=None, no_calls=False, keep_given=False):
     user's functions (``mods``, :func:`flashnumba.kernels.common.make_user_mods`) are called with indices within the
     sequences (an entry past them with the last row's or key's, its result then unused), the score_mod only where
     the mask_mod shows the entry. ``no_calls``: softcap's tanh without a subroutine call (the Hopper kernels',
-    :func:`flashnumba.kernels.common.make_score_mod`). ``keep_given``: the entry takes one more argument, ``kept``,
-    whether the dropout mask keeps it, drawn beforehand by the caller (the Hopper kernels draw a tile's mask apart
-    from the entries: the generator's rounds inside the loop over a tile's entries leave that loop rolled, and the
-    tile's registers then in local memory)."""
+    :func:`flashnumba.kernels.common.make_score_mod`); ``float32_distance``: only ALiBi's distance in that form.
+    ``keep_given``: the entry takes one more argument, ``kept``, whether the dropout mask keeps it, drawn beforehand
+    by the caller (the Hopper kernels draw a tile's mask apart from the entries: the generator's rounds inside the
+    loop over a tile's entries leave that loop rolled, and the tile's registers then in local memory)."""
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, _, DROPOUT = variant
     USER_SCORE = mods is not None and mods.score_mod is not None
     USER_MASK = mods is not None and mods.mask_mod is not None
     _, user_mask = make_user_mods(mods)
     score_within = make_user_score_within(mods)
     SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE
-    score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls)
+    score_mod = make_score_mod(SOFTCAP, ALIBI, no_calls, float32_distance)
     outside = make_outside(HAS_LEFT, HAS_RIGHT)
 
     @cuda.jit(device=True, inline=True)
@@ -245,7 +245,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     GQA = bool(gqa)  # fewer key/value heads than query heads (compiled in: see mma_forward.make_forward_tc)
     sequence = make_sequence_geometry(VARLEN)
-    entry = make_entry(variant, mods)
+    entry = make_entry(variant, mods, float32_distance=True)  # (not the dK/dV kernel: more registers)
     is_bf16 = dtype == "bfloat16"
     store = _store_bf16 if is_bf16 else bf16.load_store(False)[1]
     elem = uint16 if is_bf16 else float16

@@ -140,7 +140,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     BM = block_mask is not None
     QB, KB = block_mask if BM else (16 * wm * warps, B_c)  # (the tiles themselves without a block mask)
     FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (docstring)
-    score_mod = make_score_mod(SOFTCAP, ALIBI)
+    score_mod = make_score_mod(SOFTCAP, ALIBI, float32_distance=True)
     GQA = bool(gqa)
     sequence = make_sequence_geometry(VARLEN)
     is_bf16 = dtype == "bfloat16"

@@ -516,7 +516,7 @@ def make_backward_dq_v2(D, B_r, B_c, num_threads, variant, bf16=False, mods=None
     """
     load, store = _bf16.load_store(bf16)
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
-    score_mod = make_score_mod(SOFTCAP, ALIBI)
+    score_mod = make_score_mod(SOFTCAP, ALIBI, float32_distance=True)  # (not the dK/dV kernel: more registers)
     USER_SCORE = mods is not None and mods.score_mod is not None
     USER_MASK = mods is not None and mods.mask_mod is not None
     user_score, user_mask = make_user_mods(mods)
