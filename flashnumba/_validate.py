@@ -372,8 +372,14 @@ def check_window(window_size) -> tuple[int, int]:
     return int(left), int(right)
 
 
+# ALiBi's distance |i + seqlen_k - seqlen_q - j| is computed in float32 by most kernels (exact below 2^24 positions)
+ALIBI_MAX_POSITIONS = 2 ** 24
+
+
 def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale, batch=None,
-                  varlen=False) -> Options:
+                  varlen=False, lengths=None) -> Options:
+    """The masking, score and dropout options of a call as :class:`Options`. ``lengths``: (max_seqlen_q,
+    max_seqlen_k) of a varlen call (else q's and k's sequence lengths), which ALiBi's positions must stay below."""
     causal = check_flag("causal", causal)
     left, right = check_window(window_size)
     if causal:  # as in flash-attn: causal is the window (left, 0)
@@ -392,6 +398,10 @@ def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p,
                              f"({batch}, {nheads}), got {alibi.shape}")
         if alibi.dtype != np.float32:
             raise TypeError(f"alibi_slopes must be float32, got {alibi.dtype}")
+        longest = max(lengths if lengths is not None else (tq.shape[-3], tk.shape[-3]))
+        if longest >= ALIBI_MAX_POSITIONS:
+            raise ValueError(f"alibi_slopes takes sequences shorter than 2**24 = {ALIBI_MAX_POSITIONS} positions (the "
+                             f"kernels compute ALiBi's distances in float32, exact below that), got {longest}")
     p = check_dropout_p(dropout_p)
     scale = check_scale(softmax_scale, tq.shape[-1])
     return Options(scale=scale, left=left, right=right, softcap=float(softcap), alibi=alibi, dropout_p=p,

@@ -482,7 +482,7 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     tq, tk, _, batch, _, _, _ = _varlen_tensors((("q", q), ("k", k), ("v", v)), cu_seqlens_q, cu_seqlens_k,
                                                 max_seqlen_q, max_seqlen_k, read_values=False)
     check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale, batch=batch,
-                  varlen=True)
+                  varlen=True, lengths=(max_seqlen_q, max_seqlen_k))
     return batch
 
 
@@ -531,7 +531,7 @@ def flash_attn_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array,
     """
     def build(tq, tk, tv, batch, cu, max_q, max_k):
         opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale,
-                             batch=batch, varlen=True)
+                             batch=batch, varlen=True, lengths=(max_q, max_k))
         bm, bn, nt = check_blocks(block_m, block_n, num_threads)
         return _plan.forward_plan(tq, tk, tv, opts, kernel=kernel, block_m=bm, block_n=bn, num_threads=nt,
                                   batch=batch, max_seqlen_q=max_q, cu=cu)
@@ -565,7 +565,7 @@ def flash_attn_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: A
         check_forward_results(tq, tdo, to, tl, "(nheads, total_q)", (tq.shape[1], tq.shape[0]),
                               "flash_attn_varlen_forward")
         opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale,
-                             batch=batch, varlen=True)
+                             batch=batch, varlen=True, lengths=(max_q, max_k))
         bm, bn, nt = check_blocks(block_m, block_n, num_threads)
         return _plan.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=kernel, block_m=bm, block_n=bn,
                                    num_threads=nt, batch=batch, max_seqlen_q=max_q, max_seqlen_k=max_k, cu=cu,

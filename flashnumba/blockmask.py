@@ -91,6 +91,12 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
         from .kernels.common import why_not_compiled
 
         raise TypeError(f"create_block_mask: {why_not_compiled(mods, err)}") from err
+    if not SIMULATOR:  # (the simulator called the function on the host first: _validate.check_mods)
+        from .kernels.common import wrong_return
+
+        wrong = wrong_return(mods)
+        if wrong:
+            raise TypeError(f"create_block_mask: {wrong}")
     num, order = _lists(state, xp)
     q_num, q_order = _lists(xp.ascontiguousarray(state.transpose(0, 1, 3, 2)), xp)
     return BlockMask(mask_mod, args, (Q_LEN, KV_LEN), qb, kb, num, order, state, q_num, q_order)

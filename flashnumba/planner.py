@@ -349,12 +349,15 @@ def compile_mods(p, mods):
     """Compiles plan ``p``'s kernels now (on a GPU); a user's function that Numba cannot compile into them, or that
     returns something other than one number, raises a TypeError naming it and the problem
     (:func:`flashnumba.kernels.common.why_not_compiled`) before anything is launched."""
-    from .kernels.common import why_not_compiled
+    from .kernels.common import why_not_compiled, wrong_return
 
     try:
         p.resources()
     except Exception as err:  # noqa: BLE001  (Numba's typing and lowering errors)
         raise TypeError(f"flex_attention: {why_not_compiled(mods, err)}") from err
+    wrong = wrong_return(mods)  # (compiled around: bool() of a tuple)
+    if wrong:
+        raise TypeError(f"flex_attention: {wrong}")
 
 
 def warn_float64_mods(mods):

@@ -155,6 +155,21 @@ def test_flash_attn_func_positional_order_matches_flash_attn():
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_alibi_refuses_sequences_of_2_to_the_24_positions():
+    """ALiBi's distances are float32 in the kernels, exact below 2^24 positions: a longer sequence (q's or k's, or a
+    varlen call's max_seqlen) is refused before anything is planned rather than biased by rounded distances."""
+    long = np.broadcast_to(np.zeros((1, 1, 1, 8), np.float16), (1, 2**24, 1, 8))  # (no memory: stride 0)
+    short = np.zeros((1, 4, 1, 8), np.float16)
+    slopes = np.ones(1, np.float32)
+    for q, k in ((long, short), (short, long)):
+        with pytest.raises(ValueError, match="shorter than 2\\*\\*24"):
+            flashnumba.plan(q, k, k, alibi_slopes=slopes)
+    flashnumba.plan(short, short, short, alibi_slopes=slopes)
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(ValueError, match="shorter than 2\\*\\*24"):
+        flashnumba.api.check_varlen_args(short[0], short[0], short[0], cu, cu, 4, 2**24, alibi_slopes=slopes)
+
+
 def test_the_hopper_kernels_alibi_distance_is_the_integer_one():
     """The Hopper kernels' ALiBi (``make_score_mod`` with ``no_calls``; the other forwards and dQ kernels with
     ``float32_distance``) takes |i + diag - j| as a difference of float32 indices: the same score as the dK/dV

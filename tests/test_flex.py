@@ -496,6 +496,14 @@ def calls_an_unknown_name(b, h, q_idx, kv_idx):
     return undefined_helper(q_idx) >= kv_idx  # noqa: F821  (the mistake under test)
 
 
+def mask_and_more(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx, 0
+
+
+def mask_without_return(b, h, q_idx, kv_idx):
+    q_idx >= kv_idx
+
+
 # a user's function that cannot run, and what the error must say (the simulator calls it once on the host, a GPU
 # types it in the kernels: the same words either way)
 BROKEN = {"returns a pair": (dict(score_mod=returns_a_pair), "score_mod 'returns_a_pair' returns .*must return one "
@@ -503,7 +511,12 @@ BROKEN = {"returns a pair": (dict(score_mod=returns_a_pair), "score_mod 'returns
           "no return": (dict(score_mod=forgets_to_return), "score_mod 'forgets_to_return' returns .*must return one "
                         "number"),
           "unknown name": (dict(mask_mod=calls_an_unknown_name), "mask_mod 'calls_an_unknown_name' .*NameError.*"
-                           "undefined_helper")}
+                           "undefined_helper"),
+          # (a mask's bool() of a tuple or None compiles: the function's own return type is checked after)
+          "mask returns a pair": (dict(mask_mod=mask_and_more), "mask_mod 'mask_and_more' returns .*must return one "
+                                  "bool"),
+          "mask without return": (dict(mask_mod=mask_without_return), "mask_mod 'mask_without_return' returns .*must "
+                                  "return one bool")}
 
 
 def test_bad_functions_and_arguments_are_clear_errors():
@@ -1201,8 +1214,10 @@ def test_block_mask_on_the_simt_kernels_gives_the_same_result():
 
 
 def test_a_broken_mask_mod_is_named_by_create_block_mask():
-    with pytest.raises(TypeError, match=BROKEN["unknown name"][1]):
-        flashnumba.create_block_mask(calls_an_unknown_name, 1, 1, 32, 32, BLOCK_SIZE=16)
+    for kwargs, message in BROKEN.values():
+        if "mask_mod" in kwargs:
+            with pytest.raises(TypeError, match=message):
+                flashnumba.create_block_mask(kwargs["mask_mod"], 1, 1, 32, 32, BLOCK_SIZE=16)
 
 
 def test_block_mask_errors():

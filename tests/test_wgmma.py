@@ -845,10 +845,15 @@ def test_every_drawn_gpu_case_has_a_plan():
     tiles the backward test leaves out are refused as such: (64, 64) above 160 (the dK/dV kernel's exchange buffers)."""
     import itertools
 
-    spaces = [(DRAWN_FORWARD, False, lambda D, t: True), (DRAWN_PADDED, True, lambda D, t: True),
-              (DRAWN_ABOVE_128, False, lambda D, t: True), (DRAWN_BACKWARD, True, backward_tiles_drawn)]
+    # (space, whether the test runs the backward, the forward kernels it may run: kernel="wgmma", or for the backward
+    # test kernel=None's on compute capability 9.0, the Hopper or the mma.sync forward; the simulator's kernel=None
+    # plans the SIMT kernels, so both are planned by name, and which tiles the test takes)
+    anywhere = lambda D, t: True  # noqa: E731
+    spaces = [(DRAWN_FORWARD, False, ("wgmma",), anywhere), (DRAWN_PADDED, True, ("wgmma",), anywhere),
+              (DRAWN_ABOVE_128, False, ("wgmma",), anywhere), (DRAWN_BACKWARD, True, ("wgmma", "tc"),
+                                                                backward_tiles_drawn)]
     planned = 0
-    for (dims, tile_list), backward, taken in spaces:
+    for (dims, tile_list), backward, forwards, taken in spaces:
         for D, tiles, causal, window, softcap, alibi, dropout, group, (sq, sk) in itertools.product(
                 dims, tile_list, (False, True), WINDOWS, SOFTCAPS, (False, True), DROPOUTS, (1, 4),
                 ((1, 400), (300, 257))):
@@ -859,12 +864,11 @@ def test_every_drawn_gpu_case_has_a_plan():
             if alibi:
                 opts["alibi_slopes"] = np.ones(group, np.float32)
             blocks = dict(zip(("block_m", "block_n", "num_threads"), tiles or ()))
-            if backward:  # (the forward at kernel=None's choice, the backward at the tiles drawn)
-                flashnumba.plan(q, k, k, device="sm_90", **opts)
+            for kernel in forwards:
+                flashnumba.plan(q, k, k, kernel=kernel, device="sm_90", **({} if backward else blocks), **opts)
+            if backward:  # (at the tiles drawn)
                 flashnumba.plan_backward(q, q, k, k, q, np.zeros((1, group, sq), np.float32), kernel="wgmma",
                                          device="sm_90", **blocks, **opts)
-            else:
-                flashnumba.plan(q, k, k, kernel="wgmma", device="sm_90", **blocks, **opts)
             planned += 1
     assert planned > 10000
     lse = np.zeros((1, 2, 70), np.float32)

@@ -292,26 +292,39 @@ def _as_device(fn, seen):
     return seen[fn]
 
 
-def why_not_compiled(mods, err) -> str:
-    """Why a kernel with the user's functions of :class:`Mods` did not compile, in a line that names the function:
-    one that Numba typed but that returns something other than one number (a tuple, None: the function's own
-    compiled version says what), else the innermost error Numba's message states (``NameError: name 'helper' is not
-    defined``)."""
+def wrong_return(mods):
+    """A line naming the user's function of :class:`Mods` whose compiled version returns something other than one
+    number (a tuple, None), or None: Numba types what the kernels make of the result (``bool()`` of a tuple is
+    True, of None False), so a kernel can compile around a function that says nothing meaningful."""
     from numba.core import types as nbtypes
 
-    named = [(n, f) for n, f in (("score_mod", mods.score_mod), ("score_mod_grad", mods.score_mod_grad),
-                                 ("mask_mod", mods.mask_mod)) if f is not None]
-    for name, fn in named:
+    for name, fn in _named(mods):
         for cres in getattr(as_device_function(fn), "overloads", {}).values():
             returned = cres.signature.return_type
             if not isinstance(returned, (nbtypes.Number, nbtypes.Boolean)):
                 what = "one number (the score)" if name != "mask_mod" else "one bool (True keeps the entry)"
                 return f"{name} {getattr(fn, '__name__', fn)!r} returns {returned}; it must return {what}"
+    return None
+
+
+def why_not_compiled(mods, err) -> str:
+    """Why a kernel with the user's functions of :class:`Mods` did not compile, in a line that names the function:
+    :func:`wrong_return`'s, else the innermost error Numba's message states (``NameError: name 'helper' is not
+    defined``)."""
+    wrong = wrong_return(mods)
+    if wrong:
+        return wrong
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # (Numba colours its messages on a terminal)
     stated = re.findall(r"^\s*(\w*(?:Error|Exception): .+)$", text, re.M)
     detail = stated[-1].strip() if stated else (text.splitlines() or [type(err).__name__])[0]
-    names = ", ".join(f"{n} {getattr(f, '__name__', f)!r}" for n, f in named)
+    names = ", ".join(f"{n} {getattr(f, '__name__', f)!r}" for n, f in _named(mods))
     return f"{names} could not be compiled into the kernels: {detail[:300]}"
+
+
+def _named(mods):
+    """(role, function) of each of the user's functions that :class:`Mods` holds."""
+    return [(n, f) for n, f in (("score_mod", mods.score_mod), ("score_mod_grad", mods.score_mod_grad),
+                                ("mask_mod", mods.mask_mod)) if f is not None]
 
 
 _FLOAT64_KINDS = {"mul": "a product", "sub": "a difference", "add": "a sum", "truediv": "a quotient",
