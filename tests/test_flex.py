@@ -11,6 +11,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 import flashnumba
+from flashnumba._backend import cuda as numba_cuda
 from conftest import FULL_COMPILE, assert_close_to_truth, random_qkv, shard, to_numpy
 from flashnumba import reference as ref, tanh_approx, tiling
 
@@ -1211,6 +1212,23 @@ def test_block_mask_on_the_simt_kernels_gives_the_same_result():
     with_bm = flashnumba.flex_attention(q, k, v, block_mask=bm, score_mod_args=args)
     without = flashnumba.flex_attention(q, k, v, mask_mod=mask_mod, score_mod_args=args)
     np.testing.assert_array_equal(to_numpy(with_bm), to_numpy(without))
+
+
+def causal_per_thread(b, h, q_idx, kv_idx):  # (cuda a global: the simulator gives a kernel's functions its own)
+    return q_idx + numba_cuda.threadIdx.x * 0 >= kv_idx
+
+
+def test_a_function_using_cuda_intrinsics_is_not_refused():
+    """A function that reads Numba's CUDA kernel API (``cuda.threadIdx``: inside a kernel only, also in the
+    simulator) runs: the simulator's call on the host before the launch leaves it to the kernel."""
+    q, k, v = random_qkv(np.random.default_rng(6), 1, 8, 8, 1, 8, np.float32)
+    got = to_numpy(flashnumba.flex_attention(q, k, v, mask_mod=causal_per_thread))
+    want = to_numpy(flashnumba.flex_attention(q, k, v, mask_mod=causal_mask_plain))
+    assert np.array_equal(got, want)
+
+
+def causal_mask_plain(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
 
 
 def test_a_broken_mask_mod_is_named_by_create_block_mask():
