@@ -1,6 +1,7 @@
 """The built-in options' score modification in the SIMT and mma.sync kernels as it is (ALiBi's distance in float32
-in the forwards and dQ kernels, in 64-bit integers in the dK/dV kernels), against the Hopper kernels' form of it (``common.make_score_mod`` with ``no_calls``): ALiBi's distance |i + diag - j| as the float32 difference
-of the 32-bit indices instead of the 64-bit integer Numba computes, and the softcap's tanh(x / cap) as
+in the forwards and dQ kernels, in 64-bit integers in the dK/dV kernels), against the Hopper kernels' form of it
+(``common.make_score_mod`` with ``no_calls``): ALiBi's distance |i + diag - j| as the float32 difference of the
+32-bit indices instead of the 64-bit integer Numba computes, and the softcap's tanh(x / cap) as
 ``tanh_approx(x * rcp.approx(cap))`` (``ex2.approx``, ``rcp.approx``) instead of a division and libdevice's tanhf.
 
     FLASHNUMBA_SIMULATOR=0 python scripts/score_mod_forms.py [--option alibi|softcap] [--head-dims 64] [--no-calls]
