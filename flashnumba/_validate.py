@@ -199,35 +199,36 @@ def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enab
     from ._backend import SIMULATOR
 
     if SIMULATOR:
-        for name, fn, lead, w in (("score_mod", score_mod, 5, with_args[0]),
-                                  ("score_mod_grad", score_mod_grad, 5, with_args[1]),
-                                  ("mask_mod", mask_mod, 4, with_args[2])):
+        for role, fn, w in zip(("score_mod", "score_mod_grad", "mask_mod"), (score_mod, score_mod_grad, mask_mod),
+                               with_args):
             if fn is not None:
-                _try_on_the_host(name, fn, lead, [a.array for a in args] if w else [])
+                _try_on_the_host(role, fn, [a.array for a in args] if w else [])
     return Mods(score_mod, score_mod_grad, mask_mod, n, tuple(with_args)), tuple(args)
 
 
-def _try_on_the_host(name, fn, lead, arrays):
+def _try_on_the_host(role, fn, arrays):
     """In the simulator, where nothing is compiled, a user's function is called once here as the kernels will call
     it first, at score 1.0 and b = h = q_idx = kv_idx = 0 (an entry every call has), so that one that raises or
-    returns something other than one number (a tuple, None: what Numba's typing refuses on a GPU) is reported,
-    naming it, before any launch rather than from inside a kernel's thread."""
-    zero = np.int32(0)
-    call = (np.float32(1.0),) * (lead == 5) + (zero,) * 4 + tuple(arrays)
-    label = f"{name} {getattr(fn, '__name__', fn)!r}"
+    returns something other than one number (a tuple, None: what a GPU's compile refuses,
+    :func:`flashnumba.kernels.common.refuse_broken`) is reported, naming it, before any launch rather than from
+    inside a kernel's thread."""
+    from .kernels.common import must_return
+
+    score = role != "mask_mod"
+    call = (np.float32(1.0),) * score + (np.int32(0),) * 4 + tuple(arrays)
+    label = f"{role} {getattr(fn, '__name__', fn)!r}"
     try:
         with np.errstate(all="ignore"):
             result = fn(*call)
     except Exception as err:  # noqa: BLE001  (whatever the user's code raises, named)
         if isinstance(err, AttributeError) and "numba.cuda" in str(err):
             return  # (cuda.threadIdx and the like exist inside a simulated kernel only: the kernel runs it there)
-        where = "score 1.0 and indices 0" if lead == 5 else "indices 0"
+        where = "score 1.0 and indices 0" if score else "indices 0"
         raise TypeError(f"{label} raised {type(err).__name__} at {where}: {err}") from err
     if isinstance(result, np.ndarray) and result.shape == ():
         result = result[()]
     if not isinstance(result, (bool, int, float, np.bool_, np.integer, np.floating)):
-        what = "one number (the score)" if lead == 5 else "one bool (True keeps the entry)"
-        raise TypeError(f"{label} returns {type(result).__name__}; it must return {what}")
+        raise TypeError(must_return(role, fn, type(result).__name__))
 
 
 PRECISIONS = ("ieee", "tf32", "3xtf32")

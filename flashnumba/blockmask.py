@@ -23,6 +23,7 @@ from . import _arrays
 from ._backend import SIMULATOR, cuda
 from ._validate import check_mods, inspect, mod_args_tuple
 from .kernels.block_mask import THREADS, make_classify
+from .kernels.common import refuse_broken
 
 
 @dataclass(frozen=True)
@@ -78,25 +79,19 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
     state = xp.zeros((B, H, nq, nk), np.int8)
     kernel_args = [t.array for t in targs] + [xp.zeros(1, np.float32)] * (4 - len(targs))
     launch = make_classify(mods, qb, kb)[(nq, nk, B * H), (THREADS,)]
-    from numba.core.errors import NumbaError
 
-    try:  # (the kernel compiles at its first launch: a mask_mod Numba cannot type is refused, named, before it runs)
+    def classify():
         if xp is np and not SIMULATOR:  # NumPy arrays on a GPU: copied there and back once, explicitly
             dev = cuda.to_device(state)
             launch(dev, Q_LEN, KV_LEN, *[cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in kernel_args])
-            state = dev.copy_to_host()
-        else:
-            launch(state, Q_LEN, KV_LEN, *kernel_args)
-    except NumbaError as err:
-        from .kernels.common import why_not_compiled
+            return dev.copy_to_host()
+        launch(state, Q_LEN, KV_LEN, *kernel_args)
+        return state
 
-        raise TypeError(f"create_block_mask: {why_not_compiled(mods, err)}") from err
-    if not SIMULATOR:  # (the simulator called the function on the host first: _validate.check_mods)
-        from .kernels.common import wrong_return
+    from numba.core.errors import NumbaError
 
-        wrong = wrong_return(mods)
-        if wrong:
-            raise TypeError(f"create_block_mask: {wrong}")
+    # (the kernel compiles at its first launch: a mask_mod Numba cannot type, or one returning no bool, is refused)
+    state = refuse_broken(mods, "create_block_mask", classify, NumbaError)
     num, order = _lists(state, xp)
     q_num, q_order = _lists(xp.ascontiguousarray(state.transpose(0, 1, 3, 2)), xp)
     return BlockMask(mask_mod, args, (Q_LEN, KV_LEN), qb, kb, num, order, state, q_num, q_order)

@@ -348,26 +348,19 @@ _warned: set = set()
 def compile_mods(p, mods):
     """Compiles plan ``p``'s kernels now (on a GPU); a user's function that Numba cannot compile into them, or that
     returns something other than one number, raises a TypeError naming it and the problem
-    (:func:`flashnumba.kernels.common.why_not_compiled`) before anything is launched."""
-    from .kernels.common import why_not_compiled, wrong_return
+    (:func:`flashnumba.kernels.common.refuse_broken`) before anything is launched."""
+    from .kernels.common import refuse_broken
 
-    try:
-        p.resources()
-    except Exception as err:  # noqa: BLE001  (Numba's typing and lowering errors)
-        raise TypeError(f"flex_attention: {why_not_compiled(mods, err)}") from err
-    wrong = wrong_return(mods)  # (compiled around: bool() of a tuple)
-    if wrong:
-        raise TypeError(f"flex_attention: {wrong}")
+    refuse_broken(mods, "flex_attention", p.resources)  # (any error of the compile: Numba's typing and lowering)
 
 
 def warn_float64_mods(mods):
     """Once per function: a one-time :class:`SlowPathWarning` naming what a user's score_mod, score_mod_grad or
     mask_mod computes in float64, once its kernels are compiled (:func:`flashnumba.kernels.common.float64_use`)."""
-    from .kernels.common import float64_use
+    from .kernels.common import float64_use, named_functions
 
-    for role in ("score_mod", "score_mod_grad", "mask_mod"):
-        fn = getattr(mods, role)
-        if fn is None or not config.warn_slow_path or (role, fn) in _warned:
+    for role, fn in named_functions(mods):
+        if not config.warn_slow_path or (role, fn) in _warned:
             continue
         found = float64_use(fn)
         if found:

@@ -292,18 +292,44 @@ def _as_device(fn, seen):
     return seen[fn]
 
 
+def named_functions(mods):
+    """(role, function) of each of the user's functions that :class:`Mods` holds."""
+    return [(n, f) for n, f in (("score_mod", mods.score_mod), ("score_mod_grad", mods.score_mod_grad),
+                                ("mask_mod", mods.mask_mod)) if f is not None]
+
+
+def must_return(role, fn, returned) -> str:
+    """The error's words for the user's function ``fn`` in ``role`` that returned ``returned`` (a type's name)."""
+    what = "one bool (True keeps the entry)" if role == "mask_mod" else "one number (the score)"
+    return f"{role} {getattr(fn, '__name__', fn)!r} returns {returned}; it must return {what}"
+
+
+def refuse_broken(mods, who, compile_them, errors=Exception):
+    """Runs ``compile_them()``, which compiles kernels holding the user's functions of :class:`Mods`; a function
+    Numba cannot compile, or whose compiled version returns something other than one number (Numba compiles what
+    the kernels make of a result: ``bool()`` of a tuple is True, of None False), raises a TypeError that names it
+    and the problem, prefixed by ``who`` (the call). ``errors``: the exceptions of ``compile_them`` that are the
+    compile's. Returns what ``compile_them`` returned."""
+    try:
+        result = compile_them()
+    except errors as err:
+        raise TypeError(f"{who}: {why_not_compiled(mods, err)}") from err
+    wrong = wrong_return(mods)
+    if wrong:
+        raise TypeError(f"{who}: {wrong}")
+    return result
+
+
 def wrong_return(mods):
-    """A line naming the user's function of :class:`Mods` whose compiled version returns something other than one
-    number (a tuple, None), or None: Numba types what the kernels make of the result (``bool()`` of a tuple is
-    True, of None False), so a kernel can compile around a function that says nothing meaningful."""
+    """:func:`must_return`'s line for the first of the user's functions whose compiled versions return something
+    other than one number (none in the simulator, which compiles nothing), or None."""
     from numba.core import types as nbtypes
 
-    for name, fn in _named(mods):
+    for role, fn in named_functions(mods):
         for cres in getattr(as_device_function(fn), "overloads", {}).values():
             returned = cres.signature.return_type
             if not isinstance(returned, (nbtypes.Number, nbtypes.Boolean)):
-                what = "one number (the score)" if name != "mask_mod" else "one bool (True keeps the entry)"
-                return f"{name} {getattr(fn, '__name__', fn)!r} returns {returned}; it must return {what}"
+                return must_return(role, fn, returned)
     return None
 
 
@@ -317,14 +343,8 @@ def why_not_compiled(mods, err) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))  # (Numba colours its messages on a terminal)
     stated = re.findall(r"^\s*(\w*(?:Error|Exception): .+)$", text, re.M)
     detail = stated[-1].strip() if stated else (text.splitlines() or [type(err).__name__])[0]
-    names = ", ".join(f"{n} {getattr(f, '__name__', f)!r}" for n, f in _named(mods))
+    names = ", ".join(f"{n} {getattr(f, '__name__', f)!r}" for n, f in named_functions(mods))
     return f"{names} could not be compiled into the kernels: {detail[:300]}"
-
-
-def _named(mods):
-    """(role, function) of each of the user's functions that :class:`Mods` holds."""
-    return [(n, f) for n, f in (("score_mod", mods.score_mod), ("score_mod_grad", mods.score_mod_grad),
-                                ("mask_mod", mods.mask_mod)) if f is not None]
 
 
 _FLOAT64_KINDS = {"mul": "a product", "sub": "a difference", "add": "a sum", "truediv": "a quotient",
