@@ -42,6 +42,16 @@ class BlockMask:
     q_num_blocks: Any  # (B, H, key blocks) int32
     q_indices: Any  # (B, H, key blocks, query blocks) int32: the non-empty query blocks first, ascending
 
+    @classmethod
+    def unclassified(cls, mask_mod, score_mod_args, seq_lengths, q_block, kv_block) -> "BlockMask":
+        """A block mask of the shapes :func:`create_block_mask` gives for one batch entry and head, NumPy zeros in its
+        lists (no block classified): to plan and compile a call without a GPU, where a plan reads only the blocks'
+        sizes and the arrays' shapes (classifying takes a kernel: a GPU, or the simulator)."""
+        nq, nk = -(-seq_lengths[0] // q_block), -(-seq_lengths[1] // kv_block)
+        by_query, by_key = np.zeros((1, 1, nq, nk), np.int32), np.zeros((1, 1, nk, nq), np.int32)
+        return cls(mask_mod, tuple(score_mod_args), tuple(seq_lengths), q_block, kv_block, by_query[..., 0].copy(),
+                   by_query, by_query.astype(np.int8), by_key[..., 0].copy(), by_key)
+
     def density(self) -> float:
         """The fraction of (query block, key block) pairs that are not empty."""
         num = _arrays.to_host(self.kv_num_blocks)

@@ -56,9 +56,7 @@ def plans(d, name, builtin, forward_only=False, n=1024, table_tiles=False):
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs, mods_table_tiles=frozenset(
             ("wgmma", "wgmma_dq", "wgmma_dkdv") if table_tiles else ()))
         if mask_mod is not None:
-            z = np.zeros((1, 1, n // 128, n // 128), np.int32)
-            bm = BlockMask(mask_mod, args, (n, n), 128, 128, z[..., 0].copy(), z, z.astype(np.int8),
-                           z[..., 0].copy(), z)
+            bm = BlockMask.unclassified(mask_mod, args, (n, n), 128, 128)
             opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
     forward = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90")
     if forward_only:

@@ -582,8 +582,7 @@ for name, (score_mod, grad, mask_mod, make_args) in t.EXAMPLES.items():
     if name == "relative bias+documents":  # and with a block mask (its arrays made here: no GPU to classify)
         from flashnumba.api import _check_block_mask
         from flashnumba.blockmask import BlockMask
-        z = np.zeros((1, 1, 1, 1), np.int32)
-        bm = BlockMask(mask_mod, args, (24, 24), 128, 64, z[0].copy(), z, z.astype(np.int8), z[0].copy(), z)
+        bm = BlockMask.unclassified(mask_mod, args, (24, 24), 128, 64)
         hopts = dataclasses.replace(hopts, block_mask=_check_block_mask(bm, hq, hk))
         r = planner.forward_plan(hq, hk, hv, hopts, kernel="tc", device="sm_80").resources()
         assert r[0]["spill_stores"] == 0, (name, "block mask", r)
@@ -660,9 +659,7 @@ for name, D, with_bm in cases:
     mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, args, False, backward=True)
     opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
     if with_bm:  # (its arrays made here: no GPU to classify)
-        z = np.zeros((1, 1, 2, 2), np.int32)
-        bm = BlockMask(mask_mod, args, (256, 256), 128, 128, z[..., 0].copy(), z, z.astype(np.int8), z[..., 0].copy(),
-                       z)
+        bm = BlockMask.unclassified(mask_mod, args, (256, 256), 128, 128)
         opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
     p = planner.forward_plan(tq, tk, tv, opts, kernel="wgmma", device="sm_90")
     build(p.launches[0], p, f"{name} d={D} block mask={with_bm}")
@@ -931,8 +928,8 @@ def test_drawn_masks_on_the_hopper_kernels_gpu(part, name, sq, sk, nheads_k, gro
 
 
 def test_every_drawn_hopper_mask_case_has_a_plan():
-    """Every draw of the test above that it takes is planned for sm_90 without a GPU (its block mask's lists
-    stand-ins of its shape: the plan reads only the blocks' sizes), forward and, where drawn, backward, with the
+    """Every draw of the test above that it takes is planned for sm_90 without a GPU (its block mask unclassified,
+    ``BlockMask.unclassified``: the plan reads only the blocks' sizes), forward and, where drawn, backward, with the
     table's tiles kept and without (the two plans a score_mod may take on a GPU): none is refused, so that only a
     kernel's result can fail it there. The lengths: 1 and 513 queries, 1 and 700 keys."""
     import dataclasses
@@ -956,11 +953,8 @@ def test_every_drawn_hopper_mask_case_has_a_plan():
         mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, args, groups > 1, backward=True)
         bm = None
         if blocks is not None:
-            qb, kb = (blocks, blocks) if isinstance(blocks, int) else blocks
-            nq, nk = -(-sq // qb), -(-sk // kb)
-            lists = np.zeros((1, 1, nq, nk), np.int32)
-            bm = BlockMask(mask_mod, args, (sq, sk), qb, kb, lists[..., 0].copy(), lists, lists.astype(np.int8),
-                           np.zeros((1, 1, nk), np.int32), np.zeros((1, 1, nk, nq), np.int32))
+            bm = BlockMask.unclassified(mask_mod, args, (sq, sk), *((blocks, blocks) if isinstance(blocks, int)
+                                                                    else blocks))
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs,
                                    block_mask=None if bm is None else _check_block_mask(bm, tq, tk))
         for keep in (True, False):
@@ -1172,9 +1166,7 @@ def test_kernel_none_takes_the_hopper_kernels_for_a_mask_mod(monkeypatch):
         mods, targs = _validate.check_mods(tq, tk, score_mod, grad, mask_mod, args, False, backward=True)
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs)
         if block:  # (its arrays made here: no GPU to classify)
-            z = np.zeros((1, 1, 256 // block, 256 // block), np.int32)
-            bm = BlockMask(mask_mod, args, (256, 256), block, block, z[..., 0].copy(), z, z.astype(np.int8),
-                           z[..., 0].copy(), z)
+            bm = BlockMask.unclassified(mask_mod, args, (256, 256), block, block)
             opts = dataclasses.replace(opts, block_mask=_check_block_mask(bm, tq, tk))
         lse = np.zeros((1, 2, 256), np.float32)
         tdo, to, tl = (_validate.inspect(n, x, nd) for n, x, nd in (("dout", q, 4), ("out", q, 4), ("lse", lse, 3)))
