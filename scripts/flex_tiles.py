@@ -24,6 +24,18 @@ from flex_bench import causal_mod, doc_mod  # (the same masks as the benchmark's
 n = 8192
 
 
+def arrays(d):
+    """The arrays at head_dim d: q, k, v, dout (float16, batch 16384 / n, heads 2048 / d, drawn from a generator
+    seeded with d), the causal mask_mod's block mask of 128, 8 documents' ids and their block mask."""
+    rng = np.random.default_rng(d)
+    q, k, v, dout = (cupy.asarray(rng.standard_normal((16384 // n, n, 2048 // d, d)).astype(np.float16))
+                     for _ in range(4))
+    bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+    docs = cupy.asarray(np.repeat(np.arange(8), n // 8).astype(np.int32))
+    bm_doc = flashnumba.create_block_mask(doc_mod, 1, 1, n, n, score_mod_args=(docs,), BLOCK_SIZE=128)
+    return q, k, v, dout, bm, docs, bm_doc
+
+
 def time_cases(d, cases):
     """Each (name, call) of ``cases`` once, then ms of one call per event pair; a failure is printed, not raised."""
     for name, fn in cases:
@@ -37,10 +49,7 @@ def time_cases(d, cases):
 
 if len(sys.argv) > 2 and sys.argv[1] == "ncu":
     d = int(sys.argv[2])
-    rng = np.random.default_rng(d)
-    q, k, v, dout = (cupy.asarray(rng.standard_normal((16384 // n, n, 2048 // d, d)).astype(np.float16))
-                     for _ in range(4))
-    bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+    q, k, v, dout, bm, _, _ = arrays(d)
     out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
     calls = [lambda: flashnumba.flash_attn_forward(q, k, v, causal=True),
              lambda: flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True),
@@ -57,10 +66,7 @@ if len(sys.argv) > 2 and sys.argv[1] == "ncu":
     print(f"profiled the built-in causal and the causal mask_mod, forward and backward, d={d}")
     sys.exit()
 for d in (64, 128):
-    batch, heads = 16384 // n, 2048 // d
-    rng = np.random.default_rng(d)
-    q, k, v = (cupy.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(3))
-    bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
+    q, k, v, _, bm, _, _ = arrays(d)
     cases = [("built-in causal", lambda: flashnumba.flash_attn_forward(q, k, v, causal=True)),
              ("mod default", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm)),
              ("mod wgmma B_c 64", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm, kernel="wgmma",
@@ -75,11 +81,7 @@ for d in (64, 128):
 # short key loop: 8 tiles a query block, where one block of 384 threads an SM does not overlap one block's start
 # and end with another's tiles)
 for d in (64, 128):
-    batch, heads = 16384 // n, 2048 // d
-    rng = np.random.default_rng(d)
-    q, k, v = (cupy.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(3))
-    docs = cupy.asarray(np.repeat(np.arange(8), n // 8).astype(np.int32))
-    bm_doc = flashnumba.create_block_mask(doc_mod, 1, 1, n, n, score_mod_args=(docs,), BLOCK_SIZE=128)
+    q, k, v, _, _, docs, bm_doc = arrays(d)
     cases = [("dense built-in", lambda: flashnumba.flash_attn_forward(q, k, v)),
              ("documents default", lambda: flashnumba.flex_attention(q, k, v, block_mask=bm_doc,
                                                                       score_mod_args=(docs,)))]
@@ -97,12 +99,7 @@ from flashnumba import tiling  # noqa: E402
 
 dq_tiles = tiling.wgmma_dq_for_variant
 for d in (64, 128):
-    batch, heads = 16384 // n, 2048 // d
-    rng = np.random.default_rng(d)
-    q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, n, heads, d)).astype(np.float16)) for _ in range(4))
-    bm = flashnumba.create_block_mask(causal_mod, 1, 1, n, n, like=q, BLOCK_SIZE=128)
-    docs = cupy.asarray(np.repeat(np.arange(8), n // 8).astype(np.int32))
-    bm_doc = flashnumba.create_block_mask(doc_mod, 1, 1, n, n, score_mod_args=(docs,), BLOCK_SIZE=128)
+    q, k, v, dout, bm, docs, bm_doc = arrays(d)
     out, lse = flashnumba.flash_attn_forward(q, k, v, causal=True)
     cases = [("built-in causal bwd", lambda: flashnumba.flash_attn_backward(dout, q, k, v, out, lse, causal=True)),
              ("mod bwd default", lambda: flashnumba.flex_attention_backward(dout, q, k, v, out, lse, block_mask=bm)),
