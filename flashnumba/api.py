@@ -48,7 +48,7 @@ def _key(tag, arrays, options):
     (:func:`_lookup`, :func:`_cached`: the call is then planned afresh). The key is hashed once, by the lookup."""
     try:
         meta = _arrays.meta_key
-        return (tag, config.hopper_tma, config.hopper_exchange, config.hopper_3xtf32,
+        return (tag, config.hopper_tma, config.hopper_exchange, config.hopper_persistent, config.hopper_3xtf32,
                 tuple([None if x is None else meta(x) for x in arrays]), _typed(options))
     except (TypeError, AttributeError, ValueError, ImportError):
         return None

@@ -28,6 +28,11 @@ holding half of the head dims of dK_j and dV_j; they multiply half of the head d
 exchange the partial sums through shared memory (four products a tile). False has each warpgroup compute S^T and
 dP^T whole instead (six products a tile, no exchange), to compare the two (kept plans as for ``hopper_tma``).
 
+``hopper_persistent``: the Hopper forward, where it copies with tensor maps, runs one block an SM that takes the
+query tiles one after another, the next tile's copies under the last one's end
+(:mod:`flashnumba.kernels.wgmma_forward`, "persistent blocks"); False launches a block a query tile (kept plans as
+for ``hopper_tma``).
+
 ``hopper_3xtf32``: None (the default) runs the 3xTF32 forward and backward (``precision="3xtf32"``) on ``mma.sync``
 everywhere; "chained" or "per_step" runs them, on compute capability 9.0, on Hopper's wgmma
 (:mod:`flashnumba.kernels.wgmma_tf32`, :mod:`flashnumba.kernels.wgmma_tf32_backward`) with that accumulation.
@@ -49,6 +54,7 @@ check_device_values = True
 check_cache_values = False
 hopper_tma = True
 hopper_exchange = True
+hopper_persistent = False
 hopper_3xtf32 = None
 
 
@@ -56,7 +62,7 @@ hopper_3xtf32 = None
 def temporarily(name, value):
     """``flashnumba.config.<name>`` set to ``value`` within the block, what it was restored after."""
     if name not in ("poison_outputs", "warn_slow_path", "check_device_values", "check_cache_values", "hopper_tma",
-                    "hopper_exchange", "hopper_3xtf32"):
+                    "hopper_exchange", "hopper_persistent", "hopper_3xtf32"):
         raise ValueError(f"flashnumba.config has no setting {name!r}")
     module = globals()
     saved = module[name]

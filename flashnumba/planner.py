@@ -294,6 +294,11 @@ def _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=False)
     return None
 
 
+def persistent_blocks(limits) -> int:
+    """Blocks of a persistent Hopper forward: one an SM (132 where the limits do not say: an H100's or H200's)."""
+    return limits.sm_count or 132
+
+
 def _takes_tma(D, opts, t, tensors) -> bool:
     """Whether the Hopper forward at tiles ``t`` copies with tensor maps (``wgmma_forward.takes_tma``, and keys to
     copy: a map's dims are not zero)."""
@@ -694,16 +699,20 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         grid = (_cdiv(max_q, t.block_m), bsz * nheads)  # (block_m fitted to a block mask's query blocks)
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
         tma = _takes_tma(D, opts, t, (tk,))
+        persistent = tma and config.hopper_persistent
+        if persistent:  # one block an SM (its registers allow no more), each taking work items in turn
+            grid = (max(1, min(grid[0] * grid[1], persistent_blocks(limits))),)
         smem = wgmma_forward.shared_bytes(D, t.block_n, t.block_m, tma)
         arrays["maps"] = array_meta((3 if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
         _check_block_mask_tiles(opts, t)
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,
                                opts.scale > 0, producer, tma, opts.mods,
-                               None if opts.block_mask is None else opts.block_mask[:2]),
+                               None if opts.block_mask is None else opts.block_mask[:2], persistent),
                               io + ("scale_q",) + OPTION_PARAMS + ("maps",) + MOD_PARAMS + BLOCK_MASK_PARAMS[:3],
                               grid, (t.num_threads,), smem, t,
-                              f"{reason}; tiles copied by the copy engine (tensor maps)" if tma else reason,
+                              (f"{reason}; tiles copied by the copy engine (tensor maps)"
+                               + ("; persistent blocks" if persistent else "")) if tma else reason,
                               arch_specific=True, whole_program=tiling.wgmma_rebalances(t),
                               tensor_maps=tuple((name, rows, wgmma_forward.swizzle_span(D)) for name, rows in (
                                   ("q", t.block_m), ("k", t.block_n), ("v", t.block_n))) if tma else ())

@@ -15,7 +15,7 @@ from hypothesis import assume, given, strategies as st
 
 import flashnumba
 from conftest import (FULL_COMPILE, GPU_SHAPES, UNREAD, check_backward, check_forward, check_machine_code,
-                      compile_offline, random_qkv, shard)
+                      compile_offline, random_qkv, shard, to_numpy)
 from flashnumba import reference, tiling
 from flashnumba._backend import cuda
 
@@ -80,6 +80,30 @@ def test_two_warpgroups_every_option(producer):
     ref["dropout_z"] = reference.dropout_z(9, 4, 1, nheads, sq, sk, 0.3)
     out, lse = wgmma(q, k, v, warpgroups=2, producer=int(producer), **opts)
     check_forward(out, lse, q, k, v, **ref)
+
+
+@pytest.mark.parametrize("case", ["causal rows without keys", "gqa and options"])
+def test_persistent_blocks_carry_the_pipeline_across_work_items(monkeypatch, case):
+    """config.hopper_persistent, with two blocks (planner.persistent_blocks): each takes every other work item
+    (query tile, batch entry, head), its pipeline carried on across them (the stages' buffers and phases, Q_i's
+    q_free): causal rows of which the first query tile sees no key (items without a tile among the others), and GQA
+    with softcap and ALiBi (three key tiles an item: the stages come round within and across items)."""
+    monkeypatch.setattr(flashnumba.planner, "persistent_blocks", lambda limits: 2)
+    monkeypatch.setattr(flashnumba.config, "hopper_persistent", True)
+    rng = np.random.default_rng(40)
+    if case == "causal rows without keys":  # (3 query tiles of 128 x 2 batch entries; rows 0 .. 199 see no key)
+        q, k, v = random_qkv(rng, 2, 300, 100, 1, 64, np.float16)
+        opts = dict(causal=True)
+    else:  # (2 query tiles x 4 heads, 2 of K and V)
+        q, k, v = random_qkv(rng, 1, 150, 300, 4, 64, np.float16)
+        k, v = k[:, :, :2].copy(), v[:, :, :2].copy()
+        opts = dict(softcap=2.5, alibi_slopes=np.array([0.3, 0.7, 0.1, 0.5], np.float32))
+    launch = flashnumba.plan(q, k, v, kernel="wgmma", **opts).launches[0]
+    assert launch.grid == (2,) and "persistent blocks" in launch.reason, launch
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+    check_forward(out, lse, q, k, v, **opts)
+    if case == "causal rows without keys":
+        assert not to_numpy(out)[:, :200].any() and np.isneginf(to_numpy(lse)[:, :, :200]).all()
 
 
 def test_varlen_bfloat16_and_scale():
@@ -382,7 +406,12 @@ from flashnumba.kernels.common import Variant
 # per push: the defaults at d = 128 and 64 (tiles copied with tensor maps, wgmma_forward.takes_tma) and the
 # producer's per-thread copies
 cases = [(128, 128, 2, "float16", Variant(), False, "tma"), (64, 128, 2, "bfloat16", Variant(), True, "tma"),
-         (128, 64, 2, "float16", Variant(), False, 4)]
+         (128, 64, 2, "float16", Variant(), False, 4),
+         (64, 128, 2, "float16", Variant(False, True), False, "persistent")]
+if FULL:
+    # persistent blocks (tensor maps): the pipeline's counters and Q_i's mbarrier carried across work items
+    cases += [(128, 128, 2, "float16", Variant(), False, "persistent"),
+              (128, 128, 2, "bfloat16", Variant(True, True, True, True, False, True), True, "persistent")]
 if FULL:
     cases += [(128, 128, 2, "float16", Variant(), False, False), (64, 128, 2, "bfloat16", Variant(), False, False),
               (128, 128, 2, "float16", Variant(), False, 4),
@@ -417,9 +446,10 @@ if FULL:
               (256, 32, 2, "float16", Variant(True, True, True, True, True, True), True, False)]
 out = {}
 for D, n, wg, dt, var, gqa, producer in cases:
-    tma = producer == "tma"
+    tma = producer in ("tma", "persistent")
+    persistent = producer == "persistent"
     producer = 4 if tma else int(producer)
-    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, producer, tma)
+    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, producer, tma, persistent=persistent)
     nt = wgmma_forward.threads(wg, producer)
     el = "uint16" if dt == "bfloat16" else "float16"
     a4 = f"{el}[:, :, :, ::1]"
@@ -429,7 +459,7 @@ for D, n, wg, dt, var, gqa, producer in cases:
            f"float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], int8[:, :, :, :])")
     whole = wgmma_forward.rebalances(wg, producer)  # (as the planner compiles it: _launch.compile_kernel)
     cubin, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)
-    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer} tma={tma}"] = dict(
+    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer} tma={tma} persistent={persistent}"] = dict(
         ptx=ptx, log=log, whole=whole, tma=tma, unread=unread(cubin), **_launch.resources_from_log(log))
 print(json.dumps(out))
 """
@@ -442,7 +472,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     pytest.importorskip("cuda.bindings.nvjitlink")
     from flashnumba.kernels import wgmma_forward
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{UNREAD}{COMPILE}")
-    assert len(compiled) == (28 if FULL_COMPILE else 3)
+    assert len(compiled) == (31 if FULL_COMPILE else 4)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         copies = (("cp.async.bulk.tensor.4d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire")
@@ -565,6 +595,34 @@ def test_drawn_shapes_and_options_gpu(part, batch, nheads_k, group, seqlen_q, se
     blocks = {} if tiles is None else dict(block_m=tiles[0], block_n=tiles[1], num_threads=tiles[2])
     out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **blocks, **opts)
     check_forward(out, lse, q, k, v, **ref)
+
+
+@gpu_only
+@pytest.mark.parametrize("part", range(SHARDS // 2))
+@shard(SHARDS // 2)
+@given(batch=st.integers(1, 3), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+       seqlen_q=st.integers(1, 1200), seqlen_k=st.integers(1, 1200), D=st.sampled_from([32, 64, 96, 128, 256]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), causal=st.booleans(), window=st.sampled_from(WINDOWS),
+       softcap=st.sampled_from(SOFTCAPS), alibi=st.booleans(), dropout=st.sampled_from(DROPOUTS),
+       blocks=st.sampled_from([1, 3, 132]), seed=st.integers(0, 2**32 - 1))
+def test_drawn_persistent_blocks_give_the_same_bits_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype,
+                                                        causal, window, softcap, alibi, dropout, blocks, seed):
+    """config.hopper_persistent over drawn shapes and options at the default tiles, on 1, 3 or 132 blocks
+    (planner.persistent_blocks): every work item computes what its own block computes, so out and lse equal the
+    per-tile blocks' bit for bit, and both pass the reference's check."""
+    rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
+                                         softcap, alibi, dropout, seed)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+    check_forward(out, lse, q, k, v, **ref)
+    saved = flashnumba.planner.persistent_blocks
+    flashnumba.planner.persistent_blocks = lambda limits: blocks
+    try:
+        with flashnumba.config.temporarily("hopper_persistent", True):
+            out_p, lse_p = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+    finally:
+        flashnumba.planner.persistent_blocks = saved
+    assert np.array_equal(to_numpy(lse_p), to_numpy(lse)), "lse"
+    assert np.array_equal(to_numpy(out_p).view(np.uint16), to_numpy(out).view(np.uint16)), "out"
 
 
 @gpu_only

@@ -496,7 +496,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
-                    produce(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, qb, 0, blocks)
+                    produce(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, qb, 0, blocks, 0)
                 return
             hop.setmaxnreg_inc(CONSUMER_REGISTERS)
 
@@ -850,7 +850,7 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
             if tid >= NC:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
                 if tid == NC:
-                    produce(smem, base, bars, maps, bb, hk, j0, total, hk, group, nt, m_begin, lists)
+                    produce(smem, base, bars, maps, bb, hk, j0, total, hk, group, nt, m_begin, lists, 0)
                 elif tid >= NC + 32 and tid < NC + 64:
                     produce_stats(lsm, dsm, bars, lse, delta, bb, q0, seqlen_q, hk, group, nt, m_begin, lists, total,
                                   tid - NC - 32)

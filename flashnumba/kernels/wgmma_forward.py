@@ -74,6 +74,20 @@ for Q_i and K_j, MN-major for V_j). Rows past the sequence come as zeros from th
 tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies (a box would
 reach into the next sequence, where the kernel needs zeros).
 
+**Persistent blocks** (``persistent``, with tensor maps). A block of a producer and two warpgroups that compute
+fills an SM (its registers), so a block's start (Q_i and the first K_j, V_j fetched while nothing computes) and its end
+(the last P V, the output's stores) leave the tensor cores idle, once per query tile: with short key loops (causal
+rows at 4096 keys, a block mask's few blocks) a visible share. A persistent block (one an SM) instead takes work items
+one after another, (query tile, batch entry, head), and its pipeline runs on across them: the producer copies the
+next item's Q_i as soon as the last S of the item before has read it (``q_free``, an mbarrier the warpgroups arrive
+on) and its first K_j, V_j into the next stages, while the warpgroups finish the last P V and store the output.
+Tile jt of an item is tile g0 + jt of the block's pipeline (g0: the tiles of its earlier items), which names its
+buffer and phase. Items go to blocks in turn (item w to block w mod G), a head's query tiles one after another (the
+blocks that run at once share their heads' K and V in the L2 cache), the longest causal rows first::
+
+    producer   Q_a K_0 K_1 K_2 .. K_n  (q_free) Q_b K_0 K_1 ..
+    warpgroups     [S_0] .. [S_n PV_n-1] -> q_free  [PV_n] out_a   [S_0 of b] ..
+
 **A user's score_mod, mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention`
 with ``kernel="wgmma"``). The score_mod modifies each score after softcap and ALiBi, as they do. The mask_mod runs
 in every tile that it may hide entries of (every tile without a block mask, a block mask's partial blocks with
@@ -425,29 +439,33 @@ def make_swizzled_products(kind, D):
 
 def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at, stage_gap, buf, coords,
                       stages=STAGES):
-    """produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3, idx): the copies of a producer
-    thread with the copy engine, for the forward and both backward kernels. With tile 0 it copies the tiles a block
-    loads once: ``first_maps`` tiles of ``first_rows`` rows (maps 0, 1, ...: the forward's Q_i; the dQ kernel's Q_i,
-    dO_i; the dK/dV kernel's K_j, V_j), ``first_gap`` elements apart from ``base``. Then the pipeline stage of tile jt,
-    two tiles of ``stage_rows`` rows (the next two maps, head and first row ``coords(jt, c0, c1, c2, c3, idx)``; idx: an
-    array the coordinates may read, a block mask's list), into buffer jt % stages at element base + ``stage_at`` + (jt %
-    stages) ``buf``, ``stage_gap`` apart, once the consumers have released the tile that was there (bars[stages + jt %
-    stages], ``empty``). Each stage's bytes are announced on its ``full`` mbarrier (bars[jt % stages]: the one arrival
-    of this thread) and counted there as they land. ``stages``: the buffers of the pipeline (:data:`STAGES`; the
-    backward at head_dim 256 with tiles of 48 has room for two)."""
+    """produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3, idx, g0): the copies of a
+    producer thread with the copy engine, for the forward and both backward kernels. With tile 0 it copies the tiles
+    a block loads once: ``first_maps`` tiles of ``first_rows`` rows (maps 0, 1, ...: the forward's Q_i; the dQ
+    kernel's Q_i, dO_i; the dK/dV kernel's K_j, V_j), ``first_gap`` elements apart from ``base``. Then the pipeline
+    stage of tile jt, two tiles of ``stage_rows`` rows (the next two maps, head and first row ``coords(jt, c0, c1, c2,
+    c3, idx)``; idx: an array the coordinates may read, a block mask's list), into buffer (g0 + jt) % stages at element
+    base + ``stage_at`` + ((g0 + jt) % stages) ``buf``, ``stage_gap`` apart, once the consumers have released the
+    tile that was there (bars[stages + (g0 + jt) % stages], ``empty``). Each stage's bytes are announced on its
+    ``full`` mbarrier (bars[(g0 + jt) % stages]: the one arrival of this thread) and counted there as they land.
+    ``g0``: the tiles this block's pipeline carried before (0; a persistent forward's earlier work items).
+    ``stages``: the buffers of the pipeline (:data:`STAGES`; the backward at head_dim 256 with tiles of 48 has room
+    for two)."""
     copy_box_rows = make_copy_box_rows(D)
     N_MAPS = first_maps + 2
     FIRST_BYTES = first_maps * first_rows * D * 2
     STAGE_BYTES = 2 * stage_rows * D * 2
 
     @cuda.jit(device=True, inline=True)
-    def produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3, idx):
-        for m in range(N_MAPS):
-            hop.fence_tensormap(maps, m * hop.MAP_WORDS)
+    def produce(smem, base, bars, maps, bb, first_h, first_row0, n_tiles, c0, c1, c2, c3, idx, g0):
+        if g0 == 0:
+            for m in range(N_MAPS):
+                hop.fence_tensormap(maps, m * hop.MAP_WORDS)
         for jt in range(n_tiles):
-            st = jt % stages
-            if jt >= stages:
-                wait_phase(bars, stages + st, (jt // stages + 1) & 1)  # tile jt - stages released
+            gt = g0 + jt
+            st = gt % stages
+            if gt >= stages:
+                wait_phase(bars, stages + st, (gt // stages + 1) & 1)  # tile gt - stages released
             full = hop.smem_address(bars, st)
             hop.mbarrier_arrive_expect_tx(full, STAGE_BYTES + (FIRST_BYTES if jt == 0 else 0))
             if jt == 0:
@@ -463,7 +481,7 @@ def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0,
-                       tma=False, mods=None, block_mask=None):
+                       tma=False, mods=None, block_mask=None, persistent=False):
     """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`), ``warpgroups``
     warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the options of ``variant``
     (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen, dropout) compiled in as in
@@ -479,7 +497,9 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     tensor cores (module docstring: warp specialisation). Compiled for sm_90a (wgmma). With ``tma`` (:func:`takes_tma`)
     the producer's one thread copies each tile with the copy engine (module docstring: tensor-map copies), ``maps``
     holding the tensor maps of q, k and v (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid
-    (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`."""
+    (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`.
+    ``persistent`` (with ``tma``): grid (G,) for any G up to the ceil(seqlen_q / B_r) batch nheads work items, each
+    block taking item blockIdx.x and every G-th after it (module docstring: persistent blocks)."""
     check(D, 64 * warpgroups, B_c, threads(warpgroups, producer))
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
@@ -513,7 +533,11 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     PRODUCER = PW > 0
     PINGPONG = PRODUCER and warpgroups == 2  # (without a producer a block-wide barrier a tile keeps them in step)
     REBALANCE = rebalances(warpgroups, producer)
-    NBARS = 2 * STAGES if PRODUCER else 1
+    PERSIST = bool(persistent)
+    if PERSIST and not TMA:
+        raise ValueError("the wgmma forward is persistent only where it copies with tensor maps")
+    Q_FREE = 2 * STAGES  # (persistent) the mbarrier of Q_i's buffer: every consumer thread done with it
+    NBARS = 2 * STAGES + PERSIST if PRODUCER else 1
     NS = B_c // 2  # S accumulator registers a thread: 64 x B_c over 128 threads
     NO = D // 2  # O accumulator registers a thread
     KD = D // 16  # k-steps of S = Q K^T
@@ -715,6 +739,39 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 mma_o(o, pa[kc, 0], pa[kc, 1], pa[kc, 2], pa[kc, 3], dv + kc * 16, 1)
         hop.wgmma_commit()
 
+    @cuda.jit(device=True, inline=True)
+    def locate(w, q, k, cu_q, cu_k, left, right, bm_num):
+        """The geometry of work item w: (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start,
+        n_tiles, qb, bbm, hbm). A block's own item (w unread): head blockIdx.y, query tile blockIdx.x from the end;
+        persistent: the w-th of the query tiles of every batch entry and head, a head's tiles after one another (the
+        blocks running at once share their heads' K and V in the L2 cache), the longest causal rows first."""
+        nheads = q.shape[2]
+        # (32-bit unsigned divisions: a 64-bit one is a subroutine call, and the assembler serialises the wgmma of
+        # a kernel that makes calls)
+        if PERSIST:
+            nq = uint32((q.shape[1] + B_R - 1) // B_R)  # (sequences of equal length: the tensor-map copies')
+            bh = uint32(w) // nq
+            b = bh // uint32(nheads)
+            h = uint32(bh - b * uint32(nheads))
+            i0 = int64(nq - uint32(1) - uint32(uint32(w) - bh * nq)) * B_R
+        else:
+            b = uint32(cuda.blockIdx.y) // uint32(nheads)
+            h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))
+            i0 = int64(cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R
+        hk = h
+        if GQA:
+            hk = h // uint32(uint32(nheads) // uint32(k.shape[2]))
+        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
+        diag = seqlen_k - seqlen_q
+        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
+        # with a block mask, its listed key blocks (a block mask made for B = 1 or H = 1 serves every entry)
+        qb = i0 // QB
+        bbm = uint32(b) if bm_num.shape[0] > 1 else uint32(0)  # (both sides one unsigned type: not a float64)
+        hbm = uint32(h) if bm_num.shape[1] > 1 else uint32(0)
+        if BM:
+            n_tiles = bm_num[bbm, hbm, qb] * SUB
+        return b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm, hbm
+
     @cuda.jit
     def forward_wgmma(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
                       offset, maps, a0, a1, a2, a3, bm_num, bm_idx, bm_state):
@@ -724,46 +781,50 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         lane = tid & 31
         g = lane >> 2
         t = lane & 3
-        # (32-bit unsigned divisions: a 64-bit one is a subroutine call, and the assembler serialises the wgmma of
-        # a kernel that makes calls)
-        b = uint32(cuda.blockIdx.y) // uint32(nheads)
-        h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))
-        hk = h
-        if GQA:
-            hk = h // uint32(uint32(nheads) // uint32(k.shape[2]))
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R
         r0 = 64 * gw + 16 * ((tid >> 5) & 3) + g  # this lane's first row in Q_i; its second is r0 + 8
-        bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
-        diag = seqlen_k - seqlen_q
-        slope = alibi[b, h] if ALIBI else float32(0.0)
+        # work items: the block's own, or (persistent) blockIdx.x, then every gridDim.x-th after it
+        w = int64(cuda.blockIdx.x)
+        total = int64((q.shape[1] + B_R - 1) // B_R) * q.shape[0] * nheads
+        (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm,
+         hbm) = locate(w, q, k, cu_q, cu_k, left, right, bm_num)
         if i0 >= seqlen_q:
             return
 
         smem = cuda.shared.array(0, elem)  # Q_i | K, V buffers 0, 1, 2 (dynamic), core matrices or swizzled rows
-        bars = cuda.shared.array(NBARS, uint64)  # full[0 .. 2], empty[0 .. 2]: mbarriers
+        bars = cuda.shared.array(NBARS, uint64)  # full[0 .. 2], empty[0 .. 2] (persistent: q_free): mbarriers
         base = 0  # where Q_i starts in smem: with tensor-map copies, on 1024 bytes (shared_bytes leaves room)
         if TMA:
             base = swizzle_base(smem)
+        if PERSIST and tid == 0:  # q_free: every consumer thread done with a work item's Q_i
+            hop.mbarrier_init(hop.smem_address(bars, Q_FREE), NC)
         if PRODUCER:  # full: the producer's copies landed (with TMA: one arrival and the bytes); empty: every
             # consumer thread done
             init_stages(bars, 1 if TMA else 32 * PW, NC, TMA, tid, STAGES)
-        last_row, n_start, n_tiles = key_tiles(i0, seqlen_q, seqlen_k, diag, left, right)
-        # with a block mask, its listed key blocks (a block mask made for B = 1 or H = 1 serves every entry)
-        qb = i0 // QB
-        bbm = uint32(b) if bm_num.shape[0] > 1 else uint32(0)  # (both sides one unsigned type: not a float64)
-        hbm = uint32(h) if bm_num.shape[1] > 1 else uint32(0)
-        blocks = bm_idx[bbm, hbm]  # (within the dummy's bounds without a block mask: read only with one)
-        if BM:
-            n_tiles = bm_num[bbm, hbm, qb] * SUB
         if PRODUCER and tid >= NC:
             if REBALANCE:
                 hop.setmaxnreg_dec(PRODUCER_REGISTERS)
             if TMA:
                 if tid == NC:
-                    produce_tma(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, qb, 0, blocks)
+                    g0 = 0  # tiles through the pipeline before this work item's
+                    copied = 0  # (persistent) work items whose Q_i was copied
+                    while True:
+                        if not PERSIST or n_tiles > 0:
+                            if PERSIST and copied > 0:  # (the last one's Q_i read by its last S)
+                                wait_phase(bars, Q_FREE, (copied - 1) & 1)
+                            produce_tma(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, qb, 0,
+                                        bm_idx[bbm, hbm], g0)
+                            copied += 1
+                        if not PERSIST:
+                            break
+                        g0 += n_tiles
+                        w += cuda.gridDim.x
+                        if w >= total:
+                            break
+                        (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm,
+                         hbm) = locate(w, q, k, cu_q, cu_k, left, right, bm_num)
             else:
-                produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0, n_start, qb, blocks, k0 + seqlen_k,
-                        hk, n_tiles, tid - NC)
+                produce(smem, bars, q, k, v, bb, q0 + i0, q0 + seqlen_q, h, k0, n_start, qb, bm_idx[bbm, hbm],
+                        k0 + seqlen_k, hk, n_tiles, tid - NC)
             return
 
         if REBALANCE:
@@ -775,14 +836,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         l = cuda.local.array(2, float32)
         alpha = cuda.local.array(2, float32)
         m_use = cuda.local.array(2, float32)
-        for r in range(2):
-            m[r] = NEG_INF
-            l[r] = 0.0
-        for n in range(NO):
-            o[n] = 0.0
         # this warpgroup's 64 rows: 8 core matrices further, or 64 swizzled rows
         q_addr = hop.smem_address(smem, base) + gw * 64 * (SPAN if TMA else 16)
         kv_addr = hop.smem_address(smem, base + OFF_K)
+        blocks = bm_idx[bbm, hbm]  # (within the dummy's bounds without a block mask: read only with one)
 
         if not PRODUCER:
             load_core(smem, 0, q, bb, q0 + i0, q0 + seqlen_q, h, B_R, tid)
@@ -792,69 +849,92 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         if PINGPONG and gw == 1:
             their_turn(gw)  # warpgroup 0 takes the first turn
 
-        # The first tile: S_i0 alone, its softmax, P_i0 packed (module docstring: the pipeline)
-        j_next = first_key(1, n_start, qb, blocks) if n_tiles > 1 else 0
-        if n_tiles > 0:
-            j0 = first_key(0, n_start, qb, blocks)
-            partial = part_of(bm_state, bbm, hbm, qb, j0)
-            bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
-            tile_ready(smem, bars, 0, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
-            my_turn(gw)
-            issue_s(s, q_addr, kv_addr, 0)
-            their_turn(gw)
-            wait_s(0, s)
-            softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
-                         scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
-            rescale_and_pack(o, pa, s, alpha)
-        # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs. The
-        # tile's first key and whether the mask_mod runs there are read a tile ahead (with a block mask, loads from
-        # its lists), behind the products, so that their latency does not stand before each tile's mask and issue.
-        # (Without a producer the copies of tile j + 1 start before the products, from the first key read there.)
-        partial_next = part_of(bm_state, bbm, hbm, qb, j_next) if n_tiles > 1 else False
-        for jt in range(1, n_tiles):
-            j0 = j_next
-            partial = partial_next
-            bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
-            if not PRODUCER and jt + 1 < n_tiles:
-                j_next = first_key(jt + 1, n_start, qb, blocks)
-            tile_ready(smem, bars, jt, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
-            my_turn(gw)
-            issue_s(s, q_addr, kv_addr, jt)
-            issue_pv(o, pa, kv_addr, jt - 1)
-            their_turn(gw)
-            if jt + 1 < n_tiles:
-                if PRODUCER:
+        g0 = 0  # tiles through the pipeline before this work item's (buffer and phase of tile jt: g0 + jt's)
+        while True:
+            for r in range(2):
+                m[r] = NEG_INF
+                l[r] = 0.0
+            for n in range(NO):
+                o[n] = 0.0
+            slope = alibi[b, h] if ALIBI else float32(0.0)
+            # The first tile: S_i0 alone, its softmax, P_i0 packed (module docstring: the pipeline)
+            j_next = first_key(1, n_start, qb, blocks) if n_tiles > 1 else 0
+            if n_tiles > 0:
+                j0 = first_key(0, n_start, qb, blocks)
+                partial = part_of(bm_state, bbm, hbm, qb, j0)
+                bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
+                tile_ready(smem, bars, g0, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
+                my_turn(gw)
+                issue_s(s, q_addr, kv_addr, g0)
+                their_turn(gw)
+                wait_s(0, s)
+                softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
+                             scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
+                rescale_and_pack(o, pa, s, alpha)
+            # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs. The
+            # tile's first key and whether the mask_mod runs there are read a tile ahead (with a block mask, loads
+            # from its lists), behind the products, so that their latency does not stand before each tile's mask
+            # and issue. (Without a producer the copies of tile j + 1 start before the products, from the first key
+            # read there.)
+            partial_next = part_of(bm_state, bbm, hbm, qb, j_next) if n_tiles > 1 else False
+            for jt in range(1, n_tiles):
+                j0 = j_next
+                partial = partial_next
+                bits = mask_tile(partial, b, h, i0, r0, t, j0, seqlen_q, seqlen_k, a0, a1, a2, a3)
+                if not PRODUCER and jt + 1 < n_tiles:
                     j_next = first_key(jt + 1, n_start, qb, blocks)
-                partial_next = part_of(bm_state, bbm, hbm, qb, j_next)
-            wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
-            softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
-                         scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
-            wait_o(0, o)
-            tile_done(bars, jt - 1)
-            rescale_and_pack(o, pa, s, alpha)
-        # The last tile's P V
-        if n_tiles > 0:
-            my_turn(gw)
-            issue_pv(o, pa, kv_addr, n_tiles - 1)
-            their_turn(gw)
-            wait_o(0, o)
+                tile_ready(smem, bars, g0 + jt, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
+                my_turn(gw)
+                issue_s(s, q_addr, kv_addr, g0 + jt)
+                issue_pv(o, pa, kv_addr, g0 + jt - 1)
+                their_turn(gw)
+                if jt + 1 < n_tiles:
+                    if PRODUCER:
+                        j_next = first_key(jt + 1, n_start, qb, blocks)
+                    partial_next = part_of(bm_state, bbm, hbm, qb, j_next)
+                wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
+                softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
+                             scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
+                wait_o(0, o)
+                tile_done(bars, g0 + jt - 1)
+                rescale_and_pack(o, pa, s, alpha)
+            # The last tile's P V (persistent: Q_i's last reader, S, retired: the producer may copy the next Q_i
+            # while this P V and the output's stores run)
+            if n_tiles > 0:
+                if PERSIST:
+                    hop.mbarrier_arrive(hop.smem_address(bars, Q_FREE))
+                my_turn(gw)
+                issue_pv(o, pa, kv_addr, g0 + n_tiles - 1)
+                their_turn(gw)
+                wait_o(0, o)
+                if PERSIST:
+                    tile_done(bars, g0 + n_tiles - 1)
+            if not PRODUCER:
+                ptx.cp_async_wait_all()  # (with no tile, the prologue's copy of Q_i is still in flight)
+
+            for r in range(2):
+                l[r] += ptx.shfl_xor_f32(l[r], 1)
+                l[r] += ptx.shfl_xor_f32(l[r], 2)
+            for x in range(2):
+                i = i0 + r0 + 8 * x
+                if i < seqlen_q:
+                    # (1 / l as rcp.approx: a division's slow path would be a call, which serialises the wgmma)
+                    inv_l = (rp_keep if DROPOUT else float32(1.0)) * ptx.rcp_approx(l[x]) if l[x] != 0 else float32(0.0)
+                    for n in range(NO // 4):
+                        out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[4 * n + 2 * x] * inv_l)
+                        out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[4 * n + 2 * x + 1] * inv_l)
+                    if t == 0:
+                        lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
+            if not PERSIST:
+                break
+            g0 += n_tiles
+            w += cuda.gridDim.x
+            if w >= total:
+                break
+            (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm,
+             hbm) = locate(w, q, k, cu_q, cu_k, left, right, bm_num)
+            blocks = bm_idx[bbm, hbm]
         if PINGPONG and gw == 0:
             my_turn(gw)  # (warpgroup 1's last arrival: every named barrier phase completed)
-        if not PRODUCER:
-            ptx.cp_async_wait_all()  # (with no tile, the prologue's copy of Q_i is still in flight)
-
-        for r in range(2):
-            l[r] += ptx.shfl_xor_f32(l[r], 1)
-            l[r] += ptx.shfl_xor_f32(l[r], 2)
-        for x in range(2):
-            i = i0 + r0 + 8 * x
-            if i < seqlen_q:
-                # (1 / l as rcp.approx: a division's slow path would be a call, which serialises the wgmma)
-                inv_l = (rp_keep if DROPOUT else float32(1.0)) * ptx.rcp_approx(l[x]) if l[x] != 0 else float32(0.0)
-                for n in range(NO // 4):
-                    out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[4 * n + 2 * x] * inv_l)
-                    out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[4 * n + 2 * x + 1] * inv_l)
-                if t == 0:
-                    lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
 
     return forward_wgmma

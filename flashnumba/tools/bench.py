@@ -187,20 +187,24 @@ _flashnumba_wgmma.features = True
 _flashnumba_wgmma.dtypes = ("float16", "bfloat16")
 
 
-def _flashnumba_wgmma_cp_async(q, k, v, dout, causal, window_size=(-1, -1)):
-    """The Hopper forward with its producer's per-thread copies (``config.hopper_tma = False`` around each call):
-    beside ``flashnumba_wgmma``, what the copy engine's tensor-map copies buy."""
-    opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
+def _flashnumba_wgmma_setting(name, value):
+    """The Hopper forward with ``config.<name> = value`` around each call, beside ``flashnumba_wgmma``:
+    ``hopper_tma`` False (``flashnumba_wgmma_cp_async``: the producer's per-thread copies, what the copy engine's
+    tensor-map copies buy) or ``hopper_persistent`` True (``flashnumba_wgmma_persistent``: one block an SM taking the
+    query tiles in turn)."""
 
-    def forward():
-        with config.temporarily("hopper_tma", False):
-            return flash_attn_forward(q, k, v, **opts)
+    def make(q, k, v, dout, causal, window_size=(-1, -1)):
+        opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
 
-    forward()  # unsupported GPUs, dtypes and head dims raise here
-    return {FWD: forward}
+        def forward():
+            with config.temporarily(name, value):
+                return flash_attn_forward(q, k, v, **opts)
 
+        forward()  # unsupported GPUs, dtypes and head dims raise here
+        return {FWD: forward}
 
-_flashnumba_wgmma_cp_async.dtypes = ("float16", "bfloat16")
+    make.dtypes = ("float16", "bfloat16")
+    return make
 
 
 def _flashnumba_tf32(precision):
@@ -349,7 +353,8 @@ def available_implementations(include_peers=True):
     impls["flashnumba_tc"] = _flashnumba_tc
     impls["flashnumba_atomic"] = _flashnumba_atomic
     impls["flashnumba_wgmma"] = _flashnumba_wgmma
-    impls["flashnumba_wgmma_cp_async"] = _flashnumba_wgmma_cp_async
+    impls["flashnumba_wgmma_cp_async"] = _flashnumba_wgmma_setting("hopper_tma", False)
+    impls["flashnumba_wgmma_persistent"] = _flashnumba_wgmma_setting("hopper_persistent", True)
     impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
     impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
     impls["flashnumba_3xtf32_wgmma"] = _flashnumba_3xtf32_wgmma("chained")
