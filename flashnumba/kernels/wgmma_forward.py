@@ -772,6 +772,15 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             n_tiles = bm_num[bbm, hbm, qb] * SUB
         return b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm, hbm
 
+    @cuda.jit(device=True, inline=True)
+    def next_item(w, g0, n_tiles, total):
+        """(w, g0, more): the block's next work item after w (of n_tiles tiles), the tiles through its pipeline before
+        it, and whether there is one (a block's own item is its only one)."""
+        if not PERSIST:
+            return w, g0, False
+        w += cuda.gridDim.x
+        return w, g0 + n_tiles, w < total
+
     @cuda.jit
     def forward_wgmma(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
                       offset, maps, a0, a1, a2, a3, bm_num, bm_idx, bm_state):
@@ -814,11 +823,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                             produce_tma(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, qb, 0,
                                         bm_idx[bbm, hbm], g0)
                             copied += 1
-                        if not PERSIST:
-                            break
-                        g0 += n_tiles
-                        w += cuda.gridDim.x
-                        if w >= total:
+                        w, g0, more = next_item(w, g0, n_tiles, total)
+                        if not more:
                             break
                         (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm,
                          hbm) = locate(w, q, k, cu_q, cu_k, left, right, bm_num)
@@ -925,11 +931,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                         out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[4 * n + 2 * x + 1] * inv_l)
                     if t == 0:
                         lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
-            if not PERSIST:
-                break
-            g0 += n_tiles
-            w += cuda.gridDim.x
-            if w >= total:
+            w, g0, more = next_item(w, g0, n_tiles, total)
+            if not more:
                 break
             (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm,
              hbm) = locate(w, q, k, cu_q, cu_k, left, right, bm_num)
