@@ -862,6 +862,25 @@ def test_mask_mods_on_the_hopper_forward(name, sq, sk, nheads_k, groups, d, tile
         assert not out[0, :64].any() and np.isneginf(lse[0, :, :64]).all()
 
 
+def test_a_block_mask_on_persistent_blocks(monkeypatch):
+    """config.hopper_persistent with a block mask: one block (planner.persistent_blocks) takes both query tiles, the
+    second's key tiles from its list after the first's, with the mask_mod in the partial blocks only."""
+    _skip_unless_hopper()
+    planned = []  # (the planner asks how many blocks only for a persistent launch)
+    monkeypatch.setattr(flashnumba.planner, "persistent_blocks", lambda limits: planned.append(1) or 1)
+    monkeypatch.setattr(flashnumba.config, "hopper_persistent", True)
+    mask_mod = causal_mask_plain
+    rng = np.random.default_rng(12)
+    q, k, v = random_qkv(rng, 1, 140, 300, 1, 32, np.float16)
+    bm = flashnumba.create_block_mask(mask_mod, 1, 1, 140, 300, BLOCK_SIZE=128, like=q)
+    out, lse = flashnumba.flex_attention(q, k, v, block_mask=bm, kernel="wgmma", return_lse=True)
+    assert planned
+    truth_o, truth_l = ref.flex_attention_forward(q, k, v, mask_mod=mask_mod)
+    base_o, base_l = ref.flex_attention_forward(q, k, v, mask_mod=mask_mod, dtype=np.float16)
+    assert_close_to_truth("out", to_numpy(out), truth_o, base_o.astype(np.float16), reduction=300)
+    assert_close_to_truth("lse", to_numpy(lse), truth_l, base_l.astype(np.float32), reduction=300)
+
+
 HOPPER_BACKWARD_CASES = [  # as HOPPER_CASES, then the backward's tiles
     # (the backward's default tiles fitted to the blocks of 64: one warpgroup in each kernel)
     ("after-64", 150, 70, 1, 2, 32, dict(block_m=64, block_n=64, num_threads=128), 64, {}),
