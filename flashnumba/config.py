@@ -31,9 +31,10 @@ dP^T whole instead (six products a tile, no exchange), to compare the two (kept 
 ``hopper_persistent``: the Hopper forward, where it copies with tensor maps, runs one block an SM that takes the
 query tiles one after another, the next tile's copies under the last one's end
 (:mod:`flashnumba.kernels.wgmma_forward`, "persistent blocks"); False (the default) launches a block a query tile,
-which the GPU schedules wherever a block ends: the persistent blocks take their tiles in a fixed turn, and with
-causal rows the longest fall to the same blocks (0.62-0.93x where causal, 0.97-1.01x without; docs/benchmarks.md).
-Kept plans as for ``hopper_tma``.
+which the GPU schedules wherever a block ends. Persistent blocks taking single query tiles in a fixed turn ran
+0.62-0.93x where causal (the longest rows fell to the same blocks) and 0.97-1.01x without (docs/benchmarks.md); they
+now take pairs of tiles whose causal rows see about as many keys as any other pair's, not yet timed. Kept plans as for
+``hopper_tma``.
 
 ``hopper_3xtf32``: None (the default) runs the 3xTF32 forward and backward (``precision="3xtf32"``) on ``mma.sync``
 everywhere; "chained" or "per_step" runs them, on compute capability 9.0, on Hopper's wgmma

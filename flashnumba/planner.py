@@ -700,8 +700,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
         tma = _takes_tma(D, opts, t, (tk,))
         persistent = tma and config.hopper_persistent
-        if persistent:  # one block an SM (its registers allow no more), each taking work items in turn
-            grid = (max(1, min(grid[0] * grid[1], persistent_blocks(limits))),)
+        if persistent:  # one block an SM (its registers allow no more), each taking pairs of query tiles in turn
+            grid = (max(1, min((grid[0] + 1) // 2 * grid[1], persistent_blocks(limits))),)
         smem = wgmma_forward.shared_bytes(D, t.block_n, t.block_m, tma)
         arrays["maps"] = array_meta((3 if tma else 1, MAP_WORDS), (8 * MAP_WORDS, 8), np.uint64, "C")
         _check_block_mask_tiles(opts, t)

@@ -84,10 +84,11 @@ def test_two_warpgroups_every_option(producer):
 
 @pytest.mark.parametrize("case", ["causal rows without keys", "gqa and options"])
 def test_persistent_blocks_carry_the_pipeline_across_work_items(monkeypatch, case):
-    """config.hopper_persistent, with two blocks (planner.persistent_blocks): each takes every other work item
-    (query tile, batch entry, head), its pipeline carried on across them (the stages' buffers and phases, Q_i's
-    q_free): causal rows of which the first query tile sees no key (items without a tile among the others), and GQA
-    with softcap and ALiBi (three key tiles an item: the stages come round within and across items)."""
+    """config.hopper_persistent, with two blocks (planner.persistent_blocks): each takes every other pair of query
+    tiles (a head's tiles P and nq - 1 - P), its pipeline carried on across them (the stages' buffers and phases,
+    Q_i's q_free): three causal query tiles (a pair and a tile alone a head), the first of which sees no key (items
+    without a tile among the others), and GQA with softcap and ALiBi (three key tiles an item: the stages come round
+    within and across items)."""
     monkeypatch.setattr(flashnumba.planner, "persistent_blocks", lambda limits: 2)
     monkeypatch.setattr(flashnumba.config, "hopper_persistent", True)
     rng = np.random.default_rng(40)

@@ -82,8 +82,11 @@ one after another, (query tile, batch entry, head), and its pipeline runs on acr
 next item's Q_i as soon as the last S of the item before has read it (``q_free``, an mbarrier the warpgroups arrive
 on) and its first K_j, V_j into the next stages, while the warpgroups finish the last P V and store the output.
 Tile jt of an item is tile g0 + jt of the block's pipeline (g0: the tiles of its earlier items), which names its
-buffer and phase. Items go to blocks in turn (item w to block w mod G), a head's query tiles one after another (the
-blocks that run at once share their heads' K and V in the L2 cache), the longest causal rows first::
+buffer and phase. The blocks take pairs of query tiles in turn (pair P to block P mod G): a head's pairs one after
+another (the blocks that run at once share their heads' K and V in the L2 cache), pair P of a head its query tiles P
+and nq - 1 - P from the end, the longer first, whose causal rows together see about as many keys as any other
+pair's: with single tiles in turn, the same blocks drew the longest causal rows again and again (docs/benchmarks.md,
+"Persistent blocks")::
 
     producer   Q_a K_0 K_1 K_2 .. K_n  (q_free) Q_b K_0 K_1 ..
     warpgroups     [S_0] .. [S_n PV_n-1] -> q_free  [PV_n] out_a   [S_0 of b] ..
@@ -498,8 +501,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     the producer's one thread copies each tile with the copy engine (module docstring: tensor-map copies), ``maps``
     holding the tensor maps of q, k and v (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid
     (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`.
-    ``persistent`` (with ``tma``): grid (G,) for any G up to the ceil(seqlen_q / B_r) batch nheads work items, each
-    block taking item blockIdx.x and every G-th after it (module docstring: persistent blocks)."""
+    ``persistent`` (with ``tma``): grid (G,) for any G up to the ceil(ceil(seqlen_q / B_r) / 2) batch nheads pairs of
+    query tiles, each block taking pair blockIdx.x and every G-th after it (module docstring: persistent blocks)."""
     check(D, 64 * warpgroups, B_c, threads(warpgroups, producer))
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
@@ -743,17 +746,18 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     def locate(w, q, k, cu_q, cu_k, left, right, bm_num):
         """The geometry of work item w: (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start,
         n_tiles, qb, bbm, hbm). A block's own item (w unread): head blockIdx.y, query tile blockIdx.x from the end;
-        persistent: the w-th of the query tiles of every batch entry and head, a head's tiles after one another (the
-        blocks running at once share their heads' K and V in the L2 cache), the longest causal rows first."""
+        persistent: w = 2 P + half, the half-th query tile of pair P (:func:`next_item`)."""
         nheads = q.shape[2]
         # (32-bit unsigned divisions: a 64-bit one is a subroutine call, and the assembler serialises the wgmma of
         # a kernel that makes calls)
         if PERSIST:
             nq = uint32((q.shape[1] + B_R - 1) // B_R)  # (sequences of equal length: the tensor-map copies')
-            bh = uint32(w) // nq
+            pairs = (nq + uint32(1)) >> 1  # a head's pairs of query tiles
+            bh = uint32(w >> 1) // pairs
+            pair = uint32(w >> 1) - bh * pairs
             b = bh // uint32(nheads)
             h = uint32(bh - b * uint32(nheads))
-            i0 = int64(nq - uint32(1) - uint32(uint32(w) - bh * nq)) * B_R
+            i0 = int64(pair if (w & 1) else nq - uint32(1) - pair) * B_R  # (the longer first)
         else:
             b = uint32(cuda.blockIdx.y) // uint32(nheads)
             h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))
@@ -773,13 +777,20 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         return b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm, hbm
 
     @cuda.jit(device=True, inline=True)
-    def next_item(w, g0, n_tiles, total):
+    def next_item(w, g0, n_tiles, total, nq):
         """(w, g0, more): the block's next work item after w (of n_tiles tiles), the tiles through its pipeline before
-        it, and whether there is one (a block's own item is its only one)."""
+        it, and whether there is one (a block's own item is its only one). Persistent: a block takes pairs of query
+        tiles, pair blockIdx.x and every gridDim.x-th after it out of ``total``: pair P of a head (ceil(nq / 2) a
+        head, a head's after one another) is its query tiles P and nq - 1 - P from the end, whose causal rows
+        together see about nq key tiles whatever P is, so the blocks' shares come out even; items w = 2 P and
+        2 P + 1, the second absent where the two are one tile (the middle of an odd nq)."""
         if not PERSIST:
             return w, g0, False
-        w += cuda.gridDim.x
-        return w, g0 + n_tiles, w < total
+        pair = uint32(w >> 1) % uint32((nq + 1) >> 1)
+        if (w & 1) == 0 and uint32(nq - 1) - pair != pair:
+            return w + 1, g0 + n_tiles, True
+        w = 2 * ((w >> 1) + cuda.gridDim.x)
+        return w, g0 + n_tiles, (w >> 1) < total
 
     @cuda.jit
     def forward_wgmma(q, k, v, out, lse, scale_q, softcap, left, right, alibi, cu_q, cu_k, p_drop, rp_keep, seed,
@@ -791,9 +802,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
         g = lane >> 2
         t = lane & 3
         r0 = 64 * gw + 16 * ((tid >> 5) & 3) + g  # this lane's first row in Q_i; its second is r0 + 8
-        # work items: the block's own, or (persistent) blockIdx.x, then every gridDim.x-th after it
-        w = int64(cuda.blockIdx.x)
-        total = int64((q.shape[1] + B_R - 1) // B_R) * q.shape[0] * nheads
+        # work items: the block's own, or (persistent) the query tiles of pairs blockIdx.x, then every gridDim.x-th
+        nq = (q.shape[1] + B_R - 1) // B_R
+        w = 2 * int64(cuda.blockIdx.x)
+        total = int64((nq + 1) // 2) * q.shape[0] * nheads  # (persistent) pairs
         (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm,
          hbm) = locate(w, q, k, cu_q, cu_k, left, right, bm_num)
         if i0 >= seqlen_q:
@@ -823,7 +835,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                             produce_tma(smem, base, bars, maps, bb, h, i0, n_tiles, hk, n_start, qb, 0,
                                         bm_idx[bbm, hbm], g0)
                             copied += 1
-                        w, g0, more = next_item(w, g0, n_tiles, total)
+                        w, g0, more = next_item(w, g0, n_tiles, total, nq)
                         if not more:
                             break
                         (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm,
@@ -931,7 +943,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                         out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[4 * n + 2 * x + 1] * inv_l)
                     if t == 0:
                         lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
-            w, g0, more = next_item(w, g0, n_tiles, total)
+            w, g0, more = next_item(w, g0, n_tiles, total, nq)
             if not more:
                 break
             (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start, n_tiles, qb, bbm,
