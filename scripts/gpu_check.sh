@@ -77,6 +77,15 @@ for step in $STEPS; do
         echo "cap $cap: pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_cap$cap.log" | tail -8
         grep -h "^FAILED" "$OUT/failures_cap$cap.log" 2>/dev/null
       done ;;
+    persistent) # the persistent Hopper forward (config.hopper_persistent): its tests (the drawn one: the same bits as
+      # the per-tile blocks), then both forwards timed beside FlashAttention-2 and cuDNN
+      FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider \
+        -n ${PYTEST_WORKERS:-12} --tb=short tests/test_wgmma.py tests/test_flex.py -k persistent \
+        > "$OUT/tests-persistent.log" 2>&1
+      echo "pytest exit $?"; grep -E "passed|failed|^FAILED" "$OUT/tests-persistent.log" | tail -8
+      timeout ${BENCH_TIMEOUT:-300} python3 -m flashnumba bench --seqlens 4096 16384 --head-dims 64 128 --causal both \
+        --dtypes float16 --passes fwd --impls flashnumba_wgmma flashnumba_wgmma_persistent torch_sdpa_flash \
+        torch_sdpa_cudnn --both-modes --out "$OUT/persistent" 2>&1 | grep -v "it/s" | tee "$OUT/bench-persistent.log" ;;
     flextiles) # the causal mask_mod with a block mask beside the built-in causal kernel, at several tiles
       timeout ${FLEX_TIMEOUT:-300} python3 scripts/flex_tiles.py 2>&1 | tee "$OUT/flex-tiles.log" ;;
     flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward --head-dims 64": the backward pass too,
