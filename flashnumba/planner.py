@@ -699,7 +699,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         grid = (_cdiv(max_q, t.block_m), bsz * nheads)  # (block_m fitted to a block mask's query blocks)
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
         tma = _takes_tma(D, opts, t, (tk,))
-        persistent = tma and config.hopper_persistent
+        persistent = tma and config.hopper_persistent and wgmma_forward.takes_persistent(D, opts.variant, t.block_n)
         if persistent:  # one block an SM (its registers allow no more), each taking pairs of query tiles in turn
             grid = (max(1, min((grid[0] + 1) // 2 * grid[1], persistent_blocks(limits))),)
         smem = wgmma_forward.shared_bytes(D, t.block_n, t.block_m, tma)

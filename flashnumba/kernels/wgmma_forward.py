@@ -80,7 +80,8 @@ fills an SM (its registers), so a block's start (Q_i and the first K_j, V_j fetc
 rows at 4096 keys, a block mask's few blocks) a visible share. A persistent block (one an SM) instead takes work items
 one after another, (query tile, batch entry, head), and its pipeline runs on across them: the producer copies the
 next item's Q_i as soon as the last S of the item before has read it (``q_free``, an mbarrier the warpgroups arrive
-on) and its first K_j, V_j into the next stages, while the warpgroups finish the last P V and store the output.
+on) and its first K_j, V_j into the next stages, while the warpgroups finish the last softmax and P V and store
+the output.
 Tile jt of an item is tile g0 + jt of the block's pipeline (g0: the tiles of its earlier items), which names its
 buffer and phase. The blocks take pairs of query tiles in turn (pair P to block P mod G): a head's pairs one after
 another (the blocks that run at once share their heads' K and V in the L2 cache), pair P of a head its query tiles P
@@ -88,8 +89,8 @@ and nq - 1 - P from the end, the longer first, whose causal rows together see ab
 pair's: with single tiles in turn, the same blocks drew the longest causal rows again and again (docs/benchmarks.md,
 "Persistent blocks")::
 
-    producer   Q_a K_0 K_1 K_2 .. K_n  (q_free) Q_b K_0 K_1 ..
-    warpgroups     [S_0] .. [S_n PV_n-1] -> q_free  [PV_n] out_a   [S_0 of b] ..
+    producer   Q_a K_0 K_1 K_2 .. K_n         (q_free) Q_b K_0 K_1 ..
+    warpgroups     [S_0] .. [S_n PV_n-1] S_n in -> q_free, softmax [PV_n] out_a   [S_0 of b] ..
 
 **A user's score_mod, mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention`
 with ``kernel="wgmma"``). The score_mod modifies each score after softcap and ALiBi, as they do. The mask_mod runs
@@ -207,6 +208,13 @@ def takes_tma(D, variant, warpgroups, producer) -> bool:
     :data:`TMA_HEAD_DIMS`, and sequences of equal length (a box reaching past a packed sequence's end would read
     the next sequence's rows where the kernel needs zeros)."""
     return rebalances(warpgroups, producer) and D in TMA_HEAD_DIMS and not variant[4]
+
+
+def takes_persistent(D, variant, B_c) -> bool:
+    """Whether the persistent form of the forward (with tensor maps: :func:`takes_tma`) keeps its registers at these
+    tiles: not with ALiBi at head_dim 128 and above with 128 keys a tile, where its walk over the work items beside
+    the slope and O of 128 head dims spill 64-84 bytes compiled for sm_90a (the per-tile blocks none)."""
+    return not (variant[3] and D >= 128 and B_c >= 128)
 
 
 def _constant_steps(D, NT):
@@ -717,6 +725,14 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             hop.named_barrier_arrive(2 - gw, 2 * 128)
 
     @cuda.jit(device=True, inline=True)
+    def q_read(bars, last):
+        """Persistent: after the ``last`` S of a work item retired, Q_i's last reader, one arrival on ``q_free``: the
+        producer may copy the next item's Q_i while this item's last softmax, P V and stores run."""
+        if PERSIST:
+            if last:
+                hop.mbarrier_arrive(hop.smem_address(bars, Q_FREE))
+
+    @cuda.jit(device=True, inline=True)
     def issue_s(s, q_addr, kv_addr, jt):
         """Issue S_ij = Q_i K_j^T (K_j in buffer jt % STAGES): D / 16 wgmma on the accumulator s, one group."""
         if TMA:  # (swizzled rows)
@@ -886,6 +902,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 issue_s(s, q_addr, kv_addr, g0)
                 their_turn(gw)
                 wait_s(0, s)
+                q_read(bars, n_tiles == 1)
                 softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
                              scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
                 rescale_and_pack(o, pa, s, alpha)
@@ -911,16 +928,14 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                         j_next = first_key(jt + 1, n_start, qb, blocks)
                     partial_next = part_of(bm_state, bbm, hbm, qb, j_next)
                 wait_s(1, s)  # S_ij in; the product with V_j-1 may still run
+                q_read(bars, jt == n_tiles - 1)
                 softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
                              scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
                 wait_o(0, o)
                 tile_done(bars, g0 + jt - 1)
                 rescale_and_pack(o, pa, s, alpha)
-            # The last tile's P V (persistent: Q_i's last reader, S, retired: the producer may copy the next Q_i
-            # while this P V and the output's stores run)
+            # The last tile's P V
             if n_tiles > 0:
-                if PERSIST:
-                    hop.mbarrier_arrive(hop.smem_address(bars, Q_FREE))
                 my_turn(gw)
                 issue_pv(o, pa, kv_addr, g0 + n_tiles - 1)
                 their_turn(gw)
