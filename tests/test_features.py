@@ -8,6 +8,7 @@ from hypothesis import assume, given, strategies as st
 
 import flashnumba
 from flashnumba import reference
+from flashnumba._backend import cuda  # a module global: the simulator gives kernels its own cuda by that name
 
 from conftest import WORK_BUDGET, array_types, check_backward, check_forward, seqlens, shard, to_type
 
@@ -175,18 +176,32 @@ def test_the_hopper_kernels_alibi_distance_is_the_integer_one():
     ``float32_distance``) takes |i + diag - j| as a difference of float32 indices: the same score as the dK/dV
     kernels' integer distance, bit for bit, wherever indices and distances stay below 2^24 (diag negative too), so a
     backward recomputes the forward's P whichever form each kernel takes."""
+    from numba import float32
+
     from flashnumba.kernels.common import make_score_mod
 
     rng = np.random.default_rng(7)
-    hopper, others = make_score_mod(False, True, no_calls=True), make_score_mod(False, True)
-    distance32 = make_score_mod(False, True, float32_distance=True)
+    forms = (make_score_mod(False, True, no_calls=True), make_score_mod(False, True),
+             make_score_mod(False, True, float32_distance=True))
+
+    @cuda.jit
+    def evaluate(xs, slope, idx, out):  # each form's score of case c, as a kernel computes it (device functions)
+        c = cuda.grid(1)
+        if c < xs.size:
+            i, j, diag = idx[c, 0], idx[c, 1], idx[c, 2]
+            out[0, c] = forms[0](xs[c], float32(0.0), slope, i, j, diag)[0]
+            out[1, c] = forms[1](xs[c], float32(0.0), slope, i, j, diag)[0]
+            out[2, c] = forms[2](xs[c], float32(0.0), slope, i, j, diag)[0]
+
     slope = np.float32(0.37)
     cases = [(0, 0, 0), (5, 9, -3), (2**24 - 1, 0, 0), (0, 2**24 - 1, 0), (2**23, 2**23 - 7, 2**23)]
     cases += [tuple(int(x) for x in rng.integers(0, 2**20, 2)) + (int(rng.integers(-2**20, 2**20)),)
               for _ in range(200)]
-    for i, j, diag in cases:
-        x = np.float32(rng.standard_normal())
-        got, _ = hopper(x, np.float32(0.0), slope, np.int64(i), np.int64(j), np.int64(diag))
-        want, _ = others(x, np.float32(0.0), slope, np.int64(i), np.int64(j), np.int64(diag))
-        also, _ = distance32(x, np.float32(0.0), slope, np.int64(i), np.int64(j), np.int64(diag))
-        assert got == want == also == np.float32(x - slope * np.float32(abs(i + diag - j))), (i, j, diag)
+    idx = np.array(cases, np.int64)
+    xs = rng.standard_normal(len(cases)).astype(np.float32)
+    out = cuda.to_device(np.full((3, len(cases)), np.nan, np.float32))
+    evaluate[(len(cases) + 63) // 64, 64](cuda.to_device(xs), slope, cuda.to_device(idx), out)
+    got = out.copy_to_host()
+    want = (xs - slope * np.abs(idx[:, 0] + idx[:, 2] - idx[:, 1]).astype(np.float32)).astype(np.float32)
+    for form in range(3):
+        np.testing.assert_array_equal(got[form], want, err_msg=f"form {form}")

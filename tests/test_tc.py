@@ -230,11 +230,13 @@ def test_forward_tc_compiles_for_sm90():
 
 def test_default_kernel_is_tc_where_it_applies():
     """kernel=None picks the tensor-core forward on a GPU for float16 (options or not), and v3 otherwise (always
-    in the simulator, or when block sizes are given): the results are those of the kernel it names, bit for
-    bit."""
+    in the simulator, or when block sizes are given; wgmma on Hopper): the results are those of the kernel it
+    names, bit for bit."""
     rng = np.random.default_rng(2)
     q, k, v = random_qkv(rng, 1, 20, 24, 1, 64, np.float16)
-    chosen = "v3" if flashnumba.SIMULATOR else "tc"
+    # the tensor cores' family: tc (mma.sync), or wgmma on Hopper
+    chosen = flashnumba.plan(q, k, v, causal=True, softcap=2.0).kernel
+    assert (chosen == "v3") if flashnumba.SIMULATOR else (chosen in ("tc", "wgmma"))
     for got, want in [(flashnumba.flash_attn_forward(q, k, v, causal=True, softcap=2.0),
                        flashnumba.flash_attn_forward(q, k, v, causal=True, softcap=2.0, kernel=chosen)),
                       (flashnumba.flash_attn_forward(q, k, v, block_m=32),  # block sizes given: the SIMT kernel
@@ -553,7 +555,8 @@ def test_tc_options_gpu_default_tiles(case, D, dtype):
 @pytest.mark.skipif(flashnumba.SIMULATOR, reason="needs a GPU")
 def test_tc_varlen_device_arrays_take_the_tensor_cores():
     """Packed Numba device arrays (given a leading axis through the CUDA array interface, not a copy) are
-    C-contiguous, so kernel=None gives them the tensor-core kernels: the same bits as kernel="tc"."""
+    C-contiguous, so kernel=None gives them the tensor-core kernels: the same bits as the family the plan names
+    (kernel="tc", or "wgmma" on Hopper)."""
     from numba import cuda
 
     rng = np.random.default_rng(4)
@@ -562,7 +565,9 @@ def test_tc_varlen_device_arrays_take_the_tensor_cores():
     q, k, v = (rng.standard_normal((cu[-1], 2, 64)).astype(np.float16) for _ in range(3))
     dq, dk, dv, dcu = (cuda.to_device(x) for x in (q, k, v, cu))
     args = (dcu, dcu, max(lens), max(lens))
-    o_tc, l_tc = flashnumba.flash_attn_varlen_forward(dq, dk, dv, *args, causal=True, kernel="tc")
+    family = flashnumba.plan(q[None], k[None], v[None], causal=True).kernel  # tc, or wgmma on Hopper
+    assert family in ("tc", "wgmma")
+    o_tc, l_tc = flashnumba.flash_attn_varlen_forward(dq, dk, dv, *args, causal=True, kernel=family)
     o_def, l_def = flashnumba.flash_attn_varlen_forward(dq, dk, dv, *args, causal=True)
     o_simt, _ = flashnumba.flash_attn_varlen_forward(dq, dk, dv, *args, causal=True, kernel="v3")
     np.testing.assert_array_equal(o_tc.copy_to_host().view(np.uint16), o_def.copy_to_host().view(np.uint16))
