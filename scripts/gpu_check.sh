@@ -79,10 +79,10 @@ for step in $STEPS; do
       done ;;
     persistent) # the persistent Hopper forward (config.hopper_persistent): its tests (the drawn one: the same bits as
       # the per-tile blocks), then both forwards timed beside FlashAttention-2 and cuDNN
-      FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider \
-        -n ${PYTEST_WORKERS:-12} --tb=short tests/test_wgmma.py tests/test_flex.py -k persistent \
+      FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider \
+        -n ${PYTEST_WORKERS:-12} -v --tb=short tests/test_wgmma.py tests/test_flex.py -k persistent \
         > "$OUT/tests-persistent.log" 2>&1
-      echo "pytest exit $?"; grep -E "passed|failed|^FAILED" "$OUT/tests-persistent.log" | tail -8
+      echo "pytest exit $?"; grep -E "PASSED|passed|failed|FAILED" "$OUT/tests-persistent.log" | tail -12
       timeout ${BENCH_TIMEOUT:-300} python3 -m flashnumba bench --seqlens 4096 16384 --head-dims 64 128 --causal both \
         --dtypes float16 --passes fwd --impls flashnumba_wgmma flashnumba_wgmma_persistent torch_sdpa_flash \
         torch_sdpa_cudnn --both-modes --out "$OUT/persistent" 2>&1 | grep -v "it/s" | tee "$OUT/bench-persistent.log" ;;
