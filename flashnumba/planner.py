@@ -688,7 +688,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         # what the caller left to the table, fitted to the options
         given = [name for name, x in (("block_m", block_m), ("block_n", block_n), ("num_threads", num_threads))
                  if x is not None]
-        t_own, why_own = tiling.wgmma_for_variant(t, opts.variant, given)
+        t_own, why_own = tiling.wgmma_for_variant(t, opts.variant, given, D)
         if why_own:
             t, reason = t_own, f"{reason}; {why_own}"
         t_own, why_own = tiling.wgmma_for_mods(t, D, None if opts.block_mask is None else opts.block_mask[:2],
@@ -699,7 +699,12 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         grid = (_cdiv(max_q, t.block_m), bsz * nheads)  # (block_m fitted to a block mask's query blocks)
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
         tma = _takes_tma(D, opts, t, (tk,))
-        persistent = tma and config.hopper_persistent and wgmma_forward.takes_persistent(D, opts.variant, t.block_n)
+        if t.block_m == 192 and opts.variant[4]:  # (varlen)
+            raise ValueError("the wgmma forward's three warpgroups (block_m 192) copy with tensor maps, which packed "
+                             "sequences do not take (the producer's per-thread copies spill in its 32 registers): "
+                             "block_m 64 or 128")
+        persistent = tma and config.hopper_persistent and wgmma_forward.takes_persistent(D, opts.variant, t.block_n,
+                                                                                         t.block_m // 64)
         if persistent:  # one block an SM (its registers allow no more), each taking pairs of query tiles in turn
             grid = (max(1, min((grid[0] + 1) // 2 * grid[1], persistent_blocks(limits))),)
         smem = wgmma_forward.shared_bytes(D, t.block_n, t.block_m, tma)

@@ -375,7 +375,7 @@ def wgmma_rebalances(t: Tiles) -> bool:
     return wgmma_forward.rebalances(t.block_m // 64, wgmma_forward.producer_warps(t.block_m, t.num_threads) or 0)
 
 
-def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
+def wgmma_for_variant(t: Tiles, variant, given=(), D=None) -> tuple[Tiles, str]:
     """The Hopper forward's default tiles for ``variant``, and why they differ from ``t`` ("" where not);
     ``given``: the names among "block_n" and "num_threads" that the caller chose (kept as they are).
 
@@ -389,8 +389,11 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
     table's tiles there; ``scripts/wgmma_spills.py``), where packed sequences with dropout, more than two options
     and the options' per-score work without the rebalancing take 32 keys. Without the rebalancing (a caller's 256 or 288
     threads), a tile of 128 keys fits only with no softcap or ALiBi and at most one of a window bound and dropout;
-    other variants take B_c 64 there."""
+    other variants take B_c 64 there. Three warpgroups (block_m 192): :func:`_wgmma_three_for_variant` (``D``: the
+    head dim)."""
     has_left, has_right, softcap, alibi, varlen, dropout = variant
+    if t.block_m == 192:
+        return _wgmma_three_for_variant(t, variant, given, D)
     many = sum(bool(x) for x in variant) > 2
     per_score = softcap or alibi or int(has_left) + int(has_right) + int(dropout) > 1
     new = t
@@ -410,6 +413,19 @@ def wgmma_for_variant(t: Tiles, variant, given=()) -> tuple[Tiles, str]:
                                              if rebalanced else
                                              f"the options' per-score work needs the registers of {keys} scores"))
     return new, "; ".join(why)
+
+
+def _wgmma_three_for_variant(t: Tiles, variant, given, D) -> tuple[Tiles, str]:
+    """:func:`wgmma_for_variant` for three warpgroups (block_m 192, always with the producer warpgroup: 160
+    registers a thread that computes): 128 keys' scores fit beside O at head_dim 64 and below with no per-score
+    option, a window's bounds aside; softcap, ALiBi or dropout (76-196 bytes spilled compiled for sm_90a) and larger
+    head dims (144 at 96) take B_c 64."""
+    _, _, softcap, alibi, _, dropout = variant
+    if "block_n" in given or t.block_n <= 64 or not (softcap or alibi or dropout or (D or 0) > 64):
+        return t, ""
+    return t._replace(block_n=64), ("B_c 64: with three warpgroups, " + (
+        "the options' per-score work" if softcap or alibi or dropout else f"O of {D} head dims")
+        + " beside 128 keys' scores needs more than their 160 registers")
 
 
 def wgmma_for_mods(t: Tiles, D, blocks, score_mod=False, given=(), keep=False) -> tuple[Tiles, str]:

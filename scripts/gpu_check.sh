@@ -86,6 +86,16 @@ for step in $STEPS; do
       timeout ${BENCH_TIMEOUT:-300} python3 -m flashnumba bench --seqlens 4096 16384 --head-dims 64 128 --causal both \
         --dtypes float16 --passes fwd --impls flashnumba_wgmma flashnumba_wgmma_persistent torch_sdpa_flash \
         torch_sdpa_cudnn --both-modes --out "$OUT/persistent" 2>&1 | grep -v "it/s" | tee "$OUT/bench-persistent.log" ;;
+    three) # the Hopper forward with three warpgroups (block_m 192, 512 threads): its simulator-sized test and the
+      # drawn property (which draws those tiles among others) on the GPU, then its timing beside two warpgroups,
+      # FlashAttention-2 and cuDNN
+      FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider \
+        -n ${PYTEST_WORKERS:-12} -v --tb=short tests/test_wgmma.py -k "ping_pong or drawn_shapes_and_options_gpu" \
+        > "$OUT/tests-three.log" 2>&1
+      echo "pytest exit $?"; grep -E "PASSED|passed|failed|FAILED" "$OUT/tests-three.log" | tail -14
+      timeout ${BENCH_TIMEOUT:-300} python3 -m flashnumba bench --seqlens 4096 16384 --head-dims 64 128 --causal both \
+        --dtypes float16 --passes fwd --impls flashnumba_wgmma flashnumba_wgmma_three torch_sdpa_flash \
+        torch_sdpa_cudnn --both-modes --out "$OUT/three" 2>&1 | grep -v "it/s" | tee "$OUT/bench-three.log" ;;
     flextiles) # the causal mask_mod with a block mask beside the built-in causal kernel, at several tiles
       timeout ${FLEX_TIMEOUT:-300} python3 scripts/flex_tiles.py 2>&1 | tee "$OUT/flex-tiles.log" ;;
     flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward --head-dims 64": the backward pass too,

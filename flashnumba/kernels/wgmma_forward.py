@@ -13,7 +13,7 @@ wgmma's register A operand wants it) and V_j is read from shared memory, MN-majo
     ...wait, then the online softmax of mma_forward on the S registers...
     O_i += P_ij V_j          B_c / 16 wgmma m64nDk16 (A = P_ij from registers, B = V_j MN-major), one commit
 
-Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 128 WG threads, B_r = 64 WG (WG = 1 or 2
+Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 128 WG threads, B_r = 64 WG (WG = 1, 2 or 3
 warpgroups); block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest causal rows first).
 Warpgroup gw owns rows 64 gw .. 64 gw + 63 of Q_i; inside it warp w owns 16 rows and lane (g = lane >> 2,
 t = lane & 3) rows g and g + 8 of them, and of S's and O's accumulators the columns 8 n + 2 t, 8 n + 2 t + 1:
@@ -109,6 +109,14 @@ head dims (64 a thread) and P_ij packed need. The assembler honours this only in
 block's threads and one block an SM in its launch bounds (:func:`rebalances`; ``flashnumba._launch.bounds``,
 ``assemble_whole``).
 
+**Three warpgroups** (block_m 192, ``warpgroups=3``, with the producer warpgroup and tensor maps: 512 threads).
+At head_dim 64 the softmax of a tile costs about as much as its two products, so with two warpgroups the tensor
+cores wait while both are in their softmax. Three take their turns round a ring (named barriers 1, 2, 3: each
+waits for the one before, warpgroup 0 for the last), so that two softmaxes may run while one warpgroup's products
+do, and each K_j, V_j tile copied serves 192 query rows. The registers are the price: the producer keeps 32 and each
+warpgroup takes 160 (:data:`REGISTERS`), room for 128 keys' scores beside O of 64 head dims, not for the per-score
+options beside them (``tiling.wgmma_for_variant`` gives B_c 64 there).
+
 **Head dims above 128.** Nothing in the loop changes: O's wgmma is m64nDk16 (N up to 256, the instruction's
 largest), S's takes D / 16 k-steps, a tile copied with tensor maps is D / 64 boxes (D / 32 at 160 and 224). What
 changes is room. O_i is D / 2 registers a thread, and Q_i with three K_j, V_j stages takes (B_r + 6 B_c) 2 D bytes
@@ -133,7 +141,7 @@ from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_
 HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (the copies' 4 column blocks a warp), N of O's wgmma <= 256
 BLOCK_NS = (32, 48, 64, 128)  # keys a tile (N of S's wgmma, K of O's: multiples of 16; below 64 where three stages of
 # 64 keys do not fit, head_dim 256)
-WARPGROUPS = (1, 2)
+WARPGROUPS = (1, 2, 3)  # of 64 query rows: B_r 64, 128 or 192
 CORE = 64  # elements (16-bit) of a core matrix: 8 rows x 8 head dims, 128 bytes
 
 
@@ -146,12 +154,17 @@ PRODUCER_WARPS = (0, 1, 4)  # warps of the producer: none, one, or a warpgroup (
 # them (setmaxnreg; 128 x 56 + 256 x 224 = 64512 of 65536), which scores of 128 keys beside O of 128 head dims need.
 # (With 40 the producer's copies of packed sequences with dropout's arguments spill.)
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 56, 224
+# Three warpgroups and the producer (512 threads) start at 128: the producer, whose one thread copies with tensor
+# maps, keeps 32 and the three take 160 each (128 x 32 + 384 x 160 = 65536), room for scores of 128 keys beside O of
+# 64 head dims.
+REGISTERS = {2: (PRODUCER_REGISTERS, CONSUMER_REGISTERS), 3: (32, 160)}
 
 
 def rebalances(warpgroups, producer) -> bool:
-    """Whether the block moves the producer's registers to the warpgroups (two of them and a producer
-    warpgroup). Such a kernel must be assembled as the whole program (``flashnumba._launch.assemble_whole``)."""
-    return warpgroups == 2 and int(producer) == 4
+    """Whether the block moves the producer's registers to the warpgroups (two or three of them and a producer
+    warpgroup: :data:`REGISTERS`). Such a kernel must be assembled as the whole program
+    (``flashnumba._launch.assemble_whole``)."""
+    return warpgroups in REGISTERS and int(producer) == 4
 
 
 def threads(warpgroups, producer=0):
@@ -174,13 +187,16 @@ def check(D, block_m, block_n, num_threads):
     if D not in HEAD_DIMS:
         raise ValueError(f"the wgmma forward supports head_dim in {HEAD_DIMS}, got {D}")
     if block_m not in tuple(64 * w for w in WARPGROUPS) or block_n not in BLOCK_NS:
-        raise ValueError(f"the wgmma forward takes block_m 64 or 128 (one or two warpgroups of 64 rows) and "
+        raise ValueError(f"the wgmma forward takes block_m 64, 128 or 192 (one to three warpgroups of 64 rows) and "
                          f"block_n in {BLOCK_NS}, got {block_m}, {block_n}")
     pw = producer_warps(block_m, num_threads) if num_threads is not None else None
     if pw is None:
         allowed = tuple(threads(block_m // 64, p) for p in PRODUCER_WARPS)
         raise ValueError(f"the wgmma forward takes num_threads in {allowed} at block_m {block_m} (128 a warpgroup "
                          f"of 64 rows, and 32 a warp of the producer), got {num_threads}")
+    if block_m == 192 and pw != 4:
+        raise ValueError(f"the wgmma forward takes three warpgroups (block_m 192) with a producer warpgroup only "
+                         f"(num_threads 512: their registers are the producer's), got {num_threads}")
     copiers = 32 * pw if pw else 2 * block_m
     rows = pass_rows(D, copiers)
     if block_m % rows or block_n % rows:
@@ -204,17 +220,18 @@ def swizzle_span(D):
 
 
 def takes_tma(D, variant, warpgroups, producer) -> bool:
-    """Whether the forward copies with tensor maps: with a producer warpgroup beside two that compute, head_dim in
-    :data:`TMA_HEAD_DIMS`, and sequences of equal length (a box reaching past a packed sequence's end would read
-    the next sequence's rows where the kernel needs zeros)."""
+    """Whether the forward copies with tensor maps: with a producer warpgroup beside two or three that compute,
+    head_dim in :data:`TMA_HEAD_DIMS`, and sequences of equal length (a box reaching past a packed sequence's end
+    would read the next sequence's rows where the kernel needs zeros)."""
     return rebalances(warpgroups, producer) and D in TMA_HEAD_DIMS and not variant[4]
 
 
-def takes_persistent(D, variant, B_c) -> bool:
+def takes_persistent(D, variant, B_c, warpgroups=2) -> bool:
     """Whether the persistent form of the forward (with tensor maps: :func:`takes_tma`) keeps its registers at these
-    tiles: not with ALiBi at head_dim 128 and above with 128 keys a tile, where its walk over the work items beside
-    the slope and O of 128 head dims spill 64-84 bytes compiled for sm_90a (the per-tile blocks none)."""
-    return not (variant[3] and D >= 128 and B_c >= 128)
+    tiles: two warpgroups (with three, 160 registers a thread, its walk over the work items spilled 60 bytes beside
+    128 keys' scores at head_dim 64, compiled for sm_90a), and not with ALiBi at head_dim 128 and above with 128 keys
+    a tile, where that walk beside the slope and O of 128 head dims spill 64-84 bytes (the per-tile blocks none)."""
+    return warpgroups == 2 and not (variant[3] and D >= 128 and B_c >= 128)
 
 
 def _constant_steps(D, NT):
@@ -504,7 +521,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     the tiles it may hide entries of (``mask_tile``). ``block_mask``: (QB, KB) as in make_forward_tc (multiples of
     B_r and B_c): the key loop, the producer's copies among it, visits only the key blocks bm_idx lists for the query
     block, and the mask_mod runs only in the partial ones. With ``producer`` (warps, one of :data:`PRODUCER_WARPS`) more
-    warps of the block make every copy, the warpgroups wait for tiles on mbarriers and, two of them, take turns at the
+    warps of the block make every copy, the warpgroups wait for tiles on mbarriers and, two or three, take turns at the
     tensor cores (module docstring: warp specialisation). Compiled for sm_90a (wgmma). With ``tma`` (:func:`takes_tma`)
     the producer's one thread copies each tile with the copy engine (module docstring: tensor-map copies), ``maps``
     holding the tensor maps of q, k and v (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid
@@ -525,8 +542,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT = variant
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups, producer):
-        raise ValueError(f"the wgmma forward copies with tensor maps only with a producer warpgroup and two that "
-                         f"compute, head_dim in {TMA_HEAD_DIMS}, sequences of equal length; got head_dim {D}, "
+        raise ValueError(f"the wgmma forward copies with tensor maps only with a producer warpgroup and two or three "
+                         f"that compute, head_dim in {TMA_HEAD_DIMS}, sequences of equal length; got head_dim {D}, "
                          f"{warpgroups} warpgroups, producer {producer}, varlen {bool(VARLEN)}")
     SCORE_MOD = SOFTCAP or ALIBI or USER_SCORE  # the score formed in natural units, modified, then base 2
     FOLD = positive_scale and not SCORE_MOD  # the scale folded into exp2's argument (mma_forward's docstring)
@@ -542,8 +559,9 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     NC = 128 * warpgroups  # the warpgroups' threads (with a producer warp, the consumers)
     PW = int(producer)
     PRODUCER = PW > 0
-    PINGPONG = PRODUCER and warpgroups == 2  # (without a producer a block-wide barrier a tile keeps them in step)
+    PINGPONG = PRODUCER and warpgroups > 1  # (without a producer a block-wide barrier a tile keeps them in step)
     REBALANCE = rebalances(warpgroups, producer)
+    GIVE, TAKE = REGISTERS.get(warpgroups, (0, 0))  # (with REBALANCE) the producer's registers, the consumers'
     PERSIST = bool(persistent)
     if PERSIST and not TMA:
         raise ValueError("the wgmma forward is persistent only where it copies with tensor maps")
@@ -714,15 +732,18 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
 
     @cuda.jit(device=True, inline=True)
     def my_turn(gw):
-        """Ping-pong: wait until the other warpgroup has issued its products (named barrier 1 + gw)."""
+        """Ping-pong: wait until the warpgroup before (gw - 1, warpgroup 0 after the last) has issued its products
+        (named barrier 1 + gw)."""
         if PINGPONG:
             hop.named_barrier_sync(1 + gw, 2 * 128)
 
     @cuda.jit(device=True, inline=True)
     def their_turn(gw):
-        """Ping-pong: this warpgroup's products are issued; the other's turn (named barrier 2 - gw)."""
-        if PINGPONG:
-            hop.named_barrier_arrive(2 - gw, 2 * 128)
+        """Ping-pong: this warpgroup's products are issued; the next one's turn (named barrier 1 + (gw + 1) % WG)."""
+        if PINGPONG and warpgroups == 2:  # (2 - gw: the modulo's instructions cost the persistent d = 96 kernel
+            hop.named_barrier_arrive(2 - gw, 2 * 128)  # with ALiBi 80 bytes of spills)
+        elif PINGPONG:
+            hop.named_barrier_arrive(1 + (gw + 1) % warpgroups, 2 * 128)
 
     @cuda.jit(device=True, inline=True)
     def q_read(bars, last):
@@ -839,7 +860,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             init_stages(bars, 1 if TMA else 32 * PW, NC, TMA, tid, STAGES)
         if PRODUCER and tid >= NC:
             if REBALANCE:
-                hop.setmaxnreg_dec(PRODUCER_REGISTERS)
+                hop.setmaxnreg_dec(GIVE)
             if TMA:
                 if tid == NC:
                     g0 = 0  # tiles through the pipeline before this work item's
@@ -862,7 +883,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             return
 
         if REBALANCE:
-            hop.setmaxnreg_inc(CONSUMER_REGISTERS)
+            hop.setmaxnreg_inc(TAKE)
         s = cuda.local.array(NS, float32)  # S_ij, then P_ij: this thread's part of the warpgroup's 64 x B_c
         o = cuda.local.array(NO, float32)  # O_i: its part of the warpgroup's 64 x D
         pa = cuda.local.array((KC, 4), uint32)  # P_ij packed: the A operand of O += P_ij V_j, step by step
@@ -880,7 +901,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             if n_tiles > 0:
                 load_tile(smem, 0, k, v, bb, k0 + first_key(0, n_start, qb, blocks), k0 + seqlen_k, hk, tid)
             ptx.cp_async_commit()
-        if PINGPONG and gw == 1:
+        if PINGPONG and gw == warpgroups - 1:
             their_turn(gw)  # warpgroup 0 takes the first turn
 
         g0 = 0  # tiles through the pipeline before this work item's (buffer and phase of tile jt: g0 + jt's)
@@ -965,6 +986,6 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
              hbm) = locate(w, q, k, cu_q, cu_k, left, right, bm_num)
             blocks = bm_idx[bbm, hbm]
         if PINGPONG and gw == 0:
-            my_turn(gw)  # (warpgroup 1's last arrival: every named barrier phase completed)
+            my_turn(gw)  # (the last warpgroup's last arrival: every named barrier phase completed)
 
     return forward_wgmma

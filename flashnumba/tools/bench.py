@@ -207,6 +207,20 @@ def _flashnumba_wgmma_setting(name, value):
     return make
 
 
+def _flashnumba_wgmma_three(q, k, v, dout, causal, window_size=(-1, -1)):
+    """The Hopper forward with three warpgroups of 64 query rows and the producer warpgroup (block_m 192,
+    num_threads 512; B_c as the plan fits it, 64 above head_dim 96 where 128 would not fit the shared memory),
+    beside ``flashnumba_wgmma``'s two."""
+    opts = dict(causal=causal, window_size=window_size, kernel="wgmma", block_m=192, num_threads=512)
+    if q.shape[-1] > 96:
+        opts["block_n"] = 64
+    flash_attn_forward(q, k, v, **opts)  # unsupported GPUs, dtypes, head dims and tiles raise here
+    return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
+
+
+_flashnumba_wgmma_three.dtypes = ("float16", "bfloat16")
+
+
 def _flashnumba_tf32(precision):
     """The float32 forward and backward on tensor cores (``kernel="tf32"`` or ``"3xtf32"``, head_dim 64 or 128)."""
 
@@ -355,6 +369,7 @@ def available_implementations(include_peers=True):
     impls["flashnumba_wgmma"] = _flashnumba_wgmma
     impls["flashnumba_wgmma_cp_async"] = _flashnumba_wgmma_setting("hopper_tma", False)
     impls["flashnumba_wgmma_persistent"] = _flashnumba_wgmma_setting("hopper_persistent", True)
+    impls["flashnumba_wgmma_three"] = _flashnumba_wgmma_three
     impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
     impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
     impls["flashnumba_3xtf32_wgmma"] = _flashnumba_3xtf32_wgmma("chained")
