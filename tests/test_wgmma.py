@@ -68,18 +68,19 @@ def test_producer_warp_and_ping_pong(warpgroups, producer, causal):
     check_forward(out, lse, q, k, v, causal=causal)
 
 
-@pytest.mark.parametrize("producer", [False, True])
-def test_two_warpgroups_every_option(producer):
-    """Two warpgroups sharing each K_j, V_j tile, GQA, a two-sided window, softcap, ALiBi and dropout at once."""
+@pytest.mark.parametrize("warpgroups, producer", [(2, 0), (2, 1), (3, 4)])
+def test_two_warpgroups_every_option(warpgroups, producer):
+    """Two warpgroups (or three, with the producer warpgroup and tensor maps) sharing each K_j, V_j tile, GQA, a
+    two-sided window, softcap, ALiBi and dropout at once."""
     rng = np.random.default_rng(5)
-    nheads, nheads_k, sq, sk = 2, 1, 20, 70
+    nheads, nheads_k, sq, sk = 2, 1, 20 if warpgroups == 2 else 150, 70
     q, k, v = random_qkv(rng, 1, sq, sk, nheads, 64, np.float16)
     k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
     opts = dict(window_size=(30, 9), softcap=2.5, alibi_slopes=np.array([0.3, 0.7], np.float32), dropout_p=0.3,
                 dropout_seed=9, dropout_offset=4)
     ref = {n: x for n, x in opts.items() if not n.startswith("dropout")}
     ref["dropout_z"] = reference.dropout_z(9, 4, 1, nheads, sq, sk, 0.3)
-    out, lse = wgmma(q, k, v, warpgroups=2, producer=int(producer), **opts)
+    out, lse = wgmma(q, k, v, warpgroups=warpgroups, producer=producer, **opts)
     check_forward(out, lse, q, k, v, **ref)
 
 
