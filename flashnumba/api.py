@@ -231,8 +231,8 @@ def flash_attn_forward(
         of equal length, at most two options); 9.0
         only, float16 or bfloat16, head_dim a multiple of 32 up to 256 (the other multiples of 8 run at the next
         multiple of 32, on copies of q, k, v with zero columns appended, the output cropped), every option;
-        block_m 64, 128 or 192 as one to
-        three warpgroups (three with num_threads 512 and tensor maps only), block_n 32, 48, 64 or 128 (above head_dim 128 by default 64, at 256 48: the shared
+        block_m 64, 128 or 192 as one to three warpgroups (three with num_threads 512 and tensor maps, up to
+        head_dim 160), block_n 32, 48, 64 or 128 (above head_dim 128 by default 64, at 256 48: the shared
         memory; 48 where the threads that copy take it, flashnumba.kernels.wgmma_forward.check); num_threads
         2 block_m, or + 32 or + 128 for a producer of one warp or four, the default),
         flashnumba.kernels.wgmma_forward; at head_dim 96

@@ -699,10 +699,10 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         grid = (_cdiv(max_q, t.block_m), bsz * nheads)  # (block_m fitted to a block mask's query blocks)
         producer = wgmma_forward.producer_warps(t.block_m, t.num_threads)
         tma = _takes_tma(D, opts, t, (tk,))
-        if t.block_m == 192 and opts.variant[4]:  # (varlen)
+        if t.block_m == 192 and (opts.variant[4] or not config.hopper_tma):  # (with no keys: nothing to copy)
             raise ValueError("the wgmma forward's three warpgroups (block_m 192) copy with tensor maps, which packed "
-                             "sequences do not take (the producer's per-thread copies spill in its 32 registers): "
-                             "block_m 64 or 128")
+                             "sequences and config.hopper_tma = False do not take (the producer's per-thread copies "
+                             "spill in its 32 registers): block_m 64 or 128")
         persistent = tma and config.hopper_persistent and wgmma_forward.takes_persistent(D, opts.variant, t.block_n,
                                                                                          t.block_m // 64)
         if persistent:  # one block an SM (its registers allow no more), each taking pairs of query tiles in turn

@@ -291,6 +291,10 @@ def test_what_it_does_not_take_is_refused():
     with pytest.raises(ValueError, match="three warpgroups .* packed sequences"):
         flashnumba.flash_attn_varlen_forward(q[0], k[0], v[0], cu, cu, 8, 8, kernel="wgmma", block_m=192,
                                              num_threads=512)
+    with pytest.raises(ValueError, match="three warpgroups .* up to head_dim 160"):
+        flashnumba.plan(*(np.zeros((1, 8, 1, 192), np.float16),) * 3, kernel="wgmma", device="sm_90", block_m=192)
+    with flashnumba.config.temporarily("hopper_tma", False), pytest.raises(ValueError, match="hopper_tma = False"):
+        flashnumba.plan(q, k, v, kernel="wgmma", device="sm_90", block_m=192)
     with pytest.raises(ValueError, match="num_threads"):
         flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", num_threads=128)
     with pytest.raises(ValueError, match="num_threads"):
@@ -369,8 +373,9 @@ def test_tensor_maps_where_there_are_keys():
     q, k = np.ones((1, 5, 2, 64), np.float16), np.ones((1, 0, 2, 64), np.float16)
     (launch,) = flashnumba.plan(q, k, k, kernel="wgmma", device="sm_90").launches
     assert launch.tensor_maps == ()
-    out, lse = flashnumba.flash_attn_forward(q, k, k, kernel="wgmma")
-    assert (np.asarray(out, np.float32) == 0).all() and np.isneginf(lse).all()
+    for tiles in ({}, dict(block_m=192)):  # (three warpgroups too: their producer copies Q_i per thread)
+        out, lse = flashnumba.flash_attn_forward(q, k, k, kernel="wgmma", **tiles)
+        assert (np.asarray(out, np.float32) == 0).all() and np.isneginf(lse).all()
 
 
 def test_packed_sequences_with_dropout_take_64_keys():
@@ -515,7 +520,6 @@ def test_wgmma_forward_compiles_for_sm90a():
     the wgmma not serialised by the assembler (which it does where it cannot keep an in-flight operand's
     registers apart)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
-    from flashnumba.kernels import wgmma_forward
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{UNREAD}{COMPILE}")
     assert len(compiled) == (38 if FULL_COMPILE else 5)
     for name, r in compiled.items():

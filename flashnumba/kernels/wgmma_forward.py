@@ -115,7 +115,7 @@ cores wait while both are in their softmax. Three take their turns round a ring 
 waits for the one before, warpgroup 0 for the last), so that two softmaxes may run while one warpgroup's products
 do, and each K_j, V_j tile copied serves 192 query rows. The registers are the price: the producer keeps 32 and each
 warpgroup takes 160 (:data:`REGISTERS`), room for 128 keys' scores beside O of 64 head dims, not for the per-score
-options beside them (``tiling.wgmma_for_variant`` gives B_c 64 there).
+options beside them (``tiling.wgmma_for_variant`` gives B_c 64 there), nor for O above head_dim 160 (:func:`check`).
 
 **Head dims above 128.** Nothing in the loop changes: O's wgmma is m64nDk16 (N up to 256, the instruction's
 largest), S's takes D / 16 k-steps, a tile copied with tensor maps is D / 64 boxes (D / 32 at 160 and 224). What
@@ -197,6 +197,9 @@ def check(D, block_m, block_n, num_threads):
     if block_m == 192 and pw != 4:
         raise ValueError(f"the wgmma forward takes three warpgroups (block_m 192) with a producer warpgroup only "
                          f"(num_threads 512: their registers are the producer's), got {num_threads}")
+    if block_m == 192 and D > 160:  # (at 192, O of 96 registers beside S spilled 176 bytes, compiled for sm_90a)
+        raise ValueError(f"the wgmma forward takes three warpgroups (block_m 192) up to head_dim 160, where O beside "
+                         f"the scores fits their 160 registers a thread; got head_dim {D}")
     copiers = 32 * pw if pw else 2 * block_m
     rows = pass_rows(D, copiers)
     if block_m % rows or block_n % rows:
