@@ -31,9 +31,9 @@ dP^T whole instead (six products a tile, no exchange), to compare the two (kept 
 ``hopper_persistent``: the Hopper forward, where it copies with tensor maps, runs one block an SM that takes the
 query tiles one after another, the next tile's copies under the last one's end
 (:mod:`flashnumba.kernels.wgmma_forward`, "persistent blocks"); False (the default) launches a block a query tile,
-which the GPU schedules wherever a block ends. Persistent blocks taking single query tiles in a fixed turn ran
-0.62-0.93x where causal (the longest rows fell to the same blocks) and 0.97-1.01x without (docs/benchmarks.md); they
-now take pairs of tiles whose causal rows see about as many keys as any other pair's, not yet timed. Kept plans as for
+which the GPU schedules wherever a block ends. The persistent blocks take pairs of query tiles in turn, whose causal
+rows see about as many keys as any other pair's, and copy the next tile's Q_i under the last one's end; measured,
+they gained nothing over the per-tile blocks (docs/benchmarks.md, "Persistent blocks"). Kept plans as for
 ``hopper_tma``.
 
 ``hopper_3xtf32``: None (the default) runs the 3xTF32 forward and backward (``precision="3xtf32"``) on ``mma.sync``

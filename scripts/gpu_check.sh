@@ -25,6 +25,16 @@ case ${SHARD:-} in
   4) SHARD_TESTS="tests/test_check.py" ;;
   *) SHARD_TESTS=tests ;;
 esac
+# A variant of the Hopper forward (bench impl flashnumba_wgmma_$1): the tests of files $2 that -k "$3" selects, then
+# the forward timed beside the default one, FlashAttention-2 and cuDNN (logs tests-$1.log, bench-$1.log, $OUT/$1/)
+hopper_forward_variant() {
+  FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider \
+    -n ${PYTEST_WORKERS:-12} -v --tb=short $2 -k "$3" > "$OUT/tests-$1.log" 2>&1
+  echo "pytest exit $?"; grep -E "PASSED|passed|failed|FAILED" "$OUT/tests-$1.log" | tail -14
+  timeout ${BENCH_TIMEOUT:-300} python3 -m flashnumba bench --seqlens 4096 16384 --head-dims 64 128 --causal both \
+    --dtypes float16 --passes fwd --impls flashnumba_wgmma flashnumba_wgmma_$1 torch_sdpa_flash torch_sdpa_cudnn \
+    --both-modes --out "$OUT/$1" 2>&1 | grep -v "it/s" | tee "$OUT/bench-$1.log"
+}
 for step in $STEPS; do
   echo "=== $step $(date -u +%FT%TZ)"
   case $step in
@@ -78,24 +88,11 @@ for step in $STEPS; do
         grep -h "^FAILED" "$OUT/failures_cap$cap.log" 2>/dev/null
       done ;;
     persistent) # the persistent Hopper forward (config.hopper_persistent): its tests (the drawn one: the same bits as
-      # the per-tile blocks), then both forwards timed beside FlashAttention-2 and cuDNN
-      FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider \
-        -n ${PYTEST_WORKERS:-12} -v --tb=short tests/test_wgmma.py tests/test_flex.py -k persistent \
-        > "$OUT/tests-persistent.log" 2>&1
-      echo "pytest exit $?"; grep -E "PASSED|passed|failed|FAILED" "$OUT/tests-persistent.log" | tail -12
-      timeout ${BENCH_TIMEOUT:-300} python3 -m flashnumba bench --seqlens 4096 16384 --head-dims 64 128 --causal both \
-        --dtypes float16 --passes fwd --impls flashnumba_wgmma flashnumba_wgmma_persistent torch_sdpa_flash \
-        torch_sdpa_cudnn --both-modes --out "$OUT/persistent" 2>&1 | grep -v "it/s" | tee "$OUT/bench-persistent.log" ;;
+      # the per-tile blocks), then its timing
+      hopper_forward_variant persistent "tests/test_wgmma.py tests/test_flex.py" persistent ;;
     three) # the Hopper forward with three warpgroups (block_m 192, 512 threads): its simulator-sized test and the
-      # drawn property (which draws those tiles among others) on the GPU, then its timing beside two warpgroups,
-      # FlashAttention-2 and cuDNN
-      FLASHNUMBA_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider \
-        -n ${PYTEST_WORKERS:-12} -v --tb=short tests/test_wgmma.py -k "ping_pong or drawn_shapes_and_options_gpu" \
-        > "$OUT/tests-three.log" 2>&1
-      echo "pytest exit $?"; grep -E "PASSED|passed|failed|FAILED" "$OUT/tests-three.log" | tail -14
-      timeout ${BENCH_TIMEOUT:-300} python3 -m flashnumba bench --seqlens 4096 16384 --head-dims 64 128 --causal both \
-        --dtypes float16 --passes fwd --impls flashnumba_wgmma flashnumba_wgmma_three torch_sdpa_flash \
-        torch_sdpa_cudnn --both-modes --out "$OUT/three" 2>&1 | grep -v "it/s" | tee "$OUT/bench-three.log" ;;
+      # drawn property (which draws those tiles among others) on the GPU, then its timing
+      hopper_forward_variant three tests/test_wgmma.py "ping_pong or drawn_shapes_and_options_gpu" ;;
     flextiles) # the causal mask_mod with a block mask beside the built-in causal kernel, at several tiles
       timeout ${FLEX_TIMEOUT:-300} python3 scripts/flex_tiles.py 2>&1 | tee "$OUT/flex-tiles.log" ;;
     flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward --head-dims 64": the backward pass too,
