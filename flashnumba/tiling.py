@@ -785,6 +785,13 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
         t = t._replace(num_threads=_tc_threads(t.block_m))
     t = threads_of(table, t, D)
     check(table, D, t)
+    reason = "given by the caller"
+    if block_n is None and not fits(table, D, t, limits):  # the caller's rows with fewer keys a tile, where they fit
+        smaller = _fewer_keys(table, D, t, limits)
+        if smaller is not None:
+            reason += f"; B_c {smaller.block_n}: the table's {t.block_n} keys beside {t.block_m} rows need more " \
+                      f"shared memory than the {limits.max_shared_per_block} bytes {limits.name} allows"
+            t = smaller
     for part in _parts(table):
         nbytes, static = shared_bytes(part, D, t)
         limit = STATIC_SHARED_LIMIT if static else limits.max_shared_per_block
@@ -794,4 +801,21 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
                 f"block_m={t.block_m}, block_n={t.block_n} with head_dim={D} need {nbytes} bytes of shared memory "
                 f"in {KERNEL_NAMES.get(part, 'kernel ' + part)} ({kind}), more than the {limit} bytes {limits.name} "
                 f"allows; tiles that fit: {largest_fitting(table, D, limits)}")
-    return t, "given by the caller"
+    return t, reason
+
+
+def _fewer_keys(table: str, D: int, t: Tiles, limits: DeviceLimits):
+    """t with the largest key tile below its own (halved, down to 16) that the family accepts and the device's
+    shared memory holds; None where none does."""
+    n = t.block_n // 2
+    while n >= 16:
+        smaller = threads_of(table, t._replace(block_n=n), D)
+        try:
+            check(table, D, smaller)
+        except ValueError:
+            n //= 2
+            continue
+        if fits(table, D, smaller, limits):
+            return smaller
+        n //= 2
+    return None

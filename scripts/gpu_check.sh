@@ -92,7 +92,7 @@ for step in $STEPS; do
       hopper_forward_variant persistent "tests/test_wgmma.py tests/test_flex.py" persistent ;;
     three) # the Hopper forward with three warpgroups (block_m 192, 512 threads): its simulator-sized test and the
       # drawn property (which draws those tiles among others) on the GPU, then its timing
-      hopper_forward_variant three tests/test_wgmma.py "ping_pong or drawn_shapes_and_options_gpu" ;;
+      hopper_forward_variant three tests/test_wgmma.py "ping_pong or (drawn_shapes_and_options_gpu and not backward)" ;;
     flextiles) # the causal mask_mod with a block mask beside the built-in causal kernel, at several tiles
       timeout ${FLEX_TIMEOUT:-300} python3 scripts/flex_tiles.py 2>&1 | tee "$OUT/flex-tiles.log" ;;
     flex) # flex_attention beside torch FlexAttention (FLEX_ARGS="--backward --head-dims 64": the backward pass too,

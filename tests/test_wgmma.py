@@ -348,6 +348,9 @@ def test_what_it_does_not_take_is_refused():
               num_threads=512), (192, 64, 512), "B_c 64"),
     (96, dict(causal=True, block_m=192, num_threads=512), (192, 64, 512), "B_c 64"),
     (128, dict(causal=True, block_m=192, block_n=64, num_threads=512), (192, 64, 512), ""),
+    # the rows alone given: the key tile the table gives with 128 rows is over the shared memory with 192; the next
+    # one down that fits
+    (128, dict(causal=True, block_m=192), (192, 64, 512), "B_c 64"),
     (64, dict(dropout_p=0.1, block_m=192, num_threads=512, block_n=128), (192, 128, 512), ""),
 ])
 def test_the_plan_fits_the_tiles_to_the_options(D, opts, tiles, note):

@@ -209,11 +209,9 @@ def _flashnumba_wgmma_setting(name, value):
 
 def _flashnumba_wgmma_three(q, k, v, dout, causal, window_size=(-1, -1)):
     """The Hopper forward with three warpgroups of 64 query rows and the producer warpgroup (block_m 192,
-    num_threads 512; B_c as the plan fits it, 64 above head_dim 96 where 128 would not fit the shared memory),
-    beside ``flashnumba_wgmma``'s two."""
+    num_threads 512; B_c as the plan fits it to the head dim and the shared memory), beside ``flashnumba_wgmma``'s
+    two."""
     opts = dict(causal=causal, window_size=window_size, kernel="wgmma", block_m=192, num_threads=512)
-    if q.shape[-1] > 96:
-        opts["block_n"] = 64
     flash_attn_forward(q, k, v, **opts)  # unsupported GPUs, dtypes, head dims and tiles raise here
     return {FWD: lambda: flash_attn_forward(q, k, v, **opts)}
 
