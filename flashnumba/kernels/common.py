@@ -188,6 +188,26 @@ def make_key_range(B_r, B_c, has_left, has_right):
     return key_range
 
 
+@functools.lru_cache(maxsize=None)
+def make_column_bounds(B_c, has_left, has_right):
+    """column_bounds(i, col0, seqlen_k, diag, left, right) -> (lo, hi): the keys col0 + c that query row i sees,
+    as the columns lo <= c < hi of a lane whose columns of the tile start at key col0 (both int32, clamped to
+    0 .. B_c). The masked tiles' loops then test each score's compile-time column c against the row's two bounds,
+    one 32-bit comparison a bound, instead of the key's 64-bit index against the sequence's end and the band."""
+
+    @cuda.jit(device=True, inline=True)
+    def column_bounds(i, col0, seqlen_k, diag, left, right):
+        hi = seqlen_k - col0
+        if has_right:
+            hi = min(hi, i + diag + right + 1 - col0)
+        lo = hi - hi  # (0 of hi's type)
+        if has_left:
+            lo = i + diag - left - col0
+        return int32(min(max(lo, 0), B_c)), int32(min(max(hi, 0), B_c))
+
+    return column_bounds
+
+
 def make_outside(has_left, has_right):
     """outside(i, j, seqlen_q, seqlen_k, diag, left, right): whether the entry of query i and key j lies past a
     sequence or out of the query's band (keys i + diag - left .. i + diag + right): the backward kernels' mask."""

@@ -59,8 +59,8 @@ import math
 from . import bf16, ptx
 from .._backend import cuda
 from .block_mask import make_block_full, make_block_tiles
-from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_mask_bits, make_online_softmax,
-                     make_score_mod, make_sequence_geometry, make_user_score_within)
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, make_key_tiles, make_mask_bits,
+                     make_online_softmax, make_score_mod, make_sequence_geometry, make_user_score_within)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
 from .scalars import float16, float32, uint16, uint32, uint64
@@ -168,6 +168,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     mma_abt = make_mma_abt_rows(D, B_c, dtype, WM, not Q_REGS)  # S_ij = Q_i K_j^T
     mma_ab = make_mma_ab_rows(B_c, D, dtype, WM)  # O_i += P_ij V_j
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
+    column_bounds = make_column_bounds(B_c, HAS_LEFT, HAS_RIGHT)
     quad_max, new_max, prob = make_online_softmax(FOLD)
     SUB = KB // B_c  # key tiles per block of a block mask
     tile_start = make_block_tiles(BM, KB, B_c)  # first key of the jt-th key tile the block visits
@@ -283,14 +284,14 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                                     val, _ = score_within(val, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3)
                                 val *= LOG2E
                             s[w, n, x] = val
-            if masked or partial:
+            if masked or partial:  # (this lane's keys: j0 + 2 t + c, c = 8 n + (x & 1); each row's c from lo to hi)
                 for w in range(WM):
+                    lo0, hi0 = column_bounds(i0 + r0 + 16 * w + g, j0 + 2 * t, seqlen_k, diag, left, right)
+                    lo1, hi1 = column_bounds(i0 + r0 + 16 * w + g + 8, j0 + 2 * t, seqlen_k, diag, left, right)
                     for n in range(NS):
                         for x in range(4):
-                            i = i0 + r0 + 16 * w + g + 8 * (x >> 1)
-                            j = j0 + 8 * n + 2 * t + (x & 1)
-                            if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
-                                    or (HAS_RIGHT and j > i + diag + right)):
+                            c = 8 * n + (x & 1)
+                            if c >= (hi0 if x < 2 else hi1) or (HAS_LEFT and c < (lo0 if x < 2 else lo1)):
                                 s[w, n, x] = NEG_INF
                             elif partial and hidden(bits, (w * NS + n) * 4 + x):
                                 s[w, n, x] = NEG_INF

@@ -135,8 +135,8 @@ from .scalars import float16, float32, int64, uint16, uint32, uint64
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .block_mask import make_block_full
-from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_mask_bits, make_online_softmax,
-                     make_score_mod, make_sequence_geometry, make_user_score_within)
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, make_key_tiles, make_mask_bits,
+                     make_online_softmax, make_score_mod, make_sequence_geometry, make_user_score_within)
 
 HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (the copies' 4 column blocks a warp), N of O's wgmma <= 256
 BLOCK_NS = (32, 48, 64, 128)  # keys a tile (N of S's wgmma, K of O's: multiples of 16; below 64 where three stages of
@@ -588,6 +588,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     issue_abt_sw = make_abt_sw(B_c)
     issue_ab_sw = make_ab_sw(KC)
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
+    column_bounds = make_column_bounds(B_c, HAS_LEFT, HAS_RIGHT)
     quad_max, new_max, prob = make_online_softmax(FOLD)  # (mma_forward's steps, on the same register layout)
 
     @cuda.jit(device=True, inline=True)
@@ -628,13 +629,13 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                             val, _ = score_within(val, b, h, i, j, seqlen_q, seqlen_k, a0, a1, a2, a3)
                         val *= LOG2E
                     s[4 * n + x] = val
-        if masked or partial:
+        if masked or partial:  # (this lane's keys: j0 + 2 t + c, c = 8 n + (x & 1); each row's c from lo to hi)
+            lo0, hi0 = column_bounds(i0 + r0, j0 + 2 * t, seqlen_k, diag, left, right)
+            lo1, hi1 = column_bounds(i0 + r0 + 8, j0 + 2 * t, seqlen_k, diag, left, right)
             for n in range(NS // 4):
                 for x in range(4):
-                    i = i0 + r0 + 8 * (x >> 1)
-                    j = j0 + 8 * n + 2 * t + (x & 1)
-                    if (j >= seqlen_k or (HAS_LEFT and j < i + diag - left)
-                            or (HAS_RIGHT and j > i + diag + right)):
+                    c = 8 * n + (x & 1)
+                    if c >= (hi0 if x < 2 else hi1) or (HAS_LEFT and c < (lo0 if x < 2 else lo1)):
                         s[4 * n + x] = NEG_INF
                     elif USER_MASK and hidden(bits, 4 * n + x):  # (bits: 0 outside partial tiles)
                         s[4 * n + x] = NEG_INF
