@@ -1,0 +1,45 @@
+"""Machine instructions of the forwards' tile loops where tiles are masked (causal, a window), compiled offline at
+the planner's tiles: the Hopper forward for sm_90a, the ``mma.sync`` forward for sm_80 (no GPU needed; nvdisasm from
+the test extra). Each line: kernel, head dim, options, tiles, the kernel's instructions, its tile loop (the first
+loop, in the order of the backward branches, that holds a tensor-core instruction), registers, spilled bytes.
+
+    FLASHNUMBA_SIMULATOR=0 python scripts/masked_tile_counts.py [--head-dims 64 128]
+"""
+
+import argparse
+
+import numpy as np
+
+from flashnumba import _launch, planner
+from flashnumba.api import check_forward_args
+from flashnumba.tools.sass import disassemble
+from flex_sass_counts import instructions, loop_bodies  # (scripts/)
+
+CASES = ((((8, 0), "sm_80"), "tc", dict(causal=True)), (((8, 0), "sm_80"), "tc", dict(window_size=(100, 7))),
+         (((9, 0, "a"), "sm_90"), "wgmma", dict(causal=True)),
+         (((9, 0, "a"), "sm_90"), "wgmma", dict(window_size=(100, 7))))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    args = ap.parse_args()
+    for d in args.head_dims:
+        for (arch, device), kernel, opts in CASES:
+            q = np.zeros((1, 1024, 2, d), np.float16)
+            (tq, tk, tv), options = check_forward_args(q, q, q, **opts)
+            plan = planner.forward_plan(tq, tk, tv, options, kernel=kernel, device=device)
+            s = plan.launches[0]
+            fn = s.factory(*s.factory_args)
+            cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(plan.arrays, plan.scalars))})",
+                                          arch, _launch.launch_bounds(s), s.whole_program)
+            found, labels = instructions(disassemble(cubin))
+            loop = next((body for body in loop_bodies(found, labels) if any("MMA" in t for t in body)), [])
+            r = _launch.resources_from_log(log)
+            print(f"{kernel:5s} d={d} {opts} tiles={tuple(s.tiles)}: {len(found)} instructions, tile loop "
+                  f"{len(loop)}; {r['registers']} registers, {r['spill_stores']} bytes spilled",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
