@@ -419,9 +419,15 @@ def _wgmma_three_for_variant(t: Tiles, variant, given, D) -> tuple[Tiles, str]:
     """:func:`wgmma_for_variant` for three warpgroups (block_m 192, always with the producer warpgroup: 160
     registers a thread that computes): 128 keys' scores fit beside O at head_dim 64 and below with no per-score
     option, a window's bounds aside; softcap, ALiBi or dropout (76-196 bytes spilled compiled for sm_90a) and larger
-    head dims (144 at 96) take B_c 64."""
+    head dims (144 at 96) take B_c 64; more than two options (the window's bounds counted apart) B_c 32 (all but
+    varlen beside 64 keys' scores spilled 8 bytes with the masked tiles' column bounds)."""
     _, _, softcap, alibi, _, dropout = variant
-    if "block_n" in given or t.block_n <= 64 or not (softcap or alibi or dropout or (D or 0) > 64):
+    if "block_n" in given:
+        return t, ""
+    if sum(bool(x) for x in variant) > 2 and t.block_n > 32:
+        return t._replace(block_n=32), ("B_c 32: with three warpgroups, more than two options' per-score work beside "
+                                        "64 keys' scores needs more than their 160 registers")
+    if t.block_n <= 64 or not (softcap or alibi or dropout or (D or 0) > 64):
         return t, ""
     return t._replace(block_n=64), ("B_c 64: with three warpgroups, " + (
         "the options' per-score work" if softcap or alibi or dropout else f"O of {D} head dims")

@@ -3,14 +3,16 @@ the planner's tiles: the Hopper forward for sm_90a, the ``mma.sync`` forward for
 the test extra). Each line: kernel, head dim, options, tiles, the kernel's instructions, its tile loop (the first
 loop, in the order of the backward branches, that holds a tensor-core instruction), registers, spilled bytes.
 
-    FLASHNUMBA_SIMULATOR=0 python scripts/masked_tile_counts.py [--head-dims 64 128]
+    FLASHNUMBA_SIMULATOR=0 python scripts/masked_tile_counts.py [--head-dims 64 128] [--backward]
+
+``--backward``: the Hopper backward's dQ and dK/dV kernels (sm_90a) instead.
 """
 
 import argparse
 
 import numpy as np
 
-from flashnumba import _launch, planner
+from flashnumba import _launch, _validate, planner
 from flashnumba.api import check_forward_args
 from flashnumba.tools.sass import disassemble
 from flex_sass_counts import instructions, loop_bodies  # (scripts/)
@@ -23,23 +25,39 @@ CASES = ((((8, 0), "sm_80"), "tc", dict(causal=True)), (((8, 0), "sm_80"), "tc",
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--backward", action="store_true")
     args = ap.parse_args()
     for d in args.head_dims:
         for (arch, device), kernel, opts in CASES:
-            q = np.zeros((1, 1024, 2, d), np.float16)
-            (tq, tk, tv), options = check_forward_args(q, q, q, **opts)
-            plan = planner.forward_plan(tq, tk, tv, options, kernel=kernel, device=device)
-            s = plan.launches[0]
-            fn = s.factory(*s.factory_args)
-            cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(plan.arrays, plan.scalars))})",
-                                          arch, _launch.launch_bounds(s), s.whole_program)
-            found, labels = instructions(disassemble(cubin))
-            loop = next((body for body in loop_bodies(found, labels) if any("MMA" in t for t in body)), [])
-            r = _launch.resources_from_log(log)
-            print(f"{kernel:5s} d={d} {opts} tiles={tuple(s.tiles)}: {len(found)} instructions, tile loop "
-                  f"{len(loop)}; {r['registers']} registers, {r['spill_stores']} bytes spilled",
-                  flush=True)
+            if args.backward and kernel != "wgmma":
+                continue
+            for plan, s in launches(d, device, kernel, opts, args.backward):
+                report(plan, s, arch, kernel, d, opts)
 
+
+def launches(d, device, kernel, opts, backward):
+    """(plan, launch) of the kernels to count: the forward, or the backward's dQ and dK/dV kernels."""
+    q = np.zeros((1, 1024, 2, d), np.float16)
+    (tq, tk, tv), options = check_forward_args(q, q, q, **opts)
+    if not backward:
+        plan = planner.forward_plan(tq, tk, tv, options, kernel=kernel, device=device)
+        return [(plan, plan.launches[0])]
+    lse = np.zeros((1, 2, 1024), np.float32)
+    tdo, to, tl = (_validate.inspect(name, x, nd) for name, x, nd in (("dout", q, 4), ("out", q, 4), ("lse", lse, 3)))
+    plan = planner.backward_plan(tdo, tq, tk, tv, to, tl, options, kernel=kernel, device=device)
+    return [(plan, s) for s in plan.launches[1:]]
+
+
+def report(plan, s, arch, kernel, d, opts):
+    """One line: the launch's kernel compiled for ``arch``, its instructions, tile loop, registers and spills."""
+    fn = s.factory(*s.factory_args)
+    cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(plan.arrays, plan.scalars))})", arch,
+                                  _launch.launch_bounds(s), s.whole_program)
+    found, labels = instructions(disassemble(cubin))
+    loop = next((body for body in loop_bodies(found, labels) if any("MMA" in t for t in body)), [])
+    r = _launch.resources_from_log(log)
+    print(f"{kernel:5s} {s.name:12s} d={d} {opts} tiles={tuple(s.tiles)}: {len(found)} instructions, tile loop "
+          f"{len(loop)}; {r['registers']} registers, {r['spill_stores']} bytes spilled", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -208,6 +208,26 @@ def make_column_bounds(B_c, has_left, has_right):
     return column_bounds
 
 
+@functools.lru_cache(maxsize=None)
+def make_query_column_bounds(B, has_left, has_right):
+    """query_column_bounds(j, col0, seqlen_q, diag, left, right) -> (lo, hi): :func:`make_column_bounds` for the
+    transposed tiles (S^T: rows are keys, a lane's columns the queries col0 + c). Query i sees keys i + diag - left
+    .. i + diag + right, so key j is seen by the queries j - diag - right .. j - diag + left (within the
+    sequence): the window's left bound caps the columns, its right bound floors them."""
+
+    @cuda.jit(device=True, inline=True)
+    def query_column_bounds(j, col0, seqlen_q, diag, left, right):
+        hi = seqlen_q - col0
+        if has_left:
+            hi = min(hi, j - diag + left + 1 - col0)
+        lo = hi - hi  # (0 of hi's type)
+        if has_right:
+            lo = j - diag - right - col0
+        return int32(min(max(lo, 0), B)), int32(min(max(hi, 0), B))
+
+    return query_column_bounds
+
+
 def make_outside(has_left, has_right):
     """outside(i, j, seqlen_q, seqlen_k, diag, left, right): whether the entry of query i and key j lies past a
     sequence or out of the query's band (keys i + diag - left .. i + diag + right): the backward kernels' mask."""

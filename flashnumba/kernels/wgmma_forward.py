@@ -630,15 +630,15 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                         val *= LOG2E
                     s[4 * n + x] = val
         if masked or partial:  # (this lane's keys: j0 + 2 t + c, c = 8 n + (x & 1); each row's c from lo to hi)
-            lo0, hi0 = column_bounds(i0 + r0, j0 + 2 * t, seqlen_k, diag, left, right)
-            lo1, hi1 = column_bounds(i0 + r0 + 8, j0 + 2 * t, seqlen_k, diag, left, right)
-            for n in range(NS // 4):
-                for x in range(4):
-                    c = 8 * n + (x & 1)
-                    if c >= (hi0 if x < 2 else hi1) or (HAS_LEFT and c < (lo0 if x < 2 else lo1)):
-                        s[4 * n + x] = NEG_INF
-                    elif USER_MASK and hidden(bits, 4 * n + x):  # (bits: 0 outside partial tiles)
-                        s[4 * n + x] = NEG_INF
+            for half in range(2):  # (rows g, then g + 8: one row's bounds live at a time)
+                lo, hi = column_bounds(i0 + r0 + 8 * half, j0 + 2 * t, seqlen_k, diag, left, right)
+                for n in range(NS // 4):
+                    for x in range(2 * half, 2 * half + 2):
+                        c = 8 * n + (x & 1)
+                        if c >= hi or (HAS_LEFT and c < lo):
+                            s[4 * n + x] = NEG_INF
+                        elif USER_MASK and hidden(bits, 4 * n + x):  # (bits: 0 outside partial tiles)
+                            s[4 * n + x] = NEG_INF
         mx0 = NEG_INF
         mx1 = NEG_INF
         for n in range(NS // 4):
