@@ -5,7 +5,8 @@ loop, in the order of the backward branches, that holds a tensor-core instructio
 
     FLASHNUMBA_SIMULATOR=0 python scripts/masked_tile_counts.py [--head-dims 64 128] [--backward]
 
-``--backward``: the Hopper backward's dQ and dK/dV kernels (sm_90a) instead.
+``--backward``: the backward's dQ and dK/dV kernels instead (the ``mma.sync`` ones for sm_80, the Hopper ones for
+sm_90a).
 """
 
 import argparse
@@ -29,8 +30,6 @@ def main():
     args = ap.parse_args()
     for d in args.head_dims:
         for (arch, device), kernel, opts in CASES:
-            if args.backward and kernel != "wgmma":
-                continue
             for plan, s in launches(d, device, kernel, opts, args.backward):
                 report(plan, s, arch, kernel, d, opts)
 

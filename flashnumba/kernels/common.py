@@ -228,9 +228,38 @@ def make_query_column_bounds(B, has_left, has_right):
     return query_column_bounds
 
 
+@functools.lru_cache(maxsize=None)
+def make_tile_bounds(B, has_left, has_right, keys_are_rows):
+    """tile_bounds(row, col0, seqlen_q, seqlen_k, diag, left, right) -> (lo, hi): the entries of a tile's row that
+    lie within the sequences and the band, as a lane's columns lo <= c < hi (keys or queries col0 + c, clamped to
+    0 .. B): rows are queries and columns keys (:func:`make_column_bounds`), or, where ``keys_are_rows`` (the
+    backward's S^T), rows keys and columns queries (:func:`make_query_column_bounds`); a row past its sequence keeps
+    none. The lower bound is 0 unless the window floors the columns (``has_left`` for keys, ``has_right`` for
+    queries)."""
+    if keys_are_rows:
+        bounds = make_query_column_bounds(B, has_left, has_right)
+    else:
+        bounds = make_column_bounds(B, has_left, has_right)
+
+    @cuda.jit(device=True, inline=True)
+    def tile_bounds(row, col0, seqlen_q, seqlen_k, diag, left, right):
+        if keys_are_rows:
+            lo, hi = bounds(row, col0, seqlen_q, diag, left, right)
+            if row >= seqlen_k:
+                hi = int32(0)
+        else:
+            lo, hi = bounds(row, col0, seqlen_k, diag, left, right)
+            if row >= seqlen_q:
+                hi = int32(0)
+        return lo, hi
+
+    return tile_bounds
+
+
 def make_outside(has_left, has_right):
     """outside(i, j, seqlen_q, seqlen_k, diag, left, right): whether the entry of query i and key j lies past a
-    sequence or out of the query's band (keys i + diag - left .. i + diag + right): the backward kernels' mask."""
+    sequence or out of the query's band (keys i + diag - left .. i + diag + right): the `mma.sync` backward's mask
+    (its dK/dV kernel at d = 128 spilled with :func:`make_tile_bounds`)."""
 
     @cuda.jit(device=True, inline=True)
     def outside(i, j, seqlen_q, seqlen_k, diag, left, right):

@@ -83,13 +83,13 @@ from __future__ import annotations
 
 import functools
 
-from .scalars import float16, float32, int32, int64, uint16, uint32, uint64
+from .scalars import float16, float32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .block_mask import make_block_full
-from .common import (LOG2E, NEG_INF, dropout_uniform, make_column_bounds, make_key_tiles, make_query_column_bounds,
-                     make_sequence_geometry, make_user_mods)
+from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_sequence_geometry, make_tile_bounds,
+                     make_user_mods)
 from .mma_backward import _store_bf16, make_entry, make_stats
 from .wgmma_forward import (HEAD_DIMS, STAGES, TMA_HEAD_DIMS, check_block_mask, init_stages, make_key_walk,
                             make_load_core, make_load_stage, make_swizzled_products, make_tma_producer, publish_tile,
@@ -268,29 +268,21 @@ def make_mask_tile(NS, has_left, has_right, keys_are_rows):
     ``keys_are_rows`` (the dK/dV kernel's S^T). Both kernels compute a tile's entries unmasked and call this only
     for the tiles that reach past a sequence or a band (the forward's way): with the tests inside the loop over the
     entries, the compiler turns their branch into predicated instructions that every tile would then execute. Each
-    row's entries that stay are its columns lo <= c < hi (:func:`~flashnumba.kernels.common.make_column_bounds`,
+    row's entries that stay are its columns lo <= c < hi (:func:`~flashnumba.kernels.common.make_tile_bounds`,
     computed once a row), so that each entry compares its compile-time column with them."""
-    cols = 2 * NS  # (a lane's columns: c = 8 n + (e & 1) for n < NS / 4)
-    if keys_are_rows:  # (columns are queries: the window's right bound floors them)
-        bounds, floored = make_query_column_bounds(cols, has_left, has_right), has_right
-    else:
-        bounds, floored = make_column_bounds(cols, has_left, has_right), has_left
+    bounds = make_tile_bounds(2 * NS, has_left, has_right, keys_are_rows)  # (columns c = 8 n + (e & 1), n < NS / 4)
+    floored = has_right if keys_are_rows else has_left  # (the window floors queries, or keys)
 
     @cuda.jit(device=True, inline=True)
     def mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, diag, left, right):
-        rows_end, cols_end = (seqlen_k, seqlen_q) if keys_are_rows else (seqlen_q, seqlen_k)
-        lo0, hi0 = bounds(row0, col0, cols_end, diag, left, right)
-        lo1, hi1 = bounds(row0 + 8, col0, cols_end, diag, left, right)
-        if row0 >= rows_end:  # (a row past its sequence: none of it stays)
-            hi0 = int32(0)
-        if row0 + 8 >= rows_end:
-            hi1 = int32(0)
-        for n in range(NS // 4):
-            for e in range(4):
-                c = 8 * n + (e & 1)
-                if c >= (hi0 if e < 2 else hi1) or (floored and c < (lo0 if e < 2 else lo1)):
-                    x[4 * n + e] = float32(0.0)
-                    y[4 * n + e] = float32(0.0)
+        for half in range(2):  # (rows row0, then row0 + 8: one row's bounds live at a time)
+            lo, hi = bounds(row0 + 8 * half, col0, seqlen_q, seqlen_k, diag, left, right)
+            for n in range(NS // 4):
+                for e in range(2 * half, 2 * half + 2):
+                    c = 8 * n + (e & 1)
+                    if c >= hi or (floored and c < lo):
+                        x[4 * n + e] = float32(0.0)
+                        y[4 * n + e] = float32(0.0)
 
     return mask_tile
 
