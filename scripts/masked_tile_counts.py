@@ -3,8 +3,9 @@ the planner's tiles: the Hopper forward for sm_90a, the ``mma.sync`` forward for
 the test extra). Each line: kernel, head dim, options, tiles, the kernel's instructions, its tile loop (the first
 loop, in the order of the backward branches, that holds a tensor-core instruction), registers, spilled bytes.
 
-    FLASHNUMBA_SIMULATOR=0 python scripts/masked_tile_counts.py [--head-dims 64 128] [--backward]
+    FLASHNUMBA_SIMULATOR=0 python scripts/masked_tile_counts.py [--head-dims 64 128] [--backward | --many-options]
 
+``--many-options``: the ``mma.sync`` forward with several options at once (a window, softcap, ALiBi, dropout).
 ``--backward``: the backward's dQ and dK/dV kernels instead (the ``mma.sync`` ones for sm_80, the Hopper ones for
 sm_90a).
 """
@@ -21,17 +22,22 @@ from flex_sass_counts import instructions, loop_bodies  # (scripts/)
 CASES = ((((8, 0), "sm_80"), "tc", dict(causal=True)), (((8, 0), "sm_80"), "tc", dict(window_size=(100, 7))),
          (((9, 0, "a"), "sm_90"), "wgmma", dict(causal=True)),
          (((9, 0, "a"), "sm_90"), "wgmma", dict(window_size=(100, 7))))
+SLOPES = np.ones(2, np.float32)
+MANY = ((((8, 0), "sm_80"), "tc", dict(window_size=(8, 3), softcap=5.0, alibi_slopes=SLOPES, dropout_p=0.1)),
+        (((8, 0), "sm_80"), "tc", dict(causal=True, softcap=5.0, alibi_slopes=SLOPES, dropout_p=0.1)),
+        (((8, 0), "sm_80"), "tc", dict(causal=True, dropout_p=0.1)))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--many-options", action="store_true", help="the mma.sync forward with several options at once")
     args = ap.parse_args()
     for d in args.head_dims:
-        for (arch, device), kernel, opts in CASES:
+        for (arch, device), kernel, opts in MANY if args.many_options else CASES:
             for plan, s in launches(d, device, kernel, opts, args.backward):
-                report(plan, s, arch, kernel, d, opts)
+                report(plan, s, arch, kernel, d, {k: v for k, v in opts.items() if k != "alibi_slopes"})
 
 
 def launches(d, device, kernel, opts, backward):
