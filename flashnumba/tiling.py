@@ -419,12 +419,14 @@ def _wgmma_three_for_variant(t: Tiles, variant, given, D) -> tuple[Tiles, str]:
     """:func:`wgmma_for_variant` for three warpgroups (block_m 192, always with the producer warpgroup: 160
     registers a thread that computes): 128 keys' scores fit beside O at head_dim 64 and below with no per-score
     option, a window's bounds aside; softcap, ALiBi or dropout (76-196 bytes spilled compiled for sm_90a) and larger
-    head dims (144 at 96) take B_c 64; more than two options (the window's bounds counted apart) B_c 32 (all but
-    varlen beside 64 keys' scores spilled 8 bytes with the masked tiles' column bounds)."""
+    head dims (144 at 96) take B_c 64; more than two options (the window's bounds counted apart; packed sequences
+    are refused at these tiles) B_c 32: every option but varlen, and a right bound with softcap and dropout, beside
+    64 keys' scores spilled 8 bytes with the masked tiles' column bounds (some others of three or four options did
+    not: the rule is the safe side)."""
     _, _, softcap, alibi, _, dropout = variant
     if "block_n" in given:
         return t, ""
-    if sum(bool(x) for x in variant) > 2 and t.block_n > 32:
+    if sum(bool(x) for k, x in enumerate(variant) if k != 4) > 2 and t.block_n > 32:  # (4: varlen)
         return t._replace(block_n=32), ("B_c 32: with three warpgroups, more than two options' per-score work beside "
                                         "64 keys' scores needs more than their 160 registers")
     if t.block_n <= 64 or not (softcap or alibi or dropout or (D or 0) > 64):
