@@ -821,9 +821,8 @@ def _fewer_keys(table: str, D: int, t: Tiles, limits: DeviceLimits):
         try:
             check(table, D, smaller)
         except ValueError:
-            n //= 2
-            continue
-        if fits(table, D, smaller, limits):
+            smaller = None
+        if smaller is not None and fits(table, D, smaller, limits):
             return smaller
         n //= 2
     return None

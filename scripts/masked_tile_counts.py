@@ -64,5 +64,6 @@ def report(plan, s, arch, kernel, d, opts):
     print(f"{kernel:5s} {s.name:12s} d={d} {opts} tiles={tuple(s.tiles)}: {len(found)} instructions, tile loop "
           f"{len(loop)}; {r['registers']} registers, {r['spill_stores']} bytes spilled", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -193,7 +193,9 @@ def make_column_bounds(B_c, has_left, has_right):
     """column_bounds(i, col0, seqlen_k, diag, left, right) -> (lo, hi): the keys col0 + c that query row i sees,
     as the columns lo <= c < hi of a lane whose columns of the tile start at key col0 (both int32, clamped to
     0 .. B_c). The masked tiles' loops then test each score's compile-time column c against the row's two bounds,
-    one 32-bit comparison a bound, instead of the key's 64-bit index against the sequence's end and the band."""
+    one 32-bit comparison a bound, instead of the key's 64-bit index against the sequence's end and the band.
+    Transposed (rows keys j, columns queries): key j is seen by the queries j - diag - right .. j - diag + left,
+    the same band with diag negated and the bounds exchanged (:func:`make_tile_bounds`)."""
 
     @cuda.jit(device=True, inline=True)
     def column_bounds(i, col0, seqlen_k, diag, left, right):
@@ -209,42 +211,20 @@ def make_column_bounds(B_c, has_left, has_right):
 
 
 @functools.lru_cache(maxsize=None)
-def make_query_column_bounds(B, has_left, has_right):
-    """query_column_bounds(j, col0, seqlen_q, diag, left, right) -> (lo, hi): :func:`make_column_bounds` for the
-    transposed tiles (S^T: rows are keys, a lane's columns the queries col0 + c). Query i sees keys i + diag - left
-    .. i + diag + right, so key j is seen by the queries j - diag - right .. j - diag + left (within the
-    sequence): the window's left bound caps the columns, its right bound floors them."""
-
-    @cuda.jit(device=True, inline=True)
-    def query_column_bounds(j, col0, seqlen_q, diag, left, right):
-        hi = seqlen_q - col0
-        if has_left:
-            hi = min(hi, j - diag + left + 1 - col0)
-        lo = hi - hi  # (0 of hi's type)
-        if has_right:
-            lo = j - diag - right - col0
-        return int32(min(max(lo, 0), B)), int32(min(max(hi, 0), B))
-
-    return query_column_bounds
-
-
-@functools.lru_cache(maxsize=None)
 def make_tile_bounds(B, has_left, has_right, keys_are_rows):
     """tile_bounds(row, col0, seqlen_q, seqlen_k, diag, left, right) -> (lo, hi): the entries of a tile's row that
     lie within the sequences and the band, as a lane's columns lo <= c < hi (keys or queries col0 + c, clamped to
     0 .. B): rows are queries and columns keys (:func:`make_column_bounds`), or, where ``keys_are_rows`` (the
-    backward's S^T), rows keys and columns queries (:func:`make_query_column_bounds`); a row past its sequence keeps
-    none. The lower bound is 0 unless the window floors the columns (``has_left`` for keys, ``has_right`` for
-    queries)."""
-    if keys_are_rows:
-        bounds = make_query_column_bounds(B, has_left, has_right)
-    else:
-        bounds = make_column_bounds(B, has_left, has_right)
+    backward's S^T), rows keys and columns queries (the same, diag negated and the window's bounds exchanged: the
+    left one caps the queries, the right one floors them); a row past its sequence keeps none. The lower bound is 0
+    unless the window floors the columns (``has_left`` for keys, ``has_right`` for queries)."""
+    bounds = make_column_bounds(B, has_right, has_left) if keys_are_rows else make_column_bounds(B, has_left,
+                                                                                                   has_right)
 
     @cuda.jit(device=True, inline=True)
     def tile_bounds(row, col0, seqlen_q, seqlen_k, diag, left, right):
         if keys_are_rows:
-            lo, hi = bounds(row, col0, seqlen_q, diag, left, right)
+            lo, hi = bounds(row, col0, seqlen_q, -diag, right, left)
             if row >= seqlen_k:
                 hi = int32(0)
         else:
