@@ -813,16 +813,14 @@ def resolve(table: str, D: int, limits: DeviceLimits, block_m=None, block_n=None
 
 
 def _fewer_keys(table: str, D: int, t: Tiles, limits: DeviceLimits):
-    """t with the largest key tile below its own (halved, down to 16) that the family accepts and the device's
-    shared memory holds; None where none does."""
-    n = t.block_n // 2
-    while n >= 16:
+    """t with the largest key tile below its own (a multiple of 16, down to 16) that the family accepts and the
+    device's shared memory holds; None where none does."""
+    for n in range((t.block_n - 1) // 16 * 16, 15, -16):
         smaller = threads_of(table, t._replace(block_n=n), D)
         try:
             check(table, D, smaller)
         except ValueError:
-            smaller = None
-        if smaller is not None and fits(table, D, smaller, limits):
+            continue
+        if fits(table, D, smaller, limits):
             return smaller
-        n //= 2
     return None
