@@ -49,6 +49,7 @@ def _key(tag, arrays, options):
     try:
         meta = _arrays.meta_key
         return (tag, config.hopper_tma, config.hopper_exchange, config.hopper_persistent, config.hopper_3xtf32,
+                config.hopper_overlap,
                 tuple([None if x is None else meta(x) for x in arrays]), _typed(options))
     except (TypeError, AttributeError, ValueError, ImportError):
         return None

@@ -36,6 +36,13 @@ rows see about as many keys as any other pair's, and copy the next tile's Q_i un
 they gained nothing over the per-tile blocks (docs/benchmarks.md, "Persistent blocks"). Kept plans as for
 ``hopper_tma``.
 
+``hopper_overlap``: the Hopper forward with tensor-map copies and two warpgroups (the default for sequences of equal
+length below head_dim 256) ends each tile's softmax (the wait for the running O += P V, O's rescaling, P packed) at
+the top of the next iteration, behind the wait for the next tile's copies, so that the softmax runs beside the
+product in flight, as the module docstring's pipeline draws it; False (the default) ends it where the softmax does,
+where the assembler takes the wait above the exponentials
+(:func:`flashnumba.kernels.wgmma_forward.make_forward_wgmma`, ``finish_tile``). Kept plans as for ``hopper_tma``.
+
 ``hopper_3xtf32``: None (the default) runs the 3xTF32 forward and backward (``precision="3xtf32"``) on ``mma.sync``
 everywhere; "chained" or "per_step" runs them, on compute capability 9.0, on Hopper's wgmma
 (:mod:`flashnumba.kernels.wgmma_tf32`, :mod:`flashnumba.kernels.wgmma_tf32_backward`) with that accumulation.
@@ -58,6 +65,7 @@ check_cache_values = False
 hopper_tma = True
 hopper_exchange = True
 hopper_persistent = False
+hopper_overlap = False
 hopper_3xtf32 = None
 
 
@@ -65,7 +73,7 @@ hopper_3xtf32 = None
 def temporarily(name, value):
     """``flashnumba.config.<name>`` set to ``value`` within the block, what it was restored after."""
     if name not in ("poison_outputs", "warn_slow_path", "check_device_values", "check_cache_values", "hopper_tma",
-                    "hopper_exchange", "hopper_persistent", "hopper_3xtf32"):
+                    "hopper_exchange", "hopper_persistent", "hopper_overlap", "hopper_3xtf32"):
         raise ValueError(f"flashnumba.config has no setting {name!r}")
     module = globals()
     saved = module[name]

@@ -713,7 +713,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
         launch = KernelLaunch("forward wgmma", table, wgmma_forward.make_forward_wgmma,
                               (D, opts.variant, t.block_n, t.block_m // 64, _dtype_name(dt), nk != nheads,
                                opts.scale > 0, producer, tma, opts.mods,
-                               None if opts.block_mask is None else opts.block_mask[:2], persistent),
+                               None if opts.block_mask is None else opts.block_mask[:2], persistent,
+                               config.hopper_overlap),
                               io + ("scale_q",) + OPTION_PARAMS + ("maps",) + MOD_PARAMS + BLOCK_MASK_PARAMS[:3],
                               grid, (t.num_threads,), smem, t,
                               (f"{reason}; tiles copied by the copy engine (tensor maps)"

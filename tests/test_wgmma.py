@@ -109,6 +109,30 @@ def test_persistent_blocks_carry_the_pipeline_across_work_items(monkeypatch, cas
         assert not to_numpy(out)[:, :200].any() and np.isneginf(to_numpy(lse)[:, :, :200]).all()
 
 
+@pytest.mark.parametrize("case", ["causal", "gqa and options", "one tile"])
+def test_overlap_gives_the_same_bits(monkeypatch, case):
+    """config.hopper_overlap (each tile's softmax ended at the top of the next iteration) computes what the default
+    does, bit for bit: causal rows over three key tiles (the stages come round; rows without keys), GQA with softcap,
+    ALiBi and a window over two, and a single key tile (the last P V straight after the first softmax)."""
+    rng = np.random.default_rng(41)
+    if case == "causal":
+        q, k, v = random_qkv(rng, 1, 200, 300, 1, 64, np.float16)
+        opts = dict(causal=True)
+    elif case == "gqa and options":
+        q, k, v = random_qkv(rng, 1, 130, 200, 4, 32, np.float16)
+        k, v = k[:, :, :2].copy(), v[:, :, :2].copy()
+        opts = dict(softcap=2.5, alibi_slopes=np.array([0.3, 0.7, 0.1, 0.5], np.float32), window_size=(90, 20))
+    else:
+        q, k, v = random_qkv(rng, 2, 70, 100, 1, 64, np.float16)
+        opts = {}
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+    monkeypatch.setattr(flashnumba.config, "hopper_overlap", True)
+    out_o, lse_o = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+    check_forward(out_o, lse_o, q, k, v, **opts)
+    assert np.array_equal(to_numpy(lse_o), to_numpy(lse)), "lse"
+    assert np.array_equal(to_numpy(out_o).view(np.uint16), to_numpy(out).view(np.uint16)), "out"
+
+
 def test_persistent_blocks_where_the_plan_takes_them(monkeypatch):
     """config.hopper_persistent reaches the forwards that copy with tensor maps, grid (min(pairs of query tiles, SMs),)
     (132 on sm_90), but for ALiBi at head_dim 128 with 128 keys a tile (wgmma_forward.takes_persistent: its
@@ -451,7 +475,19 @@ from flashnumba.kernels.common import Variant
 cases = [(128, 128, 2, "float16", Variant(), False, "tma"), (64, 128, 2, "bfloat16", Variant(), True, "tma"),
          (128, 64, 2, "float16", Variant(), False, 4),
          (64, 128, 2, "float16", Variant(False, True), False, "persistent"),
-         (64, 128, 3, "float16", Variant(False, True), False, "tma")]  # (three warpgroups: 160 registers a thread)
+         (64, 128, 3, "float16", Variant(False, True), False, "tma"),  # (three warpgroups: 160 registers a thread)
+         (64, 128, 2, "float16", Variant(False, True), False, "overlap")]  # (config.hopper_overlap)
+if FULL:
+    # config.hopper_overlap: S_ij held beside the packed P in flight (with tensor maps; "overlap4": the producer's
+    # per-thread copies, which keep the softmax's end where it is)
+    cases += [(128, 128, 2, "float16", Variant(), False, "overlap"),
+              (128, 128, 2, "bfloat16", Variant(True, True, True, True, False, True), True, "overlap"),
+              (64, 128, 2, "bfloat16", Variant(True, True, True, False, False, False), False, "overlap"),
+              (96, 128, 2, "float16", Variant(False, True, False, True, False, False), False, "overlap"),
+              (32, 128, 2, "float16", Variant(), True, "overlap"),
+              (160, 64, 2, "float16", Variant(False, True), False, "overlap"),
+              (128, 64, 2, "bfloat16", Variant(False, False, False, False, True, True), True, "overlap4"),
+              (224, 64, 2, "float16", Variant(False, True, False, False, True, False), True, "overlap4")]
 if FULL:
     # three warpgroups at the tiles the plan gives them (tiling._wgmma_three_for_variant)
     cases += [(64, 128, 3, "bfloat16", Variant(True, True), True, "tma"),
@@ -498,10 +534,12 @@ if FULL:
               (256, 32, 2, "float16", Variant(True, True, True, True, True, True), True, False)]
 out = {}
 for D, n, wg, dt, var, gqa, producer in cases:
-    tma = producer in ("tma", "persistent")
+    tma = producer in ("tma", "persistent", "overlap")
     persistent = producer == "persistent"
-    producer = 4 if tma else int(producer)
-    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, producer, tma, persistent=persistent)
+    overlap = producer in ("overlap", "overlap4")
+    producer = 4 if tma or overlap else int(producer)
+    fn = wgmma_forward.make_forward_wgmma(D, var, n, wg, dt, gqa, True, producer, tma, persistent=persistent,
+                                          overlap=overlap)
     nt = wgmma_forward.threads(wg, producer)
     el = "uint16" if dt == "bfloat16" else "float16"
     a4 = f"{el}[:, :, :, ::1]"
@@ -511,7 +549,8 @@ for D, n, wg, dt, var, gqa, producer in cases:
            f"float32[:], float32[:], int32[:, :, :], int32[:, :, :, :], int8[:, :, :, :])")
     whole = wgmma_forward.rebalances(wg, producer)  # (as the planner compiles it: _launch.compile_kernel)
     cubin, log, ptx = _launch.build(fn.py_func, sig, (9, 0, "a"), _launch.bounds(nt, whole), whole)
-    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer} tma={tma} persistent={persistent}"] = dict(
+    out[f"{dt} D={D} B_c={n} {var} gqa={gqa} producer={producer} tma={tma} persistent={persistent}"
+        f"{' overlap' if overlap else ''}"] = dict(
         ptx=ptx, log=log, whole=whole, tma=tma, take=wgmma_forward.REGISTERS.get(wg, (0, 0))[1], unread=unread(cubin),
         **_launch.resources_from_log(log))
 print(json.dumps(out))
@@ -524,7 +563,7 @@ def test_wgmma_forward_compiles_for_sm90a():
     registers apart)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     compiled = compile_offline(f"FULL = {FULL_COMPILE!r}\n{UNREAD}{COMPILE}")
-    assert len(compiled) == (38 if FULL_COMPILE else 5)
+    assert len(compiled) == (47 if FULL_COMPILE else 6)
     for name, r in compiled.items():
         assert ".target sm_90a" in r["ptx"]
         copies = (("cp.async.bulk.tensor.4d.shared::cluster.global.tile", "fence.proxy.tensormap::generic.acquire")
@@ -683,6 +722,29 @@ def test_drawn_persistent_blocks_give_the_same_bits_gpu(part, batch, nheads_k, g
         flashnumba.planner.persistent_blocks = saved
     assert np.array_equal(to_numpy(lse_p), to_numpy(lse)), "lse"
     assert np.array_equal(to_numpy(out_p).view(np.uint16), to_numpy(out).view(np.uint16)), "out"
+
+
+@gpu_only
+@pytest.mark.parametrize("part", range(SHARDS // 2))
+@shard(SHARDS // 2)
+@given(batch=st.integers(1, 3), nheads_k=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+       seqlen_q=st.integers(1, 1200), seqlen_k=st.integers(1, 1200), D=st.sampled_from([32, 64, 96, 128, 160]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), causal=st.booleans(), window=st.sampled_from(WINDOWS),
+       softcap=st.sampled_from(SOFTCAPS), alibi=st.booleans(), dropout=st.sampled_from(DROPOUTS),
+       seed=st.integers(0, 2**32 - 1))
+def test_drawn_overlap_gives_the_same_bits_gpu(part, batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal,
+                                               window, softcap, alibi, dropout, seed):
+    """config.hopper_overlap over drawn shapes and options at the default tiles: the same operations in the same
+    order, each tile's softmax ended a step later, so out and lse equal the default's bit for bit, and both pass
+    the reference's check."""
+    rng, q, k, v, opts, ref = drawn_case(batch, nheads_k, group, seqlen_q, seqlen_k, D, dtype, causal, window,
+                                         softcap, alibi, dropout, seed)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+    check_forward(out, lse, q, k, v, **ref)
+    with flashnumba.config.temporarily("hopper_overlap", True):
+        out_o, lse_o = flashnumba.flash_attn_forward(q, k, v, kernel="wgmma", **opts)
+    assert np.array_equal(to_numpy(lse_o), to_numpy(lse)), "lse"
+    assert np.array_equal(to_numpy(out_o).view(np.uint16), to_numpy(out).view(np.uint16)), "out"
 
 
 @gpu_only

@@ -512,7 +512,7 @@ def make_tma_producer(D, first_maps, first_rows, first_gap, stage_rows, stage_at
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, positive_scale=True, producer=0,
-                       tma=False, mods=None, block_mask=None, persistent=False):
+                       tma=False, mods=None, block_mask=None, persistent=False, overlap=False):
     """The Hopper forward kernel for head_dim D (:data:`HEAD_DIMS`), B_c keys a tile (:data:`BLOCK_NS`), ``warpgroups``
     warpgroups of 64 query rows (B_r = 64 warpgroups), ``dtype`` "float16" or "bfloat16", and the options of ``variant``
     (:class:`flashnumba.kernels.common.Variant`: window bounds, softcap, ALiBi, varlen, dropout) compiled in as in
@@ -530,7 +530,9 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     holding the tensor maps of q, k and v (:mod:`flashnumba._tensormap`); without, ``maps`` is not read. Launch: grid
     (ceil(max_seqlen_q / B_r), batch * nheads), block (:func:`threads`,), dynamic shared memory :func:`shared_bytes`.
     ``persistent`` (with ``tma``): grid (G,) for any G up to the ceil(ceil(seqlen_q / B_r) / 2) batch nheads pairs of
-    query tiles, each block taking pair blockIdx.x and every G-th after it (module docstring: persistent blocks)."""
+    query tiles, each block taking pair blockIdx.x and every G-th after it (module docstring: persistent blocks).
+    ``overlap``: with tensor-map copies and two warpgroups below head_dim 256, each tile's softmax ends at the top
+    of the next iteration (:func:`finish_tile`), so that it runs beside the product in flight."""
     check(D, 64 * warpgroups, B_c, threads(warpgroups, producer))
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
@@ -566,6 +568,12 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     REBALANCE = rebalances(warpgroups, producer)
     GIVE, TAKE = REGISTERS.get(warpgroups, (0, 0))  # (with REBALANCE) the producer's registers, the consumers'
     PERSIST = bool(persistent)
+    # ``overlap``: with tensor-map copies and two warpgroups a tile's softmax ends (finish_tile) at the top of the
+    # next iteration, with S_ij's registers held beside P packed for the product in flight; elsewhere it ends where
+    # the softmax does: three warpgroups' 160 registers a thread spilled 8 bytes at d = 64, causal, and at d = 256
+    # (O of 128 registers, with a window, softcap and ALiBi), with the per-thread copies (packed sequences with
+    # dropout at d = 128) and without a producer (d = 128 with every option) the assembler serialised the wgmma
+    FINISH_NEXT = bool(overlap) and TMA and warpgroups == 2 and D < 256
     if PERSIST and not TMA:
         raise ValueError("the wgmma forward is persistent only where it copies with tensor maps")
     Q_FREE = 2 * STAGES  # (persistent) the mbarrier of Q_i's buffer: every consumer thread done with it
@@ -665,6 +673,19 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 s[4 * n + x] = p
         l[0] = alpha[0] * l[0] + ps0
         l[1] = alpha[1] * l[1] + ps1
+
+    @cuda.jit(device=True, inline=True)
+    def finish_tile(o, pa, s, alpha, bars, jt_retired, retired):
+        """The end of a tile's softmax: wait for the P V in flight (that of tile jt_retired, whose buffer this
+        thread then releases where ``retired``), O_i *= alpha, P_ij packed (:func:`rescale_and_pack`). Taken at the
+        top of the next iteration (``FINISH_NEXT``), behind the wait for the next tile's copies: the wait for the
+        product names none of the registers the softmax's exponentials write, and the assembler issues an
+        instruction as early as its block allows, so that at the end of the softmax, in the same block, it took the
+        wait above the exponentials and the softmax no longer ran beside the product."""
+        wait_o(0, o)
+        if retired:
+            tile_done(bars, jt_retired)
+        rescale_and_pack(o, pa, s, alpha)
 
     @cuda.jit(device=True, inline=True)
     def rescale_and_pack(o, pa, s, alpha):
@@ -930,7 +951,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 q_read(bars, n_tiles == 1)
                 softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
                              scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
-                rescale_and_pack(o, pa, s, alpha)
+                if not FINISH_NEXT:
+                    rescale_and_pack(o, pa, s, alpha)
             # Tile j: S_ij issued, O_i += P_i,j-1 V_j-1 issued behind it, the softmax of S_ij while that runs. The
             # tile's first key and whether the mask_mod runs there are read a tile ahead (with a block mask, loads
             # from its lists), behind the products, so that their latency does not stand before each tile's mask
@@ -944,6 +966,8 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 if not PRODUCER and jt + 1 < n_tiles:
                     j_next = first_key(jt + 1, n_start, qb, blocks)
                 tile_ready(smem, bars, g0 + jt, n_tiles, k, v, bb, k0 + j_next, k0 + seqlen_k, hk, tid)
+                if FINISH_NEXT:  # (tile j - 2's buffer, released here, is refilled only once ``empty`` says so)
+                    finish_tile(o, pa, s, alpha, bars, g0 + jt - 2, jt > 1)
                 my_turn(gw)
                 issue_s(s, q_addr, kv_addr, g0 + jt)
                 issue_pv(o, pa, kv_addr, g0 + jt - 1)
@@ -956,11 +980,12 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 q_read(bars, jt == n_tiles - 1)
                 softmax_tile(s, m, l, alpha, m_use, i0, r0, t, j0, b, h, nheads, seqlen_q, seqlen_k, diag, last_row,
                              scale_q, softcap, slope, left, right, p_drop, seed, offset, partial, bits, a0, a1, a2, a3)
-                wait_o(0, o)
-                tile_done(bars, g0 + jt - 1)
-                rescale_and_pack(o, pa, s, alpha)
+                if not FINISH_NEXT:
+                    finish_tile(o, pa, s, alpha, bars, g0 + jt - 1, True)
             # The last tile's P V
             if n_tiles > 0:
+                if FINISH_NEXT:
+                    finish_tile(o, pa, s, alpha, bars, g0 + n_tiles - 2, n_tiles > 1)
                 my_turn(gw)
                 issue_pv(o, pa, kv_addr, g0 + n_tiles - 1)
                 their_turn(gw)

@@ -190,8 +190,9 @@ _flashnumba_wgmma.dtypes = ("float16", "bfloat16")
 def _flashnumba_wgmma_setting(name, value):
     """The Hopper forward with ``config.<name> = value`` around each call, beside ``flashnumba_wgmma``:
     ``hopper_tma`` False (``flashnumba_wgmma_cp_async``: the producer's per-thread copies, what the copy engine's
-    tensor-map copies buy) or ``hopper_persistent`` True (``flashnumba_wgmma_persistent``: one block an SM taking the
-    query tiles in turn)."""
+    tensor-map copies buy), ``hopper_persistent`` True (``flashnumba_wgmma_persistent``: one block an SM taking the
+    query tiles in turn) or ``hopper_overlap`` True (``flashnumba_wgmma_overlap``: each tile's softmax beside the
+    product in flight)."""
 
     def make(q, k, v, dout, causal, window_size=(-1, -1)):
         opts = dict(causal=causal, window_size=window_size, kernel="wgmma")
@@ -367,6 +368,7 @@ def available_implementations(include_peers=True):
     impls["flashnumba_wgmma"] = _flashnumba_wgmma
     impls["flashnumba_wgmma_cp_async"] = _flashnumba_wgmma_setting("hopper_tma", False)
     impls["flashnumba_wgmma_persistent"] = _flashnumba_wgmma_setting("hopper_persistent", True)
+    impls["flashnumba_wgmma_overlap"] = _flashnumba_wgmma_setting("hopper_overlap", True)
     impls["flashnumba_wgmma_three"] = _flashnumba_wgmma_three
     impls["flashnumba_tf32"] = _flashnumba_tf32("tf32")
     impls["flashnumba_3xtf32"] = _flashnumba_tf32("3xtf32")
