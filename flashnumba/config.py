@@ -41,7 +41,9 @@ length below head_dim 256) ends each tile's softmax (the wait for the running O 
 the top of the next iteration, behind the wait for the next tile's copies, so that the softmax runs beside the
 product in flight, as the module docstring's pipeline draws it; False (the default) ends it where the softmax does,
 where the assembler takes the wait above the exponentials
-(:func:`flashnumba.kernels.wgmma_forward.make_forward_wgmma`, ``finish_tile``). Kept plans as for ``hopper_tma``.
+(:func:`flashnumba.kernels.wgmma_forward.make_forward_wgmma`, ``finish_tile``). Measured on an H100, it gained
+nothing without causality and lost up to 14% with it (docs/benchmarks.md, "The softmax beside the product"). Kept
+plans as for ``hopper_tma``.
 
 ``hopper_3xtf32``: None (the default) runs the 3xTF32 forward and backward (``precision="3xtf32"``) on ``mma.sync``
 everywhere; "chained" or "per_step" runs them, on compute capability 9.0, on Hopper's wgmma

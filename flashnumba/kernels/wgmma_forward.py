@@ -42,7 +42,10 @@ read), j and j + 1. Iteration j, one barrier::
     wait for group 2; O_i *= alpha; P_ij packed to 16 bits        (the A operand of the next iteration's group 2)
 
 and one more iteration after the last tile issues its P V alone. Two warpgroups share each K_j, V_j tile (half the
-shared-memory traffic a query row of one warpgroup alone would cost).
+shared-memory traffic a query row of one warpgroup alone would cost). In the machine code the assembler issues
+the wait for group 2 straight after that for group 1, above the softmax's exponentials (the wait names none of
+their registers); ``overlap`` (:func:`make_forward_wgmma`) keeps it below them, and measured with the ping-pong
+below it gained nothing (docs/benchmarks.md, "The softmax beside the product").
 
 **Warp specialisation** (``producer``). Above, every thread copies and a block-wide barrier a tile keeps the
 warpgroups in step: both run their softmax at the same time, and the tensor cores wait meanwhile. With a
