@@ -67,6 +67,15 @@ def plans(d, name, builtin, forward_only=False, n=1024, table_tiles=False):
     return [(forward, forward.launches[0])] + [(backward, s) for s in backward.launches[1:]]
 
 
+def compiled(plan, s, arch=(9, 0, "a")):
+    """(machine code as text, resources from the assembler's log) of launch ``s`` of ``plan`` compiled for ``arch``
+    as the planner would compile it (its launch bounds, whole program or not)."""
+    fn = s.factory(*s.factory_args)
+    cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(plan.arrays, plan.scalars))})", arch,
+                                  _launch.launch_bounds(s), s.whole_program)
+    return disassemble(cubin), _launch.resources_from_log(log)
+
+
 def instructions(sass):
     """[(address, text)] of the machine code, and {label: address}."""
     found, labels, pending = [], {}, []
@@ -117,12 +126,8 @@ def main():
     for d in args.head_dims:
         for builtin in (True, False) if cases(1024)[name][0] is not None else (False,):
             for p, s in plans(d, name, builtin, args.forward, table_tiles=args.table_tiles):
-                fn = s.factory(*s.factory_args)
-                cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})",
-                                              (9, 0, "a"), _launch.launch_bounds(s), s.whole_program)
-                sass = disassemble(cubin)
+                sass, r = compiled(p, s)
                 loop = tile_loop(sass)
-                r = _launch.resources_from_log(log)
                 what = f"built-in {name}" if builtin else f"{name} mod" + (" + block mask" if cases(1024)[name][3]
                                                                             is not None else "")
                 top = ", ".join(f"{k} {v}" for k, v in collections.Counter(map(opcode, loop)).most_common(8))

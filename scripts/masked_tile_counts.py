@@ -14,10 +14,9 @@ import argparse
 
 import numpy as np
 
-from flashnumba import _launch, _validate, planner
+from flashnumba import _validate, planner
 from flashnumba.api import check_forward_args
-from flashnumba.tools.sass import disassemble
-from flex_sass_counts import instructions, loop_bodies  # (scripts/)
+from flex_sass_counts import compiled, instructions, loop_bodies  # (scripts/)
 
 CASES = ((((8, 0), "sm_80"), "tc", dict(causal=True)), (((8, 0), "sm_80"), "tc", dict(window_size=(100, 7))),
          (((9, 0, "a"), "sm_90"), "wgmma", dict(causal=True)),
@@ -55,12 +54,9 @@ def launches(d, device, kernel, opts, backward):
 
 def report(plan, s, arch, kernel, d, opts):
     """One line: the launch's kernel compiled for ``arch``, its instructions, tile loop, registers and spills."""
-    fn = s.factory(*s.factory_args)
-    cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(plan.arrays, plan.scalars))})", arch,
-                                  _launch.launch_bounds(s), s.whole_program)
-    found, labels = instructions(disassemble(cubin))
+    sass, r = compiled(plan, s, arch)
+    found, labels = instructions(sass)
     loop = next((body for body in loop_bodies(found, labels) if any("MMA" in t for t in body)), [])
-    r = _launch.resources_from_log(log)
     print(f"{kernel:5s} {s.name:12s} d={d} {opts} tiles={tuple(s.tiles)}: {len(found)} instructions, tile loop "
           f"{len(loop)}; {r['registers']} registers, {r['spill_stores']} bytes spilled", flush=True)
 

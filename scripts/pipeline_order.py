@@ -12,10 +12,9 @@ import re
 
 import numpy as np
 
-from flashnumba import _launch, config, planner
+from flashnumba import config, planner
 from flashnumba.api import check_forward_args
-from flashnumba.tools.sass import disassemble
-from flex_sass_counts import tile_loop  # (scripts/)
+from flex_sass_counts import compiled, tile_loop  # (scripts/)
 
 KINDS = (("HGMMA", "HGMMA"), ("WARPGROUP.DEPBAR", "DEPBAR"), ("MUFU", "MUFU"), ("F2FP", "F2FP"), ("FMUL", "FMUL"),
          ("BAR", "BAR"), ("SYNCS", "SYNCS"), ("BRA", "BRA"))
@@ -50,11 +49,8 @@ def main():
             with config.temporarily("hopper_overlap", overlap):
                 plan = planner.forward_plan(tq, tk, tv, options, kernel="wgmma", device="sm_90")
             s = plan.launches[0]
-            fn = s.factory(*s.factory_args)
-            cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(plan.arrays, plan.scalars))})",
-                                          (9, 0, "a"), _launch.launch_bounds(s), s.whole_program)
-            loop = tile_loop(disassemble(cubin))
-            r = _launch.resources_from_log(log)
+            sass, r = compiled(plan, s)
+            loop = tile_loop(sass)
             print(f"d={d} causal={args.causal} overlap={overlap} tiles={tuple(s.tiles)}: {len(loop)} instructions, "
                   f"{r['registers']} registers, {r['spill_stores']} bytes spilled\n  {runs(loop)}")
 

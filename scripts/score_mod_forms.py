@@ -20,11 +20,10 @@ import argparse
 
 import numpy as np
 
-from flashnumba import _launch, _validate, planner
+from flashnumba import _validate, planner
 from flashnumba.api import check_forward_args
 from flashnumba.kernels import common, mma_backward, mma_forward, simt_backward, simt_forward
-from flashnumba.tools.sass import disassemble
-from flex_sass_counts import instructions, loop_bodies  # (scripts/: the machine code's instructions and loops)
+from flex_sass_counts import compiled, instructions, loop_bodies  # (scripts/: machine code, its instructions, loops)
 
 
 def loops(sass):
@@ -62,11 +61,8 @@ def main():
             fp = planner.forward_plan(tq, tk, tv, opts, kernel=kernel, device="sm_80")
             bp = planner.backward_plan(tdo, tq, tk, tv, to, tl, opts, kernel=None, device="sm_80")
             for p, s in [(fp, fp.launches[0])] + [(bp, x) for x in bp.launches[1:]]:
-                fn = s.factory(*s.factory_args)
-                cubin, log, _ = _launch.build(fn.py_func, f"void({', '.join(s.signature(p.arrays, p.scalars))})",
-                                              (8, 0), _launch.launch_bounds(s), s.whole_program)
-                total, lengths = loops(disassemble(cubin))
-                r = _launch.resources_from_log(log)
+                sass, r = compiled(p, s, (8, 0))
+                total, lengths = loops(sass)
                 print(f"{what} {np.dtype(dtype).name} d={d} {s.name:12s} tiles={tuple(s.tiles)}: {total} instructions, "
                       f"longest loop {max(lengths, default=0)}; {r['registers']} registers, {r['spill_stores']} bytes "
                       f"spilled", flush=True)
