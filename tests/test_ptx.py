@@ -172,6 +172,13 @@ def make_pack_kernel(pack):
 pack_f16_kernel = make_pack_kernel(ptx.pack_f16x2)
 pack_bf16_kernel = make_pack_kernel(ptx.pack_bf16x2)
 
+
+@cuda.jit
+def store_pairs_kernel(out, words):  # out (2, 3, 4, 8): 16-bit elements; words (48,): uint32
+    i = cuda.grid(1)
+    if i < words.size:  # word i: row i // 4 of out's last axis, columns 2 (i % 4) and 2 (i % 4) + 1
+        ptx.st_global_b32(out, 2 * i, words[i])
+
 # Every kernel above with its argument types, for the offline sm_90 compile
 SIGNATURES = {  # C-contiguous arrays, as a launch with contiguous device arrays types them
     "mma_f16_kernel": "void(uint16[:, ::1], uint16[:, ::1], float32[:, ::1], float32[:, ::1])",
@@ -181,6 +188,7 @@ SIGNATURES = {  # C-contiguous arrays, as a launch with contiguous device arrays
     "cp_async_kernel": "void(float32[::1], float32[::1], float32[::1])",
     "pack_f16_kernel": "void(float32[::1], float32[::1], uint32[::1])",
     "pack_bf16_kernel": "void(float32[::1], float32[::1], uint32[::1])",
+    "store_pairs_kernel": "void(float16[:, :, :, ::1], uint32[::1])",
     "shfl_kernel": "void(float32[:, ::1], float32[:, ::1])",
     "tf32_kernel": "void(float32[::1], uint32[::1], uint32[::1], uint32[::1])",
     "mma_tf32_kernel": "void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1])",
@@ -325,6 +333,22 @@ def test_pack_keeps_nan(kernel, exponent_mask):
     for bits in (got_lo[[0, 2]], got_hi[[0, 2]]):
         mantissa_mask = 0x7FFF ^ exponent_mask
         assert ((bits & exponent_mask) == exponent_mask).all() and ((bits & mantissa_mask) != 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.uint16])
+def test_st_global_b32_stores_a_packed_pair(dtype):
+    """Word i lands in elements 2 i (its bits 0-15) and 2 i + 1 (bits 16-31) of a 4-D C-contiguous array, as the
+    Hopper forward stores O: one store for a lane's two neighbouring columns; the other half of the array, written
+    by no lane, keeps its NaN."""
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**32, 48, dtype=np.uint64).astype(np.uint32)
+    out = np.full((2, 3, 4, 8), 0x7E00, np.uint16).view(dtype)
+    dev = cuda.to_device(out)
+    store_pairs_kernel[2, 32](dev, cuda.to_device(words))
+    got = dev.copy_to_host().view(np.uint16).reshape(-1)
+    np.testing.assert_array_equal(got[0:96:2], words & 0xFFFF)
+    np.testing.assert_array_equal(got[1:96:2], words >> 16)
+    assert (got[96:] == 0x7E00).all()
 
 
 def test_bf16_reference_against_float64_rounding():
@@ -488,6 +512,7 @@ def test_kernels_compile_for_sm90():
                             "cp.async.wait_all"],
         "pack_f16_kernel": ["cvt.rn.f16x2.f32"],
         "pack_bf16_kernel": ["cvt.rn.bf16x2.f32"],
+        "store_pairs_kernel": ["st.global.b32"],
         "shfl_kernel": ["shfl.sync.bfly.b32"],
         "tf32_kernel": ["cvt.rna.tf32.f32"],
         "mma_tf32_kernel": ["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32"],

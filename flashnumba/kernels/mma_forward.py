@@ -63,7 +63,7 @@ from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, m
                      make_online_softmax, make_score_mod, make_sequence_geometry, make_user_score_within)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
-from .scalars import float16, float32, uint16, uint32, uint64
+from .scalars import float16, float32, int32, uint16, uint32, uint64
 
 
 def shared_bytes(D, B_c, B_r):
@@ -290,7 +290,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
                     lo1, hi1 = column_bounds(i0 + r0 + 16 * w + g + 8, j0 + 2 * t, seqlen_k, diag, left, right)
                     for n in range(NS):
                         for x in range(4):
-                            c = 8 * n + (x & 1)
+                            c = int32(8 * n + (x & 1))  # (int32 like the bounds: a 64-bit constant widens each test)
                             if c >= (hi0 if x < 2 else hi1) or (HAS_LEFT and c < (lo0 if x < 2 else lo1)):
                                 s[w, n, x] = NEG_INF
                             elif partial and hidden(bits, (w * NS + n) * 4 + x):

@@ -30,6 +30,7 @@ gets is chosen once, at import, from ``flashnumba._backend.SIMULATOR``.
 | ``exp2_ftz(x)`` | ``ex2.approx.ftz.f32`` | float32 -> 2^x, results below 2^-126 flushed to 0 |
 | ``rcp_approx(x)`` | ``rcp.approx.ftz.f32`` | float32 -> 1 / x within an ulp, with no subroutine |
 | ``red_add_f32x2(a, i, x, y)`` | ``red.global.add.v2.f32`` (sm_90) | a[i] += x, a[i + 1] += y, atomically |
+| ``st_global_b32(a, i, bits)`` | ``st.global.b32`` | a packed uint32 -> a[i], a[i + 1] (16-bit a) |
 
 Registers. A "packed" uint32 holds two 16-bit values: the element with the smaller column (or row) index in
 bits 0-15, the other in bits 16-31, which is how two consecutive 16-bit elements lie in memory.
@@ -364,6 +365,20 @@ def _sim_red_add_f32x2(ary, index, x, y):
     with _red_lock:
         flat[int(index)] += np.float32(x)
         flat[int(index) + 1] += np.float32(y)
+
+
+def _sim_st_global_b32(ary, index, bits):
+    """Store the packed uint32 ``bits`` into the 16-bit elements ``ary.flat[index]`` (bits 0-15) and
+    ``ary.flat[index + 1]`` (bits 16-31) of a C-contiguous array (index even: the pair is one 4-byte aligned word):
+    one store for two neighbouring outputs of a lane's fragment, packed as the products' operands are."""
+    a = _host_array(ary)
+    if a.itemsize != 2 or not a.flags.c_contiguous:
+        raise ValueError("st_global_b32: a C-contiguous array of 16-bit elements")
+    if int(index) % 2:
+        raise ValueError(f"st_global_b32: element {index} is not 4-byte aligned")
+    flat = a.reshape(-1).view(np.uint16)
+    flat[int(index)] = int(bits) & 0xFFFF
+    flat[int(index) + 1] = (int(bits) >> 16) & 0xFFFF
 
 
 def _sim_pack_f16x2(lo, hi):
@@ -710,6 +725,20 @@ def _gpu_intrinsics():
         return sig, codegen
 
     @intrinsic
+    def st_global_b32(typingctx, ary, index, bits):
+        check_address(ary, index, "st_global_b32")
+        sig = types.none(ary, index, bits)
+
+        def codegen(context, builder, sig, args):
+            a = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            v = context.cast(builder, args[2], sig.args[2], types.uint32)
+            asm(builder, ir.VoidType(), [a, v], "{ .reg .u64 g; cvta.to.global.u64 g, $0; st.global.b32 [g], $1; }",
+                "l,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
     def shfl_xor_f32(typingctx, x, lane_mask):
         sig = types.float32(x, lane_mask)
 
@@ -731,6 +760,7 @@ def _gpu_intrinsics():
         cp_async_commit=statement("cp_async_commit", "cp.async.commit_group;"),
         cp_async_wait=cp_async_wait, cp_async_wait_all=statement("cp_async_wait_all", "cp.async.wait_all;"),
         pack_f16x2=make_pack("f16"), pack_bf16x2=make_pack("bf16"), red_add_f32x2=red_add_f32x2,
+        st_global_b32=st_global_b32,
     )
     # each intrinsic carries the docstring of its stand-in, which states the semantics and the layout
     stand_ins = _simulator_stand_ins()
@@ -749,7 +779,7 @@ def _simulator_stand_ins():
         cp_async_wait_all=_sim_cp_async_wait_all, pack_f16x2=_sim_pack_f16x2, pack_bf16x2=_sim_pack_bf16x2,
         shfl_xor_f32=_sim_shfl_xor_f32, exp2_ftz=_sim_exp2_ftz, rcp_approx=_sim_rcp_approx,
         mma_m16n8k8_tf32=_sim_mma_tf32, to_tf32=_sim_to_tf32,
-        split_tf32=_sim_split_tf32, red_add_f32x2=_sim_red_add_f32x2,
+        split_tf32=_sim_split_tf32, red_add_f32x2=_sim_red_add_f32x2, st_global_b32=_sim_st_global_b32,
     )
 
 
@@ -761,4 +791,4 @@ else:
 __all__ = ["mma_m16n8k16_f16", "mma_m16n8k16_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async_16",
            "cp_async_16_at", "cp_async_commit", "cp_async_wait", "cp_async_wait_all", "pack_f16x2", "pack_bf16x2",
            "shfl_xor_f32", "exp2_ftz", "rcp_approx",
-           "mma_m16n8k8_tf32", "to_tf32", "split_tf32", "red_add_f32x2"]
+           "mma_m16n8k8_tf32", "to_tf32", "split_tf32", "red_add_f32x2", "st_global_b32"]

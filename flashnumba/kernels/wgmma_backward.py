@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import functools
 
-from .scalars import float16, float32, int64, uint16, uint32, uint64
+from .scalars import float16, float32, int32, int64, uint16, uint32, uint64
 
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
@@ -279,7 +279,7 @@ def make_mask_tile(NS, has_left, has_right, keys_are_rows):
             lo, hi = bounds(row0 + 8 * half, col0, seqlen_q, seqlen_k, diag, left, right)
             for n in range(NS // 4):
                 for e in range(2 * half, 2 * half + 2):
-                    c = 8 * n + (e & 1)
+                    c = int32(8 * n + (e & 1))  # (int32 like the bounds: a 64-bit constant widens each test)
                     if c >= hi or (floored and c < lo):
                         x[4 * n + e] = float32(0.0)
                         y[4 * n + e] = float32(0.0)

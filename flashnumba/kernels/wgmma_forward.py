@@ -133,9 +133,9 @@ from __future__ import annotations
 import functools
 import math
 
-from .scalars import float16, float32, int64, uint16, uint32, uint64
+from .scalars import float16, float32, int32, int64, uint16, uint32, uint64
 
-from . import bf16, ptx, ptx_hopper as hop
+from . import ptx, ptx_hopper as hop
 from .._backend import cuda
 from .block_mask import make_block_full
 from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, make_key_tiles, make_mask_bits,
@@ -560,7 +560,6 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     sequence = make_sequence_geometry(VARLEN)
     is_bf16 = dtype == "bfloat16"
     kind = "bf16" if is_bf16 else "f16"
-    store = bf16.load_store(is_bf16)[1]
     pack = ptx.pack_bf16x2 if is_bf16 else ptx.pack_f16x2
     elem = uint16 if is_bf16 else float16
     B_R = 64 * warpgroups
@@ -645,7 +644,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 lo, hi = column_bounds(i0 + r0 + 8 * half, j0 + 2 * t, seqlen_k, diag, left, right)
                 for n in range(NS // 4):
                     for x in range(2 * half, 2 * half + 2):
-                        c = 8 * n + (x & 1)
+                        c = int32(8 * n + (x & 1))  # (int32 like the bounds: a 64-bit constant widens each test)
                         if c >= hi or (HAS_LEFT and c < lo):
                             s[4 * n + x] = NEG_INF
                         elif USER_MASK and hidden(bits, 4 * n + x):  # (bits: 0 outside partial tiles)
@@ -1006,9 +1005,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
                 if i < seqlen_q:
                     # (1 / l as rcp.approx: a division's slow path would be a call, which serialises the wgmma)
                     inv_l = (rp_keep if DROPOUT else float32(1.0)) * ptx.rcp_approx(l[x]) if l[x] != 0 else float32(0.0)
+                    # (a lane's two neighbouring columns packed as P is, one 4-byte store: half the stores)
+                    at = ((bb * out.shape[1] + q0 + i) * out.shape[2] + h) * out.shape[3] + 2 * t
                     for n in range(NO // 4):
-                        out[bb, q0 + i, h, 8 * n + 2 * t] = store(o[4 * n + 2 * x] * inv_l)
-                        out[bb, q0 + i, h, 8 * n + 2 * t + 1] = store(o[4 * n + 2 * x + 1] * inv_l)
+                        ptx.st_global_b32(out, at + 8 * n, pack(o[4 * n + 2 * x] * inv_l, o[4 * n + 2 * x + 1] * inv_l))
                     if t == 0:
                         lse[bb, h, q0 + i] = float32(m[x] * LN2 + math.log(l[x])) if l[x] != 0 else NEG_INF
             w, g0, more = next_item(w, g0, n_tiles, total, nq)
