@@ -8,6 +8,8 @@ from hypothesis import assume, given, strategies as st
 
 import flashnumba
 from flashnumba import reference, tiling
+from flashnumba._backend import cuda
+from flashnumba.kernels.common import GROUP_BLOCKS, make_launch_order
 
 from conftest import (
     seqlens,
@@ -230,3 +232,41 @@ def test_nan_in_one_query_row_stays_in_that_row(kw):
     lse_bad = np.zeros(lse.shape, bool)
     lse_bad[1, 0, 7] = True
     assert not np.isnan(lse[~lse_bad]).any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The order in which the blocks take their tiles (common.make_launch_order)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _make_launch_order_kernel(from_end):
+    order = make_launch_order(from_end)
+
+    @cuda.jit
+    def kernel(out):  # out[at] = (tile, bh) of the block at place ``at`` of the launch order
+        tile, bh = order()
+        at = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
+        out[at, 0] = tile
+        out[at, 1] = bh
+
+    return kernel
+
+
+LAUNCH_ORDER_KERNELS = {e: _make_launch_order_kernel(e) for e in (True, False)}
+
+
+@pytest.mark.parametrize("nt, nbh", [(3, 200), (300, 2), (32, 9), (1, 5)])
+@pytest.mark.parametrize("from_end", [True, False])
+def test_launch_order_takes_every_tile_once_longest_first_in_each_group(nt, nbh, from_end):
+    """Every (tile, bh) of the grid exactly once; the heads in groups of ceil(GROUP_BLOCKS / nt), and within a group
+    the tiles longest first (query tiles from the end, key tiles from the start), each for all of the group's heads
+    in turn, so that under a causal mask the long blocks start before the short ones."""
+    out = cuda.to_device(np.full((nt * nbh, 2), -1, np.int64))
+    LAUNCH_ORDER_KERNELS[from_end][(nt, nbh), 1](out)
+    got = out.copy_to_host()
+    assert sorted(map(tuple, got)) == [(t, bh) for t in range(nt) for bh in range(nbh)]
+    g = -(-GROUP_BLOCKS // nt)
+    expected = []
+    for first in range(0, nbh, g):
+        for x in range(nt):
+            expected += [(nt - 1 - x if from_end else x, bh) for bh in range(first, min(first + g, nbh))]
+    np.testing.assert_array_equal(got, expected)

@@ -11,6 +11,8 @@ cores) and in ``flashnumba.reference``:
 * the key tiles a query tile meets are those that intersect the union of its rows' bands: :func:`make_key_range`
   and :func:`make_key_tiles`;
 * a batch entry's rows, for equal lengths or packed (varlen) sequences: :func:`make_sequence_geometry`;
+* which tile and head a block computes, so that the blocks with the most causal work start first:
+  :func:`make_launch_order`;
 * the score before the softmax: softcap, then the ALiBi bias: :func:`make_score_mod`;
 * the online softmax's steps on a lane's rows in the tensor-core kernels' register layout (a row spread over the
   four lanes of a quad): :func:`make_online_softmax`;
@@ -34,7 +36,7 @@ import types
 from . import philox, ptx
 from .._backend import cuda
 from .score_math import COMPILED, tanh_approx
-from .scalars import float32, int32, uint64
+from .scalars import float32, int32, uint32, uint64
 
 # The dropout mask's random numbers (see philox.py), as device functions.
 dropout_uniform = cuda.jit(device=True)(philox.make_uniform(cuda.jit(device=True)(philox.philox4x32_10)))
@@ -49,6 +51,41 @@ class Variant(tuple):
 
     def __new__(cls, has_left=False, has_right=False, softcap=False, alibi=False, varlen=False, dropout=False):
         return super().__new__(cls, tuple(map(bool, (has_left, has_right, softcap, alibi, varlen, dropout))))
+
+
+# Blocks that a group of heads spans in launch order (:func:`make_launch_order`): two waves on an H100's 132 SMs,
+# so that within a group the longest blocks of every head start before the short ones fill the last wave.
+GROUP_BLOCKS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def make_launch_order(from_end):
+    """launch_order() -> (tile, bh): the tile along the grid's x axis (a query tile, or the dK/dV kernels' key tile)
+    and the index along its y axis (batch entry times heads plus head) that this block computes. The GPU starts a
+    grid's blocks in the order of blockIdx.y * gridDim.x + blockIdx.x, each wherever a block has ended, so the
+    blocks that start last set when the launch ends. Under a causal mask a query tile's work grows with its
+    distance from the start (the last ones first: ``from_end``) and a key tile's with its distance from the end
+    (the first ones first). Taking the tiles of one head after another, longest first, the last heads' longest
+    blocks still start in the last waves. Here the heads go in groups of g = ceil(:data:`GROUP_BLOCKS` /
+    gridDim.x) (the last group the rest) and a group's blocks go tile by tile, longest first, each tile for all of
+    the group's heads in turn: only the group's own short blocks end the launch, and a group's keys and values are
+    few enough to stay in the L2 cache while its blocks run. Without a causal mask every order gives the same
+    work. A bijection of the grid: every (tile, bh) once."""
+
+    @cuda.jit(device=True, inline=True)
+    def launch_order():
+        # (each operand of a division a uint32: Numba's integer arithmetic is 64-bit, and a 64-bit division is a
+        # subroutine call, for which the assembler serialises the Hopper kernels' wgmma)
+        nt = uint32(cuda.gridDim.x)
+        g = uint32(uint32(GROUP_BLOCKS - 1) + nt) // nt  # heads a group
+        first = uint32(uint32(uint32(cuda.blockIdx.y) // g) * g)  # the block's group's first bh
+        size = min(g, uint32(uint32(cuda.gridDim.y) - first))
+        at = uint32(uint32(uint32(cuda.blockIdx.y) - first) * nt + uint32(cuda.blockIdx.x))  # its place in the group
+        x = uint32(at // size)  # the x-th longest tile of the group's heads
+        tile = uint32(nt - uint32(1) - x) if from_end else x
+        return tile, uint32(first + uint32(at - x * size))
+
+    return launch_order
 
 
 def make_sequence_geometry(varlen):

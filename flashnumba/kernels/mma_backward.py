@@ -55,11 +55,14 @@ import functools
 from . import bf16, ptx
 from .._backend import cuda
 from .block_mask import make_block_full, make_block_tiles
-from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_outside, make_score_mod,
-                     make_sequence_geometry, make_user_mods, make_user_score_within)
+from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_launch_order, make_outside,
+                     make_score_mod, make_sequence_geometry, make_user_mods, make_user_score_within)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
                         make_mma_atb, padded, tile_landed)
-from .scalars import float16, float32, uint16, uint32
+from .scalars import float16, float32, int64, uint16, uint32
+
+# which tile and head a block computes: the longest causal work first (common.make_launch_order)
+launch_order_dq, launch_order_dkdv = make_launch_order(True), make_launch_order(False)
 
 TILES = (16, 32, 64, 128)  # block_m and block_n: multiples of the 16 rows of one warp
 BACKWARD_HEAD_DIMS = HEAD_DIMS  # every multiple of 8 up to 256
@@ -281,12 +284,13 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
         lane = tid % 32
         g = lane >> 2
         t = lane & 3
-        b = cuda.blockIdx.y // nheads
-        h = cuda.blockIdx.y % nheads
+        tile, bh = launch_order_dq()  # the longest causal rows first, as in the forward
+        b = int64(bh) // nheads
+        h = int64(bh) % nheads
         hk = h  # the key/value head of query head h (compiled in only for GQA, as in mma_forward)
         if GQA:
             hk = h // (nheads // k.shape[2])
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first, as in the forward
+        i0 = int64(tile) * B_R
         r0 = warp * WARP_ROWS
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q
@@ -454,9 +458,10 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         lane = tid % 32
         g = lane >> 2
         t = lane & 3
-        b = cuda.blockIdx.y // nheads_k
-        hk = cuda.blockIdx.y % nheads_k
-        j0 = cuda.blockIdx.x * B_C  # first key of K_j (the first key tiles see the most queries: they start first)
+        tile, bh = launch_order_dkdv()  # (the first key tiles see the most causal queries: they start first)
+        b = int64(bh) // nheads_k
+        hk = int64(bh) % nheads_k
+        j0 = int64(tile) * B_C  # first key of K_j
         r0 = (warp // CS) * WARP_ROWS  # this warp's keys inside K_j
         c0 = (warp % CS) * DH  # and its first column of dK_j, dV_j
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)

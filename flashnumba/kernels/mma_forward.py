@@ -9,11 +9,11 @@ multiple of 16 in shared memory: :func:`flashnumba.kernels.mma_tiles.padded`), w
 kernels (GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked for, as there.
 
 Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 WM W
-(WM = 1 or 2 blocks of 16 rows a warp); block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest
-causal rows first). Warp w owns query rows 16 WM w .. 16 WM (w + 1) - 1 of the tile Q_i, as WM blocks of 16; lane
-l of it, with g = l >> 2 and t = l & 3 (the PTX ISA's groupID and threadID_in_group), owns rows g and g + 8 of
-each block, and of every (16 x 8) accumulator tile the columns 2t and 2t + 1 (the C layout drawn in
-``ptx.MMA_DOC``).
+(WM = 1 or 2 blocks of 16 rows a warp); each block takes a query tile and a head in launch order with the
+longest causal rows first (``common.make_launch_order``). Warp w owns query rows 16 WM w .. 16 WM (w + 1) - 1
+of the tile Q_i, as WM blocks of 16; lane l of it, with g = l >> 2 and t = l & 3 (the PTX ISA's groupID and
+threadID_in_group), owns rows g and g + 8 of each block, and of every (16 x 8) accumulator tile the columns 2t
+and 2t + 1 (the C layout drawn in ``ptx.MMA_DOC``).
 
 Per key tile K_j, V_j (B_c rows), FlashAttention-2 Algorithm 1, lines 8-11, in base 2::
 
@@ -59,11 +59,12 @@ import math
 from . import bf16, ptx
 from .._backend import cuda
 from .block_mask import make_block_full, make_block_tiles
-from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, make_key_tiles, make_mask_bits,
-                     make_online_softmax, make_score_mod, make_sequence_geometry, make_user_score_within)
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, make_key_tiles, make_launch_order,
+                     make_mask_bits, make_online_softmax, make_score_mod, make_sequence_geometry,
+                     make_user_score_within)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
-from .scalars import float16, float32, int32, uint16, uint32, uint64
+from .scalars import float16, float32, int32, int64, uint16, uint32, uint64
 
 
 def shared_bytes(D, B_c, B_r):
@@ -169,6 +170,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     mma_ab = make_mma_ab_rows(B_c, D, dtype, WM)  # O_i += P_ij V_j
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
     column_bounds = make_column_bounds(B_c, HAS_LEFT, HAS_RIGHT)
+    launch_order = make_launch_order(True)
     quad_max, new_max, prob = make_online_softmax(FOLD)
     SUB = KB // B_c  # key tiles per block of a block mask
     tile_start = make_block_tiles(BM, KB, B_c)  # first key of the jt-th key tile the block visits
@@ -183,14 +185,15 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
         lane = tid % 32
         g = lane >> 2  # groupID: rows g and g + 8 of each block of 16
         t = lane & 3  # threadID_in_group: columns 2t, 2t + 1 of each 8-wide tile
-        b = cuda.blockIdx.y // nheads
-        h = cuda.blockIdx.y % nheads
+        # the query tile and head: with causal masking the blocks with the most key tiles start first and the
+        # short ones fill the tail of the launch (common.make_launch_order)
+        tile, bh = launch_order()
+        b = int64(bh) // nheads
+        h = int64(bh) % nheads
         hk = h  # the key/value head of query head h (GQA / MQA: see the docstring for why this is compiled in)
         if GQA:
             hk = h // (nheads // k.shape[2])
-        # first query row of Q_i: the last tile first, so that with causal masking the blocks with the most key
-        # tiles start first and the short ones fill the tail of the launch
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R
+        i0 = int64(tile) * B_R  # first query row of Q_i
         r0 = warp * (WARP_ROWS * WM)  # first row of this warp inside Q_i; its block w starts at r0 + 16 w
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q  # row i sees keys i + diag - left <= j <= i + diag + right

@@ -32,9 +32,12 @@ import math
 
 from . import ptx
 from .._backend import cuda
-from .common import LN2, NEG_INF, make_key_range
+from .common import LN2, NEG_INF, make_key_range, make_launch_order
 from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
-from .scalars import float32, uint32
+from .scalars import float32, int64, uint32
+
+# which query tile and head a block computes: the longest causal rows first (common.make_launch_order)
+launch_order_q = make_launch_order(True)
 
 HEAD_DIMS = (64, 128)  # the head dims the TF32 kernels are built and tuned for
 
@@ -153,9 +156,10 @@ def make_forward_tf32(D, causal, precision, B_c, warps):
         g = lane >> 2
         t = lane & 3
         pg = (g >> 1) + 4 * (g & 1)  # pi(g): the key this lane feeds as column g of an S tile
-        b = cuda.blockIdx.y // nheads
-        h = cuda.blockIdx.y % nheads
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first
+        tile, bh = launch_order_q()  # the longest causal rows first (common.make_launch_order)
+        b = int64(bh) // nheads
+        h = int64(bh) % nheads
+        i0 = int64(tile) * B_R
         r0 = warp * WARP_ROWS
         diag = seqlen_k - seqlen_q
 

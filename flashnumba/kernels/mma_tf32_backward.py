@@ -36,10 +36,13 @@ import math
 
 from . import ptx
 from .._backend import cuda
-from .common import make_key_range, row_stats
+from .common import make_key_range, make_launch_order, row_stats
 from .mma_tf32 import HEAD_DIMS, PAD_K, PRECISIONS, make_load_a_step, make_tf32_ops
 from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
-from .scalars import float32, uint32
+from .scalars import float32, int64, uint32
+
+# which tile and head a block computes: the longest causal work first (common.make_launch_order)
+launch_order_q, launch_order_k = make_launch_order(True), make_launch_order(False)
 
 
 def shared_bytes_dq(D, block_m, block_n):
@@ -140,9 +143,10 @@ def make_backward_dq_tf32(D, causal, precision, B_c, warps):
         g = lane >> 2
         t = lane & 3
         pg = (g >> 1) + 4 * (g & 1)  # pi(g): the key this lane feeds as column g of an S tile
-        b = cuda.blockIdx.y // nheads
-        h = cuda.blockIdx.y % nheads
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first
+        tile, bh = launch_order_q()  # the longest causal rows first (common.make_launch_order)
+        b = int64(bh) // nheads
+        h = int64(bh) % nheads
+        i0 = int64(tile) * B_R
         r0 = warp * WARP_ROWS
         diag = seqlen_k - seqlen_q
 
@@ -255,9 +259,10 @@ def make_backward_dkdv_tf32(D, causal, precision, B_m, warps):
         g = lane >> 2
         t = lane & 3
         pg = (g >> 1) + 4 * (g & 1)  # pi(g): the query this lane feeds as column g of an S^T tile
-        b = cuda.blockIdx.y // nheads
-        h = cuda.blockIdx.y % nheads
-        j0 = cuda.blockIdx.x * B_N  # first key of K_j
+        tile, bh = launch_order_k()  # the key tiles that see the most causal queries first
+        b = int64(bh) // nheads
+        h = int64(bh) % nheads
+        j0 = int64(tile) * B_N  # first key of K_j
         r0 = warp * WARP_ROWS  # this warp's keys inside K_j
         diag = seqlen_k - seqlen_q
 

@@ -88,8 +88,8 @@ from .scalars import float16, float32, int32, int64, uint16, uint32, uint64
 from . import bf16, ptx, ptx_hopper as hop
 from .._backend import cuda
 from .block_mask import make_block_full
-from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_sequence_geometry, make_tile_bounds,
-                     make_user_mods)
+from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_launch_order, make_sequence_geometry,
+                     make_tile_bounds, make_user_mods)
 from .mma_backward import _store_bf16, make_entry, make_stats
 from .wgmma_forward import (HEAD_DIMS, STAGES, TMA_HEAD_DIMS, check_block_mask, init_stages, make_key_walk,
                             make_load_core, make_load_stage, make_swizzled_products, make_tma_producer, publish_tile,
@@ -101,6 +101,10 @@ SPLIT_ABOVE = 128
 WARPGROUPS = (1, 2)
 DQ_BLOCK_NS = (32, 48, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
 DKDV_BLOCK_MS = (32, 48, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)
+
+# which tile and head a block computes: under a causal mask the last query tiles see the most keys and the first
+# key tiles the most queries; those start first (common.make_launch_order)
+launch_order_dq, launch_order_dkdv = make_launch_order(True), make_launch_order(False)
 
 
 # With tensor-map copies the producer warpgroup (one thread copying, one warp fetching L_i and D_i) keeps 40
@@ -468,13 +472,14 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         t = lane & 3
         # (32-bit unsigned divisions, a 64-bit one being a subroutine call; then signed 64-bit values, as unsigned
         # and signed 64-bit operands together give a float64)
-        bu = uint32(cuda.blockIdx.y) // uint32(nheads)
+        tile, bh = launch_order_dq()  # (the longest causal rows first)
+        bu = bh // uint32(nheads)
         b = int64(bu)
-        h = int64(uint32(cuda.blockIdx.y) - bu * uint32(nheads))
+        h = int64(bh - bu * uint32(nheads))
         hk = h
         if GQA:
             hk = int64(uint32(h) // (uint32(nheads) // uint32(k.shape[2])))
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R  # the longest causal rows first
+        i0 = int64(tile) * B_R
         r0 = 64 * gw + 16 * ((tid >> 5) & 3) + (lane >> 2)  # this lane's first row in Q_i; its second is r0 + 8
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q
@@ -792,13 +797,14 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         t = lane & 3
         # (32-bit unsigned divisions, then signed 64-bit values: the dQ kernel's)
         nk = uint32(k.shape[2])
-        bu = uint32(cuda.blockIdx.y) // nk
+        tile, bh = launch_order_dkdv()  # (the key tiles that see the most causal rows first)
+        bu = bh // nk
         b = int64(bu)
-        hk = int64(uint32(cuda.blockIdx.y) - bu * nk)
+        hk = int64(bh - bu * nk)
         group = int64(1)
         if GQA:
             group = int64(uint32(nheads) // nk)
-        j0 = cuda.blockIdx.x * B_C  # first key of K_j
+        j0 = int64(tile) * B_C  # first key of K_j
         # this lane's first key in K_j (its second is r0 + 8), and its warpgroup's first head dim of dK_j, dV_j
         r0 = (0 if SPLIT else 64 * gw) + 16 * ((tid >> 5) & 3) + (lane >> 2)
         c0 = gw * DN if SPLIT else 0

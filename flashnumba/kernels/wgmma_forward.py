@@ -14,7 +14,8 @@ wgmma's register A operand wants it) and V_j is read from shared memory, MN-majo
     O_i += P_ij V_j          B_c / 16 wgmma m64nDk16 (A = P_ij from registers, B = V_j MN-major), one commit
 
 Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 128 WG threads, B_r = 64 WG (WG = 1, 2 or 3
-warpgroups); block x takes the query tile ceil(seqlen_q / B_r) - 1 - x (the longest causal rows first).
+warpgroups); each block takes a query tile and a head in launch order with the longest causal rows first
+(``common.make_launch_order``).
 Warpgroup gw owns rows 64 gw .. 64 gw + 63 of Q_i; inside it warp w owns 16 rows and lane (g = lane >> 2,
 t = lane & 3) rows g and g + 8 of them, and of S's and O's accumulators the columns 8 n + 2 t, 8 n + 2 t + 1:
 register 4 n + x holds row g + 8 (x >> 1), column 8 n + 2 t + (x & 1) (the layout mma_forward's fragments have,
@@ -138,8 +139,9 @@ from .scalars import float16, float32, int32, int64, uint16, uint32, uint64
 from . import ptx, ptx_hopper as hop
 from .._backend import cuda
 from .block_mask import make_block_full
-from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, make_key_tiles, make_mask_bits,
-                     make_online_softmax, make_score_mod, make_sequence_geometry, make_user_score_within)
+from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, make_key_tiles, make_launch_order,
+                     make_mask_bits, make_online_softmax, make_score_mod, make_sequence_geometry,
+                     make_user_score_within)
 
 HEAD_DIMS = tuple(range(32, 257, 32))  # multiples of 32 (the copies' 4 column blocks a warp), N of O's wgmma <= 256
 BLOCK_NS = (32, 48, 64, 128)  # keys a tile (N of S's wgmma, K of O's: multiples of 16; below 64 where three stages of
@@ -598,6 +600,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     issue_abt_sw = make_abt_sw(B_c)
     issue_ab_sw = make_ab_sw(KC)
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
+    launch_order = make_launch_order(True)
     column_bounds = make_column_bounds(B_c, HAS_LEFT, HAS_RIGHT)
     quad_max, new_max, prob = make_online_softmax(FOLD)  # (mma_forward's steps, on the same register layout)
 
@@ -809,7 +812,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     @cuda.jit(device=True, inline=True)
     def locate(w, q, k, cu_q, cu_k, left, right, bm_num):
         """The geometry of work item w: (b, h, hk, i0, bb, q0, k0, seqlen_q, seqlen_k, diag, last_row, n_start,
-        n_tiles, qb, bbm, hbm). A block's own item (w unread): head blockIdx.y, query tile blockIdx.x from the end;
+        n_tiles, qb, bbm, hbm). A block's own item (w unread): :func:`~flashnumba.kernels.common.make_launch_order`;
         persistent: w = 2 P + half, the half-th query tile of pair P (:func:`next_item`)."""
         nheads = q.shape[2]
         # (32-bit unsigned divisions: a 64-bit one is a subroutine call, and the assembler serialises the wgmma of
@@ -823,9 +826,10 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             h = uint32(bh - b * uint32(nheads))
             i0 = int64(pair if (w & 1) else nq - uint32(1) - pair) * B_R  # (the longer first)
         else:
-            b = uint32(cuda.blockIdx.y) // uint32(nheads)
-            h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))
-            i0 = int64(cuda.gridDim.x - 1 - cuda.blockIdx.x) * B_R
+            tile, bh = launch_order()  # (the longest causal rows first)
+            b = bh // uint32(nheads)
+            h = uint32(bh - b * uint32(nheads))
+            i0 = int64(tile) * B_R
         hk = h
         if GQA:
             hk = h // uint32(uint32(nheads) // uint32(k.shape[2]))

@@ -30,11 +30,12 @@ are waited for and added (``scripts/tf32_wgmma_error.py`` measures which the ten
 Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 2 B_r: B_r = 64 query rows (one warpgroup) or
 128 (two; warpgroup wg owns rows 64 wg .. 64 wg + 63, both multiply the same split K_j and V_j, so a split tile
 serves twice the rows); warp w of a warpgroup owns rows 16 w .. 16 w + 15 of its 64, lane (g, t) rows g and g + 8
-of them, the accumulators' layout of ptx_hopper. Block x takes query tile ceil(seqlen_q / B_r) - 1 - x (the
-longest causal rows first). Shared memory, dynamic, float32 bits: Q_big | Q_small | K_big | K_small | V^T_big |
-V^T_small | K_j+1 | V_j+1 (:func:`shared_bytes`). The tiles' loads are the pipeline: while a tile's products run,
-the next tile's K and V are copied (``cp.async``) as they are into the last two buffers; at the top of the next
-tile every thread splits them into the parts, and the copy of the one after starts::
+of them, the accumulators' layout of ptx_hopper. The blocks take their query tiles in launch order with the
+longest causal rows first (``common.make_launch_order``). Shared memory, dynamic, float32 bits: Q_big | Q_small
+| K_big | K_small | V^T_big | V^T_small | K_j+1 | V_j+1 (:func:`shared_bytes`). The tiles' loads are the pipeline:
+while a tile's products run, the next tile's K and V are copied (``cp.async``) as they are into the last two
+buffers; at the top of the next tile every thread splits them into the parts, and the copy of the one after
+starts::
 
     copy K_0, V_0 | split Q_i
     tile j:  wait for the copies; barrier | split K_j, V_j^T | barrier | copy K_j+1, V_j+1 | S, softmax, O += P V
@@ -53,8 +54,11 @@ import math
 
 from . import ptx, ptx_hopper as hop
 from .._backend import cuda
-from .common import LN2, NEG_INF, make_key_range, make_online_softmax
-from .scalars import float32, uint32
+from .common import LN2, NEG_INF, make_key_range, make_launch_order, make_online_softmax
+from .scalars import float32, int64, uint32
+
+# which query tile and head a block computes: the longest causal rows first (common.make_launch_order)
+launch_order_q = make_launch_order(True)
 
 HEAD_DIMS = (64, 128)
 BLOCK_MS = (64, 128)  # query rows a block: one warpgroup, or two sharing each K_j and V_j
@@ -379,9 +383,10 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
         w = (tid // 32) & 3
         g = (tid % 32) >> 2
         t = tid & 3
-        b = uint32(cuda.blockIdx.y) // uint32(nheads)  # (32-bit: a 64-bit division is a called routine, and a call
-        h = uint32(uint32(cuda.blockIdx.y) - b * uint32(nheads))  # in the kernel serialises every wgmma)
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BR  # the longest causal rows first
+        tile, bh = launch_order_q()  # the longest causal rows first (common.make_launch_order)
+        b = bh // uint32(nheads)  # (32-bit: a 64-bit division is a called routine, and a call
+        h = uint32(bh - b * uint32(nheads))  # in the kernel serialises every wgmma)
+        i0 = int64(tile) * BR
         diag = seqlen_k - seqlen_q
 
         smem = cuda.shared.array(0, uint32)  # the six parts and the two copied tiles (module docstring)
