@@ -249,14 +249,15 @@ def make_column_bounds(B_c, has_left, has_right):
 
 @functools.lru_cache(maxsize=None)
 def make_tile_bounds(B, has_left, has_right, keys_are_rows):
-    """tile_bounds(row, col0, seqlen_q, seqlen_k, diag, left, right) -> (lo, hi): the entries of a tile's row that
-    lie within the sequences and the band, as a lane's columns lo <= c < hi (keys or queries col0 + c, clamped to
-    0 .. B): rows are queries and columns keys (:func:`make_column_bounds`), or, where ``keys_are_rows`` (the
-    backward's S^T), rows keys and columns queries (the same, diag negated and the window's bounds exchanged: the
-    left one caps the queries, the right one floors them); a row past its sequence keeps none. The lower bound is 0
-    unless the window floors the columns (``has_left`` for keys, ``has_right`` for queries)."""
-    bounds = make_column_bounds(B, has_right, has_left) if keys_are_rows else make_column_bounds(B, has_left,
-                                                                                                   has_right)
+    """(tile_bounds, floored). tile_bounds(row, col0, seqlen_q, seqlen_k, diag, left, right) -> (lo, hi): the
+    entries of a tile's row that lie within the sequences and the band, as a lane's columns lo <= c < hi (keys or
+    queries col0 + c, clamped to 0 .. B): rows are queries and columns keys (:func:`make_column_bounds`), or, where
+    ``keys_are_rows`` (the backward's S^T), rows keys and columns queries (the same, diag negated and the window's
+    bounds exchanged: the left one caps the queries, the right one floors them); a row past its sequence keeps
+    none. ``floored``: whether lo can be above 0, where the window floors the columns (``has_left`` for keys,
+    ``has_right`` for queries), so that a caller tests c < lo only then."""
+    floored = has_right if keys_are_rows else has_left
+    bounds = make_column_bounds(B, floored, has_left if keys_are_rows else has_right)
 
     @cuda.jit(device=True, inline=True)
     def tile_bounds(row, col0, seqlen_q, seqlen_k, diag, left, right):
@@ -270,7 +271,7 @@ def make_tile_bounds(B, has_left, has_right, keys_are_rows):
                 hi = int32(0)
         return lo, hi
 
-    return tile_bounds
+    return tile_bounds, floored
 
 
 def make_outside(has_left, has_right):

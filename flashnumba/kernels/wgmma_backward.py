@@ -274,8 +274,8 @@ def make_mask_tile(NS, has_left, has_right, keys_are_rows):
     entries, the compiler turns their branch into predicated instructions that every tile would then execute. Each
     row's entries that stay are its columns lo <= c < hi (:func:`~flashnumba.kernels.common.make_tile_bounds`,
     computed once a row), so that each entry compares its compile-time column with them."""
-    bounds = make_tile_bounds(2 * NS, has_left, has_right, keys_are_rows)  # (columns c = 8 n + (e & 1), n < NS / 4)
-    floored = has_right if keys_are_rows else has_left  # (the window floors queries, or keys)
+    # (columns c = 8 n + (e & 1), n < NS / 4; floored: the window floors queries, or keys)
+    bounds, floored = make_tile_bounds(2 * NS, has_left, has_right, keys_are_rows)
 
     @cuda.jit(device=True, inline=True)
     def mask_tile(x, y, row0, col0, seqlen_q, seqlen_k, diag, left, right):
