@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The package as it was at an earlier commit, beside the working tree, so that one call on the GPU can time the
+# two in the same run: `bash scripts/ab_package.sh REV` writes ab/flashnumba (ignored by git); then
+#   PYTHONPATH=$PWD/ab python -m flashnumba bench ... --impls flashnumba_wgmma --out out/before
+#   PYTHONPATH=$PWD python -m flashnumba bench ... --impls flashnumba_wgmma torch_sdpa_flash --out out/after
+# (their compiled kernels are kept apart: the disk cache's key holds the kernels' source). The device tool carries
+# the folder with carry=["ab"].
+set -euo pipefail
+rev=${1:?usage: bash scripts/ab_package.sh REV}
+rm -rf ab
+mkdir -p ab
+git archive "$rev" flashnumba | tar -x -C ab
+echo "ab/flashnumba: flashnumba at $(git rev-parse --short "$rev")"
