@@ -35,9 +35,11 @@ def main():
             cost = [nq - x + args.overhead for x in range(nq)]  # from the end: the longest first
             g = math.ceil(GROUP_BLOCKS / nq)
             by_head = [c for _ in range(heads) for c in cost]
-            by_group = [c for first in range(0, heads, g) for c in cost for _ in range(min(g, heads - first))]
+            by_group = [c for first in range(0, heads, g)
+                        for c in cost for _ in range(min(g, heads - first))]
             even = sum(by_head) / sms
-            print(f"{sms:3d} {nq:4d} {heads:6d} {g:4d}  {end(by_head, sms) / even:23.3f}  {end(by_group, sms) / even:6.3f}")
+            one, grouped = end(by_head, sms) / even, end(by_group, sms) / even
+            print(f"{sms:3d} {nq:4d} {heads:6d} {g:4d}  {one:23.3f}  {grouped:6.3f}")
 
 
 if __name__ == "__main__":

@@ -238,8 +238,8 @@ def test_nan_in_one_query_row_stays_in_that_row(kw):
 # The order in which the blocks take their tiles (common.make_launch_order)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _make_launch_order_kernel(from_end):
-    order = make_launch_order(from_end)
+def _make_launch_order_kernel(from_end, grouped):
+    order = make_launch_order(from_end, grouped)
 
     @cuda.jit
     def kernel(out):  # out[at] = (tile, bh) of the block at place ``at`` of the launch order
@@ -251,20 +251,22 @@ def _make_launch_order_kernel(from_end):
     return kernel
 
 
-LAUNCH_ORDER_KERNELS = {e: _make_launch_order_kernel(e) for e in (True, False)}
+LAUNCH_ORDER_KERNELS = {(e, g): _make_launch_order_kernel(e, g) for e in (True, False) for g in (True, False)}
 
 
 @pytest.mark.parametrize("nt, nbh", [(3, 200), (300, 2), (32, 9), (1, 5)])
 @pytest.mark.parametrize("from_end", [True, False])
-def test_launch_order_takes_every_tile_once_longest_first_in_each_group(nt, nbh, from_end):
-    """Every (tile, bh) of the grid exactly once; the heads in groups of ceil(GROUP_BLOCKS / nt), and within a group
-    the tiles longest first (query tiles from the end, key tiles from the start), each for all of the group's heads
-    in turn, so that under a causal mask the long blocks start before the short ones."""
+@pytest.mark.parametrize("grouped", [True, False])
+def test_launch_order_takes_every_tile_once_longest_first_in_each_group(nt, nbh, from_end, grouped):
+    """Every (tile, bh) of the grid exactly once. Grouped (uneven work: causal, a block mask): the heads in groups
+    of ceil(GROUP_BLOCKS / nt), and within a group the tiles longest first (query tiles from the end, key tiles
+    from the start), each for all of the group's heads in turn, so that under a causal mask the long blocks start
+    before the short ones; else one head after another."""
     out = cuda.to_device(np.full((nt * nbh, 2), -1, np.int64))
-    LAUNCH_ORDER_KERNELS[from_end][(nt, nbh), 1](out)
+    LAUNCH_ORDER_KERNELS[from_end, grouped][(nt, nbh), 1](out)
     got = out.copy_to_host()
     assert sorted(map(tuple, got)) == [(t, bh) for t in range(nt) for bh in range(nbh)]
-    g = -(-GROUP_BLOCKS // nt)
+    g = -(-GROUP_BLOCKS // nt) if grouped else 1
     expected = []
     for first in range(0, nbh, g):
         for x in range(nt):

@@ -59,7 +59,7 @@ GROUP_BLOCKS = 256
 
 
 @functools.lru_cache(maxsize=None)
-def make_launch_order(from_end):
+def make_launch_order(from_end, grouped):
     """launch_order() -> (tile, bh): the tile along the grid's x axis (a query tile, or the dK/dV kernels' key tile)
     and the index along its y axis (batch entry times heads plus head) that this block computes. The GPU starts a
     grid's blocks in the order of blockIdx.y * gridDim.x + blockIdx.x, each wherever a block has ended, so the
@@ -69,8 +69,22 @@ def make_launch_order(from_end):
     blocks still start in the last waves. Here the heads go in groups of g = ceil(:data:`GROUP_BLOCKS` /
     gridDim.x) (the last group the rest) and a group's blocks go tile by tile, longest first, each tile for all of
     the group's heads in turn: only the group's own short blocks end the launch, and a group's keys and values are
-    few enough to stay in the L2 cache while its blocks run. Without a causal mask every order gives the same
-    work. A bijection of the grid: every (tile, bh) once."""
+    few enough to stay in the L2 cache while its blocks run. A bijection of the grid: every (tile, bh) once.
+
+    ``grouped`` False (where every block does the same work: no causal mask or right bound, no block mask): the
+    tiles of one head after another, tile and bh the special registers' values themselves (blockIdx.x, counted from
+    the end where ``from_end``, and blockIdx.y), which the compiler may read again rather than keep live: the
+    grouped order's, computed, stay in registers (at head_dim 128 a user's relative bias with document masking
+    spilled 12 bytes in the Hopper dK/dV kernel with it), and so do the special registers' values once converted
+    (16 bytes with a user's ALiBi and causal mask and a block mask there). Callers convert them as before the
+    order: ``uint32(bh)`` for the 32-bit divisions."""
+
+    if not grouped:  # (the special registers themselves, as the kernels read them before the order)
+        @cuda.jit(device=True, inline=True)
+        def head_after_head():
+            return (cuda.gridDim.x - 1 - cuda.blockIdx.x) if from_end else cuda.blockIdx.x, cuda.blockIdx.y
+
+        return head_after_head
 
     @cuda.jit(device=True, inline=True)
     def launch_order():

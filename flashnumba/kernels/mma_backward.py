@@ -59,10 +59,7 @@ from .common import (LOG2E, NEG_INF, dropout_uniform, make_key_tiles, make_launc
                      make_score_mod, make_sequence_geometry, make_user_mods, make_user_score_within)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a, make_load_pair, make_mma_ab, make_mma_abt,
                         make_mma_atb, padded, tile_landed)
-from .scalars import float16, float32, int64, uint16, uint32
-
-# which tile and head a block computes: the longest causal work first (common.make_launch_order)
-launch_order_dq, launch_order_dkdv = make_launch_order(True), make_launch_order(False)
+from .scalars import float16, float32, uint16, uint32
 
 TILES = (16, 32, 64, 128)  # block_m and block_n: multiples of the 16 rows of one warp
 BACKWARD_HEAD_DIMS = HEAD_DIMS  # every multiple of 8 up to 256
@@ -270,6 +267,7 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
     key_tiles = make_key_tiles(B_R, B_C, HAS_LEFT, HAS_RIGHT)
     USER_MASK = mods is not None and mods.mask_mod is not None
     BM = block_mask is not None
+    launch_order_dq = make_launch_order(True, HAS_RIGHT or BM)  # (uneven work: causal, a block mask)
     QB, KB = block_mask if BM else (B_R, B_C)
     SUB = KB // B_C  # key tiles per block of a block mask
     tile_start = make_block_tiles(BM, KB, B_C)  # first key of the jt-th key tile the block visits
@@ -285,12 +283,12 @@ def make_backward_dq_tc(D, variant, block_m, block_n, dtype="float16", gqa=False
         g = lane >> 2
         t = lane & 3
         tile, bh = launch_order_dq()  # the longest causal rows first, as in the forward
-        b = int64(bh) // nheads
-        h = int64(bh) % nheads
+        b = bh // nheads
+        h = bh % nheads
         hk = h  # the key/value head of query head h (compiled in only for GQA, as in mma_forward)
         if GQA:
             hk = h // (nheads // k.shape[2])
-        i0 = int64(tile) * B_R
+        i0 = tile * B_R
         r0 = warp * WARP_ROWS
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q
@@ -427,6 +425,9 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
     SR = -(-B_R // NT)  # query rows of L_i and D_i a thread fetches (B_R may exceed the block's NT threads)
     USER_MASK = mods is not None and mods.mask_mod is not None
     BM = block_mask is not None
+    # one head after another: the grouped order's tile and head, kept in registers, spilled 8-12 bytes at
+    # head_dim 128, causal or with a window (255 registers)
+    launch_order_dkdv = make_launch_order(False, False)
     QB, KB = block_mask if BM else (B_R, B_C)
     SUBQ = QB // B_R  # query tiles per block of a block mask
     query_start = make_block_tiles(BM, QB, B_R)  # first row of the n-th query tile of a head's list
@@ -459,9 +460,9 @@ def make_backward_dkdv_tc(D, variant, block_m, block_n, dtype="float16", gqa=Fal
         g = lane >> 2
         t = lane & 3
         tile, bh = launch_order_dkdv()  # (the first key tiles see the most causal queries: they start first)
-        b = int64(bh) // nheads_k
-        hk = int64(bh) % nheads_k
-        j0 = int64(tile) * B_C  # first key of K_j
+        b = bh // nheads_k
+        hk = bh % nheads_k
+        j0 = tile * B_C  # first key of K_j
         r0 = (warp // CS) * WARP_ROWS  # this warp's keys inside K_j
         c0 = (warp % CS) * DH  # and its first column of dK_j, dV_j
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)

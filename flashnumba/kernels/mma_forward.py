@@ -64,7 +64,7 @@ from .common import (LN2, LOG2E, NEG_INF, dropout_uniform, make_column_bounds, m
                      make_user_score_within)
 from .mma_tiles import (HEAD_DIMS, PAD, WARP_ROWS, make_load_a_rows, make_load_pair, make_load_rows,
                         make_mma_ab_rows, make_mma_abt_rows, padded, tile_landed)
-from .scalars import float16, float32, int32, int64, uint16, uint32, uint64
+from .scalars import float16, float32, int32, uint16, uint32, uint64
 
 
 def shared_bytes(D, B_c, B_r):
@@ -170,7 +170,7 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
     mma_ab = make_mma_ab_rows(B_c, D, dtype, WM)  # O_i += P_ij V_j
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
     column_bounds = make_column_bounds(B_c, HAS_LEFT, HAS_RIGHT)
-    launch_order = make_launch_order(True)
+    launch_order = make_launch_order(True, HAS_RIGHT or BM)  # (uneven work: causal, a block mask)
     quad_max, new_max, prob = make_online_softmax(FOLD)
     SUB = KB // B_c  # key tiles per block of a block mask
     tile_start = make_block_tiles(BM, KB, B_c)  # first key of the jt-th key tile the block visits
@@ -188,12 +188,12 @@ def make_forward_tc(D, variant, B_c, warps, dtype="float16", gqa=False, strided=
         # the query tile and head: with causal masking the blocks with the most key tiles start first and the
         # short ones fill the tail of the launch (common.make_launch_order)
         tile, bh = launch_order()
-        b = int64(bh) // nheads
-        h = int64(bh) % nheads
+        b = bh // nheads
+        h = bh % nheads
         hk = h  # the key/value head of query head h (GQA / MQA: see the docstring for why this is compiled in)
         if GQA:
             hk = h // (nheads // k.shape[2])
-        i0 = int64(tile) * B_R  # first query row of Q_i
+        i0 = tile * B_R  # first query row of Q_i
         r0 = warp * (WARP_ROWS * WM)  # first row of this warp inside Q_i; its block w starts at r0 + 16 w
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q  # row i sees keys i + diag - left <= j <= i + diag + right

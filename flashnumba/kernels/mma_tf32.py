@@ -34,10 +34,7 @@ from . import ptx
 from .._backend import cuda
 from .common import LN2, NEG_INF, make_key_range, make_launch_order
 from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
-from .scalars import float32, int64, uint32
-
-# which query tile and head a block computes: the longest causal rows first (common.make_launch_order)
-launch_order_q = make_launch_order(True)
+from .scalars import float32, uint32
 
 HEAD_DIMS = (64, 128)  # the head dims the TF32 kernels are built and tuned for
 
@@ -140,6 +137,7 @@ def make_forward_tf32(D, causal, precision, B_c, warps):
     load_q = make_load_rows(D, NT, LDK, 4, per_column=False)  # 4 floats per 16-byte copy
     load_v = make_load_rows(D, NT, LDV, 4, per_column=False)
     key_range = make_key_range(B_R, B_c, False, causal)  # causal: the band's right bound, right = 0
+    launch_order_q = make_launch_order(True, causal)
 
     mma3, operand = make_tf32_ops(THREE)
 
@@ -157,9 +155,9 @@ def make_forward_tf32(D, causal, precision, B_c, warps):
         t = lane & 3
         pg = (g >> 1) + 4 * (g & 1)  # pi(g): the key this lane feeds as column g of an S tile
         tile, bh = launch_order_q()  # the longest causal rows first (common.make_launch_order)
-        b = int64(bh) // nheads
-        h = int64(bh) % nheads
-        i0 = int64(tile) * B_R
+        b = bh // nheads
+        h = bh % nheads
+        i0 = tile * B_R
         r0 = warp * WARP_ROWS
         diag = seqlen_k - seqlen_q
 

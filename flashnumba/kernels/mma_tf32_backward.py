@@ -39,10 +39,7 @@ from .._backend import cuda
 from .common import make_key_range, make_launch_order, row_stats
 from .mma_tf32 import HEAD_DIMS, PAD_K, PRECISIONS, make_load_a_step, make_tf32_ops
 from .mma_tiles import WARP_ROWS, make_load_rows, tile_landed
-from .scalars import float32, int64, uint32
-
-# which tile and head a block computes: the longest causal work first (common.make_launch_order)
-launch_order_q, launch_order_k = make_launch_order(True), make_launch_order(False)
+from .scalars import float32, uint32
 
 
 def shared_bytes_dq(D, block_m, block_n):
@@ -131,6 +128,7 @@ def make_backward_dq_tf32(D, causal, precision, B_c, warps):
     load_rows = make_load_rows(D, NT, LD, 4, per_column=False)  # 4 floats per 16-byte copy
     product_abt, product_cb = make_products(D, NS, LD, THREE)
     key_range = make_key_range(B_R, B_c, False, causal)  # causal: the band's right bound, right = 0
+    launch_order_q = make_launch_order(True, causal)
 
     @cuda.jit
     def backward_dq_tf32(dout, q, k, v, lse, delta, dq, scale_log2, scale):
@@ -144,9 +142,9 @@ def make_backward_dq_tf32(D, causal, precision, B_c, warps):
         t = lane & 3
         pg = (g >> 1) + 4 * (g & 1)  # pi(g): the key this lane feeds as column g of an S tile
         tile, bh = launch_order_q()  # the longest causal rows first (common.make_launch_order)
-        b = int64(bh) // nheads
-        h = int64(bh) % nheads
-        i0 = int64(tile) * B_R
+        b = bh // nheads
+        h = bh % nheads
+        i0 = tile * B_R
         r0 = warp * WARP_ROWS
         diag = seqlen_k - seqlen_q
 
@@ -238,6 +236,7 @@ def make_backward_dkdv_tf32(D, causal, precision, B_m, warps):
     SR = -(-B_m // NT)  # query rows of L_i and D_i a thread fetches
     load_rows = make_load_rows(D, NT, LD, 4, per_column=False)
     product_abt, product_cb = make_products(D, NS, LD, THREE)
+    launch_order_k = make_launch_order(False, causal)
 
     @cuda.jit(device=True, inline=True)
     def put_stats(lsm, dsm, sel, lse, delta, b, h, row0, seqlen_q, tid):
@@ -260,9 +259,9 @@ def make_backward_dkdv_tf32(D, causal, precision, B_m, warps):
         t = lane & 3
         pg = (g >> 1) + 4 * (g & 1)  # pi(g): the query this lane feeds as column g of an S^T tile
         tile, bh = launch_order_k()  # the key tiles that see the most causal queries first
-        b = int64(bh) // nheads
-        h = int64(bh) % nheads
-        j0 = int64(tile) * B_N  # first key of K_j
+        b = bh // nheads
+        h = bh % nheads
+        j0 = tile * B_N  # first key of K_j
         r0 = warp * WARP_ROWS  # this warp's keys inside K_j
         diag = seqlen_k - seqlen_q
 

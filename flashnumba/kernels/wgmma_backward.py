@@ -102,10 +102,6 @@ WARPGROUPS = (1, 2)
 DQ_BLOCK_NS = (32, 48, 64, 128)  # keys a tile of the dQ kernel (N of its S and dP)
 DKDV_BLOCK_MS = (32, 48, 64)  # queries a tile of the dK/dV kernel (N of its S^T and dP^T; 128 spills)
 
-# which tile and head a block computes: under a causal mask the last query tiles see the most keys and the first
-# key tiles the most queries; those start first (common.make_launch_order)
-launch_order_dq, launch_order_dkdv = make_launch_order(True), make_launch_order(False)
-
 
 # With tensor-map copies the producer warpgroup (one thread copying, one warp fetching L_i and D_i) keeps 40
 # registers a thread (with 24 its loops spill) and the two warpgroups that compute take 232 (128 x 40 + 256 x 232 =
@@ -363,6 +359,7 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
     SUB = block_mask[1] // B_C if BM else 1  # key tiles a block of the block mask
     USER_MASK = mods is not None and mods.mask_mod is not None
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
+    launch_order_dq = make_launch_order(True, HAS_RIGHT or BM)  # (uneven work: causal, a block mask)
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups):
         raise ValueError(f"the wgmma dQ kernel copies with tensor maps only with two warpgroups, head_dim in "
@@ -473,13 +470,13 @@ def make_backward_dq_wgmma(D, variant, block_n, warpgroups, dtype="float16", gqa
         # (32-bit unsigned divisions, a 64-bit one being a subroutine call; then signed 64-bit values, as unsigned
         # and signed 64-bit operands together give a float64)
         tile, bh = launch_order_dq()  # (the longest causal rows first)
-        bu = bh // uint32(nheads)
+        bu = uint32(bh) // uint32(nheads)
         b = int64(bu)
-        h = int64(bh - bu * uint32(nheads))
+        h = int64(uint32(bh) - bu * uint32(nheads))
         hk = h
         if GQA:
             hk = int64(uint32(h) // (uint32(nheads) // uint32(k.shape[2])))
-        i0 = int64(tile) * B_R
+        i0 = tile * B_R
         r0 = 64 * gw + 16 * ((tid >> 5) & 3) + (lane >> 2)  # this lane's first row in Q_i; its second is r0 + 8
         bb, q0, k0, seqlen_q, seqlen_k = sequence(b, q.shape[1], k.shape[1], cu_q, cu_k)
         diag = seqlen_k - seqlen_q
@@ -621,6 +618,8 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
     SUB = QB // B_R  # query tiles a block of the block mask
     USER_MASK = mods is not None and mods.mask_mod is not None
     HAS_LEFT, HAS_RIGHT, _, ALIBI, VARLEN, DROPOUT = variant
+    # (uneven work: causal; with a block mask too, but there the computed order spilled beside a user's functions)
+    launch_order_dkdv = make_launch_order(False, HAS_RIGHT)
     TMA = bool(tma)
     if TMA and not takes_tma(D, variant, warpgroups, "dkdv", B_R):
         raise ValueError(f"the wgmma dK/dV kernel copies with tensor maps only with two warpgroups, head_dim in "
@@ -798,13 +797,13 @@ def make_backward_dkdv_wgmma(D, variant, block_m, warpgroups, dtype="float16", g
         # (32-bit unsigned divisions, then signed 64-bit values: the dQ kernel's)
         nk = uint32(k.shape[2])
         tile, bh = launch_order_dkdv()  # (the key tiles that see the most causal rows first)
-        bu = bh // nk
+        bu = uint32(bh) // nk
         b = int64(bu)
-        hk = int64(bh - bu * nk)
+        hk = int64(uint32(bh) - bu * nk)
         group = int64(1)
         if GQA:
             group = int64(uint32(nheads) // nk)
-        j0 = int64(tile) * B_C  # first key of K_j
+        j0 = tile * B_C  # first key of K_j
         # this lane's first key in K_j (its second is r0 + 8), and its warpgroup's first head dim of dK_j, dV_j
         r0 = (0 if SPLIT else 64 * gw) + 16 * ((tid >> 5) & 3) + (lane >> 2)
         c0 = gw * DN if SPLIT else 0

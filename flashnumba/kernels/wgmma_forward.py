@@ -600,7 +600,7 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
     issue_abt_sw = make_abt_sw(B_c)
     issue_ab_sw = make_ab_sw(KC)
     key_tiles = make_key_tiles(B_R, B_c, HAS_LEFT, HAS_RIGHT)
-    launch_order = make_launch_order(True)
+    launch_order = make_launch_order(True, HAS_RIGHT or BM)  # (uneven work: causal, a block mask)
     column_bounds = make_column_bounds(B_c, HAS_LEFT, HAS_RIGHT)
     quad_max, new_max, prob = make_online_softmax(FOLD)  # (mma_forward's steps, on the same register layout)
 
@@ -826,9 +826,9 @@ def make_forward_wgmma(D, variant, B_c, warpgroups, dtype="float16", gqa=False, 
             h = uint32(bh - b * uint32(nheads))
             i0 = int64(pair if (w & 1) else nq - uint32(1) - pair) * B_R  # (the longer first)
         else:
-            tile, bh = launch_order()  # (the longest causal rows first)
-            b = bh // uint32(nheads)
-            h = uint32(bh - b * uint32(nheads))
+            tile, own = launch_order()  # (the longest causal rows first; own: its (batch, head) index)
+            b = uint32(own) // uint32(nheads)
+            h = uint32(uint32(own) - b * uint32(nheads))
             i0 = int64(tile) * B_R
         hk = h
         if GQA:

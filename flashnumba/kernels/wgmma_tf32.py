@@ -55,10 +55,7 @@ import math
 from . import ptx, ptx_hopper as hop
 from .._backend import cuda
 from .common import LN2, NEG_INF, make_key_range, make_launch_order, make_online_softmax
-from .scalars import float32, int64, uint32
-
-# which query tile and head a block computes: the longest causal rows first (common.make_launch_order)
-launch_order_q = make_launch_order(True)
+from .scalars import float32, uint32
 
 HEAD_DIMS = (64, 128)
 BLOCK_MS = (64, 128)  # query rows a block: one warpgroup, or two sharing each K_j and V_j
@@ -369,6 +366,7 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
     pack_p, products_o = make_register_products(D, KC, CHAINED, O_TURNS)
     load_rows, copy_tile, split_natural, split_transposed = make_tile_io(D, B_c, NT)
     key_range = make_key_range(BR, B_c, False, causal)
+    launch_order_q = make_launch_order(True, causal)
     # (the steps of the online softmax on the accumulator's rows, with float32's exact exp2: the scores are scaled
     # to base 2 before the mask)
     quad_max, new_max, prob = make_online_softmax(False, exact=True)
@@ -384,9 +382,9 @@ def make_forward_3xtf32_wgmma(D, causal, B_c=32, chained=True, B_r=64):
         g = (tid % 32) >> 2
         t = tid & 3
         tile, bh = launch_order_q()  # the longest causal rows first (common.make_launch_order)
-        b = bh // uint32(nheads)  # (32-bit: a 64-bit division is a called routine, and a call
-        h = uint32(bh - b * uint32(nheads))  # in the kernel serialises every wgmma)
-        i0 = int64(tile) * BR
+        b = uint32(bh) // uint32(nheads)  # (32-bit: a 64-bit division is a called routine, and a call
+        h = uint32(uint32(bh) - b * uint32(nheads))  # in the kernel serialises every wgmma)
+        i0 = tile * BR
         diag = seqlen_k - seqlen_q
 
         smem = cuda.shared.array(0, uint32)  # the six parts and the two copied tiles (module docstring)
