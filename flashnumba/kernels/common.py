@@ -36,7 +36,7 @@ import types
 from . import philox, ptx
 from .._backend import cuda
 from .score_math import COMPILED, tanh_approx
-from .scalars import float32, int32, uint32, uint64
+from .scalars import float32, int32, int64, uint32, uint64
 
 # The dropout mask's random numbers (see philox.py), as device functions.
 dropout_uniform = cuda.jit(device=True)(philox.make_uniform(cuda.jit(device=True)(philox.philox4x32_10)))
@@ -97,7 +97,9 @@ def make_launch_order(from_end, grouped):
         at = uint32(uint32(uint32(cuda.blockIdx.y) - first) * nt + uint32(cuda.blockIdx.x))  # its place in the group
         x = uint32(at // size)  # the x-th longest tile of the group's heads
         tile = uint32(nt - uint32(1) - x) if from_end else x
-        return tile, uint32(first + uint32(at - x * size))
+        # (as signed 64-bit values, which a kernel's index arithmetic takes without wrapping: in the simulator a
+        # uint32 stays one through products with Python integers, and a difference below 0 would wrap)
+        return int64(tile), int64(first + uint32(at - x * size))
 
     return launch_order
 
