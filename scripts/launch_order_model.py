@@ -12,7 +12,7 @@ import argparse
 import heapq
 import math
 
-GROUP_BLOCKS = 256  # kernels/common.py's
+from flashnumba.kernels.common import GROUP_BLOCKS
 
 
 def end(costs, sms):
