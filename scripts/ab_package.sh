@@ -10,4 +10,5 @@ rev=${1:?usage: bash scripts/ab_package.sh REV}
 rm -rf ab
 mkdir -p ab
 git archive "$rev" flashnumba | tar -x -C ab
-echo "ab/flashnumba: flashnumba at $(git rev-parse --short "$rev")"
+git rev-parse --short "$rev" > ab/REV
+echo "ab/flashnumba: flashnumba at $(cat ab/REV)"
