@@ -48,9 +48,10 @@ for step in $STEPS; do
            grep -h "^FAILED" "$OUT/failures.log" 2>/dev/null ;;  # written as failures happen
     demo) python3 -m flashnumba demo 2>&1 | tee "$OUT/demo.log" ;;
     sanitize) # SANITIZE_SCRIPTS: the forward/backward kernels', the decoding kernels' and flex_attention's awkward
-      # shapes (SANITIZE_FLEX_SHAPES=one: flex_attention's first shape only)
+      # shapes (SANITIZE_FLEX_SHAPES=one: flex_attention's first shape only); SANITIZE_TOOLS="memcheck racecheck
+      # synccheck": the Hopper kernels' named barriers and mbarriers checked too
       for script in ${SANITIZE_SCRIPTS:-scripts/sanitize.py scripts/sanitize_decode.py scripts/sanitize_flex.py}; do
-        for tool in memcheck racecheck; do
+        for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
           timeout ${SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 $script \
             > "$OUT/sanitize_$tool.txt" 2>&1
           echo "$script $tool: exit $?"; tail -3 "$OUT/sanitize_$tool.txt"; cat "$OUT/sanitize_$tool.txt" >> "$OUT/sanitize.log"
