@@ -212,9 +212,10 @@ def _dtype_name(dtype) -> str:
     return "bfloat16" if _arrays.is_bfloat16(dtype) else np.dtype(dtype).name
 
 
-def _mma_blocker(tq, tensors, limits, tiles_given, pass_="forward") -> str | None:
-    """Why the tensor-core kernels do not apply to a float16/bfloat16 call, or None where they do."""
-    if SIMULATOR:
+def _mma_blocker(tq, tensors, limits, tiles_given, pass_, simulated) -> str | None:
+    """Why the tensor-core kernels do not apply to a float16/bfloat16 call, or None where they do. ``simulated``:
+    the call runs in the simulator (not a plan for a named architecture, which is the plan that GPU would run)."""
+    if simulated:
         return "the simulator runs the SIMT kernels by default (ask for kernel='tc' to simulate the tensor cores)"
     if tiles_given:
         return "tile arguments were given without kernel=: they are the SIMT kernels' (pass kernel='tc' to tile " \
@@ -380,8 +381,9 @@ def warn_float64_mods(mods):
                           SlowPathWarning, stacklevel=6)
 
 
-def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=True):
-    """(family, why, fallback) of a forward or backward call."""
+def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic, simulated):
+    """(family, why, fallback) of a forward or backward call; ``simulated``: the call runs in the simulator, whose
+    default is the SIMT kernels (False for a plan made for a named architecture: the choice that GPU would make)."""
     families = tiling.FORWARD_FAMILIES if pass_ == "forward" else tiling.BACKWARD_FAMILIES
     simt = "v3" if pass_ == "forward" else "v2"
     if opts.mods is not None:  # a user's score_mod / mask_mod: the tensor-core forward or the register-tiled SIMT
@@ -391,11 +393,11 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=
             raise ValueError(f"a score_mod or mask_mod runs on the {pass_} kernels "
                              f"{', '.join(repr(x) for x in takes[1:])} (or None), not {kernel!r}")
         if kernel in ("tc", "wgmma"):
-            _check_family(kernel, tq, opts, limits, pass_)
+            _check_family(kernel, tq, opts, limits, pass_, simulated)
             return kernel, f"a user's score_mod / mask_mod on the tensor cores{'' if kernel == 'tc' else ' (Hopper)'}" \
                            f": asked for by kernel=", None
         if (kernel is None and (tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype))
-                and _mma_blocker(tq, tensors, limits, tiles_given, pass_) is None):
+                and _mma_blocker(tq, tensors, limits, tiles_given, pass_, simulated) is None):
             hopper = _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic, mods=True)
             if hopper is None:
                 return "wgmma", "a user's score_mod / mask_mod on Hopper's warpgroup MMA (wgmma)", None
@@ -404,16 +406,16 @@ def choose(pass_, kernel, tq, tensors, opts, limits, tiles_given, deterministic=
     if kernel is not None:
         if kernel not in families:
             raise ValueError(f"kernel must be one of {families} for the {pass_} (or None), got {kernel!r}")
-        _check_family(kernel, tq, opts, limits, pass_)
+        _check_family(kernel, tq, opts, limits, pass_, simulated)
         return kernel, "asked for by kernel=", None
     if tq.dtype == np.float16 or _arrays.is_bfloat16(tq.dtype):
-        blocker = _mma_blocker(tq, tensors, limits, tiles_given, pass_)
+        blocker = _mma_blocker(tq, tensors, limits, tiles_given, pass_, simulated)
         if blocker is None:
             hopper = _hopper_blocker(pass_, tq, tensors, opts, limits, deterministic)
             if hopper is None:
                 return "wgmma", f"{_dtype_name(tq.dtype)} on Hopper's warpgroup MMA (wgmma)", None
             return "tc", f"{_dtype_name(tq.dtype)} on tensor cores (mma.sync, cp.async, ldmatrix){hopper}", None
-        return simt, "the register-tiled SIMT kernels", (None if SIMULATOR else blocker)
+        return simt, "the register-tiled SIMT kernels", (None if simulated else blocker)
     return simt, "float32: the register-tiled SIMT kernels, exact float32 arithmetic (TF32 is opt-in)", None
 
 
@@ -441,7 +443,7 @@ def _padding(D_user, D, tensors) -> str:
     return f"head_dim {D_user} run as {D}: the inputs copied with {D - D_user} zero columns, the outputs cropped"
 
 
-def _check_family(kernel, tq, opts, limits, pass_):
+def _check_family(kernel, tq, opts, limits, pass_, simulated):
     if kernel == "v1" and not opts.plain:
         raise ValueError(f"{pass_} kernel v1 supports causal masking only (no window, softcap, ALiBi, GQA, varlen "
                          f"or dropout); use the default kernel")
@@ -459,7 +461,7 @@ def _check_family(kernel, tq, opts, limits, pass_):
             raise ValueError(f"the wgmma {pass_} supports head_dim a multiple of 8 up to 256 (built for "
                              f"{wgmma_forward.HEAD_DIMS}, the others run padded with zero columns), got "
                              f"{tq.shape[-1]}")
-        if not SIMULATOR and tuple(limits.cc) != (9, 0):
+        if not simulated and tuple(limits.cc) != (9, 0):
             raise ValueError(f"kernel 'wgmma' runs on compute capability 9.0 only (Hopper's wgmma, compiled for "
                              f"sm_90a); this is {limits.name}")
     if kernel in mma_tf32.PRECISIONS:
@@ -470,7 +472,7 @@ def _check_family(kernel, tq, opts, limits, pass_):
                              f"varlen or dropout)")
         if tq.shape[-1] not in mma_tf32.HEAD_DIMS:
             raise ValueError(f"the TF32 kernel supports head_dim in {mma_tf32.HEAD_DIMS}, got {tq.shape[-1]}")
-    if kernel in ("tc",) + mma_tf32.PRECISIONS and not SIMULATOR and tuple(limits.cc) < tiling.MMA_MIN_CC:
+    if kernel in ("tc",) + mma_tf32.PRECISIONS and not simulated and tuple(limits.cc) < tiling.MMA_MIN_CC:
         raise ValueError(f"kernel {kernel!r} needs compute capability 8.0 or newer (mma.sync m16n8k16, cp.async); "
                          f"this is {limits.name}")
 
@@ -595,14 +597,14 @@ def _cdiv(a, b):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _hopper_3x(family, limits):
+def _hopper_3x(family, limits, simulated):
     """Whether a 3xTF32 call runs on Hopper's wgmma: ``config.hopper_3xtf32`` set (checked), compute capability 9.0
-    (or the simulator)."""
+    (or the simulator, where no architecture was named)."""
     if family != "3xtf32" or config.hopper_3xtf32 is None:
         return False
     if config.hopper_3xtf32 not in ("chained", "per_step"):
         raise ValueError(f"config.hopper_3xtf32 must be None, 'chained' or 'per_step', got {config.hopper_3xtf32!r}")
-    return SIMULATOR or tuple(limits.cc) == (9, 0)
+    return simulated or tuple(limits.cc) == (9, 0)
 
 
 def _hopper_3x_reason(block_m, block_n):
@@ -632,7 +634,8 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     limits = resolve_device(device, (tq, tk, tv))
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
-    family, why, fallback = choose("forward", kernel, tq, (tq, tk, tv), opts, limits, tiles_given)
+    family, why, fallback = choose("forward", kernel, tq, (tq, tk, tv), opts, limits, tiles_given, True,
+                                   simulated=SIMULATOR and device is None)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
     total_q, nheads, D_user = shape4[1], shape4[2], shape4[3]
@@ -646,7 +649,7 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     lse_spec, arrays["lse"] = _output("lse", lse_user, np.dtype(np.float32), lead)
     scalars = _option_scalars(opts)
     table = family
-    hopper_3x = _hopper_3x(family, limits)
+    hopper_3x = _hopper_3x(family, limits, SIMULATOR and device is None)
     if hopper_3x:  # (its own tiles and shared memory: _hopper_3xtf32_tiles)
         t, reason = _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads)
     else:
@@ -1012,7 +1015,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
     family, why, fallback = choose("backward", kernel, tq, (tq, tk, tv, tdo, to), opts, limits, tiles_given,
-                                   deterministic)
+                                   deterministic, simulated=SIMULATOR and device is None)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
     lead_n, total_q, nheads, D_user = shape4
@@ -1154,7 +1157,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                 grid, (t.num_threads,), smem, t, reason, arch_specific=True, whole_program=tma,
                 tensor_maps=tuple((m, rows_of[m], span) for m in maps) if tma else ()))
         dq, kv = launched
-    elif _hopper_3x(family, limits):
+    elif _hopper_3x(family, limits, SIMULATOR and device is None):
         tq_t, tk_t, reason = _hopper_3xtf32_backward_tiles(D, limits, block_m, block_n, num_threads)
         tail = ("scale_log2", "scale")
         chained = config.hopper_3xtf32 == "chained"

@@ -88,8 +88,29 @@ def test_default_plans_on_each_architecture(arch, dtype):
                     assert s.grid[0] >= 1 and s.grid[1] == (4 if s.name != "dK/dV tc" else 4)
                 text = str(pl)
                 assert lim.name in text and pl.why in text
-            if flashnumba.SIMULATOR:  # the simulator runs the SIMT kernels unless asked
+            # (a plan for a named architecture is that GPU's, in the simulator too: tensor cores from 8.0)
+            if dt == np.float32 or arch == "sm_75":
                 assert p.kernel == "v3" and pb.kernel == "v2"
+            else:
+                assert {p.kernel, pb.kernel} <= ({"tc", "wgmma"} if arch == "sm_90" else {"tc"})
+
+
+def test_the_simulator_runs_the_simt_kernels_unless_asked_or_planning_for_a_named_gpu():
+    """Without device=, the simulator's own default for float16 is the SIMT kernels (the simulated tensor cores are
+    slow), said in the plan; a plan for a named architecture is what that GPU would run, and the checks of a kernel
+    asked for hold for that architecture."""
+    q, k, v = _qkv(np.float16, 64)
+    p = flashnumba.plan(q, k, v)
+    if flashnumba.SIMULATOR:
+        assert p.kernel == "v3" and "the simulator" not in str(p.fallback)
+    assert flashnumba.plan(q, k, v, device="sm_80").kernel == "tc"
+    assert flashnumba.plan(q, k, v, device="sm_90").kernel == "wgmma"
+    p = flashnumba.plan(q, k, v, device="sm_75")
+    assert p.kernel == "v3" and "compute capability 7.5" in p.fallback
+    with pytest.raises(ValueError, match="compute capability 9.0 only"):
+        flashnumba.plan(q, k, v, kernel="wgmma", device="sm_80")
+    with pytest.raises(ValueError, match="8.0 or newer"):
+        flashnumba.plan(q, k, v, kernel="tc", device="sm_75")
 
 
 def test_family_choice_and_reasons_for_a_gpu(monkeypatch):
