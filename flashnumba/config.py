@@ -48,10 +48,8 @@ plans as for ``hopper_tma``.
 ``hopper_3xtf32``: None (the default) runs the 3xTF32 forward and backward (``precision="3xtf32"``) on ``mma.sync``
 everywhere; "chained" or "per_step" runs them, on compute capability 9.0, on Hopper's wgmma
 (:mod:`flashnumba.kernels.wgmma_tf32`, :mod:`flashnumba.kernels.wgmma_tf32_backward`) with that accumulation.
-"per_step" is float32-class and, on an H100, ran 1.25x the ``mma.sync`` kernel's speed at head_dim 64 (0.9x at 128;
-measured before its k-steps took turns between two accumulators; the backward on wgmma 0.95x the ``mma.sync``
-backward's speed at head_dim 64, 0.98x at 128);
-"chained" errs several times float32's (docs/benchmarks.md).
+"per_step" is float32-class; "chained" errs several times float32's. Opt-in: neither is faster than the
+``mma.sync`` kernels at every head dim (docs/benchmarks.md, "What do the profiles say?", has the figures).
 
 ``temporarily(name, value)``: a context manager that sets one of these within a ``with`` block and restores what
 it was after (the benchmarks' and the tests' way to compare a setting with its default).

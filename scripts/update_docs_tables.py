@@ -13,10 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LATEST = ROOT / "docs" / "results" / "latest"
 
 
-def _env(e):
+def _env(e, command=None):
+    """The sentence of where, when and with what a table was measured; ``command``: the run's own record of its
+    command line, where it keeps one (a script's; older environments named every command ``python -m flashnumba``)."""
     v = e["versions"]
     return (f"Measured on {e['device']}, {e['date'][:10]}; numba {v.get('numba')}, numba-cuda {v.get('numba-cuda')}, "
-            f"numpy {v.get('numpy')}, CuPy {v.get('cupy')}, torch {v.get('torch')}. Command: `{e['command']}`.")
+            f"numpy {v.get('numpy')}, CuPy {v.get('cupy')}, torch {v.get('torch')}. "
+            f"Command: `{command or e['command']}`.")
 
 
 def latency(d):
@@ -313,7 +316,7 @@ def decode(d, prefix="results/latest/"):
 
 def flex(d, prefix="results/latest/"):
     """scripts/flex_bench.py: flex_attention's masks beside the built-in kernels and torch's FlexAttention."""
-    out = [_env(d["environment"]) + f" Source: [`flex-bench.json`]({prefix}flex-bench.json).", "",
+    out = [_env(d["environment"], d.get("command")) + f" Source: [`flex-bench.json`]({prefix}flex-bench.json).", "",
            "float16, batch = 16384 / seqlen, heads = 2048 / head_dim; ms of one call per pair of CUDA events, "
            "TFLOP/s of the entries the mask leaves (a backward counted as 2.5 forwards):", "",
            "| head_dim | seqlen | case | ms | TFLOP/s |", "| ---: | ---: | --- | ---: | ---: |"]

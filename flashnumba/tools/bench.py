@@ -768,9 +768,10 @@ def main(argv=None):
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--dtypes", nargs="+", default=["float16", "float32"], choices=list(ALL_DTYPES))
     p.add_argument("--passes", nargs="+", default=[FWD, BWD], choices=[FWD, BWD, FWDBWD])
+    others = [n for n in available_implementations(include_peers=False) if n not in DEFAULT_IMPLS]
     p.add_argument("--impls", nargs="+", default=None,
-                   help=f"names to run (default: {', '.join(DEFAULT_IMPLS)}, those available; also flashnumba_v1, "
-                        f"_v2, _v3 (the teaching kernels), flashnumba_tc, _atomic, _tf32, _3xtf32, torch_sdpa_math)")
+                   help=f"names to run (default: {', '.join(DEFAULT_IMPLS)}, those available; also "
+                        f"{', '.join(others)} and torch_sdpa_math)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     p.add_argument("--width", type=int, default=2048, help="nheads * head_dim")
     p.add_argument("--repeat", type=int, default=10)
