@@ -119,13 +119,14 @@ def _fold_kv(dk, nheads_k):
 
 
 def _softmax(s):
-    """P = softmax(s) row-wise and lse = logsumexp(s); a row of -inf gives P = 0 and lse = -inf."""
+    """P = softmax(s) row-wise and lse = logsumexp(s); a row of -inf gives P = 0 and lse = -inf; a row with a NaN
+    (or +inf) score gives NaN, as the kernels do, never a quiet 0."""
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf, s.dtype)
     m_safe = np.where(np.isneginf(m), 0.0, m)  # a row that sees no key: avoid -inf - -inf
     e = np.exp(s - m_safe)
     l = e.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(l > 0, e / l, 0.0)
+        p = np.where(l == 0, 0.0, e / l)
         lse = (m_safe + np.log(l))[..., 0]  # log(0) = -inf for rows with no key
     return p, lse
 
@@ -261,7 +262,7 @@ def attention_forward_blocked(q, k, v, *, softmax_scale=None, causal=False, wind
             l_i = alpha * l_i + P_ij.sum(axis=-1)
             O_i = alpha[..., None] * O_i + P_ij @ V_j
             m_i = m_new
-        seen = l_i > 0
+        seen = l_i != 0  # (a NaN sum is seen: its NaN goes through, as in the kernels)
         out[:, :, i0 : i0 + block_m] = np.where(seen[..., None], O_i / np.where(seen, l_i, 1.0)[..., None], 0.0)
         with np.errstate(divide="ignore"):
             lse[:, :, i0 : i0 + block_m] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1.0)), -np.inf)
@@ -281,7 +282,7 @@ def combine_splits(outs, lses):
     """
     outs, lses = np.asarray(outs, np.float64), np.asarray(lses, np.float64)
     m = lses.max(axis=0)
-    seen = np.isfinite(m)
+    seen = ~np.isneginf(m)  # (a NaN or +inf lse goes through)
     m_use = np.where(seen, m, 0.0)
     w = np.exp(lses - m_use)  # (S, batch, nheads, seqlen_q); 0 for the parts that saw nothing
     total = w.sum(axis=0)
