@@ -99,14 +99,21 @@ def check_qkv(q, k, v):
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {dq}")
 
 
-def check_scale(softmax_scale, head_dim) -> float:
+# the largest magnitude of a scale the kernels take: they multiply by it, and by it times log2(e), in float32
+_FLOAT32_SCALE_MAX = float(np.finfo(np.float32).max) / 1.4426950408889634
+
+
+def check_scale(softmax_scale, head_dim, name="softmax_scale") -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.number)):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+        raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
     s = float(softmax_scale)
     if not math.isfinite(s):
-        raise ValueError(f"softmax_scale must be finite, got {s}")
+        raise ValueError(f"{name} must be finite, got {s}")
+    if abs(s) > _FLOAT32_SCALE_MAX:  # (times log2(e) in float32 it would be inf, every score NaN)
+        raise ValueError(f"{name} must be at most {_FLOAT32_SCALE_MAX:.4g} in magnitude (the kernels scale in float32), "
+                         f"got {s}")
     return s
 
 
@@ -274,9 +281,11 @@ def check_seed(dropout_p: float, seed, offset) -> tuple:
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs a dropout_seed (the backward must regenerate the forward's mask "
                          "from the same dropout_seed and dropout_offset)")
-    for name, value in (("dropout_seed", 0 if seed is None else seed), ("dropout_offset", offset)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**64:
-            raise ValueError(f"{name} must be an int in [0, 2**64), got {value!r}")
+    # (the Philox counter holds the offset in one 32-bit word: an offset of 2**32 or more would give the mask of
+    # the offset less 2**32; flashnumba.draw_dropout_seed folds a generator's high offset bits into the seed)
+    for name, value, top in (("dropout_seed", 0 if seed is None else seed, 64), ("dropout_offset", offset, 32)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**top:
+            raise ValueError(f"{name} must be an int in [0, 2**{top}), got {value!r}")
     return np.uint64(0 if seed is None else seed), np.uint64(offset)
 
 
@@ -391,6 +400,9 @@ def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p,
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
     if not (math.isfinite(float(softcap)) and float(softcap) >= 0):
         raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    tiny, huge = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
+    if softcap and not tiny <= float(softcap) <= huge:  # (the kernels compute in float32)
+        raise ValueError(f"softcap must be 0 or within float32's range (the kernels compute in float32), got {softcap}")
     nheads = tq.shape[-2]
     batch = tq.shape[0] if batch is None else batch
     alibi = None

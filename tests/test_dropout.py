@@ -80,6 +80,9 @@ def test_dropout_is_deterministic_and_needs_a_seed():
         flashnumba.flash_attn_forward(q, k, v, dropout_p=1.0, dropout_seed=1)
     with pytest.raises(ValueError, match=r"dropout_seed must be an int in \[0, 2\*\*64\)"):
         flashnumba.flash_attn_forward(q, k, v, dropout_p=0.1, dropout_seed=-1)
+    # (the counter's offset word is 32 bits: 2**32 would repeat offset 0's mask)
+    with pytest.raises(ValueError, match=r"dropout_offset must be an int in \[0, 2\*\*32\)"):
+        flashnumba.flash_attn_forward(q, k, v, dropout_p=0.1, dropout_seed=1, dropout_offset=2**32)
     with pytest.raises(ValueError, match=r"kernel v1 supports causal masking only"):
         flashnumba.flash_attn_forward(q, k, v, dropout_p=0.1, dropout_seed=1, kernel="v1")
 

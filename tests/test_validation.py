@@ -103,6 +103,8 @@ def test_host_and_device_mixed():
     (dict(causal="yes"), TypeError, r"causal must be a bool"),
     (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a real number"),
     (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),
+    # (finite in float64, not times log2(e) in the kernels' float32: every score would be NaN)
+    (dict(softmax_scale=3e38), ValueError, r"softmax_scale must be at most"),
 ])
 def test_bad_options(kw, err, msg):
     q, k, v = qkv(d=128)
