@@ -30,7 +30,7 @@ import numpy as np
 from . import _arrays, _launch, config, planner as _plan
 from ._validate import (Options, check_blocks, check_cu_seqlens, check_dropout_p, check_dtypes, check_flag,
                         check_forward_results, check_mods, check_options, check_qkv, check_same_place, check_seed,
-                        check_stream, inspect, kernel_for_precision, mod_args_tuple, check_array_arg)
+                        check_stream, inspect, kernel_for_precision, mod_args_tuple, check_array_arg, check_scale)
 
 Array = Any  # a NumPy or CuPy array, a torch CUDA tensor, or any __cuda_array_interface__ object
 MAX_PROBS_ELEMENTS = 2**26  # return_attn_probs materialises (batch, nheads, seqlen_q, seqlen_k): small sizes only
@@ -682,6 +682,8 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
                                                num_threads, blocks))
 
     def build():  # the functions and arrays are checked once per key, with the rest of the call
+        check_scale(scale, 1, "scale")  # (FlexAttention's name for it, in the message)
+        check_flag("enable_gqa", enable_gqa)
         (tq, tk, tv), opts = check_forward_args(q, k, v, softmax_scale=scale)
         mods, targs = check_mods(tq, tk, score_mod, None, mask_mod, score_mod_args, enable_gqa)
         opts = dataclasses.replace(opts, mods=mods, mod_args=targs,
@@ -695,6 +697,7 @@ def flex_attention(q: Array, k: Array, v: Array, score_mod=None, mask_mod=None, 
         return _launch.Call(_flex_compiled(make, ("wgmma",)))
 
     call = _cached(key, build)
+    return_lse = check_flag("return_lse", return_lse)  # (not part of the key: checked at every call)
     out, lse = call.run((q, k, v, None, None, None) + args + (None,) * (len(_plan.MOD_PARAMS) - len(args)) + bm,
                         0, 0, _stream(stream, q))
     return (out, lse) if return_lse else out
@@ -721,7 +724,9 @@ _BLOCK_MASK_ARRAYS = ("kv_num_blocks", "kv_indices", "state", "q_num_blocks", "q
 
 def _block_mask_for(block_mask, mask_mod, score_mod_args):
     """(mask_mod, score_mod_args) of a call given a block mask: its own where the call leaves them out; checks that
-    it is a BlockMask made for this mask_mod."""
+    it is a BlockMask made for this mask_mod and these arrays (the kernels skip the blocks it classified as hidden
+    and leave unmasked those it classified as full: with other arrays the mask_mod would hide other entries, and
+    the result would depend on the kernel)."""
     if block_mask is None:
         return mask_mod, score_mod_args
     from .blockmask import BlockMask
@@ -733,6 +738,13 @@ def _block_mask_for(block_mask, mask_mod, score_mod_args):
         mask_mod = block_mask.mask_mod
     if mask_mod is not block_mask.mask_mod:
         raise ValueError("block_mask was made for another mask_mod than the one given")
+    from ._validate import _takes
+
+    if score_mod_args and _takes(mask_mod, 4 + len(score_mod_args)) and (  # (a mask_mod that reads them)
+            len(score_mod_args) != len(block_mask.score_mod_args)
+            or any(a is not b for a, b in zip(score_mod_args, block_mask.score_mod_args))):
+        raise ValueError("block_mask was made with other score_mod_args than the ones given: pass the arrays given "
+                         "to create_block_mask (the same objects), or leave score_mod_args out to use them")
     return mask_mod, score_mod_args or block_mask.score_mod_args
 
 
@@ -764,6 +776,9 @@ def flex_attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Arra
                 blocks))
 
     def build():
+        check_scale(scale, 1, "scale")  # (FlexAttention's name for it, in the message)
+        check_flag("enable_gqa", enable_gqa)
+
         def make(keep):
             p, opts = _backward_plan(dout, q, k, v, out, lse, scale, False, (-1, -1), 0.0, None, 0.0, block_m,
                                      block_n, num_threads, kernel,

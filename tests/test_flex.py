@@ -543,6 +543,13 @@ def test_bad_functions_and_arguments_are_clear_errors():
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap, score_mod_grad=softcap_grad, kernel="tc")
     with pytest.raises(ValueError, match="score_mod_grad"):
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap)
+    with pytest.raises(ValueError, match="^scale must be finite"):  # (FlexAttention's name in the message)
+        flashnumba.flex_attention(q, k, v, softcap, scale=float("inf"))
+    with pytest.raises(TypeError, match="return_lse must be a bool"):  # (not read as True)
+        flashnumba.flex_attention(q, k, v, softcap, return_lse="no")
+    with pytest.raises(TypeError, match="enable_gqa must be a bool"):
+        flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap, score_mod_grad=softcap_grad,
+                                           enable_gqa="no")
     for kwargs, message in BROKEN.values():  # (before any launch: out stays as it was)
         with pytest.raises(TypeError, match=message):
             flashnumba.flex_attention(q, k, v, **kwargs)
@@ -1262,5 +1269,11 @@ def test_block_mask_errors():
                                   block_n=16)
     with pytest.raises(TypeError, match="BlockMask"):
         flashnumba.flex_attention(q, k, v, block_mask=np.zeros(3), score_mod_args=args)
+    # (other arrays than the block mask's: the blocks it classified as full would go unmasked on the tensor cores)
+    with pytest.raises(ValueError, match="other score_mod_args"):
+        flashnumba.flex_attention(q, k, v, block_mask=bm, score_mod_args=tuple(a.copy() for a in args))
+    with pytest.raises(ValueError, match="other score_mod_args"):
+        flashnumba.flex_attention_backward(q, q, k, v, q, np.zeros((1, 1, 20), np.float32), block_mask=bm,
+                                           score_mod_args=tuple(a[::-1].copy() for a in args))
     with pytest.raises(ValueError, match="multiples of 16"):
         flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=24)
