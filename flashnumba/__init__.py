@@ -58,3 +58,13 @@ __all__ = [
     "last_dropout_seed",
     "tiling",
 ]
+
+
+def __getattr__(name):
+    """``flashnumba.check`` (the checker of attention implementations) and ``flashnumba.torch`` (the autograd
+    functions) on first use: neither is imported with the package (``flashnumba.torch`` imports torch)."""
+    if name in ("check", "torch"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'flashnumba' has no attribute {name!r}")

@@ -55,6 +55,18 @@ def _check_one(target, dts, kwargs):
     return text, dict(report.to_dict(), dtypes=dts or list(impl.dtypes), environment=environment()), report.passed
 
 
+def _positive_int(text):
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"an int >= 1, got {text!r}")
+    return int(text)
+
+
+def _properties():
+    from .check import PROPERTIES
+
+    return PROPERTIES
+
+
 def _check(args):
     import json
     import os
@@ -65,7 +77,11 @@ def _check(args):
                   properties=args.properties or PROPERTIES)
     jobs = []  # (target, dtypes) of each report
     for target in args.targets:
-        impl = adapter(target)
+        try:  # (a name that is no implementation: one line, not a traceback)
+            impl = adapter(target)
+        except (ValueError, ImportError, AttributeError) as err:
+            print(f"flashnumba check: {target}: {err}", file=sys.stderr)
+            return 2
         runs = [[d] for d in (args.dtypes or impl.dtypes)] if args.per_dtype else [args.dtypes]
         for dtypes in runs:
             if dtypes is not None and not set(dtypes) & set(impl.dtypes):
@@ -129,10 +145,10 @@ def main(argv=None):
                             "-efficient, -math) or module:function; several run one after another")
     check.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "float16", "bfloat16"])
     check.add_argument("--head-dims", type=int, nargs="+", default=None)
-    check.add_argument("--examples", type=int, default=50, help="drawn problems per accuracy property")
+    check.add_argument("--examples", type=_positive_int, default=50, help="drawn problems per accuracy property")
     check.add_argument("--max-seqlen", type=int, default=80)
     check.add_argument("--seed", type=int, default=0, help="a reproducible search (the same examples each run)")
-    check.add_argument("--properties", nargs="+", default=None, help="a subset of the battery")
+    check.add_argument("--properties", nargs="+", default=None, choices=_properties(), help="a subset of the battery")
     check.add_argument("--per-dtype", action="store_true", help="one report per dtype")
     check.add_argument("--jobs", type=int, default=1,
                        help="reports run in this many processes at once (their kernels compile in parallel)")

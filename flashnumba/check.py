@@ -702,6 +702,15 @@ def check_attention(impl: Implementation, *, dtypes=None, head_dims=None, exampl
         "determinism": lambda: check_determinism(impl, dtypes, head_dims),
         "immutability": lambda: check_immutability(impl, dtypes, head_dims),
     }
+    # (the caller's own arguments checked before anything runs: a misspelt property or no examples is not the
+    # implementation's failure)
+    if isinstance(properties, str):
+        raise TypeError(f"properties must be a list or tuple of names, got the string {properties!r}")
+    unknown = [name for name in properties if name not in runs]
+    if unknown:
+        raise ValueError(f"unknown properties {unknown}: choose from {', '.join(runs)} (a list or tuple of names)")
+    if isinstance(examples, (bool, np.bool_)) or not isinstance(examples, (int, np.integer)) or examples < 1:
+        raise ValueError(f"examples must be an int >= 1, got {examples!r}")
     results = []
     for name in properties:
         try:

@@ -172,6 +172,18 @@ def test_unsupported_problems_are_set_aside_and_errors_are_failures():
     assert [r.passed for r in report.results] == [None, None] and "not applicable" in str(report)
 
 
+def test_the_callers_own_mistakes_are_errors_not_findings():
+    """A misspelt property, a bare string, or no examples: refused before anything runs, not reported as the
+    implementation's failure."""
+    impl = reference_implementation()
+    with pytest.raises(ValueError, match="unknown properties \\['forwrd'\\]"):
+        check_attention(impl, properties=("forwrd",))
+    with pytest.raises(TypeError, match="list or tuple of names"):
+        check_attention(impl, properties="forward")
+    with pytest.raises(ValueError, match="examples must be an int >= 1"):
+        check_attention(impl, examples=0)
+
+
 def test_the_command_line(tmp_path, capsys, monkeypatch):
     from flashnumba.__main__ import main
 
