@@ -379,8 +379,9 @@ def check_window(window_size) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
     for name, w in (("left", left), ("right", right)):
-        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) or w < -1:
-            raise ValueError(f"window_size {name} must be an int >= -1 (-1: unbounded), got {w!r}")
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) or not -1 <= w < 2**62:
+            raise ValueError(f"window_size {name} must be an int in [-1, 2**62) (-1: unbounded; the kernels take "
+                             f"int64), got {w!r}")
     return int(left), int(right)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _arrays, _launch, config, planner as _plan, tiling
 from ._backend import SIMULATOR
-from ._validate import check_options, inspect
+from ._validate import check_flag, check_options, check_window, inspect
 from .api import _cached, _key, flash_attn_varlen_forward
 
 MIN_PAGE_SIZE = 16  # rows per page of a paged cache: at least one tile of the kernels' smallest key tiles
@@ -104,6 +104,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     if cache_seqlens is None and k is not None:
         raise ValueError("new keys k need cache_seqlens (where to write them)")
+    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     # what the shapes, dtypes, options and the kernel choice decide: checked once per kind of call, then kept
     lens_array = cache_seqlens is not None and not isinstance(cache_seqlens, (int, np.integer))
     key = _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens if lens_array else None, cache_batch_idx,
@@ -252,7 +253,7 @@ class _Static:
                 raise TypeError(f"k and v must have q's dtype {tq.dtype}")
             self.seqlen_new = tnew[0].shape[1]
         self.rotary = rotary_cos is not None
-        self.local = causal or tuple(window_size) != (-1, -1)
+        self.local = check_flag("causal", causal) or check_window(window_size) != (-1, -1)
         trot = (None, None)
         if self.rotary:
             if rotary_sin is None or len(rotary_cos.shape) != 2 or tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
@@ -265,7 +266,8 @@ class _Static:
                 raise TypeError("rotary_cos and rotary_sin must be NumPy arrays where q is one")
             if 2 * trot[0].shape[1] > d:
                 raise ValueError(f"rotary_dim {2 * trot[0].shape[1]} exceeds head_dim {d}")
-        self.step = _plan.DecodeStep(*tnew, *trot, interleaved=bool(interleaved), local=self.local)
+        interleaved = check_flag("rotary_interleaved", interleaved)
+        self.step = _plan.DecodeStep(*tnew, *trot, interleaved=interleaved, local=self.local)
         # the options and the kernel
         self.splitkv = _use_splitkv(kernel, tq, tk, tv)
         if not self.splitkv and tq.kind == "torch":  # (the gather path runs on CuPy views of the tensors)

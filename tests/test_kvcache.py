@@ -561,7 +561,9 @@ def test_no_cache_seqlens_is_the_whole_cache_and_bad_options_write_nothing():
         flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
     lens = np.array([3, 4], np.int32)
     for bad, err in ((dict(kernel="bogus"), ValueError), (dict(window_size=(3,)), ValueError),
-                     (dict(alibi_slopes=np.ones(3, np.float32)), ValueError), (dict(softcap=-1.0), ValueError)):
+                     (dict(alibi_slopes=np.ones(3, np.float32)), ValueError), (dict(softcap=-1.0), ValueError),
+                     (dict(window_size=None), ValueError), (dict(rotary_interleaved="no"), TypeError),
+                     (dict(return_softmax_lse=2), TypeError)):
         with pytest.raises(err):
             flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, **kw, **bad)
         np.testing.assert_array_equal(kc, kc0)
