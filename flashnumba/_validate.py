@@ -438,20 +438,29 @@ def check_forward_results(tq, tdo, to, tl, lse_layout, lse_shape, forward_name):
 def check_cu_seqlens(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read_values=True):
     """Validate the varlen offsets and maxima: returns (batch, cu_q Tensor, cu_k Tensor, max_q, max_k).
 
-    Shapes and dtypes are checked always. The values (starting at 0, non-decreasing, ending at the number of
-    rows, no sequence longer than max_seqlen) are device memory for device arrays: ``read_values`` copies them to
-    the host to check them (a synchronisation); offsets that break these rules make the kernels read and write
-    outside the arrays, so ``read_values=False`` is for callers that guarantee them.
+    Shapes and dtypes are checked always, and the values of NumPy arrays (on the host: free to read). The values
+    (starting at 0, non-decreasing, ending at the number of rows, no sequence longer than max_seqlen) of device
+    arrays are device memory: ``read_values`` copies them to the host to check them (a synchronisation); offsets
+    that break these rules make the kernels read and write outside the arrays, so ``read_values=False`` is for
+    callers that guarantee them.
     """
     out, longest = [], []
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, tq.shape[0]), ("cu_seqlens_k", cu_seqlens_k, tk.shape[0])):
+    named = (("cu_seqlens_q", cu_seqlens_q, tq.shape[0]), ("cu_seqlens_k", cu_seqlens_k, tk.shape[0]))
+    for name, cu, _ in named:
         t = inspect(name, cu, 1)
         check_same_place((tq, t))
         if t.dtype != np.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
         if t.shape[0] < 1:
             raise ValueError(f"{name} must have shape (batch + 1,), got {t.shape}")
-        if read_values:
+        out.append(t)
+    tcq, tck = out
+    if tcq.shape != tck.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{tcq.shape[0]} and {tck.shape[0]}")
+    for t, (name, _, total) in zip(out, named):
+        longest.append(None)
+        if read_values or t.kind == "numpy":
             h = _arrays.to_host(t.array)
             if h[0] != 0:
                 raise ValueError(f"{name} must start at 0 (shape (batch + 1,)), got {h[:4].tolist()}...")
@@ -459,16 +468,11 @@ def check_cu_seqlens(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                 raise ValueError(f"{name} must be non-decreasing, got {h.tolist()}")
             if h[-1] != total:
                 raise ValueError(f"{name} must end at the total number of rows ({total}), got {int(h[-1])}")
-            longest.append(int(np.diff(h).max()) if h.shape[0] > 1 else 0)
-        out.append(t)
-    tcq, tck = out
-    if tcq.shape != tck.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                         f"{tcq.shape[0]} and {tck.shape[0]}")
+            longest[-1] = int(np.diff(h).max()) if h.shape[0] > 1 else 0
     maxes = []
     for i, (name, given) in enumerate((("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k))):
         given = check_int(name, given, 0, 2**31 - 1)
-        if read_values and given < longest[i]:
+        if longest[i] is not None and given < longest[i]:
             raise ValueError(f"{name} must be at least the longest sequence ({longest[i]}), got {given}")
         maxes.append(given)
     return tcq.shape[0] - 1, tcq, tck, maxes[0], maxes[1]

@@ -489,11 +489,12 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def _varlen_call(tag, arrays, options, varlen_args, plan):
     """The kept Call of a varlen call, or a new one from ``plan(tq, tk, tv, batch, cu, max_q, max_k)``. The offsets
-    are checked at every call (their values are device memory, not part of the key) unless
+    are checked at every call (their values are not part of the key): NumPy ones always, device ones unless
     ``config.check_device_values`` is off."""
     key = _key(tag, arrays, options)
     call = _lookup(key)
-    if call is not None and not config.check_device_values:
+    if call is not None and not config.check_device_values and not any(  # (NumPy offsets: checked, for free)
+            isinstance(cu, np.ndarray) for cu in varlen_args[3:5]):
         return call
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_args
     checked = _varlen_tensors((("q", q), ("k", k), ("v", v)), cu_q, cu_k, max_q, max_k)

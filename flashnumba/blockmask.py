@@ -70,7 +70,15 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
     that of the first array of score_mod_args (NumPy ones: the result in NumPy), else CuPy's current device. Pass
     the result to :func:`flashnumba.flex_attention` (``block_mask=``) with the same mask_mod and score_mod_args.
     """
-    qb, kb = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, (int, np.integer)) else tuple(BLOCK_SIZE)
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx, *score_mod_args) -> bool, got "
+                        f"{type(mask_mod).__name__}")
+    if isinstance(BLOCK_SIZE, (int, np.integer)):
+        qb = kb = BLOCK_SIZE
+    elif isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2:
+        qb, kb = BLOCK_SIZE
+    else:
+        raise ValueError(f"BLOCK_SIZE must be an int or a pair (query rows, key rows), got {BLOCK_SIZE!r}")
     for name, n in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN), ("BLOCK_SIZE", qb), ("BLOCK_SIZE", kb)):
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")

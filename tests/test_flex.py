@@ -1277,3 +1277,8 @@ def test_block_mask_errors():
                                            score_mod_args=tuple(a[::-1].copy() for a in args))
     with pytest.raises(ValueError, match="multiples of 16"):
         flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=24)
+    for size in ((16, 32, 48), 16.0):
+        with pytest.raises(ValueError, match="an int or a pair"):
+            flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=size)
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        flashnumba.create_block_mask(None, 1, 1, 20, 20, BLOCK_SIZE=16)

@@ -98,7 +98,9 @@ def test_varlen_empty_sequences_and_max_larger_than_needed():
 @pytest.mark.parametrize("change,err,msg", [
     (dict(cu_seqlens_q=np.array([0, 5, 9], np.int64)), TypeError, r"cu_seqlens_q must be int32"),
     (dict(cu_seqlens_q=np.array([1, 5, 10], np.int32)), ValueError, r"cu_seqlens_q must start at 0"),
-    (dict(cu_seqlens_q=np.array([0, 6, 5, 10], np.int32)), ValueError, r"must be non-decreasing"),
+    (dict(cu_seqlens_q=np.array([0, 6, 5], np.int32)), ValueError, r"must be non-decreasing"),
+    # (lengths that differ: said first, before the values)
+    (dict(cu_seqlens_q=np.array([0, 6, 5, 10], np.int32)), ValueError, r"must have the same length"),
     (dict(cu_seqlens_k=np.array([0, 4, 11], np.int32)), ValueError, r"cu_seqlens_k must end at the total"),
     (dict(cu_seqlens_k=np.array([0, 12], np.int32)), ValueError, r"must have the same length"),
     (dict(max_seqlen_q=4), ValueError, r"max_seqlen_q must be at least the longest sequence \(5\)"),
@@ -113,6 +115,18 @@ def test_varlen_validation(change, err, msg):
     args.update(change)
     with pytest.raises(err, match=msg):
         flashnumba.flash_attn_varlen_forward(q, k, v, **args, kernel=kernel)
+
+
+def test_numpy_offsets_are_checked_with_the_device_checks_off():
+    """config.check_device_values off spares device offsets the host copy; NumPy offsets cost none, and are
+    checked at every call, a kept kind of call included (unchecked, they would take the kernels outside the
+    arrays)."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout, cu_q, cu_k = _packed(rng, [5, 5], [6, 6], 1, 1, 8)
+    with flashnumba.config.temporarily("check_device_values", False):
+        flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 5, 6, kernel="v3")
+        with pytest.raises(ValueError, match="cu_seqlens_k must end at the total"):
+            flashnumba.flash_attn_varlen_forward(q, k, v, cu_q, np.array([0, 6, 30], np.int32), 5, 6, kernel="v3")
 
 
 def test_varlen_func():
