@@ -170,7 +170,8 @@ def current_device() -> tiling.DeviceLimits:
     """The limits of Numba's current GPU (under the simulator, or without a GPU: sm_90's), capped by
     ``FLASHNUMBA_MAX_SHARED_BYTES``."""
     if SIMULATOR or not cuda.is_available():
-        return tiling.capped(tiling.ARCHS["sm_90"])
+        sm90 = tiling.ARCHS["sm_90"]  # (in the simulator named so, so that a printed plan says where it runs)
+        return tiling.capped(replace(sm90, name=f"the simulator ({sm90.arch}'s limits)") if SIMULATOR else sm90)
     dev = cuda.get_current_device()
     lim = _current.get(dev.id)
     if lim is None:
