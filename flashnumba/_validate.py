@@ -71,7 +71,9 @@ def check_dtypes(tensors):
     for t in tensors:
         if t.dtype not in DTYPES and not _arrays.is_bfloat16(t.dtype):
             hint = " (bfloat16 is taken as a NumPy ml_dtypes.bfloat16 array or a torch.bfloat16 CUDA tensor)" \
-                if t.dtype.kind == "V" and t.dtype.itemsize == 2 else ""
+                if t.dtype.kind == "V" and t.dtype.itemsize == 2 else \
+                f" (this one is {'big' if t.dtype.byteorder == '>' else 'little'}-endian: convert with " \
+                f"astype('{t.dtype.newbyteorder('=').name}'))" if t.dtype.newbyteorder("=") in DTYPES else ""
             raise TypeError(f"{t.name} has dtype {t.dtype}; supported dtypes are {DTYPE_NAMES}{hint}")
         if _arrays.is_bfloat16(t.dtype) and t.kind not in ("numpy", "torch"):
             raise TypeError(f"{t.name} is a bfloat16 {t.kind} array; bfloat16 is taken as a NumPy "
@@ -82,6 +84,9 @@ def check_dtypes(tensors):
 
 def check_qkv(q, k, v):
     bq, sq, hq, dq = q.shape
+    for t in (q, k, v):
+        if t.shape[2] == 0:
+            raise ValueError(f"{t.name} has no heads (shape {t.shape}): nheads must be at least 1")
     for t in (k, v):
         b, _, hh, d = t.shape
         if b != bq:

@@ -59,6 +59,18 @@ def test_unsupported_dtype(dtype):
         flashnumba.flash_attn_forward(q, k, v)
 
 
+def test_big_endian_input_says_how_to_convert():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"big-endian: convert with astype\('float32'\)"):
+        flashnumba.flash_attn_forward(q.astype(">f4"), k, v)
+
+
+def test_no_heads_is_said_as_such():
+    q, k, v = qkv(h=0)
+    with pytest.raises(ValueError, match=r"q has no heads"):
+        flashnumba.flash_attn_forward(q, k, v)
+
+
 def test_head_dim_too_large():
     q, k, v = qkv(d=257)
     with pytest.raises(ValueError, match=r"head_dim must be in \[1, 256\], got 257"):
