@@ -44,17 +44,6 @@ def _demo(args):
     return run(size=args.size)
 
 
-def _check_one(target, dts, kwargs):
-    """One report (run in this process or in a worker): (printed text, JSON data, passed)."""
-    from .check import adapter, check_attention
-    from .tools.environment import environment
-
-    impl = adapter(target)
-    report = check_attention(impl, dtypes=dts, **kwargs)
-    text = str(report) if dts is None else f"[{', '.join(dts)}] {report}"
-    return text, dict(report.to_dict(), dtypes=dts or list(impl.dtypes), environment=environment()), report.passed
-
-
 def _positive_int(text):
     if not text.lstrip("-").isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"an int >= 1, got {text!r}")
@@ -72,40 +61,59 @@ def _check(args):
     import os
 
     from .check import PROPERTIES, adapter
+    from .tools.check_report import one_report
+
+    def refuse(message):  # (the caller's mistake: one line, exit 2, before anything runs)
+        print(f"flashnumba check: {message}", file=sys.stderr)
+        return 2
 
     kwargs = dict(head_dims=args.head_dims, examples=args.examples, max_seqlen=args.max_seqlen, seed=args.seed,
                   properties=args.properties or PROPERTIES)
+    asked = list(dict.fromkeys(args.dtypes)) if args.dtypes else None  # (each once)
     jobs = []  # (target, dtypes) of each report
     for target in args.targets:
         try:  # (a name that is no implementation: one line, not a traceback)
             impl = adapter(target)
         except (ValueError, ImportError, AttributeError) as err:
-            print(f"flashnumba check: {target}: {err}", file=sys.stderr)
-            return 2
-        runs = [[d] for d in (args.dtypes or impl.dtypes)] if args.per_dtype else [args.dtypes]
+            return refuse(f"{target}: {err}")
+        skipped = [d for d in asked or () if d not in impl.dtypes]
+        if skipped:
+            print(f"flashnumba check: {target} takes {', '.join(impl.dtypes)}; not run for {', '.join(skipped)}",
+                  file=sys.stderr)
+        runs = [[d] for d in (asked or impl.dtypes)] if args.per_dtype else [asked]
         for dtypes in runs:
             if dtypes is not None and not set(dtypes) & set(impl.dtypes):
                 continue
             jobs.append((target, None if dtypes is None else [d for d in dtypes if d in impl.dtypes]))
+    if not jobs:
+        return refuse("nothing to run: no target takes the dtypes asked for")
+    if args.json and len(jobs) > 1:
+        return refuse(f"--json writes one report, and this run makes {len(jobs)}: use --out DIR for several")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        return refuse(f"--json {args.json}: its folder does not exist")
+    if args.out:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as err:
+            return refuse(f"--out {args.out}: {err}")
     if args.jobs > 1 and len(jobs) > 1:  # reports in worker processes (each compiles its own kernels)
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(args.jobs, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_check_one, t, d, kwargs) for t, d in jobs]
+            futures = [pool.submit(one_report, t, d, kwargs) for t, d in jobs]
             results = [f.result() for f in futures]  # in the order asked for
     else:
-        results = (_check_one(t, d, kwargs) for t, d in jobs)
+        results = (one_report(t, d, kwargs) for t, d in jobs)
     failed = False
     for (target, dts), (text, data, passed) in zip(jobs, results):
         print(text, flush=True)
         failed |= not passed
-        if args.json and len(jobs) == 1:
+        if args.json:
             with open(args.json, "w") as f:
                 json.dump(data, f, indent=1)
             print(f"wrote {args.json}")
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
             name = target.replace(":", "-") + ("" if dts is None else "-" + "-".join(dts))
             with open(os.path.join(args.out, f"check-{name}.json"), "w") as f:
                 json.dump(data, f, indent=1)
@@ -144,13 +152,13 @@ def main(argv=None):
                        help="a built-in adapter (numpy-reference, flashnumba, flash-attn, torch-sdpa-flash, -cudnn, "
                             "-efficient, -math) or module:function; several run one after another")
     check.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "float16", "bfloat16"])
-    check.add_argument("--head-dims", type=int, nargs="+", default=None)
+    check.add_argument("--head-dims", type=_positive_int, nargs="+", default=None)
     check.add_argument("--examples", type=_positive_int, default=50, help="drawn problems per accuracy property")
-    check.add_argument("--max-seqlen", type=int, default=80)
+    check.add_argument("--max-seqlen", type=_positive_int, default=80)
     check.add_argument("--seed", type=int, default=0, help="a reproducible search (the same examples each run)")
     check.add_argument("--properties", nargs="+", default=None, choices=_properties(), help="a subset of the battery")
     check.add_argument("--per-dtype", action="store_true", help="one report per dtype")
-    check.add_argument("--jobs", type=int, default=1,
+    check.add_argument("--jobs", type=_positive_int, default=1,
                        help="reports run in this many processes at once (their kernels compile in parallel)")
     check.add_argument("--json", default=None, help="write the report as JSON here (one target)")
     check.add_argument("--out", default=None, help="write check-TARGET[-DTYPE].json for every report here")

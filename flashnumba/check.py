@@ -709,8 +709,10 @@ def check_attention(impl: Implementation, *, dtypes=None, head_dims=None, exampl
     unknown = [name for name in properties if name not in runs]
     if unknown:
         raise ValueError(f"unknown properties {unknown}: choose from {', '.join(runs)} (a list or tuple of names)")
-    if isinstance(examples, (bool, np.bool_)) or not isinstance(examples, (int, np.integer)) or examples < 1:
-        raise ValueError(f"examples must be an int >= 1, got {examples!r}")
+    for name, n in [("examples", examples), ("max_seqlen", max_seqlen)] + [("head_dims", d) for d in head_dims]:
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} must be ints >= 1, got {n!r}" if name == "head_dims" else
+                             f"{name} must be an int >= 1, got {n!r}")
     results = []
     for name in properties:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 import flashnumba
 from flashnumba.tools import bench
@@ -148,3 +149,25 @@ def test_a_measurements_command_names_what_ran(tmp_path, monkeypatch):
     assert command(["/elsewhere/x.py"]) == "python /elsewhere/x.py"
     assert command([script, "--cases", "a b"]) == "python scripts/flex_bench.py --cases 'a b'"
     assert command([]) == command([""]) == "python"
+
+
+def test_budget_search_reaches_its_limit_and_reports_real_errors():
+    """The budget search's own measurement (in the simulator no device memory is counted, so every seqlen fits up
+    to the search's limit); an error that is not out of memory is raised, not taken for the end of the search."""
+    impls = {"flashnumba": bench.available_implementations(include_peers=False)["flashnumba"]}
+    found = bench.longest_seqlen_in_budget(impls, 1.0, head_dim=16, nheads=1, dtype=np.float32, start=16, stop=32)
+    assert found == {"flashnumba": 32}
+
+    def broken(q, k, v, dout, causal):
+        raise RuntimeError("a bug, not memory")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        bench.longest_seqlen_in_budget({"broken": broken}, 1.0, head_dim=16, nheads=1, start=16, stop=16)
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    for argv in (["--seqlens", "0"], ["--repeat", "0"], ["--gqa", "-1"], ["--from-json", "/no/such.json"],
+                 ["--budget-gib", "1", "--budget-max-seqlen", "64"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2 and "error:" in capsys.readouterr().err

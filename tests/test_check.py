@@ -203,15 +203,31 @@ def test_the_command_line(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["check", "my_attention:attention", "--examples", "5"]) == 1
     assert "top-left" in capsys.readouterr().out
+    # the caller's mistakes: one line, exit 2, before anything runs
+    for argv, said in ((["numpy-reference", "numpy-reference", "--json", str(out)], "--json writes one report"),
+                       (["numpy-reference", "--json", str(tmp_path / "no" / "x.json")], "folder does not exist"),
+                       (["numpy-reference", "--out", str(out)], "--out"),
+                       (["flashnumba", "--dtypes", "bfloat16"] if flashnumba.SIMULATOR else [], "nothing to run")):
+        if argv:
+            assert main(["check", *argv, "--examples", "2"]) == 2
+            assert said in capsys.readouterr().err
+    for bad in (["--max-seqlen", "0"], ["--head-dims", "-8"], ["--jobs", "0"]):
+        with pytest.raises(SystemExit):
+            main(["check", "numpy-reference", *bad])
 
 
-def test_reports_in_worker_processes(tmp_path, capsys):
-    """--jobs: the reports of each dtype run in worker processes, printed and written in the order asked for."""
-    from flashnumba.__main__ import main
+def test_reports_in_worker_processes(tmp_path):
+    """--jobs: the reports of each dtype run in worker processes, printed and written in the order asked for; run
+    as a user runs it (python -m flashnumba: the workers find the report's function by its module, which __main__
+    is not)."""
+    import subprocess
+    import sys
 
-    assert main(["check", "numpy-reference", "--per-dtype", "--examples", "5", "--jobs", "2",
-                 "--properties", "forward", "determinism", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    proc = subprocess.run([sys.executable, "-m", "flashnumba", "check", "numpy-reference", "--per-dtype",
+                           "--examples", "5", "--jobs", "2", "--properties", "forward", "determinism", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
     assert out.index("[float32] numpy-reference: passed") < out.index("[float16] numpy-reference: passed")
     data = json.loads((tmp_path / "check-numpy-reference-float16.json").read_text())
     assert data["dtypes"] == ["float16"] and data["passed"] and "environment" in data

@@ -649,7 +649,33 @@ def _free():
         pass
 
 
-def longest_seqlen_in_budget(impls, budget_gib, head_dim=64, nheads=16, dtype=np.float16, start=1024, stop=2**16):
+def _out_of_memory(err) -> bool:
+    """Whether ``err`` is a device allocation that failed (CuPy's OutOfMemoryError, torch's, the driver's
+    CUDA_ERROR_OUT_OF_MEMORY), the end of a budget search, rather than an error to report."""
+    return "OutOfMemory" in type(err).__name__ or "out of memory" in str(err).lower()
+
+
+BUDGET_START = 1024  # the budget search's first seqlen
+
+
+def _at_least(low):
+    """An argparse type: a number (an int where ``low`` is one) of at least ``low``."""
+    import argparse
+
+    def parse(text):
+        try:
+            x = type(low)(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a{'n int' if isinstance(low, int) else ' number'}, got {text!r}")
+        if x < low:
+            raise argparse.ArgumentTypeError(f"at least {low}, got {text}")
+        return x
+
+    return parse
+
+
+def longest_seqlen_in_budget(impls, budget_gib, head_dim=64, nheads=16, dtype=np.float16, start=BUDGET_START,
+                             stop=2**16):
     """For each implementation: the longest power-of-two seqlen whose forward+backward (batch 1) fits in budget.
 
     The memory counted is the inputs (q, k, v, dout) plus the peak extra memory of the call. The search stops at
@@ -668,10 +694,12 @@ def longest_seqlen_in_budget(impls, budget_gib, head_dim=64, nheads=16, dtype=np
             try:
                 shape = (1, n, nheads, head_dim)
                 q, k, v, dout = (xp.ones(shape, dtype) for _ in range(4))
-                _, _, peak = _peak_and_time(make(q, k, v, dout, False)[FWDBWD], lib, 0, 1)
+                _, _, peak, _ = _peak_and_time(make(q, k, v, dout, False)[FWDBWD], lib, 0, 1)
                 del q, k, v, dout
-            except Exception:  # noqa: BLE001  (out of memory)
+            except Exception as err:  # noqa: BLE001  (out of memory ends the search; anything else is a bug)
                 _free()
+                if not _out_of_memory(err):
+                    raise
                 break
             _free()
             if inputs + peak > budget_gib * 2**30:
@@ -763,8 +791,8 @@ def plots(rows, out_dir, prefix="bench_"):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m flashnumba bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=_at_least(1), nargs="+", default=[1024, 4096])
+    p.add_argument("--head-dims", type=_at_least(1), nargs="+", default=[64, 128])
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--dtypes", nargs="+", default=["float16", "float32"], choices=list(ALL_DTYPES))
     p.add_argument("--passes", nargs="+", default=[FWD, BWD], choices=[FWD, BWD, FWDBWD])
@@ -772,40 +800,43 @@ def main(argv=None):
     p.add_argument("--impls", nargs="+", default=None,
                    help=f"names to run (default: {', '.join(DEFAULT_IMPLS)}, those available; also "
                         f"{', '.join(others)} and torch_sdpa_math)")
-    p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
-    p.add_argument("--width", type=int, default=2048, help="nheads * head_dim")
-    p.add_argument("--repeat", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--group-ms", type=float, default=20.0,
+    p.add_argument("--tokens", type=_at_least(1), default=16384, help="batch * seqlen")
+    p.add_argument("--width", type=_at_least(1), default=2048, help="nheads * head_dim")
+    p.add_argument("--repeat", type=_at_least(1), default=10)
+    p.add_argument("--warmup", type=_at_least(0), default=2)
+    p.add_argument("--group-ms", type=_at_least(0.0), default=20.0,
                    help="time calls back to back in samples of about this many ms (0: one call per sample, the "
                         "host's work before each call's first kernel then on the clock)")
     p.add_argument("--both-modes", action="store_true",
                    help="time each pass both ways: back to back (--group-ms) and one call per sample")
-    p.add_argument("--max-call-ms", type=float, default=5000.0,
+    p.add_argument("--max-call-ms", type=_at_least(0.0), default=5000.0,
                    help="do not run an implementation at longer seqlens once one call took longer than this")
     p.add_argument("--out", default="bench-out")
-    p.add_argument("--budget-gib", type=float, default=None,
+    p.add_argument("--budget-gib", type=_at_least(1e-9), default=None,
                    help="find the longest seqlen each implementation runs within this memory")
     p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
                    help="sliding window (flashnumba only); TFLOP/s then count the visible pairs exactly")
-    p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head (flashnumba only)")
+    p.add_argument("--gqa", type=_at_least(1), default=1, help="query heads per key/value head (flashnumba only)")
     p.add_argument("--varlen", action="store_true",
                    help="packed batches of random lengths up to each seqlen (flashnumba's varlen entry points)")
-    p.add_argument("--budget-max-seqlen", type=int, default=2**16,
+    p.add_argument("--budget-max-seqlen", type=_at_least(BUDGET_START), default=2**16,
                    help="longest seqlen the budget search tries (one call's cost grows as seqlen^2)")
     p.add_argument("--from-json", default=None, help="re-print the table and re-draw the plots of a saved run")
     p.add_argument("--latency", action="store_true",
                    help="host time per call of a small attention, and the first call in a new process with a cold "
                         "and a warm kernel cache (flashnumba.tools.latency)")
-    p.add_argument("--shared-caps", type=int, nargs="+", default=None, metavar="BYTES",
+    p.add_argument("--shared-caps", type=_at_least(1), nargs="+", default=None, metavar="BYTES",
                    help="time the default plans with the shared memory per block capped at each of these sizes "
                         "(flashnumba.tools.caps)")
     p.add_argument("--decode", action="store_true",
                    help="decoding against a KV cache: TB/s of K and V read, beside torch's backends "
                         "(flashnumba.tools.decode)")
-    p.add_argument("--decode-splits", type=int, nargs="+", default=[0],
+    p.add_argument("--decode-splits", type=_at_least(0), nargs="+", default=[0],
                    help="with --decode: num_splits values to time beside the plan's choice")
     a = p.parse_args(argv)
+    if _backend.SIMULATOR and (a.decode or a.shared_caps or a.latency or a.budget_gib is not None):
+        p.error("--decode, --shared-caps, --latency and --budget-gib measure a GPU (CuPy and a CUDA device): "
+                "this is the simulator")
     if a.decode:
         from .decode import run as decode_run
 
@@ -823,8 +854,13 @@ def main(argv=None):
         latency_main(a.out)
         return 0
     if a.from_json:
-        with open(a.from_json) as f:
-            saved = json.load(f)
+        try:
+            with open(a.from_json) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as err:
+            p.error(f"--from-json {a.from_json}: {err}")
+        if "rows" not in saved:
+            p.error(f"--from-json {a.from_json}: no rows of a timed run (a budget search's JSON has none)")
         os.makedirs(a.out, exist_ok=True)
         print(table(saved["rows"]))
         stem = os.path.splitext(os.path.basename(a.from_json))[0]
