@@ -18,7 +18,11 @@ def _info(args):
         print(f"{pkg:10}: {ver if ver is not None else 'not installed'}")
     c = _cache.info()
     print(f"cache     : {c['directory'] or 'disabled'} ({c['entries']} kernels, {c['bytes'] / 2**20:.1f} MiB)")
-    dev = planner.resolve_device(args.arch)
+    try:
+        dev = planner.resolve_device(args.arch)
+    except ValueError as err:
+        print(f"flashnumba info: --arch: {err}", file=sys.stderr)
+        return 2
     print(f"\nplans for batch {args.batch}, seqlen {args.seqlen}, {args.heads} heads, causal, on {dev.name}:")
     dtypes = [np.float32, np.float16]
     try:
@@ -33,8 +37,11 @@ def _info(args):
             q = np.zeros(shape, dtype)  # only shapes and dtypes are read
             lse = np.zeros((args.batch, args.heads, args.seqlen), np.float32)
             print()
-            print(plan(q, q, q, causal=True, device=args.arch))
-            print(plan_backward(q, q, q, q, q, lse, causal=True, device=args.arch))
+            try:
+                print(plan(q, q, q, causal=True, device=args.arch))
+                print(plan_backward(q, q, q, q, q, lse, causal=True, device=args.arch))
+            except (ValueError, TypeError) as err:  # (a shape no kernel takes: said, as a call would say it)
+                print(f"{np.dtype(dtype).name}, head_dim {d}: {err}")
     return 0
 
 
@@ -124,7 +131,9 @@ def _cache_cmd(args):
     from . import _cache
 
     if args.action == "clear":
-        print(f"removed {_cache.clear()} files from {_cache.directory()}")
+        where = _cache.directory()
+        print(f"removed {_cache.clear()} files from {where}" if where else
+              "the kernel cache is disabled (FLASHNUMBA_CACHE_DIR=off): nothing to remove")
     else:
         c = _cache.info()
         print(f"directory: {c['directory'] or 'disabled (FLASHNUMBA_CACHE_DIR=off)'}")
@@ -139,10 +148,10 @@ def main(argv=None):
                                        "standard shape")
     info.add_argument("--arch", default=None, help="plan for this architecture instead of the current GPU "
                                                    "(sm_75, sm_80, sm_86, sm_89, sm_90)")
-    info.add_argument("--batch", type=int, default=4)
-    info.add_argument("--seqlen", type=int, default=4096)
-    info.add_argument("--heads", type=int, default=16)
-    info.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    info.add_argument("--batch", type=_positive_int, default=4)
+    info.add_argument("--seqlen", type=_positive_int, default=4096)
+    info.add_argument("--heads", type=_positive_int, default=16)
+    info.add_argument("--head-dims", type=_positive_int, nargs="+", default=[64, 128])
     demo = sub.add_parser("demo", help="run the forward kernel, check it, time it, compare memory")
     demo.add_argument("--size", choices=["auto", "small", "large"], default="auto",
                       help="large: batch 4, 16 heads, seqlen 4096, head_dim 64 (GPU); small: simulator-sized")

@@ -4,6 +4,7 @@ standard (materialised) attention. Without a GPU the same runs on a small shape 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -55,6 +56,10 @@ def run(size="auto"):
     sim = _backend.SIMULATOR
     if size == "auto":
         size = "small" if sim else "large"
+    if size == "large" and sim:  # (hours: each simulated thread is a Python thread)
+        print("flashnumba demo: --size large is the GPU's shape (batch 4, 16 heads, seqlen 4096); in the simulator "
+              "it would take hours: run --size small", file=sys.stderr)
+        return 2
     batch, nheads, seqlen, d = (4, 16, 4096, 64) if size == "large" else (1, 2, 80, 64)
     print(f"flashnumba demo on {_backend.device_name()} [{_backend.BACKEND}]")
     print(f"shape: batch {batch}, heads {nheads}, seqlen {seqlen}, head_dim {d}; causal; the default plan "
