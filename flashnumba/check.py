@@ -784,6 +784,8 @@ def _torch_sdpa(backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
+    _needs_cuda_torch(torch, f"torch-sdpa-{backend}")
+
     b = getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient":
                              "EFFICIENT_ATTENTION", "math": "MATH"}[backend])
 
@@ -815,8 +817,18 @@ def _torch_sdpa(backend):
                           array="torch", dtypes=dtypes, head_dims=(16, 40, 64, 96, 128))
 
 
+def _needs_cuda_torch(torch, name):
+    """ImportError (said in one line by the command line) where torch sees no CUDA device: the torch adapters run on
+    CUDA tensors, and without one every property would be reported as the implementation raising."""
+    if not torch.cuda.is_available():
+        raise ImportError(f"{name} runs on CUDA tensors, and torch {torch.__version__} sees no CUDA device")
+
+
 def _flash_attn():
     from flash_attn import flash_attn_func
+    import torch
+
+    _needs_cuda_torch(torch, "flash-attn")
 
     def forward(q, k, v, dropout_p=0.0, seed=None, **o):
         return flash_attn_func(q, k, v, dropout_p=dropout_p, **o)
