@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .tools.arguments import at_least
+
 
 def _info(args):
     import numpy as np
@@ -49,12 +51,6 @@ def _demo(args):
     from .tools.demo import run
 
     return run(size=args.size)
-
-
-def _positive_int(text):
-    if not text.lstrip("-").isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"an int >= 1, got {text!r}")
-    return int(text)
 
 
 def _properties():
@@ -148,10 +144,10 @@ def main(argv=None):
                                        "standard shape")
     info.add_argument("--arch", default=None, help="plan for this architecture instead of the current GPU "
                                                    "(sm_75, sm_80, sm_86, sm_89, sm_90)")
-    info.add_argument("--batch", type=_positive_int, default=4)
-    info.add_argument("--seqlen", type=_positive_int, default=4096)
-    info.add_argument("--heads", type=_positive_int, default=16)
-    info.add_argument("--head-dims", type=_positive_int, nargs="+", default=[64, 128])
+    info.add_argument("--batch", type=at_least(1), default=4)
+    info.add_argument("--seqlen", type=at_least(1), default=4096)
+    info.add_argument("--heads", type=at_least(1), default=16)
+    info.add_argument("--head-dims", type=at_least(1), nargs="+", default=[64, 128])
     demo = sub.add_parser("demo", help="run the forward kernel, check it, time it, compare memory")
     demo.add_argument("--size", choices=["auto", "small", "large"], default="auto",
                       help="large: batch 4, 16 heads, seqlen 4096, head_dim 64 (GPU); small: simulator-sized")
@@ -161,13 +157,13 @@ def main(argv=None):
                        help="a built-in adapter (numpy-reference, flashnumba, flash-attn, torch-sdpa-flash, -cudnn, "
                             "-efficient, -math) or module:function; several run one after another")
     check.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "float16", "bfloat16"])
-    check.add_argument("--head-dims", type=_positive_int, nargs="+", default=None)
-    check.add_argument("--examples", type=_positive_int, default=50, help="drawn problems per accuracy property")
-    check.add_argument("--max-seqlen", type=_positive_int, default=80)
+    check.add_argument("--head-dims", type=at_least(1), nargs="+", default=None)
+    check.add_argument("--examples", type=at_least(1), default=50, help="drawn problems per accuracy property")
+    check.add_argument("--max-seqlen", type=at_least(1), default=80)
     check.add_argument("--seed", type=int, default=0, help="a reproducible search (the same examples each run)")
     check.add_argument("--properties", nargs="+", default=None, choices=_properties(), help="a subset of the battery")
     check.add_argument("--per-dtype", action="store_true", help="one report per dtype")
-    check.add_argument("--jobs", type=_positive_int, default=1,
+    check.add_argument("--jobs", type=at_least(1), default=1,
                        help="reports run in this many processes at once (their kernels compile in parallel)")
     check.add_argument("--json", default=None, help="write the report as JSON here (one target)")
     check.add_argument("--out", default=None, help="write check-TARGET[-DTYPE].json for every report here")

@@ -36,7 +36,7 @@ def test_the_sweep_needs_a_gpu(capsys):
     if not SIMULATOR:
         pytest.skip("on a GPU the sweep runs")
     assert sweep.main(["tc"]) == 2
-    assert "simulator" in capsys.readouterr().out
+    assert "simulator" in capsys.readouterr().err
 
 
 def test_the_hopper_forward_sweep_takes_each_key_tile_that_fits():

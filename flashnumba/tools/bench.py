@@ -29,6 +29,7 @@ import sys
 import numpy as np
 
 from .. import _backend, config, reference
+from .arguments import at_least
 from ..api import (attention_with_grad, flash_attn_backward, flash_attn_forward, flash_attn_varlen_backward,
                   flash_attn_varlen_forward, plan, plan_backward)
 from .standard import _xp as array_module
@@ -658,22 +659,6 @@ def _out_of_memory(err) -> bool:
 BUDGET_START = 1024  # the budget search's first seqlen
 
 
-def _at_least(low):
-    """An argparse type: a number (an int where ``low`` is one) of at least ``low``."""
-    import argparse
-
-    def parse(text):
-        try:
-            x = type(low)(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"a{'n int' if isinstance(low, int) else ' number'}, got {text!r}")
-        if x < low:
-            raise argparse.ArgumentTypeError(f"at least {low}, got {text}")
-        return x
-
-    return parse
-
-
 def longest_seqlen_in_budget(impls, budget_gib, head_dim=64, nheads=16, dtype=np.float16, start=BUDGET_START,
                              stop=2**16):
     """For each implementation: the longest power-of-two seqlen whose forward+backward (batch 1) fits in budget.
@@ -791,8 +776,8 @@ def plots(rows, out_dir, prefix="bench_"):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m flashnumba bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=_at_least(1), nargs="+", default=[1024, 4096])
-    p.add_argument("--head-dims", type=_at_least(1), nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=at_least(1), nargs="+", default=[1024, 4096])
+    p.add_argument("--head-dims", type=at_least(1), nargs="+", default=[64, 128])
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--dtypes", nargs="+", default=["float16", "float32"], choices=list(ALL_DTYPES))
     p.add_argument("--passes", nargs="+", default=[FWD, BWD], choices=[FWD, BWD, FWDBWD])
@@ -800,38 +785,38 @@ def main(argv=None):
     p.add_argument("--impls", nargs="+", default=None,
                    help=f"names to run (default: {', '.join(DEFAULT_IMPLS)}, those available; also "
                         f"{', '.join(others)} and torch_sdpa_math)")
-    p.add_argument("--tokens", type=_at_least(1), default=16384, help="batch * seqlen")
-    p.add_argument("--width", type=_at_least(1), default=2048, help="nheads * head_dim")
-    p.add_argument("--repeat", type=_at_least(1), default=10)
-    p.add_argument("--warmup", type=_at_least(0), default=2)
-    p.add_argument("--group-ms", type=_at_least(0.0), default=20.0,
+    p.add_argument("--tokens", type=at_least(1), default=16384, help="batch * seqlen")
+    p.add_argument("--width", type=at_least(1), default=2048, help="nheads * head_dim")
+    p.add_argument("--repeat", type=at_least(1), default=10)
+    p.add_argument("--warmup", type=at_least(0), default=2)
+    p.add_argument("--group-ms", type=at_least(0.0), default=20.0,
                    help="time calls back to back in samples of about this many ms (0: one call per sample, the "
                         "host's work before each call's first kernel then on the clock)")
     p.add_argument("--both-modes", action="store_true",
                    help="time each pass both ways: back to back (--group-ms) and one call per sample")
-    p.add_argument("--max-call-ms", type=_at_least(0.0), default=5000.0,
+    p.add_argument("--max-call-ms", type=at_least(0.0), default=5000.0,
                    help="do not run an implementation at longer seqlens once one call took longer than this")
     p.add_argument("--out", default="bench-out")
-    p.add_argument("--budget-gib", type=_at_least(1e-9), default=None,
+    p.add_argument("--budget-gib", type=at_least(1e-9), default=None,
                    help="find the longest seqlen each implementation runs within this memory")
     p.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
                    help="sliding window (flashnumba only); TFLOP/s then count the visible pairs exactly")
-    p.add_argument("--gqa", type=_at_least(1), default=1, help="query heads per key/value head (flashnumba only)")
+    p.add_argument("--gqa", type=at_least(1), default=1, help="query heads per key/value head (flashnumba only)")
     p.add_argument("--varlen", action="store_true",
                    help="packed batches of random lengths up to each seqlen (flashnumba's varlen entry points)")
-    p.add_argument("--budget-max-seqlen", type=_at_least(BUDGET_START), default=2**16,
+    p.add_argument("--budget-max-seqlen", type=at_least(BUDGET_START), default=2**16,
                    help="longest seqlen the budget search tries (one call's cost grows as seqlen^2)")
     p.add_argument("--from-json", default=None, help="re-print the table and re-draw the plots of a saved run")
     p.add_argument("--latency", action="store_true",
                    help="host time per call of a small attention, and the first call in a new process with a cold "
                         "and a warm kernel cache (flashnumba.tools.latency)")
-    p.add_argument("--shared-caps", type=_at_least(1), nargs="+", default=None, metavar="BYTES",
+    p.add_argument("--shared-caps", type=at_least(1), nargs="+", default=None, metavar="BYTES",
                    help="time the default plans with the shared memory per block capped at each of these sizes "
                         "(flashnumba.tools.caps)")
     p.add_argument("--decode", action="store_true",
                    help="decoding against a KV cache: TB/s of K and V read, beside torch's backends "
                         "(flashnumba.tools.decode)")
-    p.add_argument("--decode-splits", type=_at_least(0), nargs="+", default=[0],
+    p.add_argument("--decode-splits", type=at_least(0), nargs="+", default=[0],
                    help="with --decode: num_splits values to time beside the plan's choice")
     a = p.parse_args(argv)
     if _backend.SIMULATOR and (a.decode or a.shared_caps or a.latency or a.budget_gib is not None):

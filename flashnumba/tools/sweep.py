@@ -29,8 +29,11 @@ import argparse
 import itertools
 import json
 import os
+import sys
 
 import numpy as np
+
+from .arguments import at_least
 
 FAMILIES = {  # family: (pass, kernel= of the API, the tables of the launches timed)
     "v1": ("forward", "v1"), "v2": ("forward", "v2"), "v3": ("forward", "v3"), "tc": ("forward", "tc"),
@@ -263,14 +266,14 @@ def heatmap(result, path=None):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m flashnumba sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("family", choices=list(FAMILIES), help="the kernel family (a table of flashnumba.tiling)")
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--head-dims", type=at_least(1), nargs="+", default=[64, 128])
+    p.add_argument("--seqlen", type=at_least(1), default=4096)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=["float32", "float16"], default=None,
                    help="default: float16 for the tensor-core families, float32 for the others")
-    p.add_argument("--repeat", type=int, default=5, help="groups of 10 launches timed per configuration")
+    p.add_argument("--repeat", type=at_least(1), default=5, help="groups of 10 launches timed per configuration")
     p.add_argument("--out", default=".", help="directory for sweep-FAMILY.json and sweep-FAMILY.png")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=at_least(1), default=None,
                    help="processes compiling the configurations first (default: the CPU count, at most 16)")
     args = p.parse_args(argv)
     # the spills come from the assembler's log, which a link served by CUDA's compute cache leaves empty
@@ -281,7 +284,7 @@ def main(argv=None):
 
     if SIMULATOR:
         print("the sweep times kernels on a GPU; this machine runs the simulator "
-              "(see which configurations would be swept: flashnumba.tools.sweep.candidates)")
+              "(see which configurations would be swept: flashnumba.tools.sweep.candidates)", file=sys.stderr)
         return 2
     result = sweep(args.family, args.head_dims, args.seqlen, args.causal, args.dtype, args.repeat,
                    workers=args.workers)
