@@ -819,6 +819,20 @@ def main(argv=None):
     p.add_argument("--decode-splits", type=at_least(0), nargs="+", default=[0],
                    help="with --decode: num_splits values to time beside the plan's choice")
     a = p.parse_args(argv)
+    # the modes that measure something else take none of the sweep's choices: said, rather than ignored
+    mode = next((m for m, on in (("--decode", a.decode), ("--shared-caps", a.shared_caps), ("--latency", a.latency),
+                                 ("--from-json", a.from_json), ("--budget-gib", a.budget_gib is not None)) if on), None)
+    sweep_only = ("dtypes", "head_dims", "causal", "passes", "window", "gqa", "varlen", "both_modes")
+    given = [f"--{n.replace('_', '-')}" for n in sweep_only + (() if mode == "--budget-gib" else ("impls",))
+             if getattr(a, n) != p.get_default(n)]
+    if mode and given:
+        p.error(f"{mode} takes none of {', '.join(given)} (its own workload: see --help)")
+    if a.decode_splits != p.get_default("decode_splits") and not a.decode:
+        p.error("--decode-splits goes with --decode")
+    for d in a.head_dims if not mode else ():
+        heads = a.width // d
+        if heads < 1 or heads % a.gqa:
+            p.error(f"--gqa {a.gqa} must divide the {heads} query heads of head_dim {d} (--width {a.width} / {d})")
     if _backend.SIMULATOR and (a.decode or a.shared_caps or a.latency or a.budget_gib is not None):
         p.error("--decode, --shared-caps, --latency and --budget-gib measure a GPU (CuPy and a CUDA device): "
                 "this is the simulator")
