@@ -16,6 +16,7 @@ import base64
 import contextlib
 import io
 import json
+import os
 import sys
 import time
 import traceback
@@ -91,4 +92,10 @@ def _write(nb, path):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if all([run(p) for p in sys.argv[1:]]) else 1)
+    paths = sys.argv[1:]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if not paths or missing:
+        gone = f"; not found: {', '.join(missing)}" if missing else ""
+        print(f"usage: python scripts/run_notebook.py NOTEBOOK.ipynb ...{gone}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(0 if all([run(p) for p in paths]) else 1)
