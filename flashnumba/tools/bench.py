@@ -728,7 +728,7 @@ def table(rows):
     return "\n".join(lines)
 
 
-def plots(rows, out_dir, prefix="bench_"):
+def plots(rows, out_dir, prefix="bench-"):
     try:
         import matplotlib
 
