@@ -394,6 +394,18 @@ def check_window(window_size) -> tuple[int, int]:
 ALIBI_MAX_POSITIONS = 2 ** 24
 
 
+def check_softcap(softcap) -> float:
+    """softcap as a float: a real number, 0 (off) or positive within float32's range (the kernels' arithmetic)."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    if not (math.isfinite(float(softcap)) and float(softcap) >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    tiny, huge = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
+    if softcap and not tiny <= float(softcap) <= huge:
+        raise ValueError(f"softcap must be 0 or within float32's range (the kernels compute in float32), got {softcap}")
+    return float(softcap)
+
+
 def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale, batch=None,
                   varlen=False, lengths=None) -> Options:
     """The masking, score and dropout options of a call as :class:`Options`. ``lengths``: (max_seqlen_q,
@@ -402,13 +414,7 @@ def check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p,
     left, right = check_window(window_size)
     if causal:  # as in flash-attn: causal is the window (left, 0)
         right = 0
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):
-        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
-    if not (math.isfinite(float(softcap)) and float(softcap) >= 0):
-        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
-    tiny, huge = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
-    if softcap and not tiny <= float(softcap) <= huge:  # (the kernels compute in float32)
-        raise ValueError(f"softcap must be 0 or within float32's range (the kernels compute in float32), got {softcap}")
+    softcap = check_softcap(softcap)
     nheads = tq.shape[-2]
     batch = tq.shape[0] if batch is None else batch
     alibi = None

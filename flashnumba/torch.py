@@ -40,9 +40,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import api
-from ._validate import check_window
+from ._validate import check_dropout_p, check_flag, check_scale, check_softcap, check_window
 
 _RNG = dict(dtype=torch.int64, device="cpu")
 
@@ -208,10 +209,12 @@ def _check_tensors(**arrays):
 
 
 def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
-    """The operators' scalar arguments: softmax_scale resolved (1 / sqrt(head_dim)), window_size split."""
+    """The operators' scalar arguments, checked as the core API checks them (before any conversion: a string is no
+    bool): softmax_scale resolved (1 / sqrt(head_dim)), window_size split."""
     left, right = check_window(window_size)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return (float(dropout_p), float(scale), bool(causal), left, right, float(softcap))
+    scale = check_scale(softmax_scale, q.shape[-1])
+    return (check_dropout_p(dropout_p), float(scale), check_flag("causal", causal), left, right,
+            check_softcap(softcap))
 
 
 def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
@@ -271,6 +274,7 @@ class FlashAttnFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
+    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
     def backward(ctx, dout, *rest):
         dq, dk, dv = _attention_grads(ctx, dout, *rest)
         return dq, dk, dv, None, None, None, None, None, None, None, None
@@ -285,6 +289,7 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
+    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
     def backward(ctx, dout, *rest):
         grads = _attention_grads(ctx, dout, *rest)
         return (None if dout is None else torch.stack(grads, dim=2)), None, None, None, None, None, None, None, None
@@ -299,6 +304,7 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
+    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
     def backward(ctx, dout, *rest):
         dq, dk, dv = _attention_grads(ctx, dout, *rest)
         return dq, (None if dout is None else torch.stack((dk, dv), dim=2)), None, None, None, None, None, None, None, \
@@ -315,6 +321,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
     def backward(ctx, dout):
         dq, dk, dv = _varlen_grads(ctx, dout)
         return (dq, dk, dv) + (None,) * 12
@@ -331,6 +338,7 @@ class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
     def backward(ctx, dout):
         return (torch.stack(_varlen_grads(ctx, dout), dim=1),) + (None,) * 10
 
@@ -346,6 +354,7 @@ class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
     def backward(ctx, dout):
         dq, dk, dv = _varlen_grads(ctx, dout)
         return (dq, torch.stack((dk, dv), dim=1)) + (None,) * 12

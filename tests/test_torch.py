@@ -99,6 +99,8 @@ BAD = [  # (description, q, k, v shapes and dtypes, options)
     ("dropout", ((1, 8, 2, 64),) * 3, "float16", {"dropout_p": 1.0}),
     ("dtype", ((1, 8, 2, 64),) * 3, "float64", {}),
     ("batch", ((2, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64)), "float32", {}),
+    ("causal not a bool", ((1, 8, 2, 64),) * 3, "float16", {"causal": "yes"}),  # (was read as True)
+    ("softcap None", ((1, 8, 2, 64),) * 3, "float16", {"softcap": None}),
 ]
 
 
@@ -244,6 +246,17 @@ def test_gradients_match_float64_autograd(part, problem, seed):
     for i, (name, got) in enumerate(zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv))):
         assert got.dtype == tdt and got.shape == results["truth"][i].shape
         close(name, got, results["truth"][i], results["baseline"][i], n)
+
+
+@on_gpu
+def test_a_second_derivative_is_refused_not_silently_wrong():
+    """The backward kernels compute first derivatives: differentiating their result (create_graph=True, a
+    gradient penalty) raises, where the gradients would otherwise come back without their dependence on q, k, v."""
+    q, k, v = (torch.randn(1, 16, 2, 32, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out = ft.flash_attn_func(q, k, v, causal=True)
+    dq, = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.float().square().sum().backward()
 
 
 @on_gpu
