@@ -129,6 +129,8 @@ def check_flag(name, value) -> bool:
 
 
 def check_int(name, value, lo, hi) -> int:
+    if type(value).__name__ == "SymInt":  # (torch.compile's symbolic int, traced: its value is checked at run time)
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not lo <= int(value) <= hi:

@@ -90,6 +90,20 @@ def test_compile_fullgraph_traces_forward_and_backward():
     assert q.grad.shape == q.shape and qkv.grad.shape == qkv.shape
 
 
+def test_compile_with_a_max_seqlen_that_changes_between_calls():
+    """With dynamic shapes an int argument that changes (max_seqlen from batch to batch) is traced as a symbolic
+    int: the varlen functions take it."""
+    def f(qkv, cu, max_seqlen):
+        return ft.flash_attn_varlen_qkvpacked_func(qkv, cu, max_seqlen).float().sum()
+
+    torch._dynamo.reset()
+    g = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for total, max_seqlen in ((30, 16), (34, 20)):
+        qkv, cu = meta(total, 3, 4, 64), torch.zeros(3, dtype=torch.int32, device="meta")
+        g(qkv, cu, max_seqlen).backward()
+        assert qkv.grad.shape == qkv.shape
+
+
 BAD = [  # (description, q, k, v shapes and dtypes, options)
     ("head dims differ", ((1, 8, 2, 64), (1, 8, 2, 32), (1, 8, 2, 32)), "float16", {}),
     ("heads not a multiple", ((1, 8, 3, 64), (1, 8, 2, 64), (1, 8, 2, 64)), "float16", {}),
