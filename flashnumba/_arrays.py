@@ -285,6 +285,18 @@ def with_leading_axis(x, k: str):
     return cuda.to_device(np.ascontiguousarray(x.copy_to_host()[None]))
 
 
+def capturing(x) -> bool:
+    """Whether the current stream of x's library is being captured into a CUDA graph (torch tensors, CuPy arrays),
+    where no copy to the host can run."""
+    if _torch_tensor(x) and x.is_cuda:
+        return bool(sys.modules["torch"].cuda.is_current_stream_capturing())
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        from ._driver import stream_capturing
+
+        return stream_capturing(cupy.cuda.get_current_stream().ptr)
+    return False
+
+
 def to_host(x):
     """A NumPy copy of any supported array."""
     if isinstance(x, np.ndarray):

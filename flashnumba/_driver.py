@@ -10,6 +10,14 @@ def driver():
     return drv
 
 
+def stream_capturing(stream: int) -> bool:
+    """Whether ``stream`` (a CUstream handle) is being captured into a CUDA graph, where work is only recorded and
+    nothing can be copied to the host. A query the driver refuses (the legacy stream while another is capturing)
+    counts as capturing."""
+    err, status = driver().cuStreamIsCapturing(stream)
+    return int(err) != 0 or int(status) != 0
+
+
 def check(result, what):
     """The value of a driver call's result tuple, or RuntimeError naming ``what`` where it failed."""
     err = result[0] if isinstance(result, tuple) else result

@@ -103,20 +103,13 @@ _slabs: dict = {}  # device id -> _Slab
 _lock = threading.Lock()
 
 
-def _capturing(stream: int) -> bool:
-    """Whether ``stream`` is being captured into a CUDA graph (where a copy is only recorded). A query the driver
-    refuses (the legacy stream while another is capturing) counts as capturing."""
-    err, status = _driver.driver().cuStreamIsCapturing(stream)
-    return int(err) != 0 or int(status) != 0
-
-
 def _copy(slab: _Slab, slot: int, stream: int) -> None:
     """The copy of a slot's maps to the GPU, ordered on ``stream``; remembered for that stream unless it is being
     captured (then the copy runs only when the graph does)."""
     words = slab.words[slot]
     _driver.check(_driver.driver().cuMemcpyHtoDAsync(slab.address + slot * words.nbytes, words.ctypes.data,
                                                      words.nbytes, stream), "cuMemcpyHtoDAsync (tensor maps)")
-    if not _capturing(stream):
+    if not _driver.stream_capturing(stream):
         slab.streams[slot].add(stream)
 
 
@@ -136,7 +129,7 @@ def device_maps(entries, stream: int) -> int:
         if slot is None:
             slot = len(slab.slot)
             if slot == MAX_KEPT:  # every slot taken: start over once every kernel that reads one has run
-                if _capturing(stream):
+                if _driver.stream_capturing(stream):
                     raise RuntimeError(f"the {MAX_KEPT} sets of tensor maps are taken and a CUDA graph is being "
                                        f"captured: capture after fewer distinct input arrays, or call "
                                        f"flashnumba._tensormap.reset() outside the capture")

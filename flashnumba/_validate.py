@@ -474,6 +474,11 @@ def check_cu_seqlens(tq, tk, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     for t, (name, _, total) in zip(out, named):
         longest.append(None)
         if read_values or t.kind == "numpy":
+            if t.kind != "numpy" and _arrays.capturing(t.array):
+                raise RuntimeError(f"{name} is read on the host to check it (flashnumba.config.check_device_values), "
+                                   f"which a CUDA graph capture cannot do: capture with check_device_values off (the "
+                                   f"offsets are then trusted: values that break the rules take the kernels outside "
+                                   f"the arrays)")
             h = _arrays.to_host(t.array)
             if h[0] != 0:
                 raise ValueError(f"{name} must start at 0 (shape (batch + 1,)), got {h[:4].tolist()}...")
