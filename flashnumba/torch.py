@@ -18,7 +18,9 @@ Three layers, as in flash-attn:
   on 16 bytes), kernels on torch's current stream.
 * **autograd Functions** that save q, k, v, out, lse and the dropout state (a CPU int64 tensor ``[seed,
   offset]``) and return the gradients of q, k and v (with GQA/MQA, dk and dv summed over the query heads that
-  share a key/value head; packed inputs get packed gradients).
+  share a key/value head; packed inputs get packed gradients). The backward kernels give first derivatives:
+  differentiating the gradients again (``create_graph=True``) raises rather than dropping their dependence on q,
+  k and v.
 * **the public functions**, flash-attn's names.
 
 Dropout. With ``dropout_p > 0`` the seed and offset come from torch's CUDA generator and advance it as flash-attn
@@ -31,7 +33,8 @@ call with dropout raises there (capture without dropout, or use the core API wit
 for small sizes, not for varlen. softmax_lse and probs have no backward: a loss that reaches them raises
 ``NotImplementedError`` at backward time (rather than a gradient that silently leaves them out). ``deterministic``
 is accepted: flashnumba's backward is always deterministic. ``block_table`` (paged KV) is not supported by the
-varlen functions.
+varlen functions. The varlen functions read ``cu_seqlens`` on the host to check them
+(``flashnumba.config.check_device_values``), which a CUDA graph capture cannot do: capture them with it off.
 """
 
 from __future__ import annotations
