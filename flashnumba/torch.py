@@ -215,7 +215,8 @@ def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
     """The operators' scalar arguments, checked as the core API checks them (before any conversion: a string is no
     bool): softmax_scale resolved (1 / sqrt(head_dim)), window_size split."""
     left, right = check_window(window_size)
-    scale = check_scale(softmax_scale, q.shape[-1])
+    # (the default from the head dim as a power, which a symbolic size under torch.compile takes)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else check_scale(softmax_scale, 1)
     return (check_dropout_p(dropout_p), float(scale), check_flag("causal", causal), left, right,
             check_softcap(softcap))
 
