@@ -66,5 +66,8 @@ def __getattr__(name):
     if name in ("check", "torch"):
         import importlib
 
-        return importlib.import_module(f".{name}", __name__)
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ImportError as err:  # (an attribute that cannot be had: hasattr() says False; the import says why)
+            raise AttributeError(f"flashnumba.{name} is not available: {err}") from err
     raise AttributeError(f"module 'flashnumba' has no attribute {name!r}")
