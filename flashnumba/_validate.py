@@ -397,14 +397,17 @@ ALIBI_MAX_POSITIONS = 2 ** 24
 
 
 def check_softcap(softcap) -> float:
-    """softcap as a float: a real number, 0 (off) or positive within float32's range (the kernels' arithmetic)."""
+    """softcap as a float: a real number, 0 (off) or positive where it and its reciprocal are normal float32 numbers
+    (the kernels divide by it in float32, some as a product with its approximate reciprocal, which flushes a
+    subnormal to 0: a larger softcap would make every score 0, a smaller one infinite)."""
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
     if not (math.isfinite(float(softcap)) and float(softcap) >= 0):
         raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
-    tiny, huge = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
-    if softcap and not tiny <= float(softcap) <= huge:
-        raise ValueError(f"softcap must be 0 or within float32's range (the kernels compute in float32), got {softcap}")
+    tiny = float(np.finfo(np.float32).tiny)  # (the smallest normal float32)
+    if softcap and not tiny <= float(softcap) <= 1.0 / tiny:
+        raise ValueError(f"softcap must be 0 or in [{tiny:.3g}, {1.0 / tiny:.3g}] (it and its reciprocal are taken in "
+                         f"float32), got {softcap}")
     return float(softcap)
 
 

@@ -75,7 +75,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
                         f"{type(mask_mod).__name__}")
     if isinstance(BLOCK_SIZE, (int, np.integer)):
         qb = kb = BLOCK_SIZE
-    elif isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2:
+    elif isinstance(BLOCK_SIZE, (tuple, list, np.ndarray)) and len(BLOCK_SIZE) == 2:
         qb, kb = BLOCK_SIZE
     else:
         raise ValueError(f"BLOCK_SIZE must be an int or a pair (query rows, key rows), got {BLOCK_SIZE!r}")

@@ -710,9 +710,11 @@ def check_attention(impl: Implementation, *, dtypes=None, head_dims=None, exampl
     if unknown:
         raise ValueError(f"unknown properties {unknown}: choose from {', '.join(runs)} (a list or tuple of names)")
     for name, n in [("examples", examples), ("max_seqlen", max_seqlen)] + [("head_dims", d) for d in head_dims]:
-        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{name} must be ints >= 1, got {n!r}" if name == "head_dims" else
-                             f"{name} must be an int >= 1, got {n!r}")
+        what = f"{name} must be ints >= 1" if name == "head_dims" else f"{name} must be an int >= 1"
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"{what}, got {type(n).__name__} {n!r}")
+        if n < 1:
+            raise ValueError(f"{what}, got {n!r}")
     results = []
     for name in properties:
         try:

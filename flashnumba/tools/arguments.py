@@ -14,8 +14,8 @@ def at_least(low):
         except ValueError:
             raise argparse.ArgumentTypeError(f"a{'n int' if isinstance(low, int) else ' number'}, got {text!r}") \
                 from None
-        if x < low:
-            raise argparse.ArgumentTypeError(f"at least {low}, got {text}")
+        if not x >= low or x in (float("inf"), float("-inf")):  # (NaN compares false: refused too)
+            raise argparse.ArgumentTypeError(f"a finite number of at least {low}, got {text}")
         return x
 
     return parse

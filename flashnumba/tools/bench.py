@@ -653,7 +653,8 @@ def _free():
 def _out_of_memory(err) -> bool:
     """Whether ``err`` is a device allocation that failed (CuPy's OutOfMemoryError, torch's, the driver's
     CUDA_ERROR_OUT_OF_MEMORY), the end of a budget search, rather than an error to report."""
-    return "OutOfMemory" in type(err).__name__ or "out of memory" in str(err).lower()
+    text = str(err).lower().replace("_", " ")  # (the driver's CUDA_ERROR_OUT_OF_MEMORY, cuBLAS's ..._ALLOC_FAILED)
+    return "OutOfMemory" in type(err).__name__ or "out of memory" in text or "alloc failed" in text
 
 
 BUDGET_START = 1024  # the budget search's first seqlen
@@ -833,7 +834,9 @@ def main(argv=None):
         p.error("--decode-splits goes with --decode")
     for d in a.head_dims if not mode else ():
         heads = a.width // d
-        if heads < 1 or heads % a.gqa:
+        if heads < 1:
+            p.error(f"--width {a.width} (heads x head_dim) is less than head_dim {d}")
+        if heads % a.gqa:
             p.error(f"--gqa {a.gqa} must divide the {heads} query heads of head_dim {d} (--width {a.width} / {d})")
     if _backend.SIMULATOR and (a.decode or a.shared_caps or a.latency or a.budget_gib is not None):
         p.error("--decode, --shared-caps, --latency and --budget-gib measure a GPU (CuPy and a CUDA device): "
