@@ -117,8 +117,8 @@ def check_scale(softmax_scale, head_dim, name="softmax_scale") -> float:
     if not math.isfinite(s):
         raise ValueError(f"{name} must be finite, got {s}")
     if abs(s) > _FLOAT32_SCALE_MAX:  # (times log2(e) in float32 it would be inf, every score NaN)
-        raise ValueError(f"{name} must be at most {_FLOAT32_SCALE_MAX:.4g} in magnitude (the kernels scale in float32), "
-                         f"got {s}")
+        raise ValueError(f"{name} must be at most {_FLOAT32_SCALE_MAX:.4g} in magnitude (the kernels scale in "
+                         f"float32), got {s}")
     return s
 
 

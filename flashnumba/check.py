@@ -123,7 +123,8 @@ class Report:
 
     def __str__(self) -> str:
         counts = {v: sum(r.passed is v for r in self.results) for v in (True, False, None)}
-        head = (f"{self.implementation}: {'FAILED' if counts[False] else 'passed'} ({counts[True]} {'property holds' if counts[True] == 1 else 'properties hold'}, "
+        holds = "property holds" if counts[True] == 1 else "properties hold"
+        head = (f"{self.implementation}: {'FAILED' if counts[False] else 'passed'} ({counts[True]} {holds}, "
                 f"{counts[False]} fail, {counts[None]} not applicable)")
         return "\n".join([head] + [r.line() for r in self.results])
 
