@@ -105,7 +105,7 @@ def check_qkv(q, k, v):
 
 
 # the largest magnitude of a scale the kernels take: they multiply by it, and by it times log2(e), in float32
-_FLOAT32_SCALE_MAX = float(np.finfo(np.float32).max) / 1.4426950408889634
+_FLOAT32_SCALE_MAX = float(np.finfo(np.float32).max) / math.log2(math.e)
 
 
 def check_scale(softmax_scale, head_dim, name="softmax_scale") -> float:

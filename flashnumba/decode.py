@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _arrays, _launch, config, planner as _plan, tiling
 from ._backend import SIMULATOR
-from ._validate import check_flag, check_options, check_window, inspect
+from ._validate import check_flag, check_options, inspect
 from .api import _cached, _key, flash_attn_varlen_forward
 
 MIN_PAGE_SIZE = 16  # rows per page of a paged cache: at least one tile of the kernels' smallest key tiles
@@ -253,7 +253,8 @@ class _Static:
                 raise TypeError(f"k and v must have q's dtype {tq.dtype}")
             self.seqlen_new = tnew[0].shape[1]
         self.rotary = rotary_cos is not None
-        self.local = check_flag("causal", causal) or check_window(window_size) != (-1, -1)
+        self.opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
+        self.local = (self.opts.left, self.opts.right) != (-1, -1)  # (causal: right 0)
         trot = (None, None)
         if self.rotary:
             if rotary_sin is None or len(rotary_cos.shape) != 2 or tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
@@ -277,7 +278,6 @@ class _Static:
                                 "gather path")
             if _arrays.cupy is None:
                 raise ImportError("torch tensors on the gather path (float32, or kernel='gather') need CuPy")
-        self.opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, 0.0, softmax_scale)
         self._call = self._append = None
 
     def _tensors(self, arrays):

@@ -633,10 +633,10 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
                  batch=None, max_seqlen_q=None, cu=None) -> Plan:
     """The plan of a forward call (tq, tk, tv validated 4-D Tensors, or 3-D packed ones with ``cu`` given)."""
     limits = resolve_device(device, (tq, tk, tv))
+    simulated = SIMULATOR and device is None  # (a plan for a named architecture is that GPU's)
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
-    family, why, fallback = choose("forward", kernel, tq, (tq, tk, tv), opts, limits, tiles_given, True,
-                                   simulated=SIMULATOR and device is None)
+    family, why, fallback = choose("forward", kernel, tq, (tq, tk, tv), opts, limits, tiles_given, True, simulated)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
     total_q, nheads, D_user = shape4[1], shape4[2], shape4[3]
@@ -650,12 +650,12 @@ def forward_plan(tq, tk, tv, opts, *, kernel=None, block_m=None, block_n=None, n
     lse_spec, arrays["lse"] = _output("lse", lse_user, np.dtype(np.float32), lead)
     scalars = _option_scalars(opts)
     table = family
-    hopper_3x = _hopper_3x(family, limits, SIMULATOR and device is None)
+    hopper_3x = _hopper_3x(family, limits, simulated)
     if hopper_3x:  # (its own tiles and shared memory: _hopper_3xtf32_tiles)
         t, reason = _hopper_3xtf32_tiles(D, limits, block_m, block_n, num_threads)
     else:
         t, reason = tiling.resolve(table, D, limits, block_m, block_n, num_threads,
-                                   simulated=SIMULATOR and device is None)
+                                   simulated=simulated)
     if pad:
         reason = f"{reason}; {_padding(D_user, D, (tq, tk, tv))}"
     nk = tk.shape[-2]
@@ -1013,10 +1013,11 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
     with ``deterministic=False``, the dK/dV kernel adding dQ into a float32 accumulator with atomics, then its
     conversion (:func:`flashnumba.kernels.mma_backward.make_backward_dkdv_tc`)."""
     limits = resolve_device(device, (tdo, tq, tk, tv, to, tl))
+    simulated = SIMULATOR and device is None  # (a plan for a named architecture is that GPU's)
     lead = cu is not None
     tiles_given = (block_m, block_n, num_threads) != (None, None, None)
     family, why, fallback = choose("backward", kernel, tq, (tq, tk, tv, tdo, to), opts, limits, tiles_given,
-                                   deterministic, simulated=SIMULATOR and device is None)
+                                   deterministic, simulated)
     bsz = tq.shape[0] if batch is None else batch
     shape4 = (1, *tq.shape) if lead else tq.shape
     lead_n, total_q, nheads, D_user = shape4
@@ -1158,7 +1159,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                 grid, (t.num_threads,), smem, t, reason, arch_specific=True, whole_program=tma,
                 tensor_maps=tuple((m, rows_of[m], span) for m in maps) if tma else ()))
         dq, kv = launched
-    elif _hopper_3x(family, limits, SIMULATOR and device is None):
+    elif _hopper_3x(family, limits, simulated):
         tq_t, tk_t, reason = _hopper_3xtf32_backward_tiles(D, limits, block_m, block_n, num_threads)
         tail = ("scale_log2", "scale")
         chained = config.hopper_3xtf32 == "chained"
@@ -1185,7 +1186,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                           tiling.shared_bytes("tf32_dkdv", D, tk_t)[0], tk_t, rk)
     elif family == "v1":
         t, reason = tiling.resolve("bwd_v1", D, limits, block_m, block_n, num_threads,
-                                   simulated=SIMULATOR and device is None)
+                                   simulated=simulated)
         dq = KernelLaunch("dQ v1", "bwd_v1", simt_backward.make_backward_dq_v1,
                           (D, t.block_m, t.block_n, opts.right == 0, bf16), io_dq + ("scale",),
                           (_cdiv(max_q, t.block_m), bsz * nheads), (t.block_m,), 0, t, reason)
@@ -1194,7 +1195,7 @@ def backward_plan(tdo, tq, tk, tv, to, tl, opts, *, kernel=None, block_m=None, b
                           (_cdiv(max_k, t.block_n), bsz * nk), (t.block_n,), 0, t, reason)
     else:
         t, reason = tiling.resolve("bwd_v2", D, limits, block_m, block_n, num_threads,
-                                   simulated=SIMULATOR and device is None)
+                                   simulated=simulated)
         args = (D, t.block_m, t.block_n, t.num_threads, opts.variant, bf16, opts.mods)
         dq = KernelLaunch("dQ v2", "bwd_v2", simt_backward.make_backward_dq_v2, args,
                           io_dq + ("scale",) + OPTION_PARAMS + MOD_PARAMS, (_cdiv(max_q, t.block_m), bsz * nheads),

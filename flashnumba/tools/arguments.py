@@ -14,7 +14,7 @@ def at_least(low):
         except ValueError:
             raise argparse.ArgumentTypeError(f"a{'n int' if isinstance(low, int) else ' number'}, got {text!r}") \
                 from None
-        if not x >= low or x in (float("inf"), float("-inf")):  # (NaN compares false: refused too)
+        if not low <= x < float("inf"):  # (NaN compares false: refused too)
             raise argparse.ArgumentTypeError(f"a finite number of at least {low}, got {text}")
         return x
 

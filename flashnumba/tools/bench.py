@@ -838,7 +838,7 @@ def main(argv=None):
             p.error(f"--width {a.width} (heads x head_dim) is less than head_dim {d}")
         if heads % a.gqa:
             p.error(f"--gqa {a.gqa} must divide the {heads} query heads of head_dim {d} (--width {a.width} / {d})")
-    if _backend.SIMULATOR and (a.decode or a.shared_caps or a.latency or a.budget_gib is not None):
+    if _backend.SIMULATOR and mode not in (None, "--from-json"):
         p.error("--decode, --shared-caps, --latency and --budget-gib measure a GPU (CuPy and a CUDA device): "
                 "this is the simulator")
     if a.decode:
