@@ -39,6 +39,7 @@ varlen functions. The varlen functions read ``cu_seqlens`` on the host to check 
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -80,6 +81,15 @@ def _options(dropout_p, softmax_scale, causal, window_left, window_right, softca
                 window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes)
 
 
+def _custom_op(name, impl, seeded=False):
+    """``torch.library.custom_op``; ``seeded``: the operator draws from torch's generator, tagged
+    nondeterministic_seeded so that torch.compile does not merge two calls with the same inputs into one (common-
+    subexpression elimination would give them one dropout mask). (torch before 2.5 takes no tags.)"""
+    seeded = seeded and "tags" in inspect.signature(torch.library.custom_op).parameters
+    tags = {"tags": (torch.Tag.nondeterministic_seeded,)} if seeded else {}
+    return torch.library.custom_op(name, impl, mutates_args=(), **tags)
+
+
 def _empty(like: Tensor, shape, dtype=None) -> Tensor:
     return torch.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype, device=like.device)
 
@@ -100,7 +110,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor
     return out, lse, rng
 
 
-_forward = torch.library.custom_op("flashnumba::forward", _forward_impl, mutates_args=())
+_forward = _custom_op("flashnumba::forward", _forward_impl, seeded=True)
 
 
 @_forward.register_fake
@@ -119,7 +129,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                                             alibi_slopes), **_seed_offset(rng_state, dropout_p)))
 
 
-_backward = torch.library.custom_op("flashnumba::backward", _backward_impl, mutates_args=())
+_backward = _custom_op("flashnumba::backward", _backward_impl)
 
 
 @_backward.register_fake
@@ -135,7 +145,7 @@ def _probs_impl(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, alibi_slopes: Opti
                                                         softcap, alibi_slopes), **_seed_offset(rng_state, dropout_p))
 
 
-_probs = torch.library.custom_op("flashnumba::probs", _probs_impl, mutates_args=())
+_probs = _custom_op("flashnumba::probs", _probs_impl)
 
 
 @_probs.register_fake
@@ -156,7 +166,7 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     return out, lse, rng
 
 
-_varlen_forward = torch.library.custom_op("flashnumba::varlen_forward", _varlen_forward_impl, mutates_args=())
+_varlen_forward = _custom_op("flashnumba::varlen_forward", _varlen_forward_impl, seeded=True)
 
 
 @_varlen_forward.register_fake
@@ -180,7 +190,7 @@ def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         **_seed_offset(rng_state, dropout_p)))
 
 
-_varlen_backward = torch.library.custom_op("flashnumba::varlen_backward", _varlen_backward_impl, mutates_args=())
+_varlen_backward = _custom_op("flashnumba::varlen_backward", _varlen_backward_impl)
 
 
 @_varlen_backward.register_fake

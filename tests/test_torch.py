@@ -414,6 +414,22 @@ def test_dropout_is_reproducible_under_manual_seed_and_advances_the_generator():
 
 
 @on_gpu
+@pytest.mark.parametrize("grad", [False, True])
+def test_two_dropout_calls_in_one_compiled_graph_draw_two_masks(grad):
+    """Two calls with the same inputs in one compiled graph are two draws (not merged into one by torch.compile's
+    common-subexpression elimination), with or without autograd, and differ as two eager calls differ."""
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16).requires_grad_(grad)
+
+    def f(q):
+        return ft.flash_attn_func(q, q, q, dropout_p=0.5), ft.flash_attn_func(q, q, q, dropout_p=0.5)
+
+    torch._dynamo.reset()
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        a, b = fn(q)
+        assert not torch.equal(a, b)
+
+
+@on_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_core_api_takes_and_returns_torch_tensors(dtype):
     tdt = DTYPES[dtype]
