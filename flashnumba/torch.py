@@ -83,8 +83,9 @@ def _options(dropout_p, softmax_scale, causal, window_left, window_right, softca
 
 def _custom_op(name, impl, seeded=False):
     """``torch.library.custom_op``; ``seeded``: the operator draws from torch's generator, tagged
-    nondeterministic_seeded so that torch.compile does not merge two calls with the same inputs into one (common-
-    subexpression elimination would give them one dropout mask). (torch before 2.5 takes no tags.)"""
+    nondeterministic_seeded as torch's own random operators are, so that graph passes take it for one (never two
+    calls with the same inputs merged into one dropout mask, never a call repeated to recompute its result).
+    (torch before 2.5 takes no tags.)"""
     seeded = seeded and "tags" in inspect.signature(torch.library.custom_op).parameters
     tags = {"tags": (torch.Tag.nondeterministic_seeded,)} if seeded else {}
     return torch.library.custom_op(name, impl, mutates_args=(), **tags)
@@ -226,8 +227,10 @@ def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
     bool): softmax_scale resolved (1 / sqrt(head_dim)), window_size split."""
     left, right = check_window(window_size)
     # (the default from the head dim as a power, which a symbolic size under torch.compile takes)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else check_scale(softmax_scale, 1)
-    return (check_dropout_p(dropout_p), float(scale), check_flag("causal", causal), left, right,
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if torch.compiler.is_compiling():  # (symbolic numbers: the operators' fake implementations check them)
+        return dropout_p, scale, causal, left, right, softcap
+    return (check_dropout_p(dropout_p), float(check_scale(scale, 1)), check_flag("causal", causal), left, right,
             check_softcap(softcap))
 
 

@@ -104,6 +104,26 @@ def test_compile_with_a_max_seqlen_that_changes_between_calls():
         assert qkv.grad.shape == qkv.shape
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_two_dropout_calls_stay_two_operators_in_the_traced_graph(grad):
+    """The graph torch.compile hands its compiler holds both forward calls (the same inputs, two dropout draws)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    counts = []
+
+    def count(gm, _):
+        counts.append(sum(n.target is torch.ops.flashnumba.forward.default for n in gm.graph.nodes))
+        return gm
+
+    def f(q, k, v):
+        return ft.flash_attn_func(q, k, v, dropout_p=0.5), ft.flash_attn_func(q, k, v, dropout_p=0.5)
+
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=count))(*(meta(1, 64, 2, 64, grad=grad)
+                                                                                for _ in range(3)))
+    assert counts == [2]
+
+
 BAD = [  # (description, q, k, v shapes and dtypes, options)
     ("head dims differ", ((1, 8, 2, 64), (1, 8, 2, 32), (1, 8, 2, 32)), "float16", {}),
     ("heads not a multiple", ((1, 8, 3, 64), (1, 8, 2, 64), (1, 8, 2, 64)), "float16", {}),
@@ -416,16 +436,16 @@ def test_dropout_is_reproducible_under_manual_seed_and_advances_the_generator():
 @on_gpu
 @pytest.mark.parametrize("grad", [False, True])
 def test_two_dropout_calls_in_one_compiled_graph_draw_two_masks(grad):
-    """Two calls with the same inputs in one compiled graph are two draws (not merged into one by torch.compile's
-    common-subexpression elimination), with or without autograd, and differ as two eager calls differ."""
-    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16).requires_grad_(grad)
+    """Two calls with the same inputs in one compiled graph are two draws, with or without autograd, and differ as
+    two eager calls differ."""
+    q, k, v = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16).requires_grad_(grad) for _ in range(3))
 
-    def f(q):
-        return ft.flash_attn_func(q, q, q, dropout_p=0.5), ft.flash_attn_func(q, q, q, dropout_p=0.5)
+    def f(q, k, v):
+        return ft.flash_attn_func(q, k, v, dropout_p=0.5), ft.flash_attn_func(q, k, v, dropout_p=0.5)
 
     torch._dynamo.reset()
     for fn in (f, torch.compile(f, fullgraph=True)):
-        a, b = fn(q)
+        a, b = fn(q, k, v)
         assert not torch.equal(a, b)
 
 
