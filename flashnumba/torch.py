@@ -30,8 +30,8 @@ call with dropout raises there (capture without dropout, or use the core API wit
 
 ``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``: probs are flashnumba's float32 P (after dropout:
 0 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask; a debugging path
-for small sizes, not for varlen. softmax_lse and probs have no backward: a loss that reaches them raises
-``NotImplementedError`` at backward time (rather than a gradient that silently leaves them out). ``deterministic``
+for small sizes, not for varlen. softmax_lse and probs have no backward: they come marked non-differentiable
+(``requires_grad`` False, as the indices of ``torch.max``), so gradients flow through out alone. ``deterministic``
 is accepted: flashnumba's backward is always deterministic. ``block_table`` (paged KV) is not supported by the
 varlen functions. The varlen functions read ``cu_seqlens`` on the host to check them
 (``flashnumba.config.check_device_values``), which a CUDA graph capture cannot do: capture them with it off.
@@ -242,21 +242,16 @@ def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
     ctx.save_for_backward(q, k, v, out, lse, rng, alibi_slopes)
     ctx.scalars = scalars
     probs = None
-    if return_softmax:  # lse and probs have no backward: a gradient reaching them raises (_attention_grads)
+    if return_softmax:  # lse and probs have no backward
         probs = _op(_probs, _probs_impl, q)(q, k, v, lse, alibi_slopes, rng, *scalars)
-        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse, probs)
     return out, lse, probs
 
 
 def _attention_grads(ctx, dout, *rest):
-    """(dq, dk, dv) for the gradient of out. The other outputs of ``return_attn_probs`` (softmax_lse, probs) have
-    no backward: a gradient that reaches them raises rather than being dropped."""
-    if any(g is not None for g in rest):
-        raise NotImplementedError("flashnumba.torch: return_attn_probs=True returned softmax_lse and the attention "
-                                  "probabilities for inspection; they have no backward (only out has a gradient)")
+    """(dq, dk, dv) for the gradient of out (``rest``: the zero gradients of the non-differentiable softmax_lse and
+    probs of ``return_attn_probs``)."""
     q, k, v, out, lse, rng, alibi_slopes = ctx.saved_tensors
-    if dout is None:
-        return None, None, None
     backward = _op(_backward, _backward_impl, dout, q)
     return backward(_contiguous_last(dout), q, k, v, out, lse, alibi_slopes, rng, *ctx.scalars)
 
@@ -309,7 +304,7 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
     def backward(ctx, dout, *rest):
         grads = _attention_grads(ctx, dout, *rest)
-        return (None if dout is None else torch.stack(grads, dim=2)), None, None, None, None, None, None, None, None
+        return torch.stack(grads, dim=2), None, None, None, None, None, None, None, None
 
 
 class FlashAttnKVPackedFunc(torch.autograd.Function):
@@ -324,8 +319,7 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
     def backward(ctx, dout, *rest):
         dq, dk, dv = _attention_grads(ctx, dout, *rest)
-        return dq, (None if dout is None else torch.stack((dk, dv), dim=2)), None, None, None, None, None, None, None, \
-            None
+        return dq, torch.stack((dk, dv), dim=2), None, None, None, None, None, None, None, None
 
 
 class FlashAttnVarlenFunc(torch.autograd.Function):
