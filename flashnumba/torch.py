@@ -16,8 +16,9 @@ Three layers, as in flash-attn:
   (:func:`flashnumba.flash_attn_forward`, ...) on the tensors as they are: no copy (the core copies only
   an input the tensor-core kernels cannot read in place: strides that are not multiples of 16 bytes, a start not
   on 16 bytes), kernels on torch's current stream.
-* **autograd Functions** that save q, k, v, out, lse and the dropout state (a CPU int64 tensor ``[seed,
-  offset]``) and return the gradients of q, k and v (with GQA/MQA, dk and dv summed over the query heads that
+* **autograd Functions** that save q, k, v, out, lse and the dropout state (with dropout a CPU int64 tensor
+  ``[seed, offset]``, without an unread one on the GPU, so that torch.compile's ``mode="reduce-overhead"`` can
+  capture the graph in a CUDA graph) and return the gradients of q, k and v (with GQA/MQA, dk and dv summed over the query heads that
   share a key/value head; packed inputs get packed gradients). The backward kernels give first derivatives:
   differentiating the gradients again (``create_graph=True``) raises rather than dropping their dependence on q,
   k and v.
@@ -49,17 +50,25 @@ from torch.autograd.function import once_differentiable
 from . import api
 from ._validate import check_dropout_p, check_flag, check_scale, check_softcap, check_window
 
-_RNG = dict(dtype=torch.int64, device="cpu")
-
-
 def _contiguous_last(x):
     """x, or a copy where its last dimension is not contiguous (an expanded gradient, for example)."""
     return x.contiguous() if x is not None and x.dim() and x.stride(-1) != 1 else x
 
 
+def _no_rng(q: Tensor) -> Tensor:
+    """The dropout state of a call without dropout: never read, on q's device (a CPU tensor in a compiled graph
+    would keep torch.compile's mode="reduce-overhead" from capturing it in a CUDA graph)."""
+    return torch.empty(2, dtype=torch.int64, device=q.device)
+
+
 def _rng_state(seed: int, offset: int) -> Tensor:
-    """[seed, offset] as a CPU int64 tensor (the seed's 64 bits as a signed int64)."""
-    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset], **_RNG)
+    """[seed, offset] as a CPU int64 tensor (the seed's 64 bits as a signed int64): the backward reads it on the
+    host without a synchronisation."""
+    return torch.tensor([seed - 2**64 if seed >= 2**63 else seed, offset], dtype=torch.int64, device="cpu")
+
+
+def _fake_rng(q: Tensor, dropout_p) -> Tensor:
+    return torch.empty(2, dtype=torch.int64, device="cpu") if dropout_p else _no_rng(q)
 
 
 def _seed_offset(rng_state: Tensor, dropout_p: float) -> dict:
@@ -71,7 +80,7 @@ def _seed_offset(rng_state: Tensor, dropout_p: float) -> dict:
 
 def _draw(q: Tensor, heads_of_batch: int, dropout_p: float) -> tuple[dict, Tensor]:
     if not dropout_p:
-        return {}, torch.zeros(2, **_RNG)
+        return {}, _no_rng(q)
     seed, offset = api.draw_dropout_seed(q, heads_of_batch)
     return dict(dropout_seed=seed, dropout_offset=offset), _rng_state(seed, offset)
 
@@ -119,7 +128,7 @@ def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, wind
     api.check_forward_args(q, k, v, **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
                                                alibi_slopes))
     batch, seqlen_q, nheads, _ = q.shape
-    return _empty(q, q.shape), _empty(q, (batch, nheads, seqlen_q), torch.float32), torch.empty(2, **_RNG)
+    return _empty(q, q.shape), _empty(q, (batch, nheads, seqlen_q), torch.float32), _fake_rng(q, dropout_p)
 
 
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -177,7 +186,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
                           **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
                                      alibi_slopes))
     total_q, nheads, _ = q.shape
-    return _empty(q, q.shape), _empty(q, (nheads, total_q), torch.float32), torch.empty(2, **_RNG)
+    return _empty(q, q.shape), _empty(q, (nheads, total_q), torch.float32), _fake_rng(q, dropout_p)
 
 
 def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -608,6 +608,37 @@ def test_compiled_transformer_block_matches_eager():
 
 
 @on_gpu
+def test_reduce_overhead_mode_replays_a_cuda_graph():
+    """torch.compile(mode="reduce-overhead"): a block without dropout is captured in a CUDA graph (nothing in it on
+    the CPU) and its replays give the eager block's output, forward and backward."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    block = Block().cuda()
+    x = torch.randn(2, 200, 256, device="cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # (recorded on a later call than the first, then replayed)
+        block.zero_grad()
+        out = compiled(x)
+        out.square().mean().backward()
+        got = [out.detach().clone()] + [p.grad.detach().clone() for p in block.parameters()]
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    block.zero_grad()
+    base = block(x)
+    base.square().mean().backward()
+    base = [base.detach()] + [p.grad.detach().clone() for p in block.parameters()]
+    block.double().plain = True
+    block.zero_grad()
+    truth = block(x.double())
+    truth.square().mean().backward()
+    truth = [truth.detach()] + [p.grad.detach() for p in block.parameters()]
+    for name, g, b, t in zip(["out"] + [n for n, _ in block.named_parameters()], got, base, truth):
+        close(name, g, t, b, 256)
+
+
+@on_gpu
 def test_flash_attn_with_kvcache_on_tensors_appends_in_place():
     """flash_attn_with_kvcache on torch tensors: the cache tensors updated in place, the result as the reference's,
     on torch's current stream (a side stream here)."""
