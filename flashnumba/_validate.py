@@ -141,11 +141,13 @@ def check_int(name, value, lo, hi) -> int:
 def check_array_arg(name, x, tq, hint="") -> Tensor:
     """The Tensor of an array argument beside q (ALiBi slopes, a score_mod's arrays): of any rank, in q's place
     (device or host)."""
+    if isinstance(x, np.generic) or not (hasattr(x, "shape") or hasattr(x, "__cuda_array_interface__")):
+        raise TypeError(f"{name} must be an array{hint}, got {type(x).__name__}")
     try:
-        rank = len(_arrays.shape_strides_dtype(x)[0])
-    except AttributeError:
-        raise TypeError(f"{name} must be an array{hint}, got {type(x).__name__}") from None
-    t = inspect(name, x, rank)
+        _arrays.kind(x)  # (an array of a kind not taken, or in the wrong place: its message says which)
+    except TypeError as err:
+        raise TypeError(f"{name}: {err}") from None
+    t = inspect(name, x, len(_arrays.shape_strides_dtype(x)[0]))
     if _arrays.on_device(t.kind) != _arrays.on_device(tq.kind):
         check_same_place((tq, t))
     return t
@@ -386,10 +388,12 @@ def check_window(window_size) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
     for name, w in (("left", left), ("right", right)):
+        if type(w).__name__ == "SymInt":  # (traced by torch.compile: the run's int is checked when it runs)
+            continue
         if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) or not -1 <= w < 2**62:
             raise ValueError(f"window_size {name} must be an int in [-1, 2**62) (-1: unbounded; the kernels take "
                              f"int64), got {w!r}")
-    return int(left), int(right)
+    return tuple(w if type(w).__name__ == "SymInt" else int(w) for w in (left, right))
 
 
 # ALiBi's distance |i + seqlen_k - seqlen_q - j| is computed in float32 by most kernels (exact below 2^24 positions)

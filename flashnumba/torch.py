@@ -40,15 +40,15 @@ varlen functions. The varlen functions read ``cu_seqlens`` on the host to check 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import api
-from ._validate import check_dropout_p, check_flag, check_scale, check_softcap, check_window
+from ._validate import check_dropout_p, check_flag, check_int, check_scale, check_softcap, check_window
 
 def _contiguous_last(x):
     """x, or a copy where its last dimension is not contiguous (an expanded gradient, for example)."""
@@ -110,7 +110,7 @@ def _empty(like: Tensor, shape, dtype=None) -> Tensor:
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float,
-                  softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                   softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     opts = _options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     if dropout_p:  # validated before the generator advances: a bad call leaves it where it was
@@ -132,7 +132,7 @@ def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, wind
 
 
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   alibi_slopes: Optional[Tensor], rng_state: Tensor, dropout_p: float, softmax_scale: float,
+                   alibi_slopes: Optional[Tensor], rng_state: Tensor, dropout_p: float, softmax_scale: Optional[float],
                    causal: bool, window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(api.flash_attn_backward(
         dout, q, k, v, out, lse, **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
@@ -149,7 +149,7 @@ def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale
 
 
 def _probs_impl(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, alibi_slopes: Optional[Tensor], rng_state: Tensor,
-                dropout_p: float, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                 softcap: float) -> Tensor:
     return api.attention_probs(q, k, v, lse, **_options(dropout_p, softmax_scale, causal, window_left, window_right,
                                                         softcap, alibi_slopes), **_seed_offset(rng_state, dropout_p))
@@ -165,7 +165,7 @@ def _(q, k, v, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, w
 
 def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], dropout_p: float,
-                         softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                         softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                          softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     opts = _options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     if dropout_p:  # validated before the generator advances
@@ -191,7 +191,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
 
 def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          alibi_slopes: Optional[Tensor], rng_state: Tensor, dropout_p: float, softmax_scale: float,
+                          alibi_slopes: Optional[Tensor], rng_state: Tensor, dropout_p: float, softmax_scale: Optional[float],
                           causal: bool, window_left: int, window_right: int,
                           softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(api.flash_attn_varlen_backward(
@@ -223,24 +223,35 @@ def _op(op, impl, *tensors):
     return op
 
 
-def _check_tensors(**arrays):
-    """flashnumba.torch takes torch tensors (None where optional); the core API's own checks follow."""
-    for name, x in arrays.items():
-        if x is not None and not isinstance(x, Tensor):
+def _inputs(alibi_slopes, deterministic, return_attn_probs, max_seqlens=(), **tensors) -> list:
+    """The tensors of a public call, checked (torch tensors, alibi_slopes None or one; the flags bools; the
+    maxima ints), a tensor given twice (q as k and v, one cu_seqlens for both sides) the second time as a view of
+    itself: torch.compile traces no autograd Function given one tensor in two places. The core API's own checks
+    follow."""
+    for name, x in dict(tensors, alibi_slopes=alibi_slopes).items():
+        if not (isinstance(x, Tensor) or x is None and name == "alibi_slopes"):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__name__} "
                             f"(flashnumba.flash_attn_func takes CuPy and NumPy arrays)")
+    check_flag("deterministic", deterministic)
+    check_flag("return_attn_probs", return_attn_probs)
+    for name, n in zip(("max_seqlen_q", "max_seqlen_k") if len(max_seqlens) == 2 else ("max_seqlen",), max_seqlens):
+        check_int(name, n, 0, 2**31 - 1)
+    given = []
+    for x in tensors.values():
+        given.append(x.view_as(x) if any(x is y for y in given) else x)
+    return given
 
 
 def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
     """The operators' scalar arguments, checked as the core API checks them (before any conversion: a string is no
-    bool): softmax_scale resolved (1 / sqrt(head_dim)), window_size split."""
+    bool): softmax_scale None or a float, window_size split. While torch.compile traces, the numbers may be
+    symbolic: the operators' fake implementations check them."""
     left, right = check_window(window_size)
-    # (the default from the head dim as a power, which a symbolic size under torch.compile takes)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    if torch.compiler.is_compiling():  # (symbolic numbers: the operators' fake implementations check them)
-        return dropout_p, scale, causal, left, right, softcap
-    return (check_dropout_p(dropout_p), float(check_scale(scale, 1)), check_flag("causal", causal), left, right,
-            check_softcap(softcap))
+    causal = check_flag("causal", causal)
+    if torch.compiler.is_compiling():
+        return dropout_p, softmax_scale, causal, left, right, softcap
+    scale = None if softmax_scale is None else check_scale(softmax_scale, 1)
+    return check_dropout_p(dropout_p), scale, causal, left, right, check_softcap(softcap)
 
 
 def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
@@ -287,6 +298,25 @@ def _result(out, lse, probs, return_softmax):
     return (out, lse, probs) if return_softmax else out
 
 
+def _first_order(backward):
+    """The backward of an autograd Function whose kernels give first derivatives. With ``create_graph=True`` (a
+    gradient penalty, a Hessian-vector product) the gradients depend on q, k, v and dout in ways these kernels do
+    not differentiate: they come back marked so that differentiating them raises, whether or not dout requires
+    grad (``torch.autograd.function.once_differentiable`` marks them only where it does, so a loss linear in out
+    would lose the penalty's dependence silently)."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        refuse = torch._C._functions.DelayedError(
+            b"flashnumba.torch: the attention's backward kernels give first derivatives only; its gradients "
+            b"cannot be differentiated again", len(outputs))
+        return refuse(*(None if g is None else g.detach().requires_grad_() for g in outputs))
+    return wrapper
+
+
 class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -295,7 +325,7 @@ class FlashAttnFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
-    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
+    @_first_order
     def backward(ctx, dout, *rest):
         dq, dk, dv = _attention_grads(ctx, dout, *rest)
         return dq, dk, dv, None, None, None, None, None, None, None, None
@@ -310,7 +340,7 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
-    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
+    @_first_order
     def backward(ctx, dout, *rest):
         grads = _attention_grads(ctx, dout, *rest)
         return torch.stack(grads, dim=2), None, None, None, None, None, None, None, None
@@ -325,7 +355,7 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
-    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
+    @_first_order
     def backward(ctx, dout, *rest):
         dq, dk, dv = _attention_grads(ctx, dout, *rest)
         return dq, torch.stack((dk, dv), dim=2), None, None, None, None, None, None, None, None
@@ -341,7 +371,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
+    @_first_order
     def backward(ctx, dout):
         dq, dk, dv = _varlen_grads(ctx, dout)
         return (dq, dk, dv) + (None,) * 12
@@ -358,7 +388,7 @@ class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
+    @_first_order
     def backward(ctx, dout):
         return (torch.stack(_varlen_grads(ctx, dout), dim=1),) + (None,) * 10
 
@@ -374,7 +404,7 @@ class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # (a second derivative: refused when asked for, not silently wrong)
+    @_first_order
     def backward(ctx, dout):
         dq, dk, dv = _varlen_grads(ctx, dout)
         return (dq, torch.stack((dk, dv), dim=1)) + (None,) * 12
@@ -390,7 +420,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """Attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d), differentiable in q, k
     and v: flash-attn's ``flash_attn_func`` (options as :func:`flashnumba.flash_attn_forward`). Returns out, or
     (out, softmax_lse, probs) with ``return_attn_probs``."""
-    _check_tensors(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    q, k, v = _inputs(alibi_slopes, deterministic, return_attn_probs, q=q, k=k, v=v)
     return FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                deterministic, return_attn_probs)
 
@@ -398,7 +428,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_func` of qkv (batch, seqlen, 3, nheads, d), read in place; the gradient is packed too."""
-    _check_tensors(qkv=qkv, alibi_slopes=alibi_slopes)
+    _inputs(alibi_slopes, deterministic, return_attn_probs, qkv=qkv)
     _check_packed("qkv", qkv, 5, 2, 3)
     return FlashAttnQKVPackedFunc.apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                         deterministic, return_attn_probs)
@@ -407,7 +437,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_func` of q and kv (batch, seqlen_k, 2, nheads_k, d), read in place."""
-    _check_tensors(q=q, kv=kv, alibi_slopes=alibi_slopes)
+    q, kv = _inputs(alibi_slopes, deterministic, return_attn_probs, q=q, kv=kv)
     _check_packed("kv", kv, 5, 2, 2)
     return FlashAttnKVPackedFunc.apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                        deterministic, return_attn_probs)
@@ -418,7 +448,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """Attention over packed sequences of different lengths: q (total_q, nheads, d), k, v (total_k, nheads_k, d),
     cu_seqlens_* int32 (batch + 1,) offsets (see :func:`flashnumba.flash_attn_varlen_forward`)."""
-    _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _inputs(alibi_slopes, deterministic, return_attn_probs,
+                                                  (max_seqlen_q, max_seqlen_k), q=q, k=k, v=v,
+                                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _no_block_table(block_table)
     return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -429,7 +461,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """:func:`flash_attn_varlen_func` of qkv (total, 3, nheads, d), read in place."""
-    _check_tensors(qkv=qkv, cu_seqlens=cu_seqlens, alibi_slopes=alibi_slopes)
+    _inputs(alibi_slopes, deterministic, return_attn_probs, (max_seqlen,), qkv=qkv, cu_seqlens=cu_seqlens)
     _check_packed("qkv", qkv, 4, 1, 3)
     return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                               window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
@@ -439,7 +471,9 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_varlen_func` of q and kv (total_k, 2, nheads_k, d), read in place."""
-    _check_tensors(q=q, kv=kv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    q, kv, cu_seqlens_q, cu_seqlens_k = _inputs(alibi_slopes, deterministic, return_attn_probs,
+                                                (max_seqlen_q, max_seqlen_k), q=q, kv=kv, cu_seqlens_q=cu_seqlens_q,
+                                                cu_seqlens_k=cu_seqlens_k)
     _check_packed("kv", kv, 4, 1, 2)
     return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,

@@ -98,6 +98,54 @@ def test_compile_with_return_attn_probs():
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
 
 
+def test_compile_with_a_window_that_changes_between_calls():
+    """A window size given to the compiled function is traced as a symbolic int when it changes (and with
+    dynamic=True from the start): the functions take it."""
+    def f(q, k, v, left):
+        return ft.flash_attn_func(q, k, v, window_size=(left, 0)).float().sum()
+
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        g = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        for left in (4, 8, 12):
+            q, k, v = (meta(1, 16, 2, 64) for _ in range(3))
+            g(q, k, v, left).backward()
+            assert q.grad.shape == q.shape
+
+
+def test_compile_with_one_tensor_in_two_places():
+    """Self-attention on one tensor, one cu_seqlens for both sides: fullgraph=True traces them (torch.compile traces
+    no autograd Function given one tensor twice; the functions pass the second as a view)."""
+    def dense(x):
+        return ft.flash_attn_func(x, x, x, causal=True).float().sum()
+
+    def varlen(q, k, v, cu):
+        return ft.flash_attn_varlen_func(q, k, v, cu, cu, 16, 16).float().sum()
+
+    torch._dynamo.reset()
+    x = meta(1, 16, 2, 64)
+    torch.compile(dense, fullgraph=True, backend="aot_eager")(x).backward()
+    assert x.grad.shape == x.shape
+    q, k, v = (meta(30, 2, 64) for _ in range(3))
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    torch.compile(varlen, fullgraph=True, backend="aot_eager")(q, k, v, cu).backward()
+    assert k.grad.shape == k.shape
+
+
+def test_a_gradient_penalty_through_a_loss_linear_in_out_is_refused():
+    """create_graph=True with a loss linear in out (dout then needs no grad): differentiating the gradients again
+    raises, where they would otherwise come back as constants and the penalty's dependence on q, k, v be lost."""
+    q, k, v = (meta(1, 16, 2, 64) for _ in range(3))
+    out = ft.flash_attn_func(q, k, v, causal=True)
+    dq, = torch.autograd.grad(out.float().sum(), q, create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        (dq.float().square().sum() + out.float().sum()).backward()
+    out = ft.flash_attn_func(q, k, v, causal=True)
+    dq, = torch.autograd.grad(out.float().sum(), q)  # (without create_graph: plain gradients)
+    assert not dq.requires_grad
+
+
 def test_compile_with_a_max_seqlen_that_changes_between_calls():
     """With dynamic shapes an int argument that changes (max_seqlen from batch to batch) is traced as a symbolic
     int: the varlen functions take it."""
@@ -143,6 +191,8 @@ BAD = [  # (description, q, k, v shapes and dtypes, options)
     ("batch", ((2, 8, 2, 64), (1, 8, 2, 64), (1, 8, 2, 64)), "float32", {}),
     ("causal not a bool", ((1, 8, 2, 64),) * 3, "float16", {"causal": "yes"}),  # (was read as True)
     ("softcap None", ((1, 8, 2, 64),) * 3, "float16", {"softcap": None}),
+    ("head dim 0", ((1, 8, 2, 0),) * 3, "float16", {}),  # (was a ZeroDivisionError)
+    ("scale a string", ((1, 8, 2, 64),) * 3, "float16", {"softmax_scale": "0.1"}),
 ]
 
 
@@ -180,6 +230,18 @@ def test_foreign_arrays_cpu_tensors_and_paged_kv_are_refused():
         ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 8, 8, return_attn_probs=True)
     with pytest.raises(ValueError, match=r"qkv must have shape \(batch, seqlen, 3, nheads, d\)"):
         ft.flash_attn_qkvpacked_func(meta(1, 8, 2, 2, 64))
+    with pytest.raises(TypeError, match="alibi_slopes: expected a CUDA tensor, got a torch tensor on cpu"):
+        ft.flash_attn_func(q, q, q, alibi_slopes=torch.zeros(2))
+    with pytest.raises(TypeError, match="k must be a torch.Tensor, got builtins.NoneType"):
+        ft.flash_attn_func(q, None, q)
+    with pytest.raises(TypeError, match="return_attn_probs must be a bool"):
+        ft.flash_attn_func(q, q, q, return_attn_probs="no")
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        ft.flash_attn_qkvpacked_func(meta(1, 8, 3, 2, 64), deterministic=None)
+    with pytest.raises(TypeError, match="max_seqlen_k must be an int"):
+        ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 8, 8.0)
+    with pytest.raises(TypeError, match="max_seqlen must be an int"):
+        ft.flash_attn_varlen_qkvpacked_func(meta(8, 3, 2, 64), cu, torch.tensor(8))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,7 +359,7 @@ def test_a_second_derivative_is_refused_not_silently_wrong():
     q, k, v = (torch.randn(1, 16, 2, 32, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
     out = ft.flash_attn_func(q, k, v, causal=True)
     dq, = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="first derivatives only"):
         dq.float().square().sum().backward()
 
 
