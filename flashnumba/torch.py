@@ -513,8 +513,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
                    alibi_slopes=alibi_slopes)
     for name, x in tensors.items():
-        if isinstance(x, Tensor) and not x.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got one on {x.device}")
+        if name in ("q", "k_cache", "v_cache") or isinstance(x, Tensor):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__module__}.{type(x).__name__} "
+                                f"(flashnumba.flash_attn_with_kvcache takes CuPy and NumPy arrays)")
+            if not x.is_cuda:
+                raise TypeError(f"{name}: expected a CUDA tensor, got a torch tensor on {x.device}")
     views = {n: x.detach() if isinstance(x, Tensor) else x for n, x in tensors.items()}
     return core(views.pop("q"), views.pop("k_cache"), views.pop("v_cache"), **views, softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved,

@@ -242,6 +242,10 @@ def test_foreign_arrays_cpu_tensors_and_paged_kv_are_refused():
         ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 8, 8.0)
     with pytest.raises(TypeError, match="max_seqlen must be an int"):
         ft.flash_attn_varlen_qkvpacked_func(meta(8, 3, 2, 64), cu, torch.tensor(8))
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got numpy.ndarray"):
+        ft.flash_attn_with_kvcache(np.zeros((1, 1, 2, 64), np.float16), cpu, cpu)
+    with pytest.raises(TypeError, match="q: expected a CUDA tensor, got a torch tensor on meta"):
+        ft.flash_attn_with_kvcache(q, cpu, cpu)
 
 
 # ---------------------------------------------------------------------------------------------------------------
