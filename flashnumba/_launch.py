@@ -926,8 +926,10 @@ class Call:
 
     def _run_sim(self, arrays, seed, offset):
         values = {"seed": np.uint64(seed), "offset": np.uint64(offset)}
+        back = []
         arrays = tuple(arrays) + (None,) * (len(self.inputs) - len(arrays))  # the trailing optional ones absent
-        for spec, x in zip(self.inputs, arrays):
+        for spec, given in zip(self.inputs, arrays):
+            x = given
             if x is None:
                 values[spec.name] = dummy(spec.name, spec.dummy_shape, spec.dummy_dtype)
                 continue
@@ -941,7 +943,11 @@ class Call:
                 x, kind = _arrays.padded_copy(_arrays.to_host(x), "numpy", spec.pad), "numba"
             if spec.lead:
                 x = _arrays.with_leading_axis(x, kind)
-            # (an array the kernels write in place is handed over itself: the simulator copies it back)
+            # (an array the kernels write in place is handed over itself: the simulator copies it back; a strided
+            # NumPy one, which the simulator cannot copy, as a contiguous copy copied back after the kernels)
+            if spec.written and isinstance(x, np.ndarray) and not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x)
+                back.append((given, x))
             values[spec.name] = _arrays.bits(x) if spec.written else _arrays.to_kernel(x, kind)
         outs = []
         for spec in self.outputs:
@@ -958,6 +964,8 @@ class Call:
                                              else dummy("maps", (1, ptx_hopper.MAP_WORDS), np.uint64))
         for b in self.bound:
             b(values)
+        for user, copy in back:
+            _arrays.copy_back(user, copy)
         result = []
         for user, dev, spec in outs:
             r = _arrays.to_caller(user, dev, self.like)

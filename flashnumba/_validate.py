@@ -147,7 +147,10 @@ def check_array_arg(name, x, tq, hint="") -> Tensor:
         _arrays.kind(x)  # (an array of a kind not taken, or in the wrong place: its message says which)
     except TypeError as err:
         raise TypeError(f"{name}: {err}") from None
-    t = inspect(name, x, len(_arrays.shape_strides_dtype(x)[0]))
+    rank = len(_arrays.shape_strides_dtype(x)[0])
+    if rank == 0:
+        raise ValueError(f"{name} must have at least one dimension, got a 0-d array (pass a (1,) array and read x[0])")
+    t = inspect(name, x, rank)
     if _arrays.on_device(t.kind) != _arrays.on_device(tq.kind):
         check_same_place((tq, t))
     return t
@@ -202,6 +205,8 @@ def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enab
             raise TypeError(f"{name} {getattr(fn, '__name__', fn)!r} must take {what}), or those and the "
                             f"{n} arrays of score_mod_args" if n else f"{name} {getattr(fn, '__name__', fn)!r} must "
                             f"take {what}): {lead} arguments")
+    if score_mod_grad is not None and score_mod is None:
+        raise ValueError("score_mod_grad is the derivative of a score_mod, and none was given")
     if backward and score_mod is not None and score_mod_grad is None:
         raise ValueError("the backward through a score_mod needs its derivative with respect to the score: pass "
                          "score_mod_grad (for an added bias, a function returning 1.0)")

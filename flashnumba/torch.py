@@ -18,10 +18,10 @@ Three layers, as in flash-attn:
   on 16 bytes), kernels on torch's current stream.
 * **autograd Functions** that save q, k, v, out, lse and the dropout state (with dropout a CPU int64 tensor
   ``[seed, offset]``, without an unread one on the GPU, so that torch.compile's ``mode="reduce-overhead"`` can
-  capture the graph in a CUDA graph) and return the gradients of q, k and v (with GQA/MQA, dk and dv summed over the query heads that
-  share a key/value head; packed inputs get packed gradients). The backward kernels give first derivatives:
-  differentiating the gradients again (``create_graph=True``) raises rather than dropping their dependence on q,
-  k and v.
+  capture the graph in a CUDA graph) and return the gradients of q, k and v (with GQA/MQA, dk and dv summed over
+  the query heads that share a key/value head; packed inputs get packed gradients). The backward kernels give
+  first derivatives: differentiating the gradients again (``create_graph=True``) raises rather than dropping
+  their dependence on q, k and v.
 * **the public functions**, flash-attn's names.
 
 Dropout. With ``dropout_p > 0`` the seed and offset come from torch's CUDA generator and advance it as flash-attn
@@ -191,7 +191,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
 
 def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          alibi_slopes: Optional[Tensor], rng_state: Tensor, dropout_p: float, softmax_scale: Optional[float],
+                          alibi_slopes: Optional[Tensor], rng_state: Tensor, dropout_p: float,
+                          softmax_scale: Optional[float],
                           causal: bool, window_left: int, window_right: int,
                           softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(api.flash_attn_varlen_backward(

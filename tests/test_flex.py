@@ -530,6 +530,9 @@ def test_bad_functions_and_arguments_are_clear_errors():
         flashnumba.flex_attention(q, k, v, softcap, score_mod_args=(np.zeros(1),) * 5)
     with pytest.raises(TypeError, match="score_mod_args\\[0\\] must be an array"):
         flashnumba.flex_attention(q, k, v, softcap, score_mod_args=(3.0,))
+    with pytest.raises(ValueError, match="score_mod_args\\[0\\] must have at least one dimension"):
+        flashnumba.flex_attention(q, k, v, lambda s, b, h, i, j, x: s + x[()],
+                                  score_mod_args=(np.array(0.5, np.float32),))
     with pytest.raises(ValueError, match="enable_gqa=True"):
         flashnumba.flex_attention(q, k[:, :, :1], v[:, :, :1], softcap)
     with pytest.raises(ValueError, match="runs on the forward kernels"):
@@ -543,6 +546,8 @@ def test_bad_functions_and_arguments_are_clear_errors():
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap, score_mod_grad=softcap_grad, kernel="tc")
     with pytest.raises(ValueError, match="score_mod_grad"):
         flashnumba.flex_attention_backward(q, q, k, v, out, lse, softcap)
+    with pytest.raises(ValueError, match="score_mod_grad is the derivative of a score_mod, and none was given"):
+        flashnumba.flex_attention_backward(q, q, k, v, out, lse, score_mod_grad=softcap_grad)  # (was ignored)
     with pytest.raises(ValueError, match="^scale must be finite"):  # (FlexAttention's name in the message)
         flashnumba.flex_attention(q, k, v, softcap, scale=float("inf"))
     with pytest.raises(TypeError, match="return_lse must be a bool"):  # (not read as True)

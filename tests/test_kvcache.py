@@ -137,7 +137,30 @@ def test_bad_input_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="page size"):
         flash_attn_with_kvcache(q, kc[:, :8], vc[:, :8], k, v, cache_seqlens=np.array([1, 1], np.int32),
                                 block_table=np.zeros((2, 1), np.int32))
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must both be given"):  # (sin alone was ignored)
+        flash_attn_with_kvcache(q, kc, vc, k, v, **dict(kw, rotary_cos=None))
+    read_only = vc.copy()
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="v_cache is a read-only NumPy array"):  # (k_cache was written first)
+        flash_attn_with_kvcache(q, kc, read_only, k, v, **kw)
     np.testing.assert_array_equal(kc, kc0)
+
+
+def test_a_strided_numpy_cache_is_written_in_place():
+    """A cache that is a view with strides (every other head of a bigger array) takes the new keys and values in
+    place, as a contiguous one does, and the rest of the bigger array stays as it was."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, 1, 2, 16)).astype(np.float32) for _ in range(3))
+    big = [rng.standard_normal((2, 24, 4, 16)).astype(np.float32) for _ in range(2)]
+    whole = [b.copy() for b in big]
+    lens = np.array([3, 10], np.int32)
+    out = flash_attn_with_kvcache(q, whole[0][:, :, :2], whole[1][:, :, :2], k, v, cache_seqlens=lens)
+    caches = [b[:, :, :2].copy() for b in big]
+    want = flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lens)
+    np.testing.assert_array_equal(out, want)
+    for w, b, c in zip(whole, big, caches):
+        np.testing.assert_array_equal(w[:, :, :2], c)
+        np.testing.assert_array_equal(w[:, :, 2:], b[:, :, 2:])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -371,7 +371,8 @@ def test_a_second_derivative_is_refused_not_silently_wrong():
 def test_a_padded_head_dim_through_autograd():
     """Head_dim 80 at 4096 keys: on compute capability 9.0 kernel=None runs the Hopper kernels on copies padded to
     96 (elsewhere mma.sync at 80); a k whose sequence axis has the smallest stride (copied to a contiguous last
-    dimension first, as flash-attn does); the gradients against float64 autograd, the inputs untouched, the outputs C-contiguous."""
+    dimension first, as flash-attn does); the gradients against float64 autograd, the inputs untouched, the outputs
+    C-contiguous."""
     g = torch.Generator(device="cuda").manual_seed(80)
     q, v = (torch.randn(1, 4096, 2, 80, generator=g, device="cuda", dtype=torch.float16).requires_grad_()
             for _ in range(2))
