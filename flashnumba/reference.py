@@ -633,4 +633,6 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, r
                                    window_size=window_size, softcap=softcap, alibi_slopes=slopes, dtype=dtype)
         outs.append(o[0])
         lses.append(lse[0])
+    if not batch:
+        return np.zeros(q.shape, dtype), np.zeros((0, nheads, seqlen_q), dtype), kc, vc
     return np.stack(outs), np.stack(lses), kc, vc

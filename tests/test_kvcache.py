@@ -35,6 +35,11 @@ def test_reference_rotary_is_the_complex_product():
     np.testing.assert_array_equal(r[..., 6:], x[..., 6:])
 
 
+def test_reference_of_an_empty_batch():
+    out, lse, kc, vc = ref.kvcache_attention(np.zeros((0, 2, 4, 8)), np.zeros((0, 5, 2, 8)), np.zeros((0, 5, 2, 8)))
+    assert out.shape == (0, 2, 4, 8) and lse.shape == (0, 4, 2) and kc.shape == vc.shape == (0, 5, 2, 8)
+
+
 def test_reference_with_an_empty_cache_is_causal_attention():
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((2, 6, 4 if n == "q" else 2, 8)) for n in "qkv")
