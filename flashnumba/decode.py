@@ -57,7 +57,7 @@ def _ints(name, x, shape, read):
     if tuple(a.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
     if kind in (None, "numpy"):
-        host = np.asarray(a).astype(np.int64)
+        host = _int64(name, np.asarray(a))
         return host.astype(np.int32), host
     if kind == "torch":
         torch = sys.modules["torch"]
@@ -67,7 +67,14 @@ def _ints(name, x, shape, read):
         dev = a if (a.dtype == np.int32 and a.flags.c_contiguous) else cp.ascontiguousarray(a.astype(np.int32))
     else:
         raise TypeError(f"{name} must be a NumPy array, a CuPy array or a torch tensor, got {type(x).__name__}")
-    return dev, (_arrays.to_host(a).astype(np.int64) if read else None)
+    return dev, (_int64(name, _arrays.to_host(a)) if read else None)
+
+
+def _int64(name, host):
+    """An integer array's values as int64 (an unsigned value beyond int64's range refused as itself, not wrapped)."""
+    if host.dtype.kind == "u" and host.size and int(host.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds {int(host.max())}, beyond any cache")
+    return host.astype(np.int64)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

@@ -131,6 +131,7 @@ def test_bad_input_is_refused_before_anything_is_written():
         (dict(kw, cache_batch_idx=np.array([0, 1], np.int32)), ValueError, "cannot be combined"),
         (dict(kw, cache_seqlens=np.array([1.0, 2.0])), TypeError, "integers"),
         (dict(kw, num_splits=-1), ValueError, "num_splits"),
+        (dict(kw, cache_seqlens=np.array([3, 2**63], np.uint64)), ValueError, "holds 9223372036854775808"),
     ]
     for bad, err, match in cases:
         with pytest.raises(err, match=match):
