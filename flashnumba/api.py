@@ -40,7 +40,9 @@ _calls: dict = {}
 
 
 def _typed(values) -> tuple:
-    return tuple([(type(v), v) for v in values])
+    """The options with their types (and a tuple's members with theirs): 1.0, True and 1 are equal keys, and a
+    call that the checks refuse must not find the kept call of one they took."""
+    return tuple([(type(v), _typed(v) if type(v) is tuple else v) for v in values])
 
 
 def _key(tag, arrays, options):

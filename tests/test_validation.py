@@ -124,6 +124,15 @@ def test_bad_options(kw, err, msg):
         flashnumba.flash_attn_forward(q, k, v, **kw)
 
 
+def test_a_refused_option_is_refused_after_an_equal_one_was_taken():
+    """(1.0, 0) and (True, 0) equal (1, 0) as Python values: the kept call of a good window must not let them by."""
+    q, k, v = qkv()
+    flashnumba.flash_attn_forward(q, k, v, kernel="v2", window_size=(1, 0))
+    for bad in ((1.0, 0), (True, 0)):
+        with pytest.raises(ValueError, match="window_size left must be an int"):
+            flashnumba.flash_attn_forward(q, k, v, kernel="v2", window_size=bad)
+
+
 def test_a_bad_call_with_dropout_draws_no_seed(monkeypatch):
     """With dropout and no seed, the call is validated before a seed is drawn: a bad call leaves torch's generator
     (or the entropy source) untouched."""
