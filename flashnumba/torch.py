@@ -50,6 +50,7 @@ from torch import Tensor
 from . import api
 from ._validate import check_dropout_p, check_flag, check_int, check_scale, check_softcap, check_window
 
+
 def _contiguous_last(x):
     """x, or a copy where its last dimension is not contiguous (an expanded gradient, for example)."""
     return x.contiguous() if x is not None and x.dim() and x.stride(-1) != 1 else x
@@ -68,6 +69,7 @@ def _rng_state(seed: int, offset: int) -> Tensor:
 
 
 def _fake_rng(q: Tensor, dropout_p) -> Tensor:
+    """The dropout state's place as the operators give it: the CPU with dropout, q's device without."""
     return torch.empty(2, dtype=torch.int64, device="cpu") if dropout_p else _no_rng(q)
 
 
