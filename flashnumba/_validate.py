@@ -128,8 +128,13 @@ def check_flag(name, value) -> bool:
     return bool(value)
 
 
+def _traced(value) -> bool:
+    """Whether value is torch.compile's symbolic int (traced: the int of a run is checked when that run calls)."""
+    return type(value).__name__ == "SymInt"
+
+
 def check_int(name, value, lo, hi) -> int:
-    if type(value).__name__ == "SymInt":  # (torch.compile's symbolic int, traced: its value is checked at run time)
+    if _traced(value):
         return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -393,12 +398,12 @@ def check_window(window_size) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
     for name, w in (("left", left), ("right", right)):
-        if type(w).__name__ == "SymInt":  # (traced by torch.compile: the run's int is checked when it runs)
+        if _traced(w):
             continue
         if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) or not -1 <= w < 2**62:
             raise ValueError(f"window_size {name} must be an int in [-1, 2**62) (-1: unbounded; the kernels take "
                              f"int64), got {w!r}")
-    return tuple(w if type(w).__name__ == "SymInt" else int(w) for w in (left, right))
+    return tuple(w if _traced(w) else int(w) for w in (left, right))
 
 
 # ALiBi's distance |i + seqlen_k - seqlen_q - j| is computed in float32 by most kernels (exact below 2^24 positions)

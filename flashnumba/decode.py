@@ -112,9 +112,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_seqlens is None and k is not None:
         raise ValueError("new keys k need cache_seqlens (where to write them)")
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):  # (refused before either is written)
-        if k is not None and isinstance(cache, np.ndarray) and not cache.flags.writeable:
-            raise ValueError(f"{name} is a read-only NumPy array; the new keys and values are written into it")
+    if k is not None:  # (a read-only NumPy cache refused before either cache is written)
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(cache, np.ndarray) and not cache.flags.writeable:
+                raise ValueError(f"{name} is a read-only NumPy array; the new keys and values are written into it")
     # what the shapes, dtypes, options and the kernel choice decide: checked once per kind of call, then kept
     lens_array = cache_seqlens is not None and not isinstance(cache_seqlens, (int, np.integer))
     key = _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens if lens_array else None, cache_batch_idx,
