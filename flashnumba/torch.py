@@ -113,7 +113,7 @@ def _empty(like: Tensor, shape, dtype=None) -> Tensor:
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float,
                   softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-                  softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+                  softcap: float, draw: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     opts = _options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     if dropout_p:  # validated before the generator advances: a bad call leaves it where it was
         api.check_forward_args(q, k, v, **opts)
@@ -126,7 +126,7 @@ _forward = _custom_op("flashnumba::forward", _forward_impl, seeded=True)
 
 
 @_forward.register_fake
-def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap):
+def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, draw):
     api.check_forward_args(q, k, v, **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
                                                alibi_slopes))
     batch, seqlen_q, nheads, _ = q.shape
@@ -168,7 +168,7 @@ def _(q, k, v, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, w
 def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], dropout_p: float,
                          softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-                         softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+                         softcap: float, draw: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     opts = _options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     if dropout_p:  # validated before the generator advances
         api.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **opts)
@@ -183,7 +183,7 @@ _varlen_forward = _custom_op("flashnumba::varlen_forward", _varlen_forward_impl,
 
 @_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
-      window_left, window_right, softcap):
+      window_left, window_right, softcap, draw):
     api.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
                                      alibi_slopes))
@@ -257,11 +257,20 @@ def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
     return check_dropout_p(dropout_p), scale, causal, left, right, check_softcap(softcap)
 
 
+def _draw_token(q, scalars) -> Optional[Tensor]:
+    """The forward operators' last argument: None, or while torch.compile traces a call with dropout an empty
+    tensor of its own (``torch.empty``, which that pass never merges). Two calls with the same inputs are then two
+    nodes with different arguments, which the partitioner's common-subexpression pass (it spares torch's own
+    random operators by name, not by their nondeterministic_seeded tag) cannot merge into one dropout mask. The
+    operators never read it."""
+    return torch.empty(0, device=q.device) if scalars[0] and torch.compiler.is_compiling() else None
+
+
 def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
     """The forward of the dense functions: (out, lse, probs or None), with what the backward needs saved. Inputs
     whose last dimension is strided are copied first, as flash-attn's functions do."""
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
-    out, lse, rng = _op(_forward, _forward_impl, q, k, v)(q, k, v, alibi_slopes, *scalars)
+    out, lse, rng = _op(_forward, _forward_impl, q, k, v)(q, k, v, alibi_slopes, *scalars, _draw_token(q, scalars))
     ctx.save_for_backward(q, k, v, out, lse, rng, alibi_slopes)
     ctx.scalars = scalars
     probs = None
@@ -284,7 +293,7 @@ def _varlen_attention(ctx, q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scal
         raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     forward = _op(_varlen_forward, _varlen_forward_impl, q, k, v)
-    out, lse, rng = forward(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, *scalars)
+    out, lse, rng = forward(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, *scalars, _draw_token(q, scalars))
     ctx.save_for_backward(q, k, v, out, lse, rng, cu_q, cu_k, alibi_slopes)
     ctx.scalars, ctx.max_seqlens = scalars, (max_q, max_k)
     return out, lse

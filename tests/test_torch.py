@@ -162,8 +162,10 @@ def test_compile_with_a_max_seqlen_that_changes_between_calls():
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_two_dropout_calls_stay_two_operators_in_the_traced_graph(grad):
-    """The graph torch.compile hands its compiler holds both forward calls (the same inputs, two dropout draws)."""
+    """The graph torch.compile hands its compiler holds both forward calls (the same inputs, two dropout draws),
+    after the partitioner that inductor uses (its common-subexpression pass merged them once)."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     counts = []
 
@@ -174,9 +176,10 @@ def test_two_dropout_calls_stay_two_operators_in_the_traced_graph(grad):
     def f(q, k, v):
         return ft.flash_attn_func(q, k, v, dropout_p=0.5), ft.flash_attn_func(q, k, v, dropout_p=0.5)
 
+    partition = min_cut_rematerialization_partition
     torch._dynamo.reset()
-    torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=count))(*(meta(1, 64, 2, 64, grad=grad)
-                                                                                for _ in range(3)))
+    backend = aot_autograd(fw_compiler=count, partition_fn=partition)
+    torch.compile(f, fullgraph=True, backend=backend)(*(meta(1, 64, 2, 64, grad=grad) for _ in range(3)))
     assert counts == [2]
 
 
