@@ -168,19 +168,22 @@ def test_two_dropout_calls_stay_two_operators_in_the_traced_graph(grad):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     counts = []
+    ops = torch.ops.flashnumba.forward.default, torch.ops.flashnumba.varlen_forward.default
 
     def count(gm, _):
-        counts.append(sum(n.target is torch.ops.flashnumba.forward.default for n in gm.graph.nodes))
+        counts.append([sum(n.target is op for n in gm.graph.nodes) for op in ops])
         return gm
 
-    def f(q, k, v):
-        return ft.flash_attn_func(q, k, v, dropout_p=0.5), ft.flash_attn_func(q, k, v, dropout_p=0.5)
+    def f(q, k, v, cu):
+        dense = [ft.flash_attn_func(q, k, v, dropout_p=0.5) for _ in range(2)]
+        q, k, v = (x.view(-1, 2, 64) for x in (q, k, v))
+        return dense + [ft.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, dropout_p=0.5) for _ in range(2)]
 
-    partition = min_cut_rematerialization_partition
+    backend = aot_autograd(fw_compiler=count, partition_fn=min_cut_rematerialization_partition)
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=count, partition_fn=partition)
-    torch.compile(f, fullgraph=True, backend=backend)(*(meta(1, 64, 2, 64, grad=grad) for _ in range(3)))
-    assert counts == [2]
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="meta")
+    torch.compile(f, fullgraph=True, backend=backend)(*(meta(1, 64, 2, 64, grad=grad) for _ in range(3)), cu)
+    assert counts == [[2, 2]]
 
 
 BAD = [  # (description, q, k, v shapes and dtypes, options)
