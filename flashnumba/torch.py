@@ -245,6 +245,22 @@ def _inputs(alibi_slopes, deterministic, return_attn_probs, max_seqlens=(), **te
     return given
 
 
+def _fresh(*scalars):
+    """The public call's numbers as they go to its autograd Function: while torch.compile traces with dynamic
+    shapes, a symbolic number (SymInt, SymFloat) as a new node of its own (``x + 0``, ``x * 1.0``), so that two
+    calls given the same symbol trace (dynamo's tracer of an autograd Function fails, "lift_tracked_freevar_to_input
+    should not be called on root SubgraphTracer", on a symbol that another Function took before it); otherwise
+    the numbers as they are."""
+    if not torch.compiler.is_compiling():
+        return scalars
+
+    def fresh(x):
+        if isinstance(x, tuple):
+            return tuple(fresh(y) for y in x)
+        return x * 1.0 if isinstance(x, torch.SymFloat) else x + 0 if isinstance(x, torch.SymInt) else x
+    return tuple(fresh(x) for x in scalars)
+
+
 def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
     """The operators' scalar arguments, checked as the core API checks them (before any conversion: a string is no
     bool): softmax_scale None or a float, window_size split. While torch.compile traces, the numbers may be
@@ -433,6 +449,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     and v: flash-attn's ``flash_attn_func`` (options as :func:`flashnumba.flash_attn_forward`). Returns out, or
     (out, softmax_lse, probs) with ``return_attn_probs``."""
     q, k, v = _inputs(alibi_slopes, deterministic, return_attn_probs, q=q, k=k, v=v)
+    dropout_p, softmax_scale, window_size, softcap = _fresh(dropout_p, softmax_scale, window_size, softcap)
     return FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                deterministic, return_attn_probs)
 
@@ -442,6 +459,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """:func:`flash_attn_func` of qkv (batch, seqlen, 3, nheads, d), read in place; the gradient is packed too."""
     _inputs(alibi_slopes, deterministic, return_attn_probs, qkv=qkv)
     _check_packed("qkv", qkv, 5, 2, 3)
+    dropout_p, softmax_scale, window_size, softcap = _fresh(dropout_p, softmax_scale, window_size, softcap)
     return FlashAttnQKVPackedFunc.apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                         deterministic, return_attn_probs)
 
@@ -451,6 +469,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """:func:`flash_attn_func` of q and kv (batch, seqlen_k, 2, nheads_k, d), read in place."""
     q, kv = _inputs(alibi_slopes, deterministic, return_attn_probs, q=q, kv=kv)
     _check_packed("kv", kv, 5, 2, 2)
+    dropout_p, softmax_scale, window_size, softcap = _fresh(dropout_p, softmax_scale, window_size, softcap)
     return FlashAttnKVPackedFunc.apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                        deterministic, return_attn_probs)
 
@@ -464,6 +483,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                   (max_seqlen_q, max_seqlen_k), q=q, k=k, v=v,
                                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _no_block_table(block_table)
+    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size, softcap = _fresh(
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size, softcap)
     return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                      return_attn_probs)
@@ -475,6 +496,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """:func:`flash_attn_varlen_func` of qkv (total, 3, nheads, d), read in place."""
     _inputs(alibi_slopes, deterministic, return_attn_probs, (max_seqlen,), qkv=qkv, cu_seqlens=cu_seqlens)
     _check_packed("qkv", qkv, 4, 1, 3)
+    max_seqlen, dropout_p, softmax_scale, window_size, softcap = _fresh(max_seqlen, dropout_p, softmax_scale,
+                                                                       window_size, softcap)
     return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                               window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
@@ -487,6 +510,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                                 (max_seqlen_q, max_seqlen_k), q=q, kv=kv, cu_seqlens_q=cu_seqlens_q,
                                                 cu_seqlens_k=cu_seqlens_k)
     _check_packed("kv", kv, 4, 1, 2)
+    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size, softcap = _fresh(
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size, softcap)
     return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                              return_attn_probs)

@@ -160,6 +160,31 @@ def test_compile_with_a_max_seqlen_that_changes_between_calls():
         assert qkv.grad.shape == qkv.shape
 
 
+def test_compile_two_calls_given_the_same_symbolic_numbers():
+    """With dynamic shapes the numbers a compiled function takes (dropout_p, softmax_scale, softcap, a window's
+    bounds, max_seqlen) are symbolic; two calls given the same ones, each through its own autograd Function, trace
+    (the second failed inside dynamo before), dense, packed and varlen, forward and backward."""
+    def f(q, k, v, cu, p, scale, cap, left, max_seqlen):
+        opts = dict(dropout_p=p, softmax_scale=scale, softcap=cap, window_size=(left, 0))
+        outs = [ft.flash_attn_func(q, k, v, **opts), ft.flash_attn_func(q, k, v, **opts),
+                ft.flash_attn_qkvpacked_func(torch.stack((q, k, v), 2), **opts),
+                ft.flash_attn_kvpacked_func(q, torch.stack((k, v), 2), **opts)]
+        q, k, v = (x.flatten(0, 1) for x in (q, k, v))
+        outs += [ft.flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, **opts),
+                 ft.flash_attn_varlen_qkvpacked_func(torch.stack((q, k, v), 1), cu, max_seqlen, **opts),
+                 ft.flash_attn_varlen_kvpacked_func(q, torch.stack((k, v), 1), cu, cu, max_seqlen, max_seqlen,
+                                                    **opts)]
+        return sum(o.float().sum() for o in outs)
+
+    torch._dynamo.reset()
+    g = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for seqlen, numbers in ((16, (0.5, 0.125, 30.0, 3)), (20, (0.25, 0.1, 20.0, 5))):
+        q, k, v = (meta(1, seqlen, 2, 64) for _ in range(3))
+        cu = torch.zeros(2, dtype=torch.int32, device="meta")
+        g(q, k, v, cu, *numbers, seqlen).backward()
+        assert q.grad.shape == q.shape
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_two_dropout_calls_stay_two_operators_in_the_traced_graph(grad):
     """The graph torch.compile hands its compiler holds both forward calls (the same inputs, two dropout draws),
