@@ -556,6 +556,35 @@ def test_two_dropout_calls_in_one_compiled_graph_draw_two_masks(grad):
 
 
 @on_gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_activation_checkpointing_recomputes_the_same_dropout_mask(compiled):
+    """Under torch.utils.checkpoint the forward runs again in the backward; it must draw the forward's mask (eager:
+    checkpoint restores the generator's state; compiled: the partitioner runs the operator, tagged
+    nondeterministic_seeded, with the state it saved), so out and the gradients are those of a call without
+    checkpointing from the same seed, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    def attention(q, k, v):
+        return ft.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+
+    def checkpointed(q, k, v):
+        return checkpoint(attention, q, k, v, use_reentrant=False)
+
+    torch._dynamo.reset()
+    fn = torch.compile(checkpointed, fullgraph=True) if compiled else checkpointed
+    q, k, v = (torch.randn(2, 96, 4, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    results = []
+    for f in (attention, fn):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(11)
+        out = f(*x)
+        out.float().square().sum().backward()
+        results.append([out.detach()] + [t.grad for t in x])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), name
+
+
+@on_gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_core_api_takes_and_returns_torch_tensors(dtype):
     tdt = DTYPES[dtype]
