@@ -561,7 +561,7 @@ def test_activation_checkpointing_recomputes_the_same_dropout_mask(compiled):
     """Under torch.utils.checkpoint the forward runs again in the backward; it must draw the forward's mask (eager:
     checkpoint restores the generator's state; compiled: the partitioner runs the operator, tagged
     nondeterministic_seeded, with the state it saved), so out and the gradients are those of a call without
-    checkpointing from the same seed, bit for bit."""
+    checkpointing from the same seed, bit for bit; and the next calls draw new masks."""
     from torch.utils.checkpoint import checkpoint
 
     def attention(q, k, v):
@@ -582,6 +582,7 @@ def test_activation_checkpointing_recomputes_the_same_dropout_mask(compiled):
         results.append([out.detach()] + [t.grad for t in x])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         assert torch.equal(a, b), name
+    assert not torch.equal(fn(q, k, v), fn(q, k, v))  # (and each step its own mask)
 
 
 @on_gpu
