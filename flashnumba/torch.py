@@ -94,8 +94,9 @@ def _options(dropout_p, softmax_scale, causal, window_left, window_right, softca
 
 def _custom_op(name, impl, seeded=False):
     """``torch.library.custom_op``; ``seeded``: the operator draws from torch's generator, tagged
-    nondeterministic_seeded as torch's own random operators are, so that graph passes take it for one (never two
-    calls with the same inputs merged into one dropout mask, never a call repeated to recompute its result).
+    nondeterministic_seeded as torch's own random operators are, so that graph passes that read the tag take it for
+    one (the partitioner runs a call that activation checkpointing recomputes with the generator state it saved).
+    The common-subexpression pass reads names, not the tag: :func:`_draw_token` keeps calls apart there.
     (torch before 2.5 takes no tags.)"""
     seeded = seeded and "tags" in inspect.signature(torch.library.custom_op).parameters
     tags = {"tags": (torch.Tag.nondeterministic_seeded,)} if seeded else {}
@@ -246,19 +247,16 @@ def _inputs(alibi_slopes, deterministic, return_attn_probs, max_seqlens=(), **te
 
 
 def _fresh(*scalars):
-    """The public call's numbers as they go to its autograd Function: while torch.compile traces with dynamic
-    shapes, a symbolic number (SymInt, SymFloat) as a new node of its own (``x + 0``, ``x * 1.0``), so that two
-    calls given the same symbol trace (dynamo's tracer of an autograd Function fails, "lift_tracked_freevar_to_input
-    should not be called on root SubgraphTracer", on a symbol that another Function took before it); otherwise
-    the numbers as they are."""
+    """The public call's numbers as they go to its autograd Function. While torch.compile traces with dynamic
+    shapes, a float the compiled function takes (an argument, a global) is a symbolic float, read from a graph input
+    where it is first used; dynamo's tracer of an autograd Function fails ("lift_tracked_freevar_to_input should not
+    be called on root SubgraphTracer") on one that an earlier Function used first. Each call gets its own node of
+    it (``x * 1.0``) in the graph being traced. (The defaults of dropout_p and softcap are the int 0, a constant
+    to dynamo: a float default is such a symbolic float too, and inside ``torch.utils.checkpoint`` no copy made
+    there helps, the graph being traced being the checkpoint's own.)"""
     if not torch.compiler.is_compiling():
         return scalars
-
-    def fresh(x):
-        if isinstance(x, tuple):
-            return tuple(fresh(y) for y in x)
-        return x * 1.0 if isinstance(x, torch.SymFloat) else x + 0 if isinstance(x, torch.SymInt) else x
-    return tuple(fresh(x) for x in scalars)
+    return tuple(x * 1.0 if isinstance(x, torch.SymFloat) else x for x in scalars)
 
 
 def _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap):
@@ -443,39 +441,39 @@ class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+def flash_attn_func(q, k, v, dropout_p=0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """Attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d), differentiable in q, k
     and v: flash-attn's ``flash_attn_func`` (options as :func:`flashnumba.flash_attn_forward`). Returns out, or
     (out, softmax_lse, probs) with ``return_attn_probs``."""
     q, k, v = _inputs(alibi_slopes, deterministic, return_attn_probs, q=q, k=k, v=v)
-    dropout_p, softmax_scale, window_size, softcap = _fresh(dropout_p, softmax_scale, window_size, softcap)
+    dropout_p, softmax_scale, softcap = _fresh(dropout_p, softmax_scale, softcap)
     return FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                deterministic, return_attn_probs)
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_qkvpacked_func(qkv, dropout_p=0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_func` of qkv (batch, seqlen, 3, nheads, d), read in place; the gradient is packed too."""
     _inputs(alibi_slopes, deterministic, return_attn_probs, qkv=qkv)
     _check_packed("qkv", qkv, 5, 2, 3)
-    dropout_p, softmax_scale, window_size, softcap = _fresh(dropout_p, softmax_scale, window_size, softcap)
+    dropout_p, softmax_scale, softcap = _fresh(dropout_p, softmax_scale, softcap)
     return FlashAttnQKVPackedFunc.apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                         deterministic, return_attn_probs)
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_kvpacked_func(q, kv, dropout_p=0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_func` of q and kv (batch, seqlen_k, 2, nheads_k, d), read in place."""
     q, kv = _inputs(alibi_slopes, deterministic, return_attn_probs, q=q, kv=kv)
     _check_packed("kv", kv, 5, 2, 2)
-    dropout_p, softmax_scale, window_size, softcap = _fresh(dropout_p, softmax_scale, window_size, softcap)
+    dropout_p, softmax_scale, softcap = _fresh(dropout_p, softmax_scale, softcap)
     return FlashAttnKVPackedFunc.apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                        deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """Attention over packed sequences of different lengths: q (total_q, nheads, d), k, v (total_k, nheads_k, d),
     cu_seqlens_* int32 (batch + 1,) offsets (see :func:`flashnumba.flash_attn_varlen_forward`)."""
@@ -483,35 +481,32 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                                   (max_seqlen_q, max_seqlen_k), q=q, k=k, v=v,
                                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _no_block_table(block_table)
-    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size, softcap = _fresh(
-        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size, softcap)
+    dropout_p, softmax_scale, softcap = _fresh(dropout_p, softmax_scale, softcap)
     return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                      return_attn_probs)
 
 
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """:func:`flash_attn_varlen_func` of qkv (total, 3, nheads, d), read in place."""
     _inputs(alibi_slopes, deterministic, return_attn_probs, (max_seqlen,), qkv=qkv, cu_seqlens=cu_seqlens)
     _check_packed("qkv", qkv, 4, 1, 3)
-    max_seqlen, dropout_p, softmax_scale, window_size, softcap = _fresh(max_seqlen, dropout_p, softmax_scale,
-                                                                       window_size, softcap)
+    dropout_p, softmax_scale, softcap = _fresh(dropout_p, softmax_scale, softcap)
     return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                               window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_varlen_func` of q and kv (total_k, 2, nheads_k, d), read in place."""
     q, kv, cu_seqlens_q, cu_seqlens_k = _inputs(alibi_slopes, deterministic, return_attn_probs,
                                                 (max_seqlen_q, max_seqlen_k), q=q, kv=kv, cu_seqlens_q=cu_seqlens_q,
                                                 cu_seqlens_k=cu_seqlens_k)
     _check_packed("kv", kv, 4, 1, 2)
-    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size, softcap = _fresh(
-        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_size, softcap)
+    dropout_p, softmax_scale, softcap = _fresh(dropout_p, softmax_scale, softcap)
     return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                              return_attn_probs)
