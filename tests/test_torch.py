@@ -28,8 +28,8 @@ SHARDS = 16  # the property test's examples, spread over the workers (each new o
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def meta(*shape, dtype=torch.float16, grad=True):
-    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+def meta(*shape, dtype=torch.float16):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -575,7 +575,7 @@ def test_activation_checkpointing_recomputes_the_same_dropout_mask(compiled):
     """Under torch.utils.checkpoint the forward runs again in the backward and must draw the forward's mask. The
     check: out = P~ V is linear in v, so with the loss sum(w * out) the gradient dv = P~^T w gives sum(dv * v) =
     loss when the backward's mask P~ is the forward's (up to rounding: the gap of the same call without
-    checkpointing is the yardstick), and misses it by about a third of the loss's spread otherwise. Eager,
+    checkpointing is the yardstick), and misses it by far more than rounding where the masks differ. Eager,
     checkpoint restores the generator's state, so out and the gradients are also those of the call without
     checkpointing from the same seed, bit for bit. Compiled, the partitioner runs the operator (tagged
     nondeterministic_seeded) with a generator state it keeps. Each call draws a new mask."""
@@ -599,7 +599,7 @@ def test_activation_checkpointing_recomputes_the_same_dropout_mask(compiled):
         loss.backward()
         results.append([out.detach()] + [t.grad for t in x])
         gaps.append(float(abs(loss - (x[2].grad.double() * v.double()).sum())))
-        spread = float((w * out).double().abs().sum())
+    spread = float((w * results[0][0]).double().abs().sum())
     assert gaps[1] <= 4 * gaps[0] + 1e-7 * spread, (gaps, spread)
     if not compiled:
         for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
