@@ -92,6 +92,14 @@ def _options(dropout_p, softmax_scale, causal, window_left, window_right, softca
                 window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes)
 
 
+def _checked_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    """The options as the fake implementations check them: a softmax_scale of None as 1.0, since its value,
+    1/sqrt(head_dim), would turn a symbolic head_dim into a constant while torch.compile traces with dynamic shapes
+    (and a region under torch.compiler.nested_compile_region, traced once and stamped out again, then fails)."""
+    scale = 1.0 if softmax_scale is None else softmax_scale
+    return _options(dropout_p, scale, causal, window_left, window_right, softcap, alibi_slopes)
+
+
 def _custom_op(name, impl, seeded=False):
     """``torch.library.custom_op``; ``seeded``: the operator draws from torch's generator, tagged
     nondeterministic_seeded as torch's own random operators are, so that graph passes that read the tag take it for
@@ -128,8 +136,8 @@ _forward = _custom_op("flashnumba::forward", _forward_impl, seeded=True)
 
 @_forward.register_fake
 def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, draw):
-    api.check_forward_args(q, k, v, **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                                               alibi_slopes))
+    api.check_forward_args(q, k, v, **_checked_options(dropout_p, softmax_scale, causal, window_left, window_right,
+                                                       softcap, alibi_slopes))
     batch, seqlen_q, nheads, _ = q.shape
     return _empty(q, q.shape), _empty(q, (batch, nheads, seqlen_q), torch.float32), _fake_rng(q, dropout_p)
 
@@ -186,8 +194,8 @@ _varlen_forward = _custom_op("flashnumba::varlen_forward", _varlen_forward_impl,
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
       window_left, window_right, softcap, draw):
     api.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          **_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                                     alibi_slopes))
+                          **_checked_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                                             alibi_slopes))
     total_q, nheads, _ = q.shape
     return _empty(q, q.shape), _empty(q, (nheads, total_q), torch.float32), _fake_rng(q, dropout_p)
 

@@ -200,6 +200,34 @@ def test_compile_two_checkpointed_calls_with_the_default_options():
     assert q.grad.shape == q.shape
 
 
+def test_a_nested_compile_region_traced_once_and_stamped_out_again():
+    """A layer under torch.compiler.nested_compile_region, called twice, with dynamic shapes: the region's second
+    call reuses the first one's trace, which must keep the symbolic sizes symbolic (the default softmax_scale,
+    1/sqrt(head_dim), made head_dim a constant in the fake implementations' checks, and the second call failed
+    inside dynamo with a KeyError); every public function, dense, packed and varlen, with the default scale."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None:
+        pytest.skip("torch.compiler.nested_compile_region needs a newer torch")
+
+    @region
+    def layer(q, k, v, cu, max_seqlen):
+        outs = [ft.flash_attn_func(q, k, v), ft.flash_attn_func(q, k, v, causal=True, dropout_p=0.1),
+                ft.flash_attn_qkvpacked_func(torch.stack((q, k, v), 2), softcap=5.0),
+                ft.flash_attn_kvpacked_func(q, torch.stack((k, v), 2), window_size=(3, 0))]
+        q, k, v = (x.flatten(0, 1) for x in (q, k, v))
+        outs += [ft.flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen),
+                 ft.flash_attn_varlen_qkvpacked_func(torch.stack((q, k, v), 1), cu, max_seqlen, causal=True),
+                 ft.flash_attn_varlen_kvpacked_func(q, torch.stack((k, v), 1), cu, cu, max_seqlen, max_seqlen)]
+        return sum(o.float().sum() for o in outs)
+
+    torch._dynamo.reset()
+    g = torch.compile(lambda *a: layer(*a) + layer(*a), fullgraph=True, backend="aot_eager", dynamic=True)
+    for seqlen, d in ((16, 64), (20, 64), (20, 32)):
+        q, k, v = (meta(1, seqlen, 2, d) for _ in range(3))
+        g(q, k, v, torch.zeros(2, dtype=torch.int32, device="meta"), seqlen).backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape
+
+
 def test_two_dropout_calls_stay_two_operators_in_the_traced_graph():
     """The forward graph torch.compile hands its compiler with autograd holds both forward calls (the same inputs,
     two dropout draws) after the partitioner that inductor uses (its common-subexpression pass merged them once)."""
