@@ -10,7 +10,8 @@ return values::
 Three layers, as in flash-attn:
 
 * **custom operators** (``torch.ops.flashnumba.forward``, ``.backward``, ``.varlen_forward``,
-  ``.varlen_backward``, ``.probs``), each with a fake implementation that gives the shapes of its results
+  ``.varlen_backward``, ``.probs``; a call with dropout runs ``.forward_dropout`` or ``.varlen_forward_dropout``,
+  the same bodies tagged as random operators are), each with a fake implementation that gives the shapes of its results
   without running anything (and runs flashnumba's argument checks on the shapes), so that ``torch.compile(model,
   fullgraph=True)`` traces a model through them with no graph break. They call the core API
   (:func:`flashnumba.flash_attn_forward`, ...) on the tensors as they are: no copy (the core copies only
@@ -111,6 +112,18 @@ def _custom_op(name, impl, seeded=False):
     return torch.library.custom_op(name, impl, mutates_args=(), **tags)
 
 
+def _forward_ops(name, impl, fake):
+    """Two operators of one body and one fake implementation: ``flashnumba::name`` for calls without dropout and
+    ``flashnumba::name_dropout``, seeded (:func:`_custom_op`), for calls with. A call without dropout draws
+    nothing, and the tag would cost it: under activation checkpointing the partitioner wraps a tagged operator's
+    recomputation in a save and restore of the generator's state, and refuses one whose inputs need no gradient
+    ("does not support RNG ops in recompute regions")."""
+    ops = _custom_op(f"flashnumba::{name}", impl), _custom_op(f"flashnumba::{name}_dropout", impl, seeded=True)
+    for op in ops:
+        op.register_fake(fake)
+    return ops
+
+
 def _empty(like: Tensor, shape, dtype=None) -> Tensor:
     return torch.empty(tuple(shape), dtype=like.dtype if dtype is None else dtype, device=like.device)
 
@@ -131,15 +144,14 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor
     return out, lse, rng
 
 
-_forward = _custom_op("flashnumba::forward", _forward_impl, seeded=True)
-
-
-@_forward.register_fake
-def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, draw):
+def _forward_fake(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, draw):
     api.check_forward_args(q, k, v, **_checked_options(dropout_p, softmax_scale, causal, window_left, window_right,
                                                        softcap, alibi_slopes))
     batch, seqlen_q, nheads, _ = q.shape
     return _empty(q, q.shape), _empty(q, (batch, nheads, seqlen_q), torch.float32), _fake_rng(q, dropout_p)
+
+
+_forward, _forward_dropout = _forward_ops("forward", _forward_impl, _forward_fake)
 
 
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -187,17 +199,16 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     return out, lse, rng
 
 
-_varlen_forward = _custom_op("flashnumba::varlen_forward", _varlen_forward_impl, seeded=True)
-
-
-@_varlen_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
       window_left, window_right, softcap, draw):
     api.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           **_checked_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
                                              alibi_slopes))
     total_q, nheads, _ = q.shape
     return _empty(q, q.shape), _empty(q, (nheads, total_q), torch.float32), _fake_rng(q, dropout_p)
+
+
+_varlen_forward, _varlen_forward_dropout = _forward_ops("varlen_forward", _varlen_forward_impl, _varlen_forward_fake)
 
 
 def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -292,7 +303,8 @@ def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
     """The forward of the dense functions: (out, lse, probs or None), with what the backward needs saved. Inputs
     whose last dimension is strided are copied first, as flash-attn's functions do."""
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
-    out, lse, rng = _op(_forward, _forward_impl, q, k, v)(q, k, v, alibi_slopes, *scalars, _draw_token(q, scalars))
+    forward = _op(_forward_dropout if scalars[0] else _forward, _forward_impl, q, k, v)
+    out, lse, rng = forward(q, k, v, alibi_slopes, *scalars, _draw_token(q, scalars))
     ctx.save_for_backward(q, k, v, out, lse, rng, alibi_slopes)
     ctx.scalars = scalars
     probs = None
@@ -314,7 +326,7 @@ def _varlen_attention(ctx, q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scal
     if return_softmax:
         raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
-    forward = _op(_varlen_forward, _varlen_forward_impl, q, k, v)
+    forward = _op(_varlen_forward_dropout if scalars[0] else _varlen_forward, _varlen_forward_impl, q, k, v)
     out, lse, rng = forward(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, *scalars, _draw_token(q, scalars))
     ctx.save_for_backward(q, k, v, out, lse, rng, cu_q, cu_k, alibi_slopes)
     ctx.scalars, ctx.max_seqlens = scalars, (max_q, max_k)

@@ -228,6 +228,33 @@ def test_a_nested_compile_region_traced_once_and_stamped_out_again():
         assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
+def test_a_checkpointed_call_without_dropout_is_no_random_operator():
+    """Only a call with dropout runs an operator tagged as random: under activation checkpointing the partitioner
+    refuses a tagged operator whose inputs need no gradient (a frozen model run with grad mode on), and wraps one
+    whose inputs do in a save and restore of the generator's state (which failed on meta tensors: no generator)."""
+    from torch.utils.checkpoint import checkpoint
+
+    seeded = torch.Tag.nondeterministic_seeded
+    for name in ("forward", "varlen_forward"):
+        assert seeded not in getattr(torch.ops.flashnumba, name).default.tags
+        assert seeded in getattr(torch.ops.flashnumba, name + "_dropout").default.tags
+
+    def f(q, k, v, cu):
+        dense = checkpoint(ft.flash_attn_func, q, k, v, causal=True, use_reentrant=False).float().sum()
+        q, k, v = (x.flatten(0, 1) for x in (q, k, v))
+        return dense + checkpoint(ft.flash_attn_varlen_func, q, k, v, cu, cu, 16, 16, use_reentrant=False).sum()
+
+    for grad in (False, True):
+        torch._dynamo.reset()
+        q, k, v = (torch.empty(1, 16, 2, 64, dtype=torch.float16, device="meta", requires_grad=grad)
+                   for _ in range(3))
+        loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, torch.zeros(2, dtype=torch.int32,
+                                                                                        device="meta"))
+        if grad:
+            loss.backward()
+            assert q.grad.shape == q.shape
+
+
 def test_two_dropout_calls_stay_two_operators_in_the_traced_graph():
     """The forward graph torch.compile hands its compiler with autograd holds both forward calls (the same inputs,
     two dropout draws) after the partitioner that inductor uses (its common-subexpression pass merged them once)."""
@@ -235,7 +262,7 @@ def test_two_dropout_calls_stay_two_operators_in_the_traced_graph():
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     counts = []
-    ops = torch.ops.flashnumba.forward.default, torch.ops.flashnumba.varlen_forward.default
+    ops = torch.ops.flashnumba.forward_dropout.default, torch.ops.flashnumba.varlen_forward_dropout.default
 
     def count(gm, _):
         counts.append([sum(n.target is op for n in gm.graph.nodes) for op in ops])
