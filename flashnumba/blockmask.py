@@ -85,8 +85,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
     if qb % 16 or kb % 16:
         raise ValueError(f"BLOCK_SIZE must be multiples of 16 (the kernels' tiles divide it), got ({qb}, {kb})")
     args = mod_args_tuple(score_mod_args)
+    source = "like"
     if like is None and args:  # the arrays the mask reads say where it lives (NumPy ones: on the host)
-        like = args[0]
+        like, source = args[0], "score_mod_args[0]"
+    if like is not None and (isinstance(like, np.generic) or not hasattr(like, "reshape")):
+        raise TypeError(f"{source} must be an array, got {type(like).__name__}")
     if like is None:
         like = np.zeros((1, 1, 1, 1), np.float32) if SIMULATOR or _arrays.cupy is None else \
             _arrays.cupy.zeros((1, 1, 1, 1), np.float32)

@@ -21,20 +21,23 @@ import numpy as np
 
 from . import _arrays, _launch, config, planner as _plan, tiling
 from ._backend import SIMULATOR
-from ._validate import check_flag, check_options, inspect
+from ._validate import MAX_HEAD_DIM, check_dtypes, check_flag, check_options, inspect
 from .api import _cached, _key, flash_attn_varlen_forward
 
 MIN_PAGE_SIZE = 16  # rows per page of a paged cache: at least one tile of the kernels' smallest key tiles
 
 
-def _side(x):
-    """'numpy' or 'device' (a CuPy array or a torch CUDA tensor): where a call's arrays live."""
-    kind = _arrays.kind(x)
+def _side(name, x):
+    """'numpy' or 'device' (a CuPy array or a torch CUDA tensor): where a call's array ``name`` lives."""
+    try:
+        kind = _arrays.kind(x)
+    except TypeError as err:
+        raise TypeError(f"{name}: {err}") from None
     if kind == "numpy":
         return "numpy"
     if kind in ("cupy", "torch"):
         return "device"
-    raise TypeError(f"flash_attn_with_kvcache takes NumPy arrays, CuPy arrays or torch CUDA tensors, got "
+    raise TypeError(f"{name}: flash_attn_with_kvcache takes NumPy arrays, CuPy arrays or torch CUDA tensors, got "
                     f"{type(x).__name__}")
 
 
@@ -215,22 +218,26 @@ class _Static:
                  window_size, softcap, alibi_slopes, softmax_scale, num_splits, kernel, return_lse=True,
                  interleaved=True):
         self.return_lse = return_lse
-        side = _side(q)
+        side = _side("q", q)
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-            if x is not None and _side(x) != side:
+            if (x is not None or name.endswith("cache")) and _side(name, x) != side:
                 raise TypeError(f"{name} must be on q's side ({side}), got {type(x).__name__}")
-        if len(q.shape) != 4 or len(k_cache.shape) != 4 or tuple(v_cache.shape) != tuple(k_cache.shape):
-            raise ValueError(f"q must be 4-D and k_cache, v_cache 4-D of one shape, got {tuple(q.shape)}, "
-                             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        # every check of the arrays' shapes and dtypes comes before anything is written (the gather path appends
+        # the new keys first, then runs the varlen forward, whose own checks would come too late)
         tq, tk, tv = (inspect(n, x, 4) for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+        if tv.shape != tk.shape:
+            raise ValueError(f"k_cache and v_cache must have one shape, got {tk.shape}, {tv.shape}")
+        check_dtypes((tq, tk, tv))
         batch, self.seqlen_q, self.nheads, d = tq.shape
         self.batch, self.d = batch, d
         self.nheads_k = nheads_k = tk.shape[2]
+        if self.nheads == 0 or nheads_k == 0:
+            raise ValueError(f"q and k_cache must have heads, got q {tq.shape}, k_cache {tk.shape}")
         if tk.shape[3] != d or self.nheads % nheads_k:
             raise ValueError(f"k_cache {tk.shape} does not suit q {tq.shape}: head_dim must match and nheads "
                              f"be a multiple of nheads_k")
-        if not (tq.dtype == tk.dtype == tv.dtype):
-            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {tq.dtype}, {tk.dtype}, {tv.dtype}")
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {d}")
         if (k is None) != (v is None):
             raise ValueError("give both k and v (the new keys and values), or neither")
         if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
@@ -270,13 +277,16 @@ class _Static:
         self.local = (self.opts.left, self.opts.right) != (-1, -1)  # (causal: right 0)
         trot = (None, None)
         if self.rotary:
+            for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+                if x is not None:
+                    _side(name, x)  # (an array of some kind: a list is refused by name)
             if rotary_sin is None or len(rotary_cos.shape) != 2 or tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
                 raise ValueError("rotary_cos and rotary_sin must both be given, (seqlen_ro, rotary_dim / 2)")
             trot = (inspect("rotary_cos", rotary_cos, 2), inspect("rotary_sin", rotary_sin, 2))
             if trot[0].dtype != trot[1].dtype or not (trot[0].dtype.kind == "f" or _arrays.is_bfloat16(trot[0].dtype)):
                 raise TypeError(f"rotary_cos and rotary_sin must be floating point of one dtype, got {trot[0].dtype}, "
                                 f"{trot[1].dtype}")
-            if _side(rotary_cos) != side and side == "numpy":
+            if _side("rotary_cos", rotary_cos) != side and side == "numpy":
                 raise TypeError("rotary_cos and rotary_sin must be NumPy arrays where q is one")
             if 2 * trot[0].shape[1] > d:
                 raise ValueError(f"rotary_dim {2 * trot[0].shape[1]} exceeds head_dim {d}")

@@ -1287,3 +1287,7 @@ def test_block_mask_errors():
             flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=size)
     with pytest.raises(TypeError, match="mask_mod must be a function"):
         flashnumba.create_block_mask(None, 1, 1, 20, 20, BLOCK_SIZE=16)
+    for kwargs, name in ((dict(score_mod_args=([0] * 20,)), "score_mod_args\\[0\\]"),
+                         (dict(score_mod_args=(1,)), "score_mod_args\\[0\\]"), (dict(like=[1.0]), "like")):
+        with pytest.raises(TypeError, match=f"^{name} must be an array, got"):  # (an AttributeError before)
+            flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, BLOCK_SIZE=16, **kwargs)

@@ -136,7 +136,7 @@ def test_bad_input_is_refused_before_anything_is_written():
     for bad, err, match in cases:
         with pytest.raises(err, match=match):
             flash_attn_with_kvcache(q, kc, vc, k, v, **bad)
-    with pytest.raises(TypeError, match="share a dtype"):
+    with pytest.raises(TypeError, match="k_cache has dtype float32 but q has dtype float16"):
         flash_attn_with_kvcache(q.astype(np.float16), kc, vc, **kw)
     with pytest.raises(ValueError, match="both k and v"):
         flash_attn_with_kvcache(q, kc, vc, k, None, **kw)
@@ -150,6 +150,34 @@ def test_bad_input_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="v_cache is a read-only NumPy array"):  # (k_cache was written first)
         flash_attn_with_kvcache(q, kc, read_only, k, v, **kw)
     np.testing.assert_array_equal(kc, kc0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_arrays_the_attention_cannot_take_are_refused_before_the_append(dtype):
+    """The gather path appends the new keys, then runs the varlen forward: what that forward would refuse (a dtype,
+    a head_dim, no heads) is refused before the append, and arrays that are no arrays by their names."""
+    rng = np.random.default_rng(7)
+
+    def arrays(d=16, heads=2, dt=dtype):
+        return [rng.standard_normal(s).astype(dt) for s in ((1, 1, heads, d), (1, 8, 2, d), (1, 8, 2, d),
+                                                                (1, 1, 2, d), (1, 1, 2, d))]
+
+    cases = [(arrays(dt=np.float64), TypeError, "q has dtype float64; supported dtypes are"),
+             (arrays(d=264), ValueError, r"head_dim must be in \[1, 256\], got 264"),
+             (arrays(heads=0), ValueError, "q and k_cache must have heads")]
+    for (q, kc, vc, k, v), err, match in cases:
+        kc0, vc0 = kc.copy(), vc.copy()
+        with pytest.raises(err, match=match):
+            flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3)
+        np.testing.assert_array_equal(kc, kc0)
+        np.testing.assert_array_equal(vc, vc0)
+    q, kc, vc, k, v = arrays()
+    with pytest.raises(TypeError, match="^q: expected a NumPy array"):
+        flash_attn_with_kvcache(q.tolist(), kc, vc, cache_seqlens=3)
+    with pytest.raises(TypeError, match="^k_cache: expected a NumPy array"):
+        flash_attn_with_kvcache(q, None, vc, cache_seqlens=3)
+    with pytest.raises(TypeError, match="^rotary_cos: expected a NumPy array"):
+        flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, rotary_cos=[[1.0]], rotary_sin=[[0.0]])
 
 
 def test_a_strided_numpy_cache_is_written_in_place():
