@@ -345,6 +345,26 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _check_keywords(function, names, target):
+    """TypeError for a keyword argument (of ``names``) of ``function`` that neither it nor ``target`` (which it
+    passes them to) takes, as Python would raise it, before any work (a dropout seed drawn, a kernel run)."""
+    unknown = set(names).difference(_keywords(target))
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+
+
+def _keywords(function) -> frozenset:
+    names = _KEYWORDS.get(function)
+    if names is None:
+        import inspect as _inspect
+
+        names = _KEYWORDS[function] = frozenset(_inspect.signature(function).parameters)
+    return names
+
+
+_KEYWORDS: dict = {}
+
+
 def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, heads_of_batch, validate):
     """flash-attn's extra arguments; with dropout and no dropout_seed in kwargs, the call validated
     (``validate()``: a bad call leaves torch's generator where it was), then a fresh seed and offset
@@ -426,13 +446,25 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
     """
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+    _check_keywords("flash_attn_func", kwargs, flash_attn_forward)
     _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 4, None),
                       lambda: check_forward_args(q, k, v, **opts))
+    if return_attn_probs:  # (refused before the forward runs, where they would be too many)
+        (tq, tk, _), _ = check_forward_args(q, k, v, **opts)
+        check_probs_size(tq.shape[0], tq.shape[2], tq.shape[1], tk.shape[1])
     out, lse = flash_attn_forward(q, k, v, **opts, **kwargs)
     if not return_attn_probs:
         return out
     seeds = {n: kwargs[n] for n in ("dropout_seed", "dropout_offset", "stream") if n in kwargs}
     return out, lse, attention_probs(q, k, v, lse, **opts, **seeds)
+
+
+def check_probs_size(batch, nheads, seqlen_q, seqlen_k) -> None:
+    """ValueError where the probabilities of :func:`attention_probs` would be more than MAX_PROBS_ELEMENTS."""
+    if batch * nheads * seqlen_q * seqlen_k > MAX_PROBS_ELEMENTS:
+        raise ValueError(f"return_attn_probs materialises batch * nheads * seqlen_q * seqlen_k = "
+                         f"{batch * nheads * seqlen_q * seqlen_k} floats, more than the {MAX_PROBS_ELEMENTS} "
+                         f"allowed for this debugging path")
 
 
 def attention_probs(q: Array, k: Array, v: Array, lse: Array, *, softmax_scale: float | None = None,
@@ -452,10 +484,7 @@ def attention_probs(q: Array, k: Array, v: Array, lse: Array, *, softmax_scale: 
     seqlen_k = tk.shape[1]
     if tl.shape != (batch, nheads, seqlen_q) or tl.dtype != np.float32:
         raise ValueError(f"lse must be float32 of shape {(batch, nheads, seqlen_q)}, got {tl.dtype} {tl.shape}")
-    if batch * nheads * seqlen_q * seqlen_k > MAX_PROBS_ELEMENTS:
-        raise ValueError(f"return_attn_probs materialises batch * nheads * seqlen_q * seqlen_k = "
-                         f"{batch * nheads * seqlen_q * seqlen_k} floats, more than the {MAX_PROBS_ELEMENTS} "
-                         f"allowed for this debugging path")
+    check_probs_size(batch, nheads, seqlen_q, seqlen_k)
     opts = check_options(tq, tk, causal, window_size, softcap, alibi_slopes, dropout_p, softmax_scale)
     seed, offset = check_seed(opts.dropout_p, dropout_seed, dropout_offset)
     call = _launch.Call(_plan.probs_plan(tq, tk, tl, opts))
@@ -594,12 +623,13 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
     """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only
     (``return_attn_probs`` is not available for packed batches). With dropout and no ``dropout_seed``: as
     :func:`flash_attn_func`."""
+    _check_keywords("flash_attn_varlen_func", kwargs, flash_attn_varlen_forward)
+    if check_flag("return_attn_probs", return_attn_probs):  # (before a dropout seed is drawn)
+        raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
     _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 3, cu_seqlens_q),
                       lambda: check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 softmax_scale, causal, window_size, softcap, alibi_slopes,
                                                 dropout_p))
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
     return flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                      softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, **kwargs)[0]
@@ -617,6 +647,7 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
     forward uses its defaults). With dropout and no ``dropout_seed``, a fresh seed (:func:`draw_dropout_seed`) serves
     both passes.
     """
+    _check_keywords("attention_with_grad", kwargs.keys() - {"backward_kernel"}, flash_attn_backward)
     fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
     for n in ("stream", "precision"):
         if n in kwargs:

@@ -30,9 +30,10 @@ does (:func:`flashnumba.draw_dropout_seed`), so ``torch.manual_seed`` reproduces
 the forward's mask from the saved state. torch's generator cannot be read while a CUDA graph is captured, so a
 call with dropout raises there (capture without dropout, or use the core API with an explicit dropout_seed).
 
-``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``: probs are flashnumba's float32 P (after dropout:
-0 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask; a debugging path
-for small sizes, not for varlen. softmax_lse and probs have no backward: they come marked non-differentiable
+``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``, the varlen functions too. As flash-attn computes its
+S_dmask only with dropout, probs without dropout is an empty tensor; with dropout it is flashnumba's float32 P (0
+where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask: a debugging path for
+small sizes (:func:`flashnumba.attention_probs`), not for varlen. softmax_lse and probs have no backward: they come marked non-differentiable
 (``requires_grad`` False, as the indices of ``torch.max``), so gradients flow through out alone. ``deterministic``
 is accepted: flashnumba's backward is always deterministic. ``block_table`` (paged KV) is not supported by the
 varlen functions. The varlen functions read ``cu_seqlens`` on the host to check them
@@ -183,6 +184,7 @@ _probs = _custom_op("flashnumba::probs", _probs_impl)
 
 @_probs.register_fake
 def _(q, k, v, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left, window_right, softcap):
+    api.check_probs_size(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     return _empty(q, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), torch.float32)
 
 
@@ -199,9 +201,17 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
     return out, lse, rng
 
 
-def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
-      window_left, window_right, softcap, draw):
-    api.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def _comparable(max_seqlen):
+    """A max_seqlen as the fake implementations' checks compare it: an int that the traced code reads from a tensor
+    (``.item()``) has no value until the call runs, where the core API checks it; 0 here."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return 0 if isinstance(max_seqlen, torch.SymInt) and free_unbacked_symbols(max_seqlen) else max_seqlen
+
+
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
+                         softmax_scale, causal, window_left, window_right, softcap, draw):
+    api.check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, _comparable(max_seqlen_q), _comparable(max_seqlen_k),
                           **_checked_options(dropout_p, softmax_scale, causal, window_left, window_right, softcap,
                                              alibi_slopes))
     total_q, nheads, _ = q.shape
@@ -258,6 +268,9 @@ def _inputs(alibi_slopes, deterministic, return_attn_probs, max_seqlens=(), **te
     check_flag("deterministic", deterministic)
     check_flag("return_attn_probs", return_attn_probs)
     for name, n in zip(("max_seqlen_q", "max_seqlen_k") if len(max_seqlens) == 2 else ("max_seqlen",), max_seqlens):
+        if torch.compiler.is_compiling() and isinstance(n, int):  # (traced: an int read from a tensor with .item()
+            torch._check(0 <= n)                                     # has no value to compare: its range told)
+            torch._check(n <= 2**31 - 1)
         check_int(name, n, 0, 2**31 - 1)
     given = []
     for x in tensors.values():
@@ -301,7 +314,11 @@ def _draw_token(q, scalars) -> Optional[Tensor]:
 
 def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
     """The forward of the dense functions: (out, lse, probs or None), with what the backward needs saved. Inputs
-    whose last dimension is strided are copied first, as flash-attn's functions do."""
+    whose last dimension is strided are copied first, as flash-attn's functions do. probs (``return_softmax``) as
+    flash-attn's S_dmask is there: with dropout the probabilities (:func:`_probs_impl`, too many of them refused
+    before the forward runs), without an empty tensor."""
+    if return_softmax and scalars[0] and not torch.compiler.is_compiling():
+        api.check_probs_size(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     forward = _op(_forward_dropout if scalars[0] else _forward, _forward_impl, q, k, v)
     out, lse, rng = forward(q, k, v, alibi_slopes, *scalars, _draw_token(q, scalars))
@@ -309,9 +326,16 @@ def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
     ctx.scalars = scalars
     probs = None
     if return_softmax:  # lse and probs have no backward
-        probs = _op(_probs, _probs_impl, q)(q, k, v, lse, alibi_slopes, rng, *scalars)
+        probs = _op(_probs, _probs_impl, q)(q, k, v, lse, alibi_slopes, rng, *scalars) if scalars[0] else \
+            _no_probs(q)
         ctx.mark_non_differentiable(lse, probs)
     return out, lse, probs
+
+
+def _no_probs(q: Tensor) -> Tensor:
+    """The third value of ``return_attn_probs`` without dropout: empty, as flash-attn's (it computes S_dmask only
+    with dropout, where it carries the mask)."""
+    return torch.empty(0, dtype=q.dtype, device=q.device)
 
 
 def _attention_grads(ctx, dout, *rest):
@@ -323,17 +347,25 @@ def _attention_grads(ctx, dout, *rest):
 
 
 def _varlen_attention(ctx, q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scalars, return_softmax):
-    if return_softmax:
-        raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
+    """As :func:`_attention` for packed sequences: (out, lse, probs or None); probs empty (no dropout: as
+    flash-attn's), with dropout not implemented."""
+    if return_softmax and scalars[0]:
+        raise ValueError("return_attn_probs=True with dropout is not implemented for variable-length batches "
+                         "(without dropout the third value is empty, as flash-attn's)")
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     forward = _op(_varlen_forward_dropout if scalars[0] else _varlen_forward, _varlen_forward_impl, q, k, v)
     out, lse, rng = forward(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, *scalars, _draw_token(q, scalars))
     ctx.save_for_backward(q, k, v, out, lse, rng, cu_q, cu_k, alibi_slopes)
     ctx.scalars, ctx.max_seqlens = scalars, (max_q, max_k)
-    return out, lse
+    probs = None
+    if return_softmax:
+        probs = _no_probs(q)
+        ctx.mark_non_differentiable(lse, probs)
+    return out, lse, probs
 
 
-def _varlen_grads(ctx, dout):
+def _varlen_grads(ctx, dout, *rest):
+    """(dq, dk, dv) for the gradient of out (``rest``: those of softmax_lse and probs, none)."""
     q, k, v, out, lse, rng, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
     backward = _op(_varlen_backward, _varlen_backward_impl, dout, q)
     return backward(_contiguous_last(dout), q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, alibi_slopes, rng,
@@ -366,7 +398,7 @@ def _first_order(backward):
 class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_softmax):
+                return_softmax, is_grad_enabled=True):
         scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
 
@@ -374,13 +406,13 @@ class FlashAttnFunc(torch.autograd.Function):
     @_first_order
     def backward(ctx, dout, *rest):
         dq, dk, dv = _attention_grads(ctx, dout, *rest)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * 9
 
 
 class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_softmax):
+                return_softmax, is_grad_enabled=True):
         q, k, v = qkv.detach().unbind(2)  # views: (batch, seqlen, nheads, d) with a contiguous last dimension
         scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
@@ -389,13 +421,13 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @_first_order
     def backward(ctx, dout, *rest):
         grads = _attention_grads(ctx, dout, *rest)
-        return torch.stack(grads, dim=2), None, None, None, None, None, None, None, None
+        return (torch.stack(grads, dim=2),) + (None,) * 9
 
 
 class FlashAttnKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_softmax):
+                return_softmax, is_grad_enabled=True):
         k, v = kv.detach().unbind(2)
         scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
         return _result(*_attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax), return_softmax)
@@ -404,56 +436,55 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     @_first_order
     def backward(ctx, dout, *rest):
         dq, dk, dv = _attention_grads(ctx, dout, *rest)
-        return dq, torch.stack((dk, dv), dim=2), None, None, None, None, None, None, None, None
+        return (dq, torch.stack((dk, dv), dim=2)) + (None,) * 9
 
 
 class FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                causal, window_size, softcap, alibi_slopes, deterministic, return_softmax):
+                causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table=None,
+                is_grad_enabled=True):
+        _no_block_table(block_table)
         scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
-        out, _ = _varlen_attention(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   alibi_slopes, scalars, return_softmax)
-        return out
+        return _result(*_varlen_attention(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
     @_first_order
-    def backward(ctx, dout):
-        dq, dk, dv = _varlen_grads(ctx, dout)
-        return (dq, dk, dv) + (None,) * 12
+    def backward(ctx, dout, *rest):
+        dq, dk, dv = _varlen_grads(ctx, dout, *rest)
+        return (dq, dk, dv) + (None,) * 14
 
 
 class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic, return_softmax):
+                alibi_slopes, deterministic, return_softmax, is_grad_enabled=True):
         q, k, v = qkv.detach().unbind(1)  # (total, nheads, d) views
         scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
-        out, _ = _varlen_attention(ctx, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, alibi_slopes,
-                                   scalars, return_softmax)
-        return out
+        return _result(*_varlen_attention(ctx, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                          alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
     @_first_order
-    def backward(ctx, dout):
-        return (torch.stack(_varlen_grads(ctx, dout), dim=1),) + (None,) * 10
+    def backward(ctx, dout, *rest):
+        return (torch.stack(_varlen_grads(ctx, dout, *rest), dim=1),) + (None,) * 11
 
 
 class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                window_size, softcap, alibi_slopes, deterministic, return_softmax):
+                window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=True):
         k, v = kv.detach().unbind(1)
         scalars = _scalars(q, dropout_p, softmax_scale, causal, window_size, softcap)
-        out, _ = _varlen_attention(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   alibi_slopes, scalars, return_softmax)
-        return out
+        return _result(*_varlen_attention(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          alibi_slopes, scalars, return_softmax), return_softmax)
 
     @staticmethod
     @_first_order
-    def backward(ctx, dout):
-        dq, dk, dv = _varlen_grads(ctx, dout)
-        return (dq, torch.stack((dk, dv), dim=1)) + (None,) * 12
+    def backward(ctx, dout, *rest):
+        dq, dk, dv = _varlen_grads(ctx, dout, *rest)
+        return (dq, torch.stack((dk, dv), dim=1)) + (None,) * 13
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -465,7 +496,7 @@ def flash_attn_func(q, k, v, dropout_p=0, softmax_scale=None, causal=False, wind
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """Attention of q (batch, seqlen_q, nheads, d) over k, v (batch, seqlen_k, nheads_k, d), differentiable in q, k
     and v: flash-attn's ``flash_attn_func`` (options as :func:`flashnumba.flash_attn_forward`). Returns out, or
-    (out, softmax_lse, probs) with ``return_attn_probs``."""
+    (out, softmax_lse, probs) with ``return_attn_probs`` (probs empty without dropout: the module's docstring)."""
     q, k, v = _inputs(alibi_slopes, deterministic, return_attn_probs, q=q, k=k, v=v)
     dropout_p, softmax_scale, softcap = _fresh(dropout_p, softmax_scale, softcap)
     return FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -496,7 +527,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """Attention over packed sequences of different lengths: q (total_q, nheads, d), k, v (total_k, nheads_k, d),
-    cu_seqlens_* int32 (batch + 1,) offsets (see :func:`flashnumba.flash_attn_varlen_forward`)."""
+    cu_seqlens_* int32 (batch + 1,) offsets (see :func:`flashnumba.flash_attn_varlen_forward`). Returns out, or
+    (out, softmax_lse (nheads, total_q), an empty tensor) with ``return_attn_probs`` (with dropout: refused)."""
     q, k, v, cu_seqlens_q, cu_seqlens_k = _inputs(alibi_slopes, deterministic, return_attn_probs,
                                                   (max_seqlen_q, max_seqlen_k), q=q, k=k, v=v,
                                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)

@@ -43,9 +43,11 @@ def test_fake_shapes_and_gradients_of_every_function():
     assert out.shape == q.shape and out.dtype == q.dtype
     out.sum().backward()
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
-    out, lse, probs = ft.flash_attn_func(q, k, v, return_attn_probs=True)
+    out, lse, probs = ft.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
     assert lse.shape == (2, 4, 16) and lse.dtype == torch.float32 and probs.shape == (2, 4, 16, 20)
     assert out.requires_grad and not lse.requires_grad and not probs.requires_grad  # (out alone has a backward)
+    out, lse, probs = ft.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert lse.shape == (2, 4, 16) and probs.shape == (0,) and not probs.requires_grad
     q.grad = None
     (out.sum() + lse.sum()).backward()
     assert q.grad.shape == q.shape
@@ -89,13 +91,85 @@ def test_compile_fullgraph_traces_forward_and_backward():
 def test_compile_with_return_attn_probs():
     """softmax_lse and probs beside out in a compiled graph with a backward (they have none: marked so)."""
     def f(q, k, v):
-        out, lse, probs = ft.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        out, lse, probs = ft.flash_attn_func(q, k, v, causal=True, dropout_p=0.1, return_attn_probs=True)
         return out.float().sum() + lse.sum() + probs.sum()
 
     torch._dynamo.reset()
     q, k, v = (meta(1, 16, 2, 64) for _ in range(3))
     torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v).backward()
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+def test_varlen_with_a_max_seqlen_read_from_the_offsets():
+    """max_seqlen computed in the traced code from cu_seqlens (``.item()``, as code that unpads a batch does) is a
+    symbolic int with no value: the checks state its range instead of comparing it (they failed to trace: "Could not
+    guard on data-dependent expression"), with ALiBi and dropout too; forward and backward graphs traced."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def record(gm, _):
+        graphs.append(gm)
+        return gm
+
+    def f(q, k, v, cu, slopes):
+        m = (cu[1:] - cu[:-1]).max().item()
+        return ft.flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=True, alibi_slopes=slopes, dropout_p=0.1)
+
+    torch._dynamo.reset()
+    q, k, v = (meta(30, 4, 64) for _ in range(3))
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        g = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):  # (the graph run: .item())
+            g(q, k, v, cu, torch.empty(4, device="meta"))
+    assert len(graphs) == 2  # the forward's and the backward's
+
+
+def test_return_attn_probs_as_flash_attn_gives_it():
+    """return_attn_probs: flash-attn's third value (S_dmask) exists only with dropout; without, it is an empty tensor
+    and lse comes at any size (the probabilities, above the debugging path's limit, failed the call); with dropout
+    the probabilities, too many of them refused before the forward runs; varlen: (out, lse (nheads, total_q),
+    empty), compiled too. The autograd Functions take flash-attn 2.8's arguments to ``apply``."""
+    big = meta(1, 4096, 16, 64)
+    out, lse, probs = ft.flash_attn_func(big, big, big, causal=True, return_attn_probs=True)
+    assert lse.shape == (1, 16, 4096) and probs.shape == (0,) and probs.dtype == big.dtype
+    with pytest.raises(ValueError, match="more than the 67108864 allowed"):
+        ft.flash_attn_func(big, big, big, dropout_p=0.1, return_attn_probs=True)
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    qv, kv = meta(30, 4, 64), meta(40, 2, 2, 64)
+    for call in (lambda: ft.flash_attn_varlen_func(qv, kv[:, 0], kv[:, 1], cu, cu, 16, 20, return_attn_probs=True),
+                 lambda: ft.flash_attn_varlen_kvpacked_func(qv, kv, cu, cu, 16, 20, return_attn_probs=True)):
+        out, lse, probs = call()
+        assert out.shape == qv.shape and lse.shape == (4, 30) and probs.shape == (0,)
+        assert not lse.requires_grad and not probs.requires_grad
+        out.float().sum().backward()
+    assert qv.grad.shape == qv.shape and kv.grad.shape == kv.shape
+    qkv = meta(30, 3, 4, 64)
+    out, lse, probs = ft.flash_attn_varlen_qkvpacked_func(qkv, cu, 16, causal=True, return_attn_probs=True)
+    (out.float().sum() + lse.sum()).backward()
+    assert qkv.grad.shape == qkv.shape and lse.shape == (4, 30)
+
+    def f(q, k, v):
+        out, lse, probs = ft.flash_attn_varlen_func(q, k, v, cu, cu, 16, 20, return_attn_probs=True)
+        return out.float().sum() + lse.sum() + probs.float().sum()
+
+    torch._dynamo.reset()
+    kk, vv = meta(40, 2, 64), meta(40, 2, 64)
+    torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)(qv, kk, vv).backward()
+    assert kk.grad.shape == kk.shape
+    # flash-attn 2.8's Functions take is_grad_enabled last (and the varlen one block_table before it)
+    q = meta(2, 16, 4, 64)
+    opts = (0.0, None, True, (-1, -1), 0.0, None, False, False)
+    ft.FlashAttnFunc.apply(q, q, q, *opts, torch.is_grad_enabled()).float().sum().backward()
+    ft.FlashAttnVarlenFunc.apply(qv, kk, vv, cu, cu, 16, 20, *opts, None, True).float().sum().backward()
+    ft.FlashAttnQKVPackedFunc.apply(meta(2, 16, 3, 4, 64), *opts, True).float().sum().backward()
+    ft.FlashAttnKVPackedFunc.apply(q, meta(2, 16, 2, 4, 64), *opts, True).float().sum().backward()
+    ft.FlashAttnVarlenQKVPackedFunc.apply(qkv, cu, 16, *opts, True).float().sum().backward()
+    ft.FlashAttnVarlenKVPackedFunc.apply(qv, kv, cu, cu, 16, 20, *opts, True).float().sum().backward()
+    assert q.grad.shape == q.shape
+    with pytest.raises(ValueError, match="block_table"):
+        ft.FlashAttnVarlenFunc.apply(qv, kk, vv, cu, cu, 16, 20, *opts, cu, True)
 
 
 def test_compile_with_a_window_that_changes_between_calls():
@@ -326,8 +400,8 @@ def test_foreign_arrays_cpu_tensors_and_paged_kv_are_refused():
     qv = meta(8, 2, 64)
     with pytest.raises(ValueError, match="block_table"):
         ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 8, 8, block_table=cu)
-    with pytest.raises(ValueError, match="not implemented for variable-length"):
-        ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 8, 8, return_attn_probs=True)
+    with pytest.raises(ValueError, match="with dropout is not implemented for variable-length"):
+        ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 8, 8, dropout_p=0.1, return_attn_probs=True)
     with pytest.raises(ValueError, match=r"qkv must have shape \(batch, seqlen, 3, nheads, d\)"):
         ft.flash_attn_qkvpacked_func(meta(1, 8, 2, 2, 64))
     with pytest.raises(TypeError, match="alibi_slopes: expected a CUDA tensor, got a torch tensor on cpu"):

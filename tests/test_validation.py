@@ -151,7 +151,32 @@ def test_a_bad_call_with_dropout_draws_no_seed(monkeypatch):
         flashnumba.flash_attn_varlen_func(q[0], bad_k[0, :4], v[0, :4], cu, cu, 4, 4, dropout_p=0.1)
     with pytest.raises(ValueError, match="window_size"):
         flashnumba.flash_attn_func(q, k, v, dropout_p=0.1, window_size=(-2, 0))
+    # a keyword that nothing takes, and what the varlen functions do not give
+    with pytest.raises(TypeError, match="flash_attn_func\\(\\) got an unexpected keyword argument 'seed'"):
+        flashnumba.flash_attn_func(q, k, v, dropout_p=0.1, seed=3)
+    with pytest.raises(TypeError, match="flash_attn_varlen_func\\(\\) got an unexpected keyword argument 'seed'"):
+        flashnumba.flash_attn_varlen_func(q[0], k[0, :4], v[0, :4], cu, cu, 4, 4, dropout_p=0.1, seed=3)
+    with pytest.raises(TypeError, match="attention_with_grad\\(\\) got an unexpected keyword argument 'seed'"):
+        flashnumba.attention_with_grad(q, k, v, q, dropout_p=0.1, seed=3)
+    with pytest.raises(ValueError, match="return_attn_probs=True is not implemented for variable-length"):
+        flashnumba.flash_attn_varlen_func(q[0], k[0, :4], v[0, :4], cu, cu, 4, 4, dropout_p=0.1,
+                                          return_attn_probs=True)
     assert drawn == []
+
+
+def test_too_many_probabilities_are_refused_before_the_forward_runs(monkeypatch):
+    """return_attn_probs materialises batch * nheads * seqlen_q * seqlen_k floats: above the limit the call is
+    refused before any kernel runs (the forward ran first, then the probabilities were refused)."""
+    from flashnumba import _launch, api
+
+    runs = []
+    run = _launch.Call.run
+    monkeypatch.setattr(_launch.Call, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    monkeypatch.setattr(api, "MAX_PROBS_ELEMENTS", 10)
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="more than the 10 allowed"):
+        flashnumba.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert runs == []
 
 
 def test_precision_chooses_the_float32_kernels_and_refuses_contradictions():
