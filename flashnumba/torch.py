@@ -33,8 +33,9 @@ call with dropout raises there (capture without dropout, or use the core API wit
 ``return_attn_probs=True`` returns ``(out, softmax_lse, probs)``, the varlen functions too. As flash-attn computes its
 S_dmask only with dropout, probs without dropout is an empty tensor; with dropout it is flashnumba's float32 P (0
 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask: a debugging path for
-small sizes (:func:`flashnumba.attention_probs`), not for varlen. softmax_lse and probs have no backward: they come marked non-differentiable
-(``requires_grad`` False, as the indices of ``torch.max``), so gradients flow through out alone. ``deterministic``
+small sizes (:func:`flashnumba.attention_probs`), not for varlen. softmax_lse and probs have no backward: they come
+marked non-differentiable (``requires_grad`` False, as the indices of ``torch.max``), so gradients flow through out
+alone. ``deterministic``
 is accepted: flashnumba's backward is always deterministic. ``block_table`` (paged KV) is not supported by the
 varlen functions. The varlen functions read ``cu_seqlens`` on the host to check them
 (``flashnumba.config.check_device_values``), which a CUDA graph capture cannot do: capture them with it off.
