@@ -224,7 +224,7 @@ def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enab
         score_mod_grad, with_args[1] = None, False
     from ._backend import SIMULATOR
 
-    if SIMULATOR:
+    if SIMULATOR and all(tq.shape[:3]) and tk.shape[-3]:  # (a call without an entry calls no function)
         for role, fn, w in zip(("score_mod", "score_mod_grad", "mask_mod"), (score_mod, score_mod_grad, mask_mod),
                                with_args):
             if fn is not None:
@@ -234,7 +234,7 @@ def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enab
 
 def _try_on_the_host(role, fn, arrays):
     """In the simulator, where nothing is compiled, a user's function is called once here as the kernels will call
-    it first, at score 1.0 and b = h = q_idx = kv_idx = 0 (an entry every call has), so that one that raises or
+    it first, at score 1.0 and b = h = q_idx = kv_idx = 0 (an entry every call with entries has), so that one that raises or
     returns something other than one number (a tuple, None: what a GPU's compile refuses,
     :func:`flashnumba.kernels.common.refuse_broken`) is reported, naming it, before any launch rather than from
     inside a kernel's thread."""

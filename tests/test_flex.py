@@ -282,6 +282,21 @@ def test_rows_that_see_no_key():
     assert not to_numpy(dq)[0, 2].any()
 
 
+def test_a_call_without_queries_calls_no_function():
+    """seqlen_q 0 with a mask_mod that reads per-query document ids (an empty array): no entry, so the function is
+    never called, and the simulator's first call on the host (at indices 0) is not made (it raised IndexError)."""
+    rng = np.random.default_rng(5)
+    _, k, v = random_qkv(rng, 1, 1, 8, 2, 16, np.float32)
+    q = np.zeros((1, 0, 2, 16), np.float32)
+
+    def same_document(b, h, i, j, doc_q, doc_k):
+        return doc_q[i] == doc_k[j]
+
+    out, lse = flashnumba.flex_attention(q, k, v, mask_mod=same_document, return_lse=True,
+                                         score_mod_args=(np.zeros(0, np.int32), np.zeros(8, np.int32)))
+    assert to_numpy(out).shape == (1, 0, 2, 16) and to_numpy(lse).shape == (1, 2, 0)
+
+
 def test_tanh_approx_is_exact_on_the_host_and_the_gpus_formula_on_a_float32():
     """flashnumba.tanh_approx: NumPy's tanh on a float64 (the float64 reference's truth); on a float32 (a score in
     the simulator) the Hopper softcap's 1 - 2 / (2^(2 x log2 e) + 1), within a few float32 ulps of 1 of the truth,
