@@ -95,7 +95,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2): rotary embedding of the new k and of q (at
     positions cache_seqlens + t when causal or windowed, else all at cache_seqlens), ``rotary_interleaved``
     (GPT-J pairs) or not (GPT-NeoX halves). ``cache_batch_idx`` (batch,): the cache entry of each sequence (not
-    with a block table). causal (bottom-right aligned), window_size, softcap, alibi_slopes, softmax_scale as
+    with a block table; an entry named twice in a call that appends, checked where the values are read, is refused:
+    both sequences would write its rows). causal (bottom-right aligned), window_size, softcap, alibi_slopes, softmax_scale as
     :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut into (0: chosen
     from the GPU's SM count and the work, :func:`flashnumba.planner.decode_splits`; 1: none). Returns out like
     q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32. The arrays are NumPy, CuPy or
@@ -139,6 +140,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cbi is not None and batch and (cbi.min() < 0 or cbi.max() >= k_cache.shape[0]):
             raise ValueError(f"cache_batch_idx must lie in [0, {k_cache.shape[0]}), got "
                              f"{int(cbi.min())} .. {int(cbi.max())}")
+        if cbi is not None and seqlen_new and len(np.unique(cbi)) < batch:  # (two writers of one sequence's rows)
+            raise ValueError(f"cache_batch_idx names a cache sequence twice ({cbi.tolist()[:8]}) in a call that "
+                             f"appends new keys: both would write its rows")
     # (None: every sequence holds the whole cache, as in flash-attn)
     lens_in, lens = _ints("cache_seqlens", capacity if cache_seqlens is None else cache_seqlens, (batch,), read)
     if lens is not None and (lens.min(initial=0) < 0 or lens.max(initial=0) + seqlen_new > capacity):

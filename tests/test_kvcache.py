@@ -145,6 +145,14 @@ def test_bad_input_is_refused_before_anything_is_written():
                                 block_table=np.zeros((2, 1), np.int32))
     with pytest.raises(ValueError, match="rotary_cos and rotary_sin must both be given"):  # (sin alone was ignored)
         flash_attn_with_kvcache(q, kc, vc, k, v, **dict(kw, rotary_cos=None))
+    flat, flat_v = (rng.standard_normal((3, 16, 2, 16)).astype(np.float32) for _ in range(2))
+    flat0 = flat.copy()
+    with pytest.raises(ValueError, match=r"names a cache sequence twice \(\[1, 1\]\)"):
+        flash_attn_with_kvcache(q, flat, flat_v, k, v, cache_seqlens=np.array([3, 4], np.int32),
+                                cache_batch_idx=np.array([1, 1], np.int32))
+    np.testing.assert_array_equal(flat, flat0)
+    flash_attn_with_kvcache(q, flat, flat_v, cache_seqlens=np.array([3, 4], np.int32),  # (reading twice: taken)
+                            cache_batch_idx=np.array([1, 1], np.int32))
     read_only = vc.copy()
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="v_cache is a read-only NumPy array"):  # (k_cache was written first)
