@@ -269,14 +269,24 @@ def _inputs(alibi_slopes, deterministic, return_attn_probs, max_seqlens=(), **te
     check_flag("deterministic", deterministic)
     check_flag("return_attn_probs", return_attn_probs)
     for name, n in zip(("max_seqlen_q", "max_seqlen_k") if len(max_seqlens) == 2 else ("max_seqlen",), max_seqlens):
-        if torch.compiler.is_compiling() and isinstance(n, int):  # (traced: an int read from a tensor with .item()
-            torch._check(0 <= n)                                     # has no value to compare: its range told)
-            torch._check(n <= 2**31 - 1)
+        if torch.compiler.is_compiling() and isinstance(n, int):
+            _state_range(name, n)
         check_int(name, n, 0, 2**31 - 1)
     given = []
     for x in tensors.values():
         given.append(x.view_as(x) if any(x is y for y in given) else x)
     return given
+
+
+def _state_range(name, n):
+    """While torch.compile traces, an int that the traced code read from a tensor (``.item()``: a max_seqlen from
+    cu_seqlens) has no value to compare; its range is stated instead (checked when the graph runs), after which the
+    comparisons of :func:`flashnumba._validate.check_int` hold by that range."""
+    def message():
+        return f"{name} must be in [0, 2**31 - 1]"
+
+    torch._check(0 <= n, message)
+    torch._check(n <= 2**31 - 1, message)
 
 
 def _fresh(*scalars):

@@ -124,6 +124,12 @@ def test_varlen_with_a_max_seqlen_read_from_the_offsets():
         with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):  # (the graph run: .item())
             g(q, k, v, cu, torch.empty(4, device="meta"))
     assert len(graphs) == 2  # the forward's and the backward's
+    # a symbolic max_seqlen out of range is refused by name (it was a tracer's error about a format string)
+    g = torch.compile(lambda q, m: ft.flash_attn_varlen_func(q, q, q, cu, cu, m, m), fullgraph=True,
+                      backend="aot_eager", dynamic=True)
+    g(q, 16)
+    with pytest.raises(Exception, match=r"max_seqlen_q must be in \[0, 2\*\*31 - 1\]"):
+        g(q, -1)
 
 
 def test_return_attn_probs_as_flash_attn_gives_it():
