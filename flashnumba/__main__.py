@@ -77,7 +77,7 @@ def _check(args):
     for target in args.targets:
         try:  # (a name that is no implementation: one line, not a traceback)
             impl = adapter(target)
-        except (ValueError, ImportError, AttributeError) as err:
+        except (ValueError, ImportError, AttributeError, TypeError) as err:
             return refuse(f"{target}: {err}")
         skipped = [d for d in asked or () if d not in impl.dtypes]
         if skipped:
@@ -94,6 +94,8 @@ def _check(args):
         return refuse(f"--json writes one report, and this run makes {len(jobs)}: use --out DIR for several")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         return refuse(f"--json {args.json}: its folder does not exist")
+    if args.json and os.path.isdir(args.json):
+        return refuse(f"--json {args.json} is a folder: name the file (or use --out DIR)")
     if args.out:
         try:
             os.makedirs(args.out, exist_ok=True)
@@ -152,15 +154,20 @@ def main(argv=None):
     demo.add_argument("--size", choices=["auto", "small", "large"], default="auto",
                       help="large: batch 4, 16 heads, seqlen 4096, head_dim 64 (GPU); small: simulator-sized")
     check = sub.add_parser("check", help="run the numerics battery on an attention implementation "
-                                         "(flashnumba.check); exit status 1 when a property fails")
+                                         "(flashnumba.check); exit status 1 when a property fails or none was "
+                                         "checked")
     check.add_argument("targets", nargs="+", metavar="target",
                        help="a built-in adapter (numpy-reference, flashnumba, flash-attn, torch-sdpa-flash, -cudnn, "
-                            "-efficient, -math) or module:function; several run one after another")
+                            "-efficient, -math) or module:name, name being a flashnumba.check.Implementation (which "
+                            "declares its options, backward, dtypes) or a NumPy function fn(q, k, v, causal=False) "
+                            "-> out or (out, lse), checked with causal as its one option; several run one after "
+                            "another")
     check.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "float16", "bfloat16"])
     check.add_argument("--head-dims", type=at_least(1), nargs="+", default=None)
     check.add_argument("--examples", type=at_least(1), default=50, help="drawn problems per accuracy property")
     check.add_argument("--max-seqlen", type=at_least(1), default=80)
-    check.add_argument("--seed", type=int, default=0, help="a reproducible search (the same examples each run)")
+    check.add_argument("--seed", type=int, default=0, help="the search's seed: the same examples at each run of one "
+                                                           "seed, others for another")
     check.add_argument("--properties", nargs="+", default=None, choices=_properties(), help="a subset of the battery")
     check.add_argument("--per-dtype", action="store_true", help="one report per dtype")
     check.add_argument("--jobs", type=at_least(1), default=1,

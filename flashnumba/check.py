@@ -17,7 +17,10 @@ are tested: ``causal``, ``window`` (window_size=(left, right)), ``softcap``, ``a
 float32), ``gqa`` (k, v with fewer heads), ``dropout`` (dropout_p, with ``seed``), ``scale`` (softmax_scale).
 :func:`adapter` builds implementations for torch's SDPA backends, flash-attn, and flashnumba itself.
 An implementation that does not take a drawn problem (a head dim or an option it has no kernel for) raises
-:class:`Unsupported`: that problem is set aside, and the report counts the problems set aside and says why.
+:class:`Unsupported`: that problem is set aside, and the report counts the problems set aside and says why; the
+properties of a fixed problem take the first head dim it accepts. A report passes when no property fails and at
+least one holds. The implementation gets copies of the checker's arrays (what it writes into them cannot change
+the truth it is compared with); out must be like q (shape and dtype), the gradients like q, k and v.
 
 The battery (:data:`PROPERTIES`):
 
@@ -29,15 +32,17 @@ The battery (:data:`PROPERTIES`):
 * ``causal-convention``: which causal alignment the implementation follows (bottom-right as flash-attn >= 2.1,
   or top-left as torch SDPA's ``is_causal``), detected on seqlen_q != seqlen_k and named; bottom-right passes;
 * ``empty-rows``: a row that sees no key gives 0 (flash-attn's convention), not NaN;
-* ``large-logits``: scores of several hundred do not overflow;
-* ``nan-containment``: a NaN in one query row stays in that row;
+* ``large-logits``: scores of several hundred do not overflow, in every dtype;
+* ``nan-containment``: a NaN in one query row stays in that row (and inputs without one give none);
 * ``varlen`` (where a ``varlen`` function is given): packed sequences of random lengths, empty ones included, each
   against the reference of that sequence alone;
 * ``dropout``: reproducible under a seed, the keep rate within binomial bounds, unbiased (the mean over seeds
   approaches the output without dropout: a dropout that forgets its 1 / (1 - p) rescale fails), and the
   backward consistent with the forward's mask (a directional derivative against central differences);
 * ``determinism``: two runs give the same bits, forward and backward;
-* ``immutability``: no input is written.
+* ``immutability``: no input is written, in each dtype, without options and with each declared one.
+
+``seed``: the search's; one seed draws the same problems at each run, another others, None a fresh search.
 """
 
 from __future__ import annotations
@@ -116,7 +121,8 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(r.passed is not False for r in self.results)
+        """No property fails and at least one holds (a report of nothing but n/a checked nothing)."""
+        return all(r.passed is not False for r in self.results) and any(r.passed for r in self.results)
 
     def __getitem__(self, name) -> Result:
         return next(r for r in self.results if r.name == name)
@@ -124,7 +130,8 @@ class Report:
     def __str__(self) -> str:
         counts = {v: sum(r.passed is v for r in self.results) for v in (True, False, None)}
         holds = "property holds" if counts[True] == 1 else "properties hold"
-        head = (f"{self.implementation}: {'FAILED' if counts[False] else 'passed'} ({counts[True]} {holds}, "
+        verdict = "FAILED" if counts[False] else "passed" if counts[True] else "NOTHING CHECKED"
+        head = (f"{self.implementation}: {verdict} ({counts[True]} {holds}, "
                 f"{counts[False]} fail, {counts[None]} not applicable)")
         return "\n".join([head] + [r.line() for r in self.results])
 
@@ -210,8 +217,12 @@ def _compare(got, truth, baseline, dtype, reduction, what, terms=None):
 
 
 def _to(x, array):
-    if x is None or array == "numpy":
+    """x (NumPy) as the implementation takes it: always a fresh array (a NumPy copy too), so that one that writes
+    into its inputs cannot change the arrays the truth is computed from (``immutability`` reports it)."""
+    if x is None:
         return x
+    if array == "numpy":
+        return np.array(x, copy=True)
     if array == "cupy":
         import cupy
 
@@ -295,15 +306,31 @@ def _call_options(problem, impl):
 def _forward(impl, problem, q, k, v, **extra):
     side = impl.side(problem.dtype)
     result = impl.forward(_to(q, side), _to(k, side), _to(v, side), **_call_options(problem, impl), **extra)
-    if isinstance(result, tuple):
-        return _back(result[0]), _back(result[1])
-    return _back(result), None
+    out, lse = (_back(result[0]), _back(result[1])) if isinstance(result, tuple) else (_back(result), None)
+    _like("out", out, q)
+    if lse is not None and np.shape(lse) != q.shape[:1] + q.shape[2:3] + q.shape[1:2]:
+        raise _Failure(math.inf, math.inf, 0.0, f"lse has shape {np.shape(lse)}, expected (batch, nheads, seqlen_q) "
+                                                f"= {q.shape[:1] + q.shape[2:3] + q.shape[1:2]}")
+    return out, lse
+
+
+def _like(name, got, x):
+    """A _Failure unless ``got`` has x's shape and dtype (out like q, the gradients like their inputs)."""
+    shape, dtype = np.shape(got), getattr(got, "dtype", None)
+    if shape != x.shape or dtype != x.dtype:
+        raise _Failure(math.inf, math.inf, 0.0, f"{name} is {dtype} of shape {shape}, expected {x.dtype} of shape "
+                                                f"{x.shape}")
 
 
 def _backward(impl, problem, dout, q, k, v):
     side = impl.side(problem.dtype)
-    grads = impl.backward(*(_to(x, side) for x in (dout, q, k, v)), **_call_options(problem, impl))
-    return tuple(_back(g) for g in grads)
+    grads = tuple(_back(g) for g in impl.backward(*(_to(x, side) for x in (dout, q, k, v)),
+                                                   **_call_options(problem, impl)))
+    if len(grads) != 3:
+        raise _Failure(math.inf, math.inf, 0.0, f"the backward returned {len(grads)} arrays, expected (dq, dk, dv)")
+    for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        _like(name, g, x)
+    return grads
 
 
 def _problems(impl, dtypes, head_dims, max_seqlen, options=None):
@@ -347,7 +374,7 @@ def _problems(impl, dtypes, head_dims, max_seqlen, options=None):
 def _search(name, strategy, body, examples, seed):
     """Run ``body(problem)`` (which returns (error, tolerance) or raises _Failure) over ``examples`` drawn problems;
     on a failure, Hypothesis shrinks it and the smallest failing example is reported."""
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, given, settings, seed as hypothesis_seed
 
     from hypothesis import reject
     from hypothesis.errors import Unsatisfiable
@@ -356,8 +383,8 @@ def _search(name, strategy, body, examples, seed):
     failing = {}
     unsupported = {}
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=seed is not None,
-              suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False)
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+              print_blob=False, report_multiple_bugs=False)
     @given(problem=strategy)
     def run(problem):
         try:
@@ -374,6 +401,8 @@ def _search(name, strategy, body, examples, seed):
         if tol and err / tol > worst["ratio"]:
             worst.update(ratio=err / tol, error=err, tolerance=tol)
 
+    if seed is not None:  # (the same examples each run of one seed, others for another; None: a fresh search)
+        run = hypothesis_seed(seed)(run)
     aside = ""
     try:
         run()
@@ -410,14 +439,29 @@ def _forward_accuracy(name, index, impl, examples, dtypes, head_dims, max_seqlen
     return _search(name, _problems(impl, dtypes, head_dims, max_seqlen), body, examples, seed)
 
 
+def _first_taken(head_dims, attempt):
+    """``attempt(d)`` at the first head dim the implementation takes: the fixed problems of the properties below
+    move on to the next head dim where it raises Unsupported (a kernel for some head dims only is still checked);
+    Unsupported where it takes none."""
+    why = None
+    for d in head_dims:
+        try:
+            return attempt(d)
+        except Unsupported as err:
+            why = err
+    raise why
+
+
 def check_forward(impl, examples, dtypes, head_dims, max_seqlen, seed):
     return _forward_accuracy("forward", 0, impl, examples, dtypes, head_dims, max_seqlen, seed)
 
 
 def check_lse(impl, examples, dtypes, head_dims, max_seqlen, seed):
-    probe = Problem(dtypes[0], 1, 3, 5, 1, 1, head_dims[0], {}, 0)
-    q, k, v, _ = probe.inputs()
-    if _forward(impl, probe, q, k, v)[1] is None:
+    def probe(d):
+        p = Problem(dtypes[0], 1, 3, 5, 1, 1, d, {}, 0)
+        return _forward(impl, p, *p.inputs()[:3])[1]
+
+    if _first_taken(head_dims, probe) is None:
         return Result("lse", None, note="the implementation returns no lse")
     return _forward_accuracy("lse", 1, impl, examples, dtypes, head_dims, max_seqlen, seed)
 
@@ -446,12 +490,15 @@ def check_causal_convention(impl, dtypes, head_dims):
     """Which causal alignment: compared on seqlen_q = 4, seqlen_k = 9 and the reverse with both conventions."""
     if "causal" not in impl.supports:
         return Result("causal-convention", None, note="causal not declared")
+    return _first_taken(head_dims, lambda d: _causal_convention(impl, dtypes, d))
+
+
+def _causal_convention(impl, dtypes, d):
     found = set()
     errors = []
     off = None  # the first shape that is not bottom-right
     for sq, sk in ((4, 9), (9, 4)):
-        p = Problem("float32" if "float32" in dtypes else dtypes[0], 1, sq, sk, 1, 1, head_dims[0],
-                    {"causal": True}, 7)
+        p = Problem("float32" if "float32" in dtypes else dtypes[0], 1, sq, sk, 1, 1, d, {"causal": True}, 7)
         q, k, v, _ = p.inputs()
         out, _ = _forward(impl, p, q, k, v)
         i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
@@ -489,9 +536,12 @@ def check_empty_rows(impl, dtypes, head_dims):
     """seqlen_q > seqlen_k, causal (bottom-right): the first rows see no key; flash-attn returns 0 there."""
     if "causal" not in impl.supports:
         return Result("empty-rows", None, note="causal not declared")
-    p = Problem(dtypes[0], 1, 6, 3, 1, 1, head_dims[0], {"causal": True}, 3)
-    q, k, v, _ = p.inputs()
-    out, _ = _forward(impl, p, q, k, v)
+
+    def run(d):
+        p = Problem(dtypes[0], 1, 6, 3, 1, 1, d, {"causal": True}, 3)
+        return p, _forward(impl, p, *p.inputs()[:3])[0]
+
+    p, out = _first_taken(head_dims, run)
     empty = out[:, :3].astype(np.float64)
     if np.isnan(empty).any():
         return Result("empty-rows", False, note="NaN in rows that see no key (flash-attn gives 0)",
@@ -502,13 +552,21 @@ def check_empty_rows(impl, dtypes, head_dims):
     return Result("empty-rows", True, note="0")
 
 
+LARGE_LOGITS_INPUT_SCALE = 10.0  # q and k of standard deviation 10: scores of standard deviation 100
+
+
 def check_large_logits(impl, dtypes, head_dims):
-    """Scores of several hundred: exp overflows unless the row maximum is subtracted first."""
+    """Scores of several hundred (in every dtype: in float16 too, whose values reach about 40 here, far below its
+    largest; a softmax computed in float32 without its row maximum overflows at 89): exp overflows unless the row
+    maximum is subtracted first."""
     results = []
     for dtype in dtypes:
-        p = Problem(dtype, 1, 17, 33, 2, 2, head_dims[0], {}, 5)
-        q, k, v, _ = p.inputs(scale=6.0 if dtype != "float16" else 3.0)
-        out, _ = _forward(impl, p, q, k, v)
+        def run(d):
+            p = Problem(dtype, 1, 17, 33, 2, 2, d, {}, 5)
+            q, k, v, _ = p.inputs(scale=LARGE_LOGITS_INPUT_SCALE)
+            return p, q, k, v, _forward(impl, p, q, k, v)[0]
+
+        p, q, k, v, out = _first_taken(head_dims, run)
         truth, _ = reference.attention_forward(q, k, v)
         base, _ = reference.attention_forward(q, k, v, dtype=np.dtype(q.dtype))
         err, tol = max_error(out, truth), tolerance(truth, base, q.dtype, p.seqlen_k)
@@ -521,9 +579,15 @@ def check_large_logits(impl, dtypes, head_dims):
 
 
 def check_nan_containment(impl, dtypes, head_dims):
-    """A NaN in one query row (b 0, row 2, head 0) may make that row NaN, no other."""
-    p = Problem(dtypes[0], 1, 5, 7, 2, 2, head_dims[0], {}, 9)
-    q, k, v, _ = p.inputs()
+    """A NaN in one query row (b 0, row 2, head 0) may make that row NaN, no other (and without it, none)."""
+    def run(d):
+        p = Problem(dtypes[0], 1, 5, 7, 2, 2, d, {}, 9)
+        q, k, v, _ = p.inputs()
+        return p, q, k, v, _forward(impl, p, q, k, v)[0]
+
+    p, q, k, v, clean = _first_taken(head_dims, run)
+    if np.isnan(clean.astype(np.float64)).any():
+        return Result("nan-containment", False, note="NaN in the output of inputs without a NaN", example=p.example())
     q = q.copy()
     q[0, 2, 0, 0] = np.nan
     out, _ = _forward(impl, p, q, k, v)
@@ -643,7 +707,10 @@ def _dropout_gradient_mismatch(impl, p, q, k, v, dout, p_drop, seed=5):
 
 
 def check_determinism(impl, dtypes, head_dims):
-    p = Problem(dtypes[0], 2, 33, 47, 2, 2, head_dims[0], {}, 13)
+    return _first_taken(head_dims, lambda d: _determinism(impl, Problem(dtypes[0], 2, 33, 47, 2, 2, d, {}, 13)))
+
+
+def _determinism(impl, p):
     q, k, v, dout = p.inputs()
     a, b = _forward(impl, p, q, k, v)[0], _forward(impl, p, q, k, v)[0]
     if not _bitwise_equal(a, b):
@@ -662,18 +729,41 @@ def _bitwise_equal(a, b) -> bool:
     return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+# the options of the immutability property's calls, each where declared (a path of its own may write)
+_IMMUTABILITY_OPTIONS = {"causal": {"causal": True}, "window": {"window_size": (3, 2)}, "softcap": {"softcap": 5.0},
+                         "alibi": {"alibi_slopes": (0.5, 0.25)}, "scale": {"softmax_scale": 0.5}}
+
+
 def check_immutability(impl, dtypes, head_dims):
-    p = Problem(dtypes[0], 1, 9, 11, 2, 2, head_dims[0], {}, 17)
-    q, k, v, dout = p.inputs()
-    arrays = [_to(x, impl.side(p.dtype)) for x in (q, k, v, dout)]
+    """No input is written, forward or backward, in each dtype, without options and with each declared one."""
+    variants = [{}] + [o for name, o in _IMMUTABILITY_OPTIONS.items() if name in impl.supports]
+    calls = 0
+    for dtype in dtypes:
+        for options in variants:
+            try:
+                written = _first_taken(head_dims, lambda d: _writes(impl, Problem(dtype, 1, 9, 11, 2, 2, d, options,
+                                                                                  17)))
+            except Unsupported:
+                continue
+            calls += 1
+            if written:
+                return Result("immutability", False, note=f"{written[0]} was written", example=written[1])
+    if not calls:
+        raise Unsupported("no fixed problem of this property is supported")
+    return Result("immutability", True, note=f"{calls} calls: each dtype, and each declared option")
+
+
+def _writes(impl, p):
+    """(the name of an input the calls on problem ``p`` wrote, p's example), or None."""
+    arrays = [_to(x, impl.side(p.dtype)) for x in p.inputs()]
     before = [np.array(_back(x), copy=True) for x in arrays]
     impl.forward(*arrays[:3], **_call_options(p, impl))
     if impl.backward is not None:
         impl.backward(arrays[3], *arrays[:3], **_call_options(p, impl))
     for name, x, b in zip(("q", "k", "v", "dout"), arrays, before):
         if not _bitwise_equal(_back(x), b):
-            return Result("immutability", False, note=f"{name} was written", example=p.example())
-    return Result("immutability", True)
+            return name, p.example()
+    return None
 
 
 PROPERTIES = ("forward", "lse", "backward", "causal-convention", "empty-rows", "large-logits", "nan-containment",
@@ -865,6 +955,8 @@ def adapter(name: str) -> Implementation:
         fn = getattr(importlib.import_module(module), attr)
         if isinstance(fn, Implementation):
             return fn
+        if not callable(fn):
+            raise TypeError(f"{name} is a {type(fn).__name__}, not a function or an Implementation")
         return Implementation(name, fn, supports={"causal"})
     raise ValueError(f"unknown implementation {name!r}; built in: {', '.join(ADAPTERS)}, or module:function")
 

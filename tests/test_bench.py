@@ -165,9 +165,18 @@ def test_budget_search_reaches_its_limit_and_reports_real_errors():
         bench.longest_seqlen_in_budget({"broken": broken}, 1.0, head_dim=16, nheads=1, start=16, stop=16)
 
 
-def test_bad_arguments_are_one_line_errors(capsys):
-    for argv in (["--seqlens", "0"], ["--repeat", "0"], ["--gqa", "-1"], ["--from-json", "/no/such.json"],
-                 ["--budget-gib", "1", "--budget-max-seqlen", "64"]):
+def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
+    small = ["--seqlens", "16", "--head-dims", "16", "--tokens", "16", "--width", "16"]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for argv, said in ((["--seqlens", "0"], ""), (["--repeat", "0"], ""), (["--gqa", "-1"], ""),
+                       (["--from-json", "/no/such.json"], ""), (["--budget-gib", "1", "--budget-max-seqlen", "64"], ""),
+                       (small + ["--window", "-5", "3"], "each -1 (unbounded) or >= 0"),
+                       (small + ["--out", str(a_file)], "is a file"),
+                       (["--dtypes", "float32"] if flashnumba.SIMULATOR else None, "would take hours")):
+        if argv is None:  # (on a GPU the default sweep is what it runs)
+            continue
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
-        assert e.value.code == 2 and "error:" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "error:" in err and said in err

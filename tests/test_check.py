@@ -26,7 +26,7 @@ def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     heads = np.arange(h) % hk if bug == "gqa-modulo" else np.arange(h) // (h // hk)
     kf, vf = kf[:, :, heads], vf[:, :, heads]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    scale = {"no-scale": 1.0, "double-scale": 2 * scale}.get(bug, scale)
+    scale = {"no-scale": 1.0, "double-scale": 2 * scale, "scale-1pct": 1.01 * scale}.get(bug, scale)
     if bug == "nondeterministic":  # the keys summed in a different order at each call
         order = np.random.default_rng().permutation(sk)
         kf, vf = kf[:, order], vf[:, order]
@@ -35,8 +35,10 @@ def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     s = np.einsum("bqhd,bkhd->bhqk", qf, kf) * np.float32(scale)
     if causal:
         i, j = np.arange(sq)[:, None], order[None, :]
-        visible = j <= i if bug == "top-left" else j <= i + sk - sq
+        visible = j <= i if bug == "top-left" else j <= i + sk - sq + (bug == "causal-off-by-one")
         s = np.where(visible, s, -np.inf)
+    if bug == "drop-last-key" and sk > 1:
+        s[..., -1] = -np.inf
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         if bug == "no-max":
             e = np.exp(s)
@@ -54,7 +56,13 @@ def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0,
     if bug == "lse-log2":
         lse = lse / np.log(2)
     out = np.einsum("bhqk,bkhd->bqhd", p, vf)
-    return out.astype(dtype), lse.astype(np.float32)
+    if bug == "writes-input-when-causal" and causal:
+        q[...] = 0  # the caller's array used as scratch once the result is computed
+    if bug == "nan-out":
+        out[0, 0, 0, 0] = np.nan
+    if bug == "transposed-out":
+        out = out.transpose(0, 2, 1, 3)
+    return out.astype(np.float64 if bug == "float64-out" else dtype), lse.astype(np.float32)
 
 
 def plain_varlen(q, k, v, cu_q, cu_k, max_q, max_k, bug=None, **options):
@@ -116,6 +124,74 @@ def test_every_mutant_is_caught(bug):
     assert result.passed is False, str(report)
     if MUTANTS[bug] in ("forward", "lse"):  # an accuracy failure comes with its (shrunk) example and ratio
         assert result.example and result.ratio > 1
+
+
+# near misses, each to be caught in float32 and in float16 alone: a tolerance some ten times looser lets them pass
+NEAR_MISSES = {"scale-1pct": "forward", "drop-last-key": "forward", "causal-off-by-one": "forward",
+               "no-max": "large-logits"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("bug", list(NEAR_MISSES))
+def test_near_misses_are_caught_in_each_dtype(bug, dtype):
+    report = check_attention(implementation(bug), dtypes=(dtype,), examples=30, max_seqlen=40, head_dims=(16, 40),
+                             properties=(NEAR_MISSES[bug],))
+    assert report[NEAR_MISSES[bug]].passed is False, str(report)
+
+
+# broken contracts: the property that names each, and what it says
+CONTRACTS = {"writes-input-when-causal": ("immutability", "q was written"),
+             "float64-out": ("forward", "out is float64 of shape"),
+             "transposed-out": ("forward", "expected float32 of shape"),
+             "nan-out": ("nan-containment", "NaN in the output of inputs without a NaN")}
+
+
+@pytest.mark.parametrize("bug", list(CONTRACTS))
+def test_broken_contracts_are_named(bug):
+    """A function that writes its inputs on one path only, returns another dtype or shape than q's, or makes a NaN
+    of its own: named as such (the wrong shape was an error of inf with no word of the shape; the input written on
+    the causal path alone passed immutability and corrupted the forward's truth instead)."""
+    name, said = CONTRACTS[bug]
+    report = check_attention(implementation(bug), dtypes=("float32",), examples=30, max_seqlen=40, head_dims=(16,))
+    assert report[name].passed is False and said in report[name].note, str(report)
+    if bug == "writes-input-when-causal":  # (the truth comes from the checker's own arrays)
+        assert report["forward"].passed and report["causal-convention"].passed, str(report)
+
+
+def test_a_kernel_for_some_head_dims_is_checked_at_those():
+    """The fixed problems move on to a head dim the implementation takes: a kernel refusing the first one drawn
+    (16) is still checked, and fails where it is wrong; one refusing every problem checked nothing, and the report
+    does not pass."""
+    def picky(q, k, v, **o):
+        if q.shape[-1] == 16:
+            raise Unsupported("head_dim 16")
+        return plain_attention(q, k, v, bug="no-max", **o)
+
+    report = check_attention(Implementation("picky", picky, supports={"causal"}), dtypes=("float16",),
+                             examples=10, max_seqlen=40, head_dims=(16, 40))
+    assert report["large-logits"].passed is False and report["lse"].passed is not None, str(report)
+    assert report["immutability"].passed and report["causal-convention"].passed, str(report)
+
+    def never(q, k, v, **o):
+        raise Unsupported("nothing")
+
+    report = check_attention(Implementation("never", never, supports={"causal"}), examples=5)
+    assert not report.passed and "NOTHING CHECKED" in str(report)
+
+
+def test_the_seed_chooses_the_examples():
+    """One seed draws the same problems at each run, another seed others (the seed was not used)."""
+    def shapes(seed):
+        seen = []
+
+        def record(q, k, v, **o):
+            seen.append((q.shape, k.shape[1]))
+            return plain_attention(q, k, v, **o)
+
+        check_attention(Implementation("r", record), examples=10, properties=("forward",), seed=seed)
+        return seen
+
+    assert shapes(1) == shapes(1) and shapes(1) != shapes(2)
 
 
 @pytest.mark.parametrize("impl", [implementation(None), reference_implementation()], ids=["plain", "reference"])
@@ -207,6 +283,8 @@ def test_the_command_line(tmp_path, capsys, monkeypatch):
     for argv, said in ((["numpy-reference", "numpy-reference", "--json", str(out)], "--json writes one report"),
                        (["numpy-reference", "--json", str(tmp_path / "no" / "x.json")], "folder does not exist"),
                        (["numpy-reference", "--out", str(out)], "--out"),
+                       (["numpy-reference", "--json", str(tmp_path)], "is a folder"),
+                       (["os:sep"], "os:sep is a str, not a function or an Implementation"),
                        (["flashnumba", "--dtypes", "bfloat16"] if flashnumba.SIMULATOR else [], "nothing to run")):
         if argv:
             assert main(["check", *argv, "--examples", "2"]) == 2

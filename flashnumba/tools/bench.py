@@ -841,6 +841,15 @@ def main(argv=None):
     if _backend.SIMULATOR and mode not in (None, "--from-json"):
         p.error("--decode, --shared-caps, --latency and --budget-gib measure a GPU (CuPy and a CUDA device): "
                 "this is the simulator")
+    work = a.tokens * max(a.seqlens) * a.width
+    if _backend.SIMULATOR and mode is None and work > SIMULATOR_MAX_WORK:
+        p.error(f"this is the simulator (a Python thread per CUDA thread), where a sweep of --tokens x the longest "
+                f"--seqlens x --width = {work} would take hours: ask for at most {SIMULATOR_MAX_WORK}, e.g. "
+                f"--seqlens 32 --head-dims 16 --tokens 32 --width 32")
+    if a.window is not None and min(a.window) < -1:
+        p.error(f"--window LEFT RIGHT: each -1 (unbounded) or >= 0, got {a.window[0]} {a.window[1]}")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--out {a.out} is a file: name a folder")
     if a.decode:
         from .decode import run as decode_run
 
@@ -916,6 +925,9 @@ def main(argv=None):
     _save(result, path)
     print(f"wrote {path}")
     return 0
+
+
+SIMULATOR_MAX_WORK = 2**20  # tokens x seqlen x width of the largest sweep the simulator is asked for (minutes)
 
 
 def _save(result, path):
