@@ -172,6 +172,29 @@ def mod_args_tuple(score_mod_args) -> tuple:
     return tuple(score_mod_args)
 
 
+def _captured_arrays(fn) -> list:
+    """The names of the arrays (NumPy, CuPy, torch, any CUDA array) that ``fn`` reads from its closure or its
+    module's globals."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+
+    def is_array(x):
+        return isinstance(x, np.ndarray) or hasattr(x, "__cuda_array_interface__") or \
+            type(x).__module__.startswith("torch") and type(x).__name__ in ("Tensor", "Parameter")
+
+    found = []
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            if is_array(cell.cell_contents):
+                found.append(name)
+        except ValueError:  # (a cell not yet filled)
+            pass
+    scope = getattr(fn, "__globals__", {})
+    found += [name for name in code.co_names if name in scope and is_array(scope[name])]
+    return found
+
+
 def _takes(fn, n) -> bool:
     """Whether ``fn`` can be called with ``n`` positional arguments."""
     import inspect as _inspect
@@ -202,7 +225,17 @@ def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enab
         if fn is None:
             continue
         if not callable(fn):
-            raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
+            hint = " (a block mask goes in block_mask=; FlexAttention's fifth argument is block_mask, " \
+                   "flashnumba's mask_mod)" if type(fn).__name__ == "BlockMask" else ""
+            raise TypeError(f"{name} must be a function, got {type(fn).__name__}{hint}")
+        captured = _captured_arrays(fn)
+        if captured:
+            where = "closure" if captured[0] in fn.__code__.co_freevars else "global"
+            raise TypeError(f"{name} {getattr(fn, '__name__', fn)!r} reads the array {captured[0]!r} from a {where}: "
+                            f"pass it in score_mod_args and take it as a parameter (an array read from a closure or "
+                            f"a global is taken into a kernel when it is first compiled, a NumPy one as constants, "
+                            f"so that its later changes go unseen on a GPU, where the simulator reads it at each "
+                            f"call)")
         what = "(score, b, h, q_idx, kv_idx" if lead == 5 else "(b, h, q_idx, kv_idx"
         if n and _takes(fn, lead + n):
             with_args[-1] = True
@@ -234,8 +267,8 @@ def check_mods(tq, tk, score_mod, score_mod_grad, mask_mod, score_mod_args, enab
 
 def _try_on_the_host(role, fn, arrays):
     """In the simulator, where nothing is compiled, a user's function is called once here as the kernels will call
-    it first, at score 1.0 and b = h = q_idx = kv_idx = 0 (an entry every call with entries has), so that one that raises or
-    returns something other than one number (a tuple, None: what a GPU's compile refuses,
+    it first, at score 1.0 and b = h = q_idx = kv_idx = 0 (an entry every call with entries has), so that one that
+    raises or returns something other than one number (a tuple, None: what a GPU's compile refuses,
     :func:`flashnumba.kernels.common.refuse_broken`) is reported, naming it, before any launch rather than from
     inside a kernel's thread."""
     from .kernels.common import must_return

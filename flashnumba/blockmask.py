@@ -65,8 +65,8 @@ class BlockMask:
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = (), BLOCK_SIZE=128,
                       like=None) -> BlockMask:
     """Classify ``mask_mod(b, h, q_idx, kv_idx, *score_mod_args)`` in blocks of ``BLOCK_SIZE`` (an int, or
-    (query rows, key rows)) for B batch entries and H heads (1: the same for all) of Q_LEN queries and KV_LEN keys,
-    evaluating it on the device (one kernel, every entry once). ``like``: an array on the side to use (q), else
+    (query rows, key rows)) for B batch entries and H heads (1 or None: the same for all) of Q_LEN queries and KV_LEN
+    keys, evaluating it on the device (one kernel, every entry once). ``like``: an array on the side to use (q), else
     that of the first array of score_mod_args (NumPy ones: the result in NumPy), else CuPy's current device. Pass
     the result to :func:`flashnumba.flex_attention` (``block_mask=``) with the same mask_mod and score_mod_args.
     """
@@ -79,6 +79,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, score_mod_args: tuple = 
         qb, kb = BLOCK_SIZE
     else:
         raise ValueError(f"BLOCK_SIZE must be an int or a pair (query rows, key rows), got {BLOCK_SIZE!r}")
+    B, H = (1 if n is None else n for n in (B, H))  # (None: the same for every batch entry / head, as FlexAttention)
     for name, n in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN), ("BLOCK_SIZE", qb), ("BLOCK_SIZE", kb)):
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")

@@ -96,8 +96,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     positions cache_seqlens + t when causal or windowed, else all at cache_seqlens), ``rotary_interleaved``
     (GPT-J pairs) or not (GPT-NeoX halves). ``cache_batch_idx`` (batch,): the cache entry of each sequence (not
     with a block table; an entry named twice in a call that appends, checked where the values are read, is refused:
-    both sequences would write its rows). causal (bottom-right aligned), window_size, softcap, alibi_slopes, softmax_scale as
-    :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut into (0: chosen
+    both sequences would write its rows). causal (bottom-right aligned), window_size, softcap, alibi_slopes,
+    softmax_scale as :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut into (0: chosen
     from the GPU's SM count and the work, :func:`flashnumba.planner.decode_splits`; 1: none). Returns out like
     q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32. The arrays are NumPy, CuPy or
     torch CUDA tensors (all of one side; :mod:`flashnumba.torch` has the same function for torch code).

@@ -297,6 +297,49 @@ def test_a_call_without_queries_calls_no_function():
     assert to_numpy(out).shape == (1, 0, 2, 16) and to_numpy(lse).shape == (1, 2, 0)
 
 
+def test_torch_flex_attention_agrees_with_the_reference():
+    """The same functions through torch's FlexAttention (eagerly, on the CPU; in its layout (batch, nheads, seqlen,
+    d), the tensors its functions read captured where flashnumba takes them in score_mod_args) against flashnumba's
+    float64 reference, with the tolerance derived from the float32 reference: the semantics agree (the default
+    scale, q_idx and kv_idx without alignment when seqlen_q != seqlen_k, h the query head under GQA, rows that see
+    no key: out 0, lse -inf; lse in natural log). flashnumba's own kernels are held to the same reference above."""
+    torch = pytest.importorskip("torch")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    rng = np.random.default_rng(8)
+    doc = np.repeat(np.arange(3, dtype=np.int32), [6, 8, 6])
+    tdoc = torch.from_numpy(doc)
+
+    def alibi(s, b, h, i, j):
+        return s - 0.5 / (h + 1) * abs(i - j)
+
+    cases = [  # (name, seqlen_q, seqlen_k, nheads_k, torch's score_mod, its mask_mod, flashnumba's, score_mod_args)
+        ("causal", 20, 20, 2, None, lambda b, h, i, j: i >= j, None, lambda b, h, i, j: i >= j, ()),
+        ("documents", 20, 20, 2, None, lambda b, h, i, j: tdoc[i] == tdoc[j], None,
+         lambda b, h, i, j, d: d[i] == d[j], (doc,)),
+        ("alibi, gqa", 20, 20, 1, alibi, None, alibi, None, ()),
+        ("seqlen_q 12, seqlen_k 20, causal", 12, 20, 2, None, lambda b, h, i, j: i >= j, None,
+         lambda b, h, i, j: i >= j, ()),
+        ("rows 0-2 see no key", 20, 20, 2, None, lambda b, h, i, j: (i >= 3) & (j <= i), None,
+         lambda b, h, i, j: (i >= 3) and (j <= i), ())]
+    for name, sq, sk, hk, t_score, t_mask, score, mask, args in cases:
+        q = rng.standard_normal((1, sq, 2, 16)).astype(np.float32)
+        k, v = (rng.standard_normal((1, sk, hk, 16)).astype(np.float32) for _ in range(2))
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))) for x in (q, k, v))
+        try:  # (torch's own: a torch that cannot run it eagerly on the CPU is skipped)
+            block_mask = None if t_mask is None else flex.create_block_mask(t_mask, None, None, sq, sk,
+                                                                           device="cpu")
+            out, lse = flex.flex_attention(tq, tk, tv, score_mod=t_score, block_mask=block_mask, enable_gqa=hk < 2,
+                                           return_lse=True)
+        except (NotImplementedError, RuntimeError) as err:
+            pytest.skip(f"torch {torch.__version__}'s FlexAttention does not run eagerly on the CPU: {err}")
+        out, lse = out.numpy().transpose(0, 2, 1, 3), lse.numpy()
+        opts = dict(score_mod=score, mask_mod=mask, score_mod_args=args)
+        truth_o, truth_l = flashnumba.reference.flex_attention_forward(q, k, v, **opts)
+        base_o, base_l = flashnumba.reference.flex_attention_forward(q, k, v, dtype=np.float32, **opts)
+        assert_close_to_truth(f"out ({name})", out, truth_o, base_o, reduction=max(16, sk))
+        assert_close_to_truth(f"lse ({name})", lse, truth_l, base_l, reduction=max(16, sk))
+
+
 def test_tanh_approx_is_exact_on_the_host_and_the_gpus_formula_on_a_float32():
     """flashnumba.tanh_approx: NumPy's tanh on a float64 (the float64 reference's truth); on a float32 (a score in
     the simulator) the Hopper softcap's 1 - 2 / (2^(2 x log2 e) + 1), within a few float32 ulps of 1 of the truth,
@@ -535,6 +578,13 @@ BROKEN = {"returns a pair": (dict(score_mod=returns_a_pair), "score_mod 'returns
                                   "return one bool")}
 
 
+GLOBAL_TABLE = np.arange(4)
+
+
+def reads_a_global_table(b, h, q_idx, kv_idx):
+    return GLOBAL_TABLE[q_idx] >= GLOBAL_TABLE[kv_idx]
+
+
 def test_bad_functions_and_arguments_are_clear_errors():
     q, k, v = random_qkv(np.random.default_rng(5), 1, 4, 4, 2, 8, np.float32)
     with pytest.raises(TypeError, match="score_mod 'bad' must take \\(score, b, h, q_idx, kv_idx\\)"):
@@ -550,6 +600,14 @@ def test_bad_functions_and_arguments_are_clear_errors():
                                   score_mod_args=(np.array(0.5, np.float32),))
     with pytest.raises(ValueError, match="enable_gqa=True"):
         flashnumba.flex_attention(q, k[:, :, :1], v[:, :, :1], softcap)
+    # an array read from a closure or a global: frozen into a GPU's kernel, read live by the simulator: refused
+    table = np.zeros(4, np.float32)
+    with pytest.raises(TypeError, match="score_mod '<lambda>' reads the array 'table' from a closure: pass it in "
+                                        "score_mod_args"):
+        flashnumba.flex_attention(q, k, v, lambda s, b, h, i, j: s + table[i])
+    with pytest.raises(TypeError, match="mask_mod 'reads_a_global_table' reads the array 'GLOBAL_TABLE' from a "
+                                        "global"):
+        flashnumba.create_block_mask(reads_a_global_table, 1, 1, 4, 4, BLOCK_SIZE=16, like=q)
     with pytest.raises(ValueError, match="runs on the forward kernels"):
         flashnumba.flex_attention(q, k, v, softcap, kernel="v1")
     with pytest.raises(TypeError, match="float16 or bfloat16"):  # (q is float32)
@@ -1302,6 +1360,11 @@ def test_block_mask_errors():
             flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=size)
     with pytest.raises(TypeError, match="mask_mod must be a function"):
         flashnumba.create_block_mask(None, 1, 1, 20, 20, BLOCK_SIZE=16)
+    none = flashnumba.create_block_mask(mask_mod, None, None, 20, 20, score_mod_args=args, BLOCK_SIZE=16)
+    one = flashnumba.create_block_mask(mask_mod, 1, 1, 20, 20, score_mod_args=args, BLOCK_SIZE=16)
+    np.testing.assert_array_equal(to_numpy(none.state), to_numpy(one.state))  # (None: FlexAttention's broadcast)
+    with pytest.raises(TypeError, match="a block mask goes in block_mask="):  # (FlexAttention's fifth argument)
+        flashnumba.flex_attention(q, k, v, None, bm, score_mod_args=args)
     for kwargs, name in ((dict(score_mod_args=([0] * 20,)), "score_mod_args\\[0\\]"),
                          (dict(score_mod_args=(1,)), "score_mod_args\\[0\\]"), (dict(like=[1.0]), "like")):
         with pytest.raises(TypeError, match=f"^{name} must be an array, got"):  # (an AttributeError before)
