@@ -345,10 +345,11 @@ def flash_attn_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, l
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_keywords(function, names, target):
+def _check_keywords(function, names, target, given=()):
     """TypeError for a keyword argument (of ``names``) of ``function`` that neither it nor ``target`` (which it
-    passes them to) takes, as Python would raise it, before any work (a dropout seed drawn, a kernel run)."""
-    unknown = set(names).difference(_keywords(target))
+    passes them to, with the arguments ``given`` of its own) takes, as Python would raise it, before any work (a
+    dropout seed drawn, a kernel run)."""
+    unknown = set(names).difference(_keywords(target)) | set(names).intersection(given)
     if unknown:
         raise TypeError(f"{function}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
 
@@ -446,12 +447,13 @@ def flash_attn_func(q: Array, k: Array, v: Array, dropout_p: float = 0.0, softma
     """
     opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                 alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-    _check_keywords("flash_attn_func", kwargs, flash_attn_forward)
-    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 4, None),
-                      lambda: check_forward_args(q, k, v, **opts))
-    if return_attn_probs:  # (refused before the forward runs, where they would be too many)
+    if kwargs:
+        _check_keywords("flash_attn_func", kwargs, flash_attn_forward)
+    if check_flag("return_attn_probs", return_attn_probs):  # (too many refused before a seed or a kernel)
         (tq, tk, _), _ = check_forward_args(q, k, v, **opts)
         check_probs_size(tq.shape[0], tq.shape[2], tq.shape[1], tk.shape[1])
+    _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 4, None),
+                      lambda: check_forward_args(q, k, v, **opts))
     out, lse = flash_attn_forward(q, k, v, **opts, **kwargs)
     if not return_attn_probs:
         return out
@@ -623,7 +625,8 @@ def flash_attn_varlen_func(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu
     """flash-attn's ``flash_attn_varlen_func``, with its argument names and defaults: the output only
     (``return_attn_probs`` is not available for packed batches). With dropout and no ``dropout_seed``: as
     :func:`flash_attn_func`."""
-    _check_keywords("flash_attn_varlen_func", kwargs, flash_attn_varlen_forward)
+    if kwargs:
+        _check_keywords("flash_attn_varlen_func", kwargs, flash_attn_varlen_forward)
     if check_flag("return_attn_probs", return_attn_probs):  # (before a dropout seed is drawn)
         raise ValueError("return_attn_probs=True is not implemented for variable-length batches")
     _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, _heads_of_batch(q, 3, cu_seqlens_q),
@@ -647,7 +650,8 @@ def attention_with_grad(q: Array, k: Array, v: Array, dout: Array, *, softmax_sc
     forward uses its defaults). With dropout and no ``dropout_seed``, a fresh seed (:func:`draw_dropout_seed`) serves
     both passes.
     """
-    _check_keywords("attention_with_grad", kwargs.keys() - {"backward_kernel"}, flash_attn_backward)
+    _check_keywords("attention_with_grad", kwargs.keys() - {"backward_kernel"}, flash_attn_backward,
+                    given=("dout", "q", "k", "v", "out", "lse"))
     fwd_kw = {n: kwargs.pop(n) for n in ("kernel",) if n in kwargs}
     for n in ("stream", "precision"):
         if n in kwargs:

@@ -625,6 +625,7 @@ def check_varlen(impl, examples, dtypes, head_dims, max_seqlen, seed):
         args = [_to(x, impl.side(p.dtype)) for x in (q, k, v, cu_q, cu_k)]
         out = impl.varlen(*args, max(a for a, _ in lens), max(b for _, b in lens), **_call_options(p, impl))
         out = _back(out[0] if isinstance(out, tuple) else out)
+        _like("varlen out", out, q)
         ro = p.reference_options()
         truth, _ = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, **ro)
         base, _ = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, dtype=np.dtype(q.dtype), **ro)
@@ -642,8 +643,12 @@ def check_dropout(impl, dtypes, head_dims, samples=400, p_drop=0.3):
     directional derivative of sum(out * dout) along a random direction, by central differences in float64)."""
     if "dropout" not in impl.supports:
         return Result("dropout", None, note="dropout not declared")
+    order = sorted(head_dims, key=lambda h: (h < 16, -h))  # (the largest of at least 16 first: V = I needs d >= sk)
+    return _first_taken(order, lambda d: _dropout(impl, dtypes, d, samples, p_drop))
+
+
+def _dropout(impl, dtypes, d, samples, p_drop):
     dtype = "float32" if "float32" in dtypes else dtypes[0]
-    d = max(h for h in head_dims if h >= 16) if any(h >= 16 for h in head_dims) else head_dims[0]
     sk = min(d, 24)
     p = Problem(dtype, 1, 8, sk, 1, 1, d, {}, 11)
     q, k, v, dout = p.inputs()
@@ -685,8 +690,11 @@ def check_dropout(impl, dtypes, head_dims, samples=400, p_drop=0.3):
 def _dropout_gradient_mismatch(impl, p, q, k, v, dout, p_drop, seed=5):
     """None where <(dq, dk, dv), u> matches the central difference of sum(out * dout) along u (step 1e-3 in
     float32, 2^-4 in a 16-bit dtype, whose rounding would swamp a smaller step), else what differs."""
-    grads = impl.backward(*(_to(x, impl.side(p.dtype)) for x in (dout, q, k, v)), dropout_p=p_drop, seed=seed)
-    grads = [np.asarray(_back(g), np.float64) for g in grads]
+    grads = [_back(g) for g in impl.backward(*(_to(x, impl.side(p.dtype)) for x in (dout, q, k, v)),
+                                             dropout_p=p_drop, seed=seed)]
+    for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        _like(name, g, x)
+    grads = [np.asarray(g, np.float64) for g in grads]
     rng = np.random.default_rng(1)
     f32 = [np.asarray(x, np.float32) for x in (q, k, v)]
     us = [rng.standard_normal(x.shape).astype(np.float32) for x in f32]

@@ -35,9 +35,8 @@ S_dmask only with dropout, probs without dropout is an empty tensor; with dropou
 where dropped, scaled by 1 / (1 - dropout_p) where kept), not flash-attn's sign-encoded S_dmask: a debugging path for
 small sizes (:func:`flashnumba.attention_probs`), not for varlen. softmax_lse and probs have no backward: they come
 marked non-differentiable (``requires_grad`` False, as the indices of ``torch.max``), so gradients flow through out
-alone. ``deterministic``
-is accepted: flashnumba's backward is always deterministic. ``block_table`` (paged KV) is not supported by the
-varlen functions. The varlen functions read ``cu_seqlens`` on the host to check them
+alone. ``deterministic`` is accepted: flashnumba's backward is always deterministic. ``block_table`` (paged KV) is
+not supported by the varlen functions. The varlen functions read ``cu_seqlens`` on the host to check them
 (``flashnumba.config.check_device_values``), which a CUDA graph capture cannot do: capture them with it off.
 """
 
@@ -282,7 +281,7 @@ def _state_range(name, n):
     """While torch.compile traces, an int that the traced code read from a tensor (``.item()``: a max_seqlen from
     cu_seqlens) has no value to compare; its range is stated instead (checked when the graph runs), after which the
     comparisons of :func:`flashnumba._validate.check_int` hold by that range."""
-    def message():
+    def message():  # (its closure may hold constants only: not the value)
         return f"{name} must be in [0, 2**31 - 1]"
 
     torch._check(0 <= n, message)
@@ -328,8 +327,8 @@ def _attention(ctx, q, k, v, alibi_slopes, scalars, return_softmax):
     whose last dimension is strided are copied first, as flash-attn's functions do. probs (``return_softmax``) as
     flash-attn's S_dmask is there: with dropout the probabilities (:func:`_probs_impl`, too many of them refused
     before the forward runs), without an empty tensor."""
-    if return_softmax and scalars[0] and not torch.compiler.is_compiling():
-        api.check_probs_size(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    if return_softmax and scalars[0] and not torch.compiler.is_compiling() and q.dim() == 4 == k.dim():
+        api.check_probs_size(q.shape[0], q.shape[2], q.shape[1], k.shape[1])  # (other ranks: refused next)
     q, k, v = (_contiguous_last(x) for x in (q, k, v))
     forward = _op(_forward_dropout if scalars[0] else _forward, _forward_impl, q, k, v)
     out, lse, rng = forward(q, k, v, alibi_slopes, *scalars, _draw_token(q, scalars))

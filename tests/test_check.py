@@ -158,6 +158,15 @@ def test_broken_contracts_are_named(bug):
         assert report["forward"].passed and report["causal-convention"].passed, str(report)
 
 
+def test_a_varlen_output_of_another_dtype_is_named():
+    def varlen(*args, **options):
+        return plain_varlen(*args, **options).astype(np.float64)
+
+    report = check_attention(Implementation("v", plain_attention, varlen=varlen), dtypes=("float32",), examples=5,
+                             max_seqlen=20, head_dims=(16,), properties=("varlen",))
+    assert report["varlen"].passed is False and "varlen out is float64" in report["varlen"].note, str(report)
+
+
 def test_a_kernel_for_some_head_dims_is_checked_at_those():
     """The fixed problems move on to a head dim the implementation takes: a kernel refusing the first one drawn
     (16) is still checked, and fails where it is wrong; one refusing every problem checked nothing, and the report

@@ -689,6 +689,39 @@ def test_dropout_is_reproducible_under_manual_seed_and_advances_the_generator():
 
 
 @on_gpu
+def test_return_attn_probs_on_the_gpu():
+    """Eagerly on CUDA tensors (the operators' bodies called directly): without dropout out and lse as the core API
+    gives them and an empty third value; with dropout the probabilities of the forward's own mask; too many of them
+    refused before anything runs (torch's generator where it was); varlen (out, lse (nheads, total_q), empty)."""
+    q, k, v = (torch.randn(2, 40, 4, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    plain = [x.detach() for x in (q, k, v)]
+    out, lse, probs = ft.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    want_out, want_lse = flashnumba.flash_attn_forward(*plain, causal=True)
+    assert probs.shape == (0,) and probs.dtype == q.dtype and torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    gen = torch.cuda.default_generators[q.device.index]
+    torch.manual_seed(3)
+    seed, offset = kernel_seed(gen)
+    out, lse, probs = ft.flash_attn_func(q, k, v, dropout_p=0.2, causal=True, return_attn_probs=True)
+    want = flashnumba.attention_probs(*plain, lse, causal=True, dropout_p=0.2, dropout_seed=seed, dropout_offset=offset)
+    assert probs.shape == (2, 4, 40, 40) and torch.equal(probs, want)
+    out.float().sum().backward()
+    big = torch.zeros(1, 4096, 16, 64, device="cuda", dtype=torch.float16)
+    before = gen.get_offset()
+    with pytest.raises(ValueError, match="more than the 67108864 allowed"):
+        ft.flash_attn_func(big, big, big, dropout_p=0.1, return_attn_probs=True)
+    assert gen.get_offset() == before
+    cu = torch.tensor([0, 30, 80], dtype=torch.int32, device="cuda")
+    qv = torch.randn(80, 4, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    out, lse, probs = ft.flash_attn_varlen_func(qv, qv, qv, cu, cu, 50, 50, causal=True, return_attn_probs=True)
+    want_out, want_lse = flashnumba.flash_attn_varlen_forward(qv.detach(), qv.detach(), qv.detach(), cu, cu, 50, 50,
+                                                              causal=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and lse.shape == (4, 80)
+    assert probs.shape == (0,)
+    out.float().sum().backward()
+    assert qv.grad.shape == qv.shape
+
+
+@on_gpu
 @pytest.mark.parametrize("grad", [False, True])
 def test_two_dropout_calls_in_one_compiled_graph_draw_two_masks(grad):
     """Two calls with the same inputs in one compiled graph are two draws, with or without autograd, and differ as

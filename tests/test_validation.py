@@ -161,6 +161,11 @@ def test_a_bad_call_with_dropout_draws_no_seed(monkeypatch):
     with pytest.raises(ValueError, match="return_attn_probs=True is not implemented for variable-length"):
         flashnumba.flash_attn_varlen_func(q[0], k[0, :4], v[0, :4], cu, cu, 4, 4, dropout_p=0.1,
                                           return_attn_probs=True)
+    with pytest.raises(TypeError, match="attention_with_grad\\(\\) got an unexpected keyword argument 'out'"):
+        flashnumba.attention_with_grad(q, k, v, q, dropout_p=0.1, out=q)  # (flash_attn_backward's, given by it)
+    monkeypatch.setattr(api, "MAX_PROBS_ELEMENTS", 10)
+    with pytest.raises(ValueError, match="more than the 10 allowed"):
+        flashnumba.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
     assert drawn == []
 
 
