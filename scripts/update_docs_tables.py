@@ -107,8 +107,9 @@ def headline(d, dtype, source, prefix="docs/results/latest/", seqlen=4096, ours=
     if single:
         timing += "; after the slash, one call per pair of CUDA events"
     batch = 16384 // seqlen
-    out = [f"{dtype}, seqlen {seqlen}, batch {batch}, heads = 2048 / head_dim, TFLOP/s; flashnumba's "
-           f"{'kernels' if ours.startswith('flashnumba_') and ours not in DEFAULT_PATH[dtype] else 'default kernels'} "
+    named = ours.startswith("flashnumba_") and ours not in DEFAULT_PATH[dtype]
+    what = "kernels" if named else "default kernels on the run's date"  # (the defaults change; the run's stay)
+    out = [f"{dtype}, seqlen {seqlen}, batch {batch}, heads = 2048 / head_dim, TFLOP/s; flashnumba's {what} "
            f"(`{ours}`). {e['device']}, {e['date'][:10]}, {timing}; source: "
            f"[`{prefix}{source}`]({prefix}{source}).", "",
            "| head_dim | causal | pass | flashnumba | " + " | ".join(PEER_NAMES[p] for p in peers) +
@@ -219,8 +220,8 @@ def hopper_summary(d, prefix="docs/results/latest/"):
             f"`flashnumba/kernels/wgmma_forward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes), {mma} (float16 forward, seqlen 4096 and 16384, "
-            f"{env['date'][:10]}: [bench-wgmma.json]({prefix}bench-wgmma.json); docs/benchmarks.md, \"How fast is "
-            f"the Hopper forward?\")."]
+            f"{env['date'][:10]}: [bench-wgmma.json]({prefix}bench-wgmma.json); "
+            f"{_section(prefix, 'How fast is the Hopper forward?')})."]
 
 
 def padded(data, prefix="results/latest/"):
@@ -291,8 +292,14 @@ def hopper_backward_summary(d, prefix="docs/results/latest/"):
             f"`flashnumba/kernels/wgmma_backward.py`), correct on the H200 at "
             f"{span('torch_sdpa_flash')} FlashAttention-2's speed and {span('torch_sdpa_cudnn')} cuDNN's (both timing "
             f"modes){mma} (float16, seqlen 4096 and 16384, {env['date'][:10]}: "
-            f"[bench-wgmma-bwd.json]({prefix}bench-wgmma-bwd.json); docs/benchmarks.md, \"How fast is the Hopper "
-            f"backward?\", which gives the later runs)."]
+            f"[bench-wgmma-bwd.json]({prefix}bench-wgmma-bwd.json); "
+            f"{_section(prefix, 'How fast is the Hopper backward?')}, which gives the later runs)."]
+
+
+def _section(prefix, title):
+    """A link to a section of docs/benchmarks.md from the file whose results are under ``prefix``."""
+    anchor = "".join(c for c in title.lower() if c.isalnum() or c in " -").replace(" ", "-")
+    return f"[docs/benchmarks.md, \"{title}\"]({prefix.replace('results/latest/', '')}benchmarks.md#{anchor})"
 
 
 def decode(d, prefix="results/latest/"):
