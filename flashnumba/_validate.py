@@ -172,26 +172,33 @@ def mod_args_tuple(score_mod_args) -> tuple:
     return tuple(score_mod_args)
 
 
-def _captured_arrays(fn) -> list:
-    """The names of the arrays (NumPy, CuPy, torch, any CUDA array) that ``fn`` reads from its closure or its
-    module's globals."""
+def _captured_arrays(fn, seen=None) -> list:
+    """The names of the arrays (NumPy, CuPy, torch, any CUDA array) that ``fn``, or a plain function it calls,
+    reads from a closure or its module's globals."""
+    import types
+
     code = getattr(fn, "__code__", None)
-    if code is None:
+    seen = set() if seen is None else seen
+    if code is None or code in seen:
         return []
+    seen.add(code)
 
     def is_array(x):
         return isinstance(x, np.ndarray) or hasattr(x, "__cuda_array_interface__") or \
             type(x).__module__.startswith("torch") and type(x).__name__ in ("Tensor", "Parameter")
 
-    found = []
+    values = []
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
-            if is_array(cell.cell_contents):
-                found.append(name)
+            values.append((name, cell.cell_contents))
         except ValueError:  # (a cell not yet filled)
             pass
     scope = getattr(fn, "__globals__", {})
-    found += [name for name in code.co_names if name in scope and is_array(scope[name])]
+    values += [(name, scope[name]) for name in code.co_names if name in scope]
+    found = [name for name, x in values if is_array(x)]
+    for _, x in values:  # (the functions it calls, compiled with it)
+        if isinstance(x, types.FunctionType):
+            found += _captured_arrays(x, seen)
     return found
 
 

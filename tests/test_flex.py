@@ -608,6 +608,8 @@ def test_bad_functions_and_arguments_are_clear_errors():
     with pytest.raises(TypeError, match="mask_mod 'reads_a_global_table' reads the array 'GLOBAL_TABLE' from a "
                                         "global"):
         flashnumba.create_block_mask(reads_a_global_table, 1, 1, 4, 4, BLOCK_SIZE=16, like=q)
+    with pytest.raises(TypeError, match="reads the array 'GLOBAL_TABLE'"):  # (through a function it calls)
+        flashnumba.flex_attention(q, k, v, mask_mod=lambda b, h, i, j: reads_a_global_table(b, h, i, j))
     with pytest.raises(ValueError, match="runs on the forward kernels"):
         flashnumba.flex_attention(q, k, v, softcap, kernel="v1")
     with pytest.raises(TypeError, match="float16 or bfloat16"):  # (q is float32)
