@@ -437,6 +437,21 @@ def test_tc_options_match_reference():
     check_backward(grads, dout, q, k, v, out, lse, **ref_opts)
 
 
+def test_tc_one_sided_left_window():
+    """A left window alone (no right bound, no causal) over tiles of 16 at seqlen 40: key tiles lie inside every
+    row's right bound and the sequence yet left of the later rows' left bound, so the masking decision of a tile
+    rests on the window's left edge alone (a decision from the tile's first query row instead of its last passed
+    every other test), forward and backward."""
+    rng = np.random.default_rng(12)
+    q, k, v = random_qkv(rng, 1, 40, 40, 1, 32, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    opts = dict(window_size=(3, -1), kernel="tc", block_m=16, block_n=16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, **opts)
+    check_forward(out, lse, q, k, v, window_size=(3, -1))
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, **opts)
+    check_backward(grads, dout, q, k, v, out, lse, window_size=(3, -1))
+
+
 def test_tc_varlen_matches_reference():
     """Packed sequences, one empty, causal: each sequence checked as a batch of one."""
     rng = np.random.default_rng(3)

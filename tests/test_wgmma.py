@@ -846,6 +846,19 @@ def test_backward_keys_no_query_sees():
     assert not np.asarray(grads[1])[:, :141].any() and np.asarray(grads[1])[:, 141:].any()
 
 
+def test_one_sided_left_window():
+    """A left window alone over tiles of 64 at seqlen 128: the second key tile lies inside every row's right bound
+    and the sequence yet left of the later rows' left bound in the second query tile, so the masking decision rests
+    on the window's left edge alone (a decision from the tile's first query row instead of its last passed every
+    other test), forward and both backward kernels."""
+    rng = np.random.default_rng(23)
+    q, k, v = random_qkv(rng, 1, 128, 128, 1, 32, np.float16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, window_size=(3, -1), kernel="wgmma", block_m=64, block_n=64)
+    check_forward(out, lse, q, k, v, window_size=(3, -1))
+    grads, dout, out, lse = wgmma_backward(q, k, v, tiles=(64, 64), window_size=(3, -1))
+    check_backward(grads, dout, q, k, v, out, lse, window_size=(3, -1))
+
+
 def test_backward_two_warpgroups_every_option():
     """At the default tiles: two warpgroups sharing each tile in both kernels (dQ's key tiles and dK/dV's query
     tiles of 32, as the planner gives them with more than two per-entry options), GQA (the dK/dV kernel summing two
