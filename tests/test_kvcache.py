@@ -288,6 +288,18 @@ def test_drawn_caches_on_the_split_kv_kernel(batch, seqlen_q, seqlen_new, nheads
     _check(q, k, v, kc, vc, kw, opts, dict(num_splits=num_splits, kernel="splitkv"))
 
 
+@pytest.mark.parametrize("kernel", ["splitkv", "gather"])
+def test_pages_of_several_tiles_and_queries_rotated_at_the_cache_length(kernel):
+    """Fixed cases the drawn ones reach rarely: pages of 128 rows holding two key tiles of 64 (the second tile read
+    at its offset in the page: from the page's start it passed every other test), and three new queries without
+    causal or a window, all rotated at the cache's length (rotated at L + t they passed too)."""
+    rng = np.random.default_rng(9)
+    q, k, v, kc, vc, kw = _problem(rng, 1, 1, 1, 1, 2, 16, [100], True, 128, np.float16, 0)
+    _check(q, k, v, kc, vc, kw, {}, dict(kernel=kernel))
+    q, k, v, kc, vc, kw = _problem(rng, 2, 3, 2, 1, 2, 16, [7, 20], False, 16, np.float16, 8)
+    _check(q, k, v, kc, vc, kw, dict(rotary_interleaved=False), dict(kernel=kernel))
+
+
 def test_split_kv_on_cupy_arrays_appends_in_place():
     """On the GPU with CuPy arrays: the cache updated in place on the device, the result as with NumPy."""
     cupy = pytest.importorskip("cupy") if not flashnumba.SIMULATOR else pytest.skip("a GPU test")
