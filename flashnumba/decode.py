@@ -97,9 +97,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (GPT-J pairs) or not (GPT-NeoX halves). ``cache_batch_idx`` (batch,): the cache entry of each sequence (not
     with a block table; an entry named twice in a call that appends, checked where the values are read, is refused:
     both sequences would write its rows). causal (bottom-right aligned), window_size, softcap, alibi_slopes,
-    softmax_scale as :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut into (0: chosen
-    from the GPU's SM count and the work, :func:`flashnumba.planner.decode_splits`; 1: none). Returns out like
-    q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32. The arrays are NumPy, CuPy or
+    softmax_scale as :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut
+    into (0: chosen from the GPU's SM count and the work, :func:`flashnumba.planner.decode_splits`; 1: none).
+    Returns out like q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32. The arrays are NumPy, CuPy or
     torch CUDA tensors (all of one side; :mod:`flashnumba.torch` has the same function for torch code).
 
     ``kernel`` (flashnumba's own): None, "splitkv" (float16 / bfloat16, head_dim a multiple of 8 up to 256, a
