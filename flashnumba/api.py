@@ -21,6 +21,7 @@ first seen: ``FLASHNUMBA_MAX_SHARED_BYTES`` and the current device are read then
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import threading
 from typing import Any
@@ -354,16 +355,11 @@ def _check_keywords(function, names, target, given=()):
         raise TypeError(f"{function}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
 
 
+@functools.lru_cache(maxsize=None)
 def _keywords(function) -> frozenset:
-    names = _KEYWORDS.get(function)
-    if names is None:
-        import inspect as _inspect
+    import inspect as _inspect
 
-        names = _KEYWORDS[function] = frozenset(_inspect.signature(function).parameters)
-    return names
-
-
-_KEYWORDS: dict = {}
+    return frozenset(_inspect.signature(function).parameters)
 
 
 def _check_func_flags(dropout_p, deterministic, return_attn_probs, kwargs, q, heads_of_batch, validate):

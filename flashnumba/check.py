@@ -308,9 +308,10 @@ def _forward(impl, problem, q, k, v, **extra):
     result = impl.forward(_to(q, side), _to(k, side), _to(v, side), **_call_options(problem, impl), **extra)
     out, lse = (_back(result[0]), _back(result[1])) if isinstance(result, tuple) else (_back(result), None)
     _like("out", out, q)
-    if lse is not None and np.shape(lse) != q.shape[:1] + q.shape[2:3] + q.shape[1:2]:
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    if lse is not None and np.shape(lse) != lse_shape:
         raise _Failure(math.inf, math.inf, 0.0, f"lse has shape {np.shape(lse)}, expected (batch, nheads, seqlen_q) "
-                                                f"= {q.shape[:1] + q.shape[2:3] + q.shape[1:2]}")
+                                                f"= {lse_shape}")
     return out, lse
 
 
@@ -322,15 +323,20 @@ def _like(name, got, x):
                                                 f"{x.shape}")
 
 
-def _backward(impl, problem, dout, q, k, v):
-    side = impl.side(problem.dtype)
-    grads = tuple(_back(g) for g in impl.backward(*(_to(x, side) for x in (dout, q, k, v)),
-                                                   **_call_options(problem, impl)))
+def _grads_like(grads, q, k, v):
+    """The backward's results as NumPy arrays, each a _Failure unless (dq, dk, dv) like (q, k, v)."""
+    grads = tuple(_back(g) for g in grads)
     if len(grads) != 3:
         raise _Failure(math.inf, math.inf, 0.0, f"the backward returned {len(grads)} arrays, expected (dq, dk, dv)")
     for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
         _like(name, g, x)
     return grads
+
+
+def _backward(impl, problem, dout, q, k, v):
+    side = impl.side(problem.dtype)
+    return _grads_like(impl.backward(*(_to(x, side) for x in (dout, q, k, v)), **_call_options(problem, impl)),
+                       q, k, v)
 
 
 def _problems(impl, dtypes, head_dims, max_seqlen, options=None):
@@ -690,10 +696,8 @@ def _dropout(impl, dtypes, d, samples, p_drop):
 def _dropout_gradient_mismatch(impl, p, q, k, v, dout, p_drop, seed=5):
     """None where <(dq, dk, dv), u> matches the central difference of sum(out * dout) along u (step 1e-3 in
     float32, 2^-4 in a 16-bit dtype, whose rounding would swamp a smaller step), else what differs."""
-    grads = [_back(g) for g in impl.backward(*(_to(x, impl.side(p.dtype)) for x in (dout, q, k, v)),
-                                             dropout_p=p_drop, seed=seed)]
-    for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
-        _like(name, g, x)
+    grads = _grads_like(impl.backward(*(_to(x, impl.side(p.dtype)) for x in (dout, q, k, v)), dropout_p=p_drop,
+                                      seed=seed), q, k, v)
     grads = [np.asarray(g, np.float64) for g in grads]
     rng = np.random.default_rng(1)
     f32 = [np.asarray(x, np.float32) for x in (q, k, v)]

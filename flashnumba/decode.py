@@ -99,8 +99,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     both sequences would write its rows). causal (bottom-right aligned), window_size, softcap, alibi_slopes,
     softmax_scale as :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut
     into (0: chosen from the GPU's SM count and the work, :func:`flashnumba.planner.decode_splits`; 1: none).
-    Returns out like q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32. The arrays are NumPy, CuPy or
-    torch CUDA tensors (all of one side; :mod:`flashnumba.torch` has the same function for torch code).
+    Returns out like q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32. The arrays are
+    NumPy, CuPy or torch CUDA tensors (all of one side; :mod:`flashnumba.torch` has the same function for torch code).
 
     ``kernel`` (flashnumba's own): None, "splitkv" (float16 / bfloat16, head_dim a multiple of 8 up to 256, a
     GPU of compute capability >= 8.0; the caches C-contiguous) or "gather" (any dtype: the keys each sequence
