@@ -81,9 +81,10 @@ def _int64(name, host):
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, block_table=None, softmax_scale=None,
-                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, kernel=None) -> Any:
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            kernel=None) -> Any:
     """Attention of q against a KV cache, with flash-attn 2.8's arguments and semantics.
 
     q (batch, seqlen_q, nheads, head_dim); k_cache, v_cache (batch_cache, seqlen_cache, nheads_k, head_dim), or
@@ -96,9 +97,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     positions cache_seqlens + t when causal or windowed, else all at cache_seqlens), ``rotary_interleaved``
     (GPT-J pairs) or not (GPT-NeoX halves). ``cache_batch_idx`` (batch,): the cache entry of each sequence (not
     with a block table; an entry named twice in a call that appends, checked where the values are read, is refused:
-    both sequences would write its rows). causal (bottom-right aligned), window_size, softcap, alibi_slopes,
-    softmax_scale as :func:`flashnumba.flash_attn_forward`. ``num_splits``: the parts each sequence's keys are cut
-    into (0: chosen from the GPU's SM count and the work, :func:`flashnumba.planner.decode_splits`; 1: none).
+    both sequences would write its rows). ``cache_leftpad`` (batch,) int32, not with a block table: where each
+    sequence's keys start in its cache row (positions below it are left padding, never attended to; in [0,
+    cache_seqlens]); positions (rotations, masks) stay those of the cache. causal (bottom-right aligned),
+    window_size, softcap, alibi_slopes, softmax_scale as :func:`flashnumba.flash_attn_forward`. ``num_splits``: the
+    parts each sequence's keys are cut into (0: chosen from the GPU's SM count and the work,
+    :func:`flashnumba.planner.decode_splits`; 1: none).
     Returns out like q, and with ``return_softmax_lse`` also lse (batch, nheads, seqlen_q) float32. The arrays are
     NumPy, CuPy or torch CUDA tensors (all of one side; :mod:`flashnumba.torch` has the same function for torch code).
 
@@ -123,13 +127,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # what the shapes, dtypes, options and the kernel choice decide: checked once per kind of call, then kept
     lens_array = cache_seqlens is not None and not isinstance(cache_seqlens, (int, np.integer))
     key = _key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens if lens_array else None, cache_batch_idx,
-                           block_table, rotary_cos, rotary_sin, alibi_slopes),
+                           block_table, rotary_cos, rotary_sin, alibi_slopes, cache_leftpad),
                (causal, tuple(window_size) if isinstance(window_size, list) else window_size, softcap,
                 rotary_interleaved, softmax_scale, num_splits, kernel, bool(return_softmax_lse),
                 None if lens_array else type(cache_seqlens)))
     st = _cached(key, lambda: _Static(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx,
                                       block_table, causal, window_size, softcap, alibi_slopes, softmax_scale,
-                                      num_splits, kernel, bool(return_softmax_lse), rotary_interleaved))
+                                      num_splits, kernel, bool(return_softmax_lse), rotary_interleaved,
+                                      cache_leftpad is not None))
     batch, seqlen_q, capacity, seqlen_new, page = st.batch, st.seqlen_q, st.capacity, st.seqlen_new, st.page
     read = config.check_cache_values or not st.splitkv  # device integer arrays copied to the host and checked
     table = bt = bidx = None
@@ -148,6 +153,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if lens is not None and (lens.min(initial=0) < 0 or lens.max(initial=0) + seqlen_new > capacity):
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache's capacity), got "
                          f"{int(lens.min())} .. {int(lens.max()) + seqlen_new}")
+    pads_in = pads = None
+    if cache_leftpad is not None:  # (the lengths before the step bound it: the new keys are never padding)
+        pads_in, pads = _ints("cache_leftpad", cache_leftpad, (batch,), read)
+        top = lens if lens is not None else np.full(batch, capacity, np.int64)
+        if pads is not None and batch and ((pads < 0) | (pads > top)).any():
+            raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens] for each sequence, got "
+                             f"{pads.tolist()[:8]} against {top.tolist()[:8]}")
     if st.paged and bt is not None and lens is not None:  # the pages the sequences use (a table may be padded past)
         used = np.arange(bt.shape[1])[None, :] < -(-(lens + seqlen_new) // page)[:, None]
         bad = used & ((bt < 0) | (bt >= k_cache.shape[0]))
@@ -161,7 +173,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if rotary_cos.shape[0] < need:
             raise ValueError(f"rotary tables of {rotary_cos.shape[0]} positions; this call needs {need}")
     arrays = (q, k_cache, v_cache, lens_in, bidx, table, alibi_slopes if st.opts.alibi is not None else None, k, v,
-              rotary_cos, rotary_sin)
+              rotary_cos, rotary_sin, pads_in)
     if st.splitkv:
         # the new keys in, the rotations, the attention on the split-KV kernel reading the cache in place: one plan
         res = st.call(arrays).run(arrays)  # [out, lse], or [out] (lse then in the call's scratch)
@@ -188,9 +200,12 @@ def _gather(st, arrays, return_lse, softmax_scale, causal, window_size, softcap,
             alibi_slopes = cupy.asarray(alibi_slopes.detach())
     xp = np if _arrays.kind(qp) == "numpy" else _arrays.cupy
     batch, seqlen_q, nheads, d = st.batch, st.seqlen_q, st.nheads, st.d
-    seqlen_k = np.clip(_arrays.to_host(seqlens).astype(np.int64), 0, st.capacity)
+    end = np.clip(_arrays.to_host(seqlens).astype(np.int64), 0, st.capacity)
+    start = np.zeros(batch, np.int64) if arrays[11] is None else np.clip(
+        _arrays.to_host(arrays[11]).astype(np.int64), 0, end)  # (left padding: never attended to)
+    seqlen_k = end - start
     b_idx = np.repeat(np.arange(batch), seqlen_k)
-    pos = np.concatenate([np.arange(n) for n in seqlen_k]) if batch else np.zeros(0, np.int64)
+    pos = np.concatenate([np.arange(a, n) for a, n in zip(start, end)]) if batch else np.zeros(0, np.int64)
     if st.paged:
         table = xp.asarray(_arrays.to_host(arrays[5]))
         r = table[xp.asarray(b_idx), xp.asarray(pos // st.page)], xp.asarray(pos % st.page)
@@ -220,7 +235,7 @@ class _Static:
 
     def __init__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, block_table, causal,
                  window_size, softcap, alibi_slopes, softmax_scale, num_splits, kernel, return_lse=True,
-                 interleaved=True):
+                 interleaved=True, leftpad=False):
         self.return_lse = return_lse
         side = _side("q", q)
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
@@ -252,6 +267,8 @@ class _Static:
         if self.paged:
             if cache_batch_idx is not None:
                 raise ValueError("cache_batch_idx cannot be combined with block_table (a paged cache)")
+            if leftpad:  # (as flash-attn: a page table already says where each sequence's keys are)
+                raise ValueError("cache_leftpad cannot be combined with block_table (a paged cache)")
             self.page = page = tk.shape[1]
             if page < MIN_PAGE_SIZE:
                 raise ValueError(f"the page size (k_cache.shape[1]) must be at least {MIN_PAGE_SIZE}, got {page}")
@@ -311,7 +328,7 @@ class _Static:
         """The Tensors the planner takes: q, k_cache, v_cache, the lengths, the batch index, the block table."""
         tq, tk, tv = (inspect(n, x, 4) for n, x in zip(("q", "k_cache", "v_cache"), arrays[:3]))
         t = [None if x is None else inspect(n, x, len(x.shape)) for n, x in
-             zip(("seqlens_k", "batch_idx", "block_table"), arrays[3:6])]
+             zip(("seqlens_k", "batch_idx", "block_table", "leftpad"), arrays[3:6] + arrays[11:12])]
         return tq, tk, tv, t
 
     def call(self, arrays) -> _launch.Call:
@@ -320,7 +337,7 @@ class _Static:
         if self._call is None:
             tq, tk, tv, t = self._tensors(arrays)
             p = _plan.decode_plan(tq, tk, tv, self.opts, seqlens=t[0], batch_idx=t[1], block_table=t[2],
-                                  max_seqlen_k=self.capacity, num_splits=self.num_splits,
+                                  leftpad=t[3], max_seqlen_k=self.capacity, num_splits=self.num_splits,
                                   return_lse=self.return_lse, step=self.step)
             self._call = _launch.Call(p)
         return self._call

@@ -795,10 +795,10 @@ class DecodeStep:
         return self.k_new is not None or self.rotary_cos is not None
 
 
-def _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, *, copy_q=False):
+def _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, *, copy_q=False, leftpad=None):
     """InputSpecs and kernel ArrayMetas of a decoding call's arrays, in the order the call takes them: q, k_cache,
     v_cache (written in place where new keys come), seqlens_k, batch_idx, block_table, alibi, k_new, v_new,
-    rotary_cos, rotary_sin (dummies where absent)."""
+    rotary_cos, rotary_sin, leftpad (dummies where absent)."""
     inputs, arrays = [], {}
     batch, _, nheads, _ = tq.shape
     written = step.k_new is not None
@@ -819,6 +819,8 @@ def _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, *, c
                                ("rotary_sin", step.rotary_sin, (1, 1), "float32")):
         spec, arrays[name] = _optional_input(name, t, shape, dt)
         inputs.append(spec)
+    spec, arrays["leftpad"] = _optional_input("leftpad", leftpad, (1,), "int32")
+    inputs.append(spec)
     return inputs, arrays
 
 
@@ -903,10 +905,11 @@ def decode_warps(D, blocks, max_seqlen_k, limits, num_splits=0, stages=None, pag
 
 
 def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen_k, num_splits=0, return_lse=True,
-                stages=None, device=None, step: DecodeStep | None = None) -> Plan:
+                stages=None, device=None, step: DecodeStep | None = None, leftpad=None) -> Plan:
     """The plan of a decoding call (:func:`flashnumba.flash_attn_with_kvcache` on the split-KV kernel): tq (batch,
     seqlen_q, nheads, D) the queries, tk, tv the cache (C-contiguous), seqlens the (batch,) int32 keys per
     sequence before the step, batch_idx or block_table (int32 Tensors, or None: sequence b reads cache entry b),
+    leftpad (an int32 Tensor (batch,), not with block_table, or None: where each sequence's keys start),
     ``max_seqlen_k`` a bound on the keys after the step (the cache's capacity: the lengths themselves may live on
     the device, unread), ``step`` what runs first (new keys, rotations; :class:`DecodeStep`). ``num_splits`` above
     :data:`MAX_SPLITS` counts as MAX_SPLITS (as in flash-attn). The call takes the arrays in the order of
@@ -928,7 +931,8 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     rotary = step.rotary_cos is not None
     # the kernel's cp.async copies read q as C-contiguous rows from a 16-byte start (a rotated q is the call's own)
     copy_q = not rotary and (not _c_layout(tq) or not _arrays.starts_aligned(tq.array))
-    inputs, arrays = _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, copy_q=copy_q)
+    inputs, arrays = _decode_inputs(tq, tk, tv, opts, seqlens, batch_idx, block_table, step, copy_q=copy_q,
+                                    leftpad=leftpad)
     launches, pre_outs = [], []
     if step.runs:
         launch, pre_outs, extra = _append_launch(tq, step, paged, indexed, arrays)
@@ -950,10 +954,11 @@ def decode_plan(tq, tk, tv, opts, *, seqlens, batch_idx, block_table, max_seqlen
     why = (f"the split-KV kernel: the {nheads // nheads_k} query heads of a key/value head as rows of one tile, "
            f"the keys in {splits} part{'s' if split else ''} (num_splits={num_splits})")
     launches.append(KernelLaunch("decode split-KV", "decode", mma_decode.make_decode_tc,
-                                 (D, W, KW, dname, has_left, has_right, softcap, alibi, paged, split, S, indexed),
+                                 (D, W, KW, dname, has_left, has_right, softcap, alibi, paged, split, S, indexed,
+                                  leftpad is not None),
                                  ("q_rot" if rotary else "q", "k_cache", "v_cache", "out", "lse", "o_part", "lse_part",
                                   "seqlens_out" if step.runs else "seqlens_k", "batch_idx", "block_table", "alibi",
-                                  "scale_q", "softcap", "left", "right"),
+                                  "leftpad", "scale_q", "softcap", "left", "right"),
                                  (splits, batch * nheads_k, zrows), (32 * W,), smem, None,
                                  f"{W} warps of {KW} keys a tile, {S} buffers; {per_sm} blocks an SM by shared "
                                  f"memory, threads and registers"))

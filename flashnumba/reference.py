@@ -576,7 +576,7 @@ def rotate_pairs(y, c, s, interleaved):
 
 
 def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                      cache_batch_idx=None, block_table=None, softmax_scale=None, causal=False,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
                       dtype=np.float64):
     """flash-attn's ``flash_attn_with_kvcache`` in NumPy, nothing modified: (out, lse, k_cache, v_cache), out
@@ -587,9 +587,11 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, r
     block_table[b, p // page_size] (k_cache then (num_pages, page_size, nheads_k, head_dim)), position p at row
     p % page_size. L = cache_seqlens[b] (an int: the same for every entry; None: the whole cache, its capacity)
     positions hold keys; the new k[b], v[b] (seqlen_new rows) are written at positions L .. L + seqlen_new - 1, k
-    rotated at those positions first; then q[b] attends to the L + seqlen_new keys, causal bottom-right aligned
-    (query t at position L + seqlen_new - seqlen_q + t). q is rotated at positions L + t when causal or windowed,
-    else at position L for every row (as flash-attn: the queries are then taken to be one token)."""
+    rotated at those positions first; then q[b] attends to the keys at positions P .. L + seqlen_new - 1, P =
+    cache_leftpad[b] (0 without it: positions below P are left padding), causal bottom-right aligned (query t at
+    position L + seqlen_new - seqlen_q + t). q is rotated at positions L + t when causal or windowed, else at
+    position L for every row (as flash-attn: the queries are then taken to be one token); positions, for the
+    rotations and the masks alike, are those of the cache, padding included."""
     q = np.asarray(q)
     batch, seqlen_q, nheads, d = q.shape
     kc, vc = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
@@ -598,9 +600,12 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, r
     capacity = kc.shape[1] * (1 if block_table is None else np.shape(block_table)[1])
     lens = np.broadcast_to(np.asarray(capacity if cache_seqlens is None else cache_seqlens, np.int64), (batch,))
     sn = 0 if k is None else np.asarray(k).shape[1]
+    pads = np.zeros(batch, np.int64) if cache_leftpad is None else np.asarray(cache_leftpad, np.int64)
     outs, lses = [], []
     for b in range(batch):
         L = int(lens[b])
+        if not 0 <= pads[b] <= L:
+            raise ValueError(f"cache_leftpad[{b}] = {pads[b]} must lie in [0, cache_seqlens] = [0, {L}]")
         if block_table is None:
             cb = b if cache_batch_idx is None else int(np.asarray(cache_batch_idx)[b])
 
@@ -619,8 +624,8 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, r
             kc[rows(pos)] = knew.astype(kc.dtype)
             vc[rows(pos)] = np.asarray(v)[b].astype(vc.dtype)
         seqlen_k = L + sn
-        keys = kc[rows(np.arange(seqlen_k))]
-        values = vc[rows(np.arange(seqlen_k))]
+        keys = kc[rows(np.arange(pads[b], seqlen_k))]
+        values = vc[rows(np.arange(pads[b], seqlen_k))]
         qb = q[b]
         if rotary_cos is not None:
             local = causal or tuple(window_size) != (-1, -1)

@@ -596,16 +596,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     The arguments and semantics of :func:`flashnumba.flash_attn_with_kvcache` (k_cache and v_cache updated in
     place when k and v are given), on float16, bfloat16 or float32 tensors, on torch's current stream, with no
     host round trip (so it can be captured in a CUDA graph; cache_seqlens then as a tensor). Not supported:
-    ``cache_leftpad`` (ValueError); bfloat16 where the call takes the gather path (TypeError, see
-    :func:`flashnumba.flash_attn_with_kvcache`'s ``kernel``).
+    bfloat16 where the call takes the gather path (TypeError, see :func:`flashnumba.flash_attn_with_kvcache`'s
+    ``kernel``).
     """
     from .decode import flash_attn_with_kvcache as core
 
-    if cache_leftpad is not None:
-        raise ValueError("cache_leftpad is not supported")
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                   cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
-                   alibi_slopes=alibi_slopes)
+                   cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                   block_table=block_table, alibi_slopes=alibi_slopes)
     for name, x in tensors.items():
         if name in ("q", "k_cache", "v_cache") or isinstance(x, Tensor):
             if not isinstance(x, Tensor):

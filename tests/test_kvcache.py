@@ -40,6 +40,23 @@ def test_reference_of_an_empty_batch():
     assert out.shape == (0, 2, 4, 8) and lse.shape == (0, 4, 2) and kc.shape == vc.shape == (0, 5, 2, 8)
 
 
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(5, 2)), dict(alibi_slopes=[0.5, 0.25])])
+def test_reference_left_padding_is_the_cache_without_it(opts):
+    """cache_leftpad as flash-attn defines it: attention over the cache with its first positions cut away (the
+    causal diagonal, a window and ALiBi's distances all taken from the end, so they do not move)."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 3, 2 if n == "q" else 1, 8)) for n in "qkv")
+    kc, vc = (rng.standard_normal((2, 30, 1, 8)) for _ in range(2))
+    lens, pad = np.array([20, 9]), np.array([7, 9])
+    got = ref.kvcache_attention(q, kc, vc, k, v, cache_seqlens=lens, cache_leftpad=pad, **opts)
+    for b in range(2):
+        want = ref.kvcache_attention(q[b:b + 1], kc[b:b + 1, pad[b]:], vc[b:b + 1, pad[b]:], k[b:b + 1],
+                                     v[b:b + 1], cache_seqlens=lens[b] - pad[b], **opts)
+        np.testing.assert_allclose(got[0][b], want[0][0], atol=1e-14)
+        np.testing.assert_allclose(got[1][b], want[1][0], atol=1e-14)
+        np.testing.assert_array_equal(got[2][b, pad[b]:], want[2][0])
+
+
 def test_reference_with_an_empty_cache_is_causal_attention():
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((2, 6, 4 if n == "q" else 2, 8)) for n in "qkv")
@@ -52,7 +69,10 @@ def test_reference_with_an_empty_cache_is_causal_attention():
     assert not kc.any()  # the reference modifies nothing
 
 
-def _problem(rng, batch, seqlen_q, seqlen_new, nheads_k, groups, d, lens, paged, page, dtype, rotary_dim):
+def _problem(rng, batch, seqlen_q, seqlen_new, nheads_k, groups, d, lens, paged, page, dtype, rotary_dim,
+             leftpad=False):
+    """A decoding problem: (q, k, v, k_cache, v_cache, the reference's keyword arguments); ``leftpad`` (where the
+    cache is contiguous): each sequence's keys start at a drawn position in [0, its length]."""
     nheads = nheads_k * groups
     q = rng.standard_normal((batch, seqlen_q, nheads, d)).astype(dtype)
     k = v = None
@@ -68,6 +88,8 @@ def _problem(rng, batch, seqlen_q, seqlen_new, nheads_k, groups, d, lens, paged,
     else:
         kc, vc = (rng.standard_normal((batch + 1, max(need, 1) + 3, nheads_k, d)).astype(dtype) for _ in range(2))
         kw["cache_batch_idx"] = rng.permutation(batch + 1)[:batch].astype(np.int32)
+        if leftpad:
+            kw["cache_leftpad"] = np.array([rng.integers(0, n + 1) for n in lens], np.int32)
     if rotary_dim:
         cos, sin = _rotary_tables(need + seqlen_q + 1, rotary_dim)
         kw.update(rotary_cos=cos.astype(np.float32), rotary_sin=sin.astype(np.float32))
@@ -101,11 +123,13 @@ def _check(q, k, v, kc, vc, kw, opts, call=None):
        nheads_k=st.sampled_from([1, 2]), groups=st.sampled_from([1, 2]), lens=st.lists(st.sampled_from([0, 1, 7, 20]),
        min_size=3, max_size=3), paged=st.booleans(), page=st.sampled_from([16, 32]),
        rotary=st.sampled_from([(0, True), (8, True), (16, False)]), causal=st.booleans(),
-       extra=st.sampled_from([{}, {"window_size": (4, 0)}, {"softcap": 3.0}, {"alibi": True}]), seed=st.integers(0, 99))
-def test_drawn_caches(batch, seqlen_q, seqlen_new, nheads_k, groups, lens, paged, page, rotary, causal, extra, seed):
+       extra=st.sampled_from([{}, {"window_size": (4, 0)}, {"softcap": 3.0}, {"alibi": True}]), seed=st.integers(0, 99),
+       leftpad=st.booleans())
+def test_drawn_caches(batch, seqlen_q, seqlen_new, nheads_k, groups, lens, paged, page, rotary, causal, extra, seed,
+                      leftpad):
     rng = np.random.default_rng(seed)
     q, k, v, kc, vc, kw = _problem(rng, batch, seqlen_q, seqlen_new, nheads_k, groups, 16, lens[:batch], paged,
-                                   page, np.float32, rotary[0])
+                                   page, np.float32, rotary[0], leftpad)
     opts = dict(causal=causal, rotary_interleaved=rotary[1])
     if extra.get("alibi"):
         opts["alibi_slopes"] = (0.3 / np.arange(1, nheads_k * groups + 1)).astype(np.float32)
@@ -269,9 +293,9 @@ def test_combine_kernel_against_numpy(dtype, S, threads):
        page=st.sampled_from([16, 48, 64]), d=st.sampled_from([16, 24, 64]), num_splits=st.sampled_from([0, 1, 2, 7]),
        rotary=st.sampled_from([(0, True), (8, False)]), causal=st.booleans(),
        extra=st.sampled_from([{}, {"window_size": (20, 0)}, {"softcap": 3.0}, {"alibi": True}]),
-       bf16=st.booleans(), seed=st.integers(0, 99))
+       bf16=st.booleans(), seed=st.integers(0, 99), leftpad=st.booleans())
 def test_drawn_caches_on_the_split_kv_kernel(batch, seqlen_q, seqlen_new, nheads_k, groups, lens, paged, page, d,
-                                             num_splits, rotary, causal, extra, bf16, seed):
+                                             num_splits, rotary, causal, extra, bf16, seed, leftpad):
     """float16 / bfloat16 on the split-KV kernel: cache lengths 0 and 1, pages, splits from 1 to more than the
     tiles, GQA ratios, every option."""
     from flashnumba import _arrays
@@ -279,7 +303,7 @@ def test_drawn_caches_on_the_split_kv_kernel(batch, seqlen_q, seqlen_new, nheads
     rng = np.random.default_rng(seed)
     dtype = _arrays.bfloat16() if bf16 and _arrays.bfloat16() is not None else np.float16
     q, k, v, kc, vc, kw = _problem(rng, batch, seqlen_q, seqlen_new, nheads_k, groups, d, lens[:batch], paged,
-                                   page, dtype, rotary[0])
+                                   page, dtype, rotary[0], leftpad)
     opts = dict(causal=causal, rotary_interleaved=rotary[1])
     if extra.get("alibi"):
         opts["alibi_slopes"] = (0.3 / np.arange(1, nheads_k * groups + 1)).astype(np.float32)
@@ -298,6 +322,46 @@ def test_pages_of_several_tiles_and_queries_rotated_at_the_cache_length(kernel):
     _check(q, k, v, kc, vc, kw, {}, dict(kernel=kernel))
     q, k, v, kc, vc, kw = _problem(rng, 2, 3, 2, 1, 2, 16, [7, 20], False, 16, np.float16, 8)
     _check(q, k, v, kc, vc, kw, dict(rotary_interleaved=False), dict(kernel=kernel))
+
+
+@pytest.mark.parametrize("kernel", ["splitkv", "gather"])
+def test_left_padding(kernel):
+    """cache_leftpad: the keys below it are never attended to, whatever they hold (NaN here), positions stay the
+    cache's (rotations, the causal diagonal, a window, ALiBi's distances); whole key tiles of padding skipped, a
+    padding that ends inside a tile, one that leaves only the new keys, and one that leaves nothing (out 0)."""
+    rng = np.random.default_rng(12)
+    q, k, v, kc, vc, kw = _problem(rng, 4, 2, 2, 1, 2, 16, [100, 20, 5, 9], False, 0, np.float16, 8)
+    kw["cache_leftpad"] = np.array([70, 3, 5, 0], np.int32)
+    q, k, v = q[:3], k[:3], v[:3]  # (the fourth sequence's padding: below)
+    kw["cache_seqlens"], kw["cache_batch_idx"], kw["cache_leftpad"] = (kw[n][:3] for n in (
+        "cache_seqlens", "cache_batch_idx", "cache_leftpad"))
+    for b, (entry, pad) in enumerate(zip(kw["cache_batch_idx"], kw["cache_leftpad"])):
+        kc[entry, :pad] = np.nan  # (padding is read by no one)
+        vc[entry, :pad] = np.nan
+    alibi = (0.3 / np.arange(1, 3)).astype(np.float32)
+    for opts in (dict(causal=True), dict(window_size=(30, 1), alibi_slopes=alibi), {}):
+        _check(q, k, v, kc, vc, kw, opts, dict(kernel=kernel))
+    q, _, _, kc, vc, kw = _problem(rng, 2, 1, 0, 1, 1, 16, [6, 40], False, 0, np.float16, 0)
+    kw["cache_leftpad"] = np.array([6, 1], np.int32)  # the first sequence: nothing left to attend to
+    out = to_numpy(flash_attn_with_kvcache(q, kc, vc, kernel=kernel, **kw))
+    assert np.array_equal(out[0], np.zeros_like(out[0])) and np.isfinite(out[1]).all()
+
+
+def test_bad_left_padding_is_refused_before_anything_is_written():
+    rng = np.random.default_rng(13)
+    q, k, v, kc, vc, kw = _problem(rng, 2, 1, 1, 1, 1, 16, [6, 40], False, 0, np.float16, 0)
+    kc0 = kc.copy()
+    for pad, err in (([7, 0], "cache_leftpad must lie in"), ([-1, 0], "cache_leftpad must lie in"),
+                     ([1, 2, 3], "cache_leftpad must have shape"), (np.array([0.5, 1.0]), "integers")):
+        with pytest.raises((ValueError, TypeError), match=err):
+            flash_attn_with_kvcache(q, kc, vc, k, v, cache_leftpad=np.array(pad) if isinstance(pad, list) else pad,
+                                    **kw)
+    np.testing.assert_array_equal(kc, kc0)
+    q, k, v, kc, vc, kw = _problem(rng, 2, 1, 1, 1, 1, 16, [6, 40], True, 16, np.float16, 0)
+    kc0 = kc.copy()
+    with pytest.raises(ValueError, match="cache_leftpad cannot be combined with block_table"):
+        flash_attn_with_kvcache(q, kc, vc, k, v, cache_leftpad=np.zeros(2, np.int32), **kw)
+    np.testing.assert_array_equal(kc, kc0)
 
 
 def test_split_kv_on_cupy_arrays_appends_in_place():
@@ -424,8 +488,8 @@ import itertools
 import numpy as np
 from flashnumba import _validate, planner
 # every option set with and without pages at head dims 40 (padded) and 128 (the most registers), the dtype and
-# the split alternating; per push (FULL false) three of the twelve: each option set, head dim, dtype, split count
-# and cache layout at least once, softcap with ALiBi at d=128
+# the split alternating, left padding in half the contiguous ones; per push (FULL false) three of the twelve: each
+# option set, head dim, dtype, split count and cache layout at least once, softcap with ALiBi at d=128, left padding
 for n, (d, (left, right, softcap, alibi), paged) in enumerate(itertools.product(
         (40, 128), ((-1, -1, 0.0, False), (32, 0, 0.0, False), (-1, 0, 5.0, True)), (False, True))):
     if not FULL and n not in (1, 2, 11):
@@ -444,11 +508,12 @@ for n, (d, (left, right, softcap, alibi), paged) in enumerate(itertools.product(
         import dataclasses
         from flashnumba import _arrays
         tq = dataclasses.replace(tq, dtype=_arrays.bfloat16())
+    lp = _validate.inspect("leftpad", i32, 1) if n % 4 == 2 else None
     p = planner.decode_plan(tq, tk, tv, opts, seqlens=t, batch_idx=bi, block_table=bt, max_seqlen_k=4096,
-                            num_splits=splits, device="sm_80")
+                            num_splits=splits, device="sm_80", leftpad=lp)
     for r in p.resources():  # (softcap with ALiBi, which keeps tanh's work beside O, may spill a few registers)
         assert r["spill_stores"] == 0 or softcap, (d, dtype, left, right, softcap, alibi, paged, splits, r)
-    print("compiled", d, dtype, left, right, softcap, alibi, paged, splits)
+    print("compiled", d, dtype, left, right, softcap, alibi, paged, splits, lp is not None)
 """
 
 

@@ -986,8 +986,34 @@ def test_flash_attn_with_kvcache_on_tensors_appends_in_place():
     assert_close_to_truth("lse", lse.cpu().numpy(), truth_l, base_l.astype(np.float32), reduction=page * per)
     np.testing.assert_array_equal(t["kc"].cpu().numpy(), truth_kc)
     np.testing.assert_array_equal(t["vc"].cpu().numpy(), truth_vc)
-    with pytest.raises(ValueError, match="cache_leftpad"):
-        ft.flash_attn_with_kvcache(t["q"], t["kc"], t["vc"], cache_leftpad=t["lens"])
+    with pytest.raises(ValueError, match="cache_leftpad cannot be combined with block_table"):
+        ft.flash_attn_with_kvcache(t["q"], t["kc"], t["vc"], cache_seqlens=t["lens"], block_table=t["table"],
+                                   cache_leftpad=torch.zeros_like(t["lens"]))
+
+
+@on_gpu
+def test_flash_attn_with_kvcache_left_padding_on_tensors():
+    """cache_leftpad (flash-attn's tenth argument) on a contiguous cache of torch tensors: the padding (NaN
+    here) never attended to, the result as the reference's."""
+    from flashnumba import reference as ref
+
+    rng = np.random.default_rng(6)
+    b, h, hk, d, cap = 3, 4, 2, 64, 200
+    q = rng.standard_normal((b, 1, h, d)).astype(np.float16)
+    kn, vn = (rng.standard_normal((b, 1, hk, d)).astype(np.float16) for _ in range(2))
+    kc, vc = (rng.standard_normal((b, cap, hk, d)).astype(np.float16) for _ in range(2))
+    lens, pad = np.array([150, 9, 64], np.int32), np.array([100, 0, 64], np.int32)
+    for i, p in enumerate(pad):
+        kc[i, :p] = vc[i, :p] = np.nan
+    kw = dict(cache_seqlens=lens, cache_leftpad=pad, causal=True)
+    truth_o, _, truth_kc, truth_vc = ref.kvcache_attention(q, kc, vc, kn, vn, **kw)
+    base_o, _, _, _ = ref.kvcache_attention(q, kc, vc, kn, vn, dtype=np.float16, **kw)
+    t = {n: torch.as_tensor(x, device="cuda") for n, x in dict(q=q, k=kn, v=vn, kc=kc, vc=vc, lens=lens,
+                                                                 pad=pad).items()}
+    out = ft.flash_attn_with_kvcache(t["q"], t["kc"], t["vc"], t["k"], t["v"], None, None, t["lens"], None,
+                                     t["pad"], causal=True)
+    assert_close_to_truth("out", out.cpu().numpy(), truth_o, base_o.astype(np.float16), reduction=cap)
+    np.testing.assert_array_equal(t["vc"].cpu().numpy(), truth_vc)
 
 
 @on_gpu

@@ -72,19 +72,20 @@ def shared_bytes(D, warps, KW, stages=STAGES):
 
 @functools.lru_cache(maxsize=None)
 def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=False, softcap=False, alibi=False,
-                   paged=False, split=False, stages=STAGES, indexed=True):
+                   paged=False, split=False, stages=STAGES, indexed=True, leftpad=False):
     """The split-KV decoding kernel for head_dim D (a multiple of 8 up to 256), ``warps`` warps of ``KW`` keys each
     per tile (a multiple of 16), ``dtype`` "float16" or "bfloat16", options compiled in as flagged; ``paged``: the
     cache in pages (block_table); ``split``: several splits, written to o_part / lse_part for :func:`make_combine`
     (else to out / lse); ``stages`` K_j, V_j buffers (2 or more: stages - 1 tiles in flight); ``indexed``: (not
-    paged) sequence b reads cache entry batch_idx[b], else entry b.
+    paged) sequence b reads cache entry batch_idx[b], else entry b; ``leftpad``: (not paged) sequence b's keys
+    start at position leftpad[b] of its cache row (left padding below it), else at 0.
 
     Arguments: (q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens_k, batch_idx, block_table, alibi,
-    scale_q, softcap, left, right). q (batch, seqlen_q, nheads, D), out like it, lse (batch, nheads, seqlen_q)
+    leftpad, scale_q, softcap, left, right). q (batch, seqlen_q, nheads, D), out like it, lse (batch, nheads, seqlen_q)
     float32; k_cache, v_cache as in the module docstring, C-contiguous, float16 or uint16 holding bfloat16 bits;
     o_part (splits, batch, seqlen_q, nheads, D) and lse_part (splits, batch, nheads, seqlen_q) float32 (natural
-    log); seqlens_k, batch_idx (batch,) int32, block_table (batch, max_pages) int32 (dummies where not used); alibi
-    (batch, nheads) float32. scale_q = softmax_scale * log2(e), or softmax_scale with softcap or ALiBi.
+    log); seqlens_k, batch_idx, leftpad (batch,) int32, block_table (batch, max_pages) int32 (dummies where not
+    used); alibi (batch, nheads) float32. scale_q = softmax_scale * log2(e), or softmax_scale with softcap or ALiBi.
 
     Launch: grid (splits, batch * nheads_k, ceil(seqlen_q * G / 16)), block (32 * warps,), dynamic shared memory
     :func:`shared_bytes` (with the same ``stages``).
@@ -102,6 +103,7 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
     SCORE_MOD = softcap or alibi
     score_mod = make_score_mod(softcap, alibi)
     HAS_LEFT, HAS_RIGHT, PAGED, SPLIT, ALIBI, INDEXED = has_left, has_right, paged, split, alibi, indexed
+    LEFTPAD = leftpad and not paged
     DG, D = D, padded(D)
     LD = D + PAD
     BC = warps * KW  # keys per tile of the block
@@ -139,11 +141,12 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
                     smem[dst + x] = 0
 
     @cuda.jit(device=True, inline=True)
-    def load_kv(smem, off, k_cache, v_cache, b, bb, hk, j0, seqlen_k, block_table, tid):
+    def load_kv(smem, off, k_cache, v_cache, b, bb, hk, j0, first_key, seqlen_k, block_table, tid):
         """Keys j0 .. j0 + BC - 1 of sequence b from the cache (a paged one through block_table) into smem from
-        element ``off`` (K) and off + OFF_V (V); rows at or past seqlen_k are zeros. Pages that hold whole tiles
-        (page size a multiple of BC; tiles start at multiples of BC) cost one block-table read a tile, issued before
-        the copies; smaller pages one a row."""
+        element ``off`` (K) and off + OFF_V (V); rows at or past seqlen_k, and (left padding) rows before
+        first_key, are zeros (padding is never read: whatever it holds, NaN included, P V stays finite). Pages that
+        hold whole tiles (page size a multiple of BC; tiles start at multiples of BC) cost one block-table read a
+        tile, issued before the copies; smaller pages one a row."""
         P = k_cache.shape[1]
         HK = k_cache.shape[2]
         whole = not PAGED or P % BC == 0
@@ -171,7 +174,7 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
                     page = block_table[b, j // P]
                     ok = 0 <= page < k_cache.shape[0]
                     row = page * P + j % P
-                if ok and j < seqlen_k and (DG == D or c < DG):
+                if ok and j < seqlen_k and (not LEFTPAD or j >= first_key) and (DG == D or c < DG):
                     src = (row * HK + hk) * DG + c
                     ptx.cp_async_16(smem, dst, k_cache, src)
                     ptx.cp_async_16(smem, dst + OFF_V, v_cache, src)
@@ -182,7 +185,7 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
 
     @cuda.jit
     def decode_tc(q, k_cache, v_cache, out, lse, o_part, lse_part, seqlens_k, batch_idx, block_table, alibi,
-                  scale_q, softcap, left, right):
+                  leftpad, scale_q, softcap, left, right):
         HK = k_cache.shape[2]
         SQ = q.shape[1]
         G = q.shape[2] // HK
@@ -207,6 +210,8 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
             if bb < 0 or bb >= k_cache.shape[0]:
                 bb = 0
                 seqlen_k = 0
+        # (left padding) the first key attended to; positions stay the cache's, so the masks' diagonal too
+        first_key = min(max(leftpad[b], 0), seqlen_k) if LEFTPAD else 0
         diag = seqlen_k - SQ
         # this lane's rows' query positions; (ALiBi) the slopes of the rows' heads, in shared memory (registers
         # are short at head_dim 128)
@@ -217,11 +222,11 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
             rs = min(ri0 + tid, R - 1)
             red[SLOPES + tid] = alibi[b, hk * G + rs - (rs // G) * G]
 
-        # the key tiles the block's rows see (causal / window), and this split's share of them
-        n_start = 0
+        # the key tiles the block's rows see (left padding, causal / window), and this split's share of them
+        n_start = first_key // BC * BC
         n_end = seqlen_k
         if HAS_LEFT:
-            n_start = max(0, ri0 // G + diag - left) // BC * BC
+            n_start = max(first_key, ri0 // G + diag - left) // BC * BC
         if HAS_RIGHT:
             n_end = max(0, min(seqlen_k, (min(ri0 + ROWS, R) - 1) // G + diag + right + 1))
         n_tiles = max(0, (n_end - n_start + BC - 1) // BC)
@@ -249,8 +254,8 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
         load_q(smem, q, b, hk, G, ri0, R, tid)
         for st in range(STAGES - 1):
             if st < count:
-                load_kv(smem, OFF_K + st * BUF, k_cache, v_cache, b, bb, hk, n_start + (first + st) * BC, seqlen_k,
-                        block_table, tid)
+                load_kv(smem, OFF_K + st * BUF, k_cache, v_cache, b, bb, hk, n_start + (first + st) * BC, first_key,
+                        seqlen_k, block_table, tid)
             ptx.cp_async_commit()
         for it in range(count):
             j0 = n_start + (first + it) * BC
@@ -260,7 +265,7 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
             # barrier
             if it + STAGES - 1 < count:
                 load_kv(smem, OFF_K + ((it + STAGES - 1) % STAGES) * BUF, k_cache, v_cache, b, bb, hk,
-                        j0 + (STAGES - 1) * BC, seqlen_k, block_table, tid)
+                        j0 + (STAGES - 1) * BC, first_key, seqlen_k, block_table, tid)
             ptx.cp_async_commit()
             ptx.cp_async_wait(WAIT)
             cuda.syncthreads()
@@ -275,7 +280,8 @@ def make_decode_tc(D, warps, KW, dtype="float16", has_left=False, has_right=Fals
                         val, _ = score_mod(val, softcap, red[SLOPES + g + 8 * (x >> 1)] if ALIBI else float32(0.0),
                                            pos, j, diag)
                         val *= LOG2E
-                    if j >= seqlen_k or (HAS_LEFT and j < pos + diag - left) or (HAS_RIGHT and j > pos + diag + right):
+                    if j >= seqlen_k or (LEFTPAD and j < first_key) or (HAS_LEFT and j < pos + diag - left) or (
+                            HAS_RIGHT and j > pos + diag + right):
                         val = NEG_INF
                     s[0, n, x] = val
             # the online softmax of the warp's rows (as the forward): the row max over the quad, then P, l, O
