@@ -26,16 +26,21 @@ family         kernel module                                        threads
 ``tf32_dq``    :mod:`flashnumba.kernels.mma_tf32_backward`          32 per 16 query rows
 ``tf32_dkdv``  :mod:`flashnumba.kernels.mma_tf32_backward`          32 per 16 key rows
 ``wgmma``      :mod:`flashnumba.kernels.wgmma_forward` (Hopper)     128 per 64 query rows (a warpgroup), + 32
-                                                                   a producer warp, 1 or 4 (given; else none)
-``wgmma_dq``   :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 query rows
-``wgmma_dkdv`` :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 key rows (d > 128: 256)
+                                                                   per producer warp (0, 1 or 4: the table's
+                                                                   tiles have a producer warpgroup, kept for a
+                                                                   caller's block_m or block_n unless
+                                                                   num_threads says otherwise)
+``wgmma_dq``   :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 query rows, + 128 (a producer
+                                                                   warpgroup) where it copies with tensor maps
+``wgmma_dkdv`` :mod:`flashnumba.kernels.wgmma_backward` (Hopper)    128 per 64 key rows (d > 128: 256), + 128
+                                                                   where it copies with tensor maps
 =============  ===================================================  ============================================
 
 ``tc_dkdv_atomic`` is the table of the dK/dV kernel when it also adds dQ with atomics (``deterministic=False``).
 
-Device limits (:class:`DeviceLimits`) come from the GPU (:func:`current_device`), or from :data:`ARCHS` to plan for
-a GPU one does not have. ``FLASHNUMBA_MAX_SHARED_BYTES`` caps the shared memory a block may use (to try, on a
-large GPU, the plans of a smaller one).
+Device limits (:class:`DeviceLimits`) come from the GPU (:func:`flashnumba.planner.current_device`), or from
+:data:`ARCHS` to plan for a GPU one does not have. ``FLASHNUMBA_MAX_SHARED_BYTES`` caps the shared memory a block
+may use (to try, on a large GPU, the plans of a smaller one).
 """
 
 from __future__ import annotations
@@ -313,7 +318,8 @@ TABLES = {
         Candidate(128, Tiles(128, 128, 256), "two warpgroups, B_c 128", min_cc=(9, 0)),
         Candidate(128, Tiles(64, 64, 128), "one warpgroup, B_c 64", min_cc=(9, 0)),
         Candidate(224, Tiles(128, 64, 384), "two warpgroups sharing each K_j, V_j of 64 keys (three stages beside "
-                  "Q_i: 227 KB at d = 224), copied by a producer warpgroup; S of 64 keys beside O within the "
+                  "Q_i: 225 KB at d = 224, within the 227 KB a block may use), copied by a producer warpgroup; "
+                  "S of 64 keys beside O within the "
                   f"{wgmma_forward.CONSUMER_REGISTERS} registers a thread", min_cc=(9, 0), min_head_dim=128),
         Candidate(256, Tiles(128, 48, 384), "two warpgroups sharing each K_j, V_j of 48 keys (three stages of 64 "
                   "keys beside Q_i would take 256 KB at d = 256; of 48, 208 KB), copied by a producer warpgroup "
@@ -711,8 +717,9 @@ def fits(table: str, D: int, t: Tiles, limits: DeviceLimits) -> bool:
 
 
 def threads_of(table: str, t: Tiles, D: int = 0) -> Tiles:
-    """t with the threads the family derives from its tiles (v1: a thread per row; tensor cores: a warp per 16
-    rows, for tc_dkdv at head dim D a warp per 16 key rows and column part) filled in."""
+    """t with the threads the family derives from its tiles filled in: v1 a thread per row; the ``mma.sync`` dQ
+    and TF32 kernels a warp per 16 rows, tc_dkdv at head dim D a warp per 16 key rows and column part; ``tc`` as
+    given; the Hopper kernels 128 per warpgroup, and the forward's producer warps where the threads given say so."""
     if table == "v1":
         return t._replace(num_threads=t.block_m)
     if table in ("tc_dq", "tf32", "3xtf32", "tf32_dq"):

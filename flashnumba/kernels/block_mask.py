@@ -5,8 +5,9 @@ One block of threads per (query block, key block, batch x head): each thread eva
 share of the block's entries within the sequences, and ``syncthreads_or`` / ``syncthreads_and`` combine whether
 any and whether all are visible (:func:`flashnumba.reference.flex_block_mask` is the same in NumPy).
 
-The kernels that read a block mask walk its lists with :func:`make_block_tiles`: the forward and the dQ kernel
-the key blocks of their query block, the dK/dV kernel the query blocks of its key block.
+The ``mma.sync`` kernels that read a block mask walk its lists with :func:`make_block_tiles` (the Hopper kernels
+with :func:`flashnumba.kernels.wgmma_forward.make_key_walk` and the dK/dV kernel's own ``tile_of``): the forward
+and the dQ kernel the key blocks of their query block, the dK/dV kernel the query blocks of its key block.
 """
 
 from __future__ import annotations

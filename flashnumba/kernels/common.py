@@ -6,8 +6,10 @@ cores) and in ``flashnumba.reference``:
 
 * query row i of a sequence sees key j iff i + diag - left <= j <= i + diag + right, with diag = seqlen_k -
   seqlen_q (the diagonal of the bottom-right-aligned causal mask), each bound only where it is compiled in
-  (``has_left``, ``has_right``; causal is has_right with right = 0), and j < seqlen_k. Each kernel writes this
-  test out where it masks a score: folded into a device function, the kernels compile to other branch code;
+  (``has_left``, ``has_right``; causal is has_right with right = 0), and j < seqlen_k. The SIMT, TF32 and
+  decoding kernels write this test out where they mask a score; the tensor-core forwards and the Hopper backward
+  turn it into each row's column bounds (:func:`make_column_bounds`, :func:`make_tile_bounds`) and compare each
+  score's compile-time column with them; the ``mma.sync`` backward calls :func:`make_outside`;
 * the key tiles a query tile meets are those that intersect the union of its rows' bands: :func:`make_key_range`
   and :func:`make_key_tiles`;
 * a batch entry's rows, for equal lengths or packed (varlen) sequences: :func:`make_sequence_geometry`;

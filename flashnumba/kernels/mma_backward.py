@@ -1,7 +1,7 @@
 """Backward kernels on tensor cores: FlashAttention-2, Algorithm 2, with its five matrix products as ``mma.sync``.
 
 The SIMT backward (:mod:`flashnumba.kernels.simt_backward`) in the tile operations of
-:mod:`flashnumba.kernels.mma_forward`: float16 or bfloat16 inputs, float32 accumulation, head_dim a multiple of 8
+:mod:`flashnumba.kernels.mma_tiles`: float16 or bfloat16 inputs, float32 accumulation, head_dim a multiple of 8
 up to 256 (:data:`BACKWARD_HEAD_DIMS`; padded to a multiple of 16 in shared memory, as the forward), with every
 option of the SIMT kernels (window, softcap, ALiBi, GQA, varlen, dropout; :func:`make_entry` holds the
 per-entry part). As there, D_i = rowsum(dO_i * O_i) comes first (``simt_backward.make_backward_preprocess_warp``),

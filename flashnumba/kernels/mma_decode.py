@@ -36,7 +36,8 @@ masks (query row t sees key j iff t + diag - left <= j <= t + diag + right, diag
 score modifications (softcap, ALiBi by query head).
 
 A decoding step's new keys and values, and the rotary embedding of them and of the queries, come first, from a
-small kernel of the same plan (:func:`make_append`): a row of elements a block, so that a step is three launches.
+small kernel of the same plan (:func:`make_append`): a row of elements a block, so that a step is at most three
+launches: the append (new keys or rotary tables), the split-KV kernel and the combine (more than one split).
 """
 
 from __future__ import annotations

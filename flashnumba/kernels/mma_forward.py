@@ -6,7 +6,8 @@ the two matrix products of each key tile to the tensor cores, through the intrin
 ``cp_async_16``, ``shfl_xor_f32``): float16 or bfloat16 inputs, float32 accumulation. The online softmax recurrence,
 the masking and lse are v1's, done on the accumulator fragments in registers. head_dim a multiple of 8 up to 256 (a
 multiple of 16 in shared memory: :func:`flashnumba.kernels.mma_tiles.padded`), with every option of the SIMT
-kernels (GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked for, as there.
+kernels (GQA, window, softcap, ALiBi, varlen, dropout), compiled in only where asked for (GQA too, unlike the SIMT
+kernels).
 
 Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 32 * W threads = W warps, B_r = 16 WM W
 (WM = 1 or 2 blocks of 16 rows a warp); each block takes a query tile and a head in launch order with the

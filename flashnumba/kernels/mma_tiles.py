@@ -9,11 +9,12 @@ Every tensor-core kernel (:mod:`.mma_forward`, :mod:`.mma_backward`, :mod:`.mma_
 * :func:`tile_landed`: the commit / wait / barrier step of the double buffer (FlashAttention-2's overlap of the
   copies of tile j + 1 with the products on tile j);
 * :func:`make_load_a`: the A fragments of 16 rows (``ldmatrix``);
-* :func:`make_mma_abt`: acc = A X^T (S = Q K^T, dP = dO V^T), :func:`make_mma_ab`: acc += P X (O += P V,
-  dQ += dS K, ...), :func:`make_mma_atb`: acc += A X with A stored transposed (dQ += dS K from dS^T), with
+* :func:`make_mma_abt`: acc = A X^T (S = Q K^T, dP = dO V^T), :func:`make_mma_ab`: acc += P X (dQ += dS K,
+  dV += P^T dO, ...), :func:`make_mma_atb`: acc += A X with A stored transposed (dQ += dS K from dS^T), with
   :func:`make_mma_into` the one m16n8k16 product behind them;
-* :func:`make_load_a_rows`, :func:`make_mma_abt_rows`, :func:`make_mma_ab_rows`: the same for a warp of two
-  blocks of 16 rows (the forward's larger tiles), each fragment of K_j or V_j loaded once for both blocks.
+* :func:`make_load_a_rows`, :func:`make_mma_abt_rows`, :func:`make_mma_ab_rows`: the same for a warp of WM blocks
+  of 16 rows (1 or 2), each fragment of K_j or V_j loaded once for all of them: the forward's and the decoding
+  kernel's products (the unsuffixed ones are the backward's).
 
 A head dim that is a multiple of 8 but not of 16 (24, 40, ...) is padded in shared memory to the next multiple of
 16 (:func:`padded`), the k-step of ``mma.sync.m16n8k16``: the copies fill the columns past the head dim with
@@ -93,8 +94,9 @@ def make_load_rows(D, NT, LD=None, per_copy=8, strided=False, DG=None, per_colum
     block; rows at or past ``row_end`` (the end of the sequence), and the columns from DG (the array's head dim,
     D unless given) to D, become zeros (plain stores: a row of garbage could hold a NaN, and 0 * NaN is NaN).
     ``per_column``: where NT is a multiple of the chunks per row, each thread copies one column of rows NT / CH
-    apart (one division a call instead of one a copy; the 3xTF32 forward, at the register limit, keeps the
-    division per copy, which holds no row index across the copies); from a C-contiguous source it computes the
+    apart (one division a call instead of one a copy; the TF32 and 3xTF32 kernels, forward and backward, keep
+    the division per copy, which holds no row index across the copies: the 3xTF32 forward is at the register
+    limit); from a C-contiguous source it computes the
     64-bit index of its first chunk once and steps it by NT / CH rows (a handful of instructions a copy instead
     of the products of the full index)."""
     if LD is None:

@@ -43,9 +43,10 @@ use dynamic shared memory). The stand-ins check the index part (byte offset a mu
 
 The stand-ins. Under the simulator every CUDA thread is a Python thread and all threads of a block run at once
 (blocks run one after another), so the 32 lanes of a warp can meet: each warp-collective stand-in (mma,
-ldmatrix) puts its lane's registers in a slot, waits on a ``threading.Barrier(32)`` until the whole warp has,
-takes its own result from all 32 slots (the mma's product is computed once, by lane 0, for the warp), and waits
-once more so that no lane reuses the slots before every lane has read them (``shfl_xor_f32`` likewise). As on
+ldmatrix) puts its lane's registers in a slot and waits once on a ``threading.Barrier`` of the warp (or
+warpgroup); the last thread to arrive computes the collective's result once, before any thread leaves (an mma's
+product, from the function lane 0 passed), and each lane takes its own part. Consecutive collectives alternate
+between two sets of slots, so none is overwritten before every lane has read it (``shfl_xor_f32`` likewise). As on
 the GPU, all 32 lanes must make the call (a warp whose lanes diverge around it waits until the barrier's timeout
 and fails). ``cp_async_16`` reads its 16 source bytes
 when issued but writes them only when a ``cp_async_wait``/``cp_async_wait_all`` retires their group, so a

@@ -343,7 +343,7 @@ def make_backward_dkdv_v2(D, B_r, B_c, num_threads, variant, bf16=False, mods=No
     USER_MASK = mods is not None and mods.mask_mod is not None
     user_score, user_mask = make_user_mods(mods)
     sequence = make_sequence_geometry(VARLEN)
-    I = uint64  # noqa: E741  (unsigned shared-memory indices: see forward.make_forward_v3)
+    I = uint64  # noqa: E741  (unsigned indices, shared and global: see simt_forward.make_forward_v3)
     TY, TM, TN, DC = _tiling(B_c, B_r, D, num_threads, "block_n", "block_m")
     KS, QS, PS, OFF_KT, OFF_VT, OFF_QT, OFF_OT, OFF_Q, OFF_O, OFF_P, OFF_S, OFF_L, OFF_D, _ = (
         I(x) for x in _layout_dkdv_v2(D, B_r, B_c))

@@ -11,8 +11,10 @@ version    what it adds                                                 what it 
 ``v2``     register tiling: each thread owns a (TM x TN) patch of S_ij   row max / row sum need a reduction across
            and a (TM x d/8) patch of O_i; Q_i, K_j^T, V_j and P_ij       the 8 threads of a row (through shared
            staged in shared memory; exp2 with log2(e) folded into the    memory); more shared memory (dynamic,
-           scale; tiles outside the causal / window band skipped; GQA,   opted in above 48 KB)
-           softcap, ALiBi, varlen and dropout as compile-time options.
+           scale; tiles outside the causal / window band skipped;        opted in above 48 KB)
+           window, softcap, ALiBi, varlen and dropout as compile-time
+           options (:class:`Variant`); GQA by a division in every
+           kernel.
 ``v3``     v2 with unsigned index arithmetic: no negative-index          uint64 casts on every index, which the
            wraparound code per array access (the Numba-specific step;    reader must see past
            see :func:`make_forward_v3`). The default.
@@ -207,7 +209,7 @@ def make_forward_v2(D, B_r, B_c, num_threads, variant, bf16=False, mods=None):
     varlen, q, k, v, out are (1, total, nheads, d) views and lse (1, nheads, total_q).
 
     Launch: grid (ceil(seqlen_q / B_r), batch * nheads), block (num_threads,), dynamic shared memory
-    :func:`shared_bytes_v2` bytes (for D=64, B_r=B_c=64: 66.3 KB; needs the >48 KB opt-in on the GPU).
+    :func:`shared_bytes_v2` bytes (for D=64, B_r=B_c=64: 68,096 bytes, 66.5 KiB; needs the >48 KB opt-in on the GPU).
     Thread (ty, tx) keeps in registers: S (TM x TN), O (TM x DC), m_i, l_i for its TM rows.
 
     Per key tile: load K_j^T, V_j; S = Q_i K_j^T from shared (TM + TN loads per TM * TN FMAs); row max and

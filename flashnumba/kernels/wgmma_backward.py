@@ -51,10 +51,11 @@ K_j, V_j, Q_i and dO_i, the two exchange these partial sums through shared memor
 other's, between two barriers of their 256 threads), and both then hold the whole S^T and dP^T of the 64 keys,
 compute the same entries and multiply them into their half of dK_j and dV_j, reading Q_i and dO_i MN-major from the
 first head dim of that half. A half starts DN gw rows-of-the-tile elements into each tile (a multiple of 8 head
-dims, or with tensor maps of whole boxes). Four products a tile, as at 128 and below, and 64 B_r float32 written
-and read through shared memory a warpgroup; ``exchange=False`` has each warpgroup compute S^T and dP^T whole
-instead (six products a tile, no exchange), the form to compare with. The dQ kernel holds dQ_i alone and keeps its
-layout (key tiles of 32 where three stages of 64 keys do not fit the shared memory).
+dims, or with tensor maps of whole boxes). Four products a tile, as at 128 and below, and 2 x 64 B_r float32 (its
+partial S^T and dP^T) written, and as many read, through shared memory a warpgroup; ``exchange=False`` has each
+warpgroup compute S^T and dP^T whole instead (six products a tile, no exchange), the form to compare with. The
+dQ kernel holds dQ_i alone and keeps its layout (key tiles of 32 at head_dim 192 and 224; at 256, 48 keys in two
+buffers where a producer copies with tensor maps, else 32).
 
 **A user's score_mod, mask_mod and block masks** (``mods``, ``block_mask``; :func:`flashnumba.flex_attention_backward`
 with ``kernel="wgmma"``), as in the forward: the score_mod and its derivative in the entry function
@@ -70,7 +71,8 @@ full-or-partial state (addressed by it), and the tile's issue, behind a round tr
 **Tensor-map copies** (``tma``, :func:`takes_tma`). With two warpgroups, a third, the producer, makes the copies
 as the forward's does (:mod:`flashnumba.kernels.wgmma_forward`, "Tensor-map copies"): one thread copies the tiles
 loaded once with the first stage (Q_i, dO_i; or K_j, V_j) and then each stage's two tiles with the copy engine,
-swizzled rows of 64 head dims (32 at head_dim 96), announcing each stage's bytes on its ``full`` mbarrier; in the
+swizzled rows of 64 head dims (32, the 64-byte swizzle, where 64 does not divide the head dim: 32, 96, 160,
+224), announcing each stage's bytes on its ``full`` mbarrier; in the
 dK/dV kernel a second warp of it writes the stage's log2(e) L_i and D_i and arrives there too (33 arrivals). The
 warpgroups wait for ``full`` instead of the block's barrier, read the tiles through swizzled descriptors, and
 arrive on the stage's ``empty`` mbarrier once the products of group 2 of that tile retired; the producer waits

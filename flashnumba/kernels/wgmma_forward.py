@@ -13,9 +13,9 @@ wgmma's register A operand wants it) and V_j is read from shared memory, MN-majo
     ...wait, then the online softmax of mma_forward on the S registers...
     O_i += P_ij V_j          B_c / 16 wgmma m64nDk16 (A = P_ij from registers, B = V_j MN-major), one commit
 
-Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 128 WG threads, B_r = 64 WG (WG = 1, 2 or 3
-warpgroups); each block takes a query tile and a head in launch order with the longest causal rows first
-(``common.make_launch_order``).
+Launch geometry: grid (ceil(seqlen_q / B_r), batch * nheads), block 128 WG threads + 32 per producer warp
+(:func:`threads`), B_r = 64 WG (WG = 1, 2 or 3 warpgroups); each block takes a query tile and a head in launch
+order with the longest causal rows first (``common.make_launch_order``).
 Warpgroup gw owns rows 64 gw .. 64 gw + 63 of Q_i; inside it warp w owns 16 rows and lane (g = lane >> 2,
 t = lane & 3) rows g and g + 8 of them, and of S's and O's accumulators the columns 8 n + 2 t, 8 n + 2 t + 1:
 register 4 n + x holds row g + 8 (x >> 1), column 8 n + 2 t + (x & 1) (the layout mma_forward's fragments have,
@@ -72,11 +72,11 @@ copy: a ``tma_load_4d`` a box of B_c keys x 64 head dims (two at head_dim 128; a
 copy engine fetches with no address arithmetic a thread and no pass through L1 (the path the per-thread copies are
 bound by), writes swizzled (:mod:`flashnumba.kernels.ptx_hopper`) and counts on the stage's ``full`` mbarrier, where
 the thread announces the stage's bytes first (``mbarrier_arrive_expect_tx``: the one arrival the phase waits for). A
-tile then lies as rows of 64 head dims (128 bytes; the 16-byte chunks of row r exchanged by r % 8; at head_dim 96
-rows of 32, 64 bytes, the 64-byte swizzle), the next 64 head dims B_c rows on, and the descriptors say so (K-major
-for Q_i and K_j, MN-major for V_j). Rows past the sequence come as zeros from the copy engine. The host encodes the
-tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed sequences keep the per-thread copies (a box would
-reach into the next sequence, where the kernel needs zeros).
+tile then lies as rows of 64 head dims (128 bytes; the 16-byte chunks of row r exchanged by r % 8; where 64 does
+not divide the head dim (32, 96, 160, 224) rows of 32, 64 bytes, the 64-byte swizzle), the next 64 head dims B_c
+rows on, and the descriptors say so (K-major for Q_i and K_j, MN-major for V_j). Rows past the sequence come as
+zeros from the copy engine. The host encodes the tensor maps of q, k and v (:mod:`flashnumba._tensormap`); packed
+sequences keep the per-thread copies (a box would reach into the next sequence, where the kernel needs zeros).
 
 **Persistent blocks** (``persistent``, with tensor maps). A block of a producer and two warpgroups that compute
 fills an SM (its registers), so a block's start (Q_i and the first K_j, V_j fetched while nothing computes) and its end
@@ -125,8 +125,8 @@ options beside them (``tiling.wgmma_for_variant`` gives B_c 64 there), nor for O
 largest), S's takes D / 16 k-steps, a tile copied with tensor maps is D / 64 boxes (D / 32 at 160 and 224). What
 changes is room. O_i is D / 2 registers a thread, and Q_i with three K_j, V_j stages takes (B_r + 6 B_c) 2 D bytes
 of shared memory: two warpgroups with tiles of 64 keys fit the SM's 227 KB up to head_dim 224, and head_dim 256
-takes tiles of 32 keys (160 KB; of 64, 256 KB), which also leave O's 128 registers room beside S. Tiles of 48 keys
-(208 KB; ``block_n=48``) also fit there: S's wgmma is m64n48k16, P V takes three k-steps of 16 keys.
+takes tiles of 48 keys (208 KB: S's wgmma is m64n48k16, P V three k-steps of 16 keys), or of 32 (160 KB) where the
+options' per-score work needs the registers beside O's 128; tiles of 64 would take 256 KB.
 """
 
 from __future__ import annotations
