@@ -280,10 +280,17 @@ def _inputs(alibi_slopes, deterministic, return_attn_probs, max_seqlens=(), **te
 def _state_range(name, n):
     """While torch.compile traces, an int that the traced code read from a tensor (``.item()``: a max_seqlen from
     cu_seqlens) has no value to compare; its range is stated instead (checked when the graph runs), after which the
-    comparisons of :func:`flashnumba._validate.check_int` hold by that range."""
-    def message():  # (its closure may hold constants only: not the value)
-        return f"{name} must be in [0, 2**31 - 1]"
-
+    comparisons of :func:`flashnumba._validate.check_int` hold by that range. Each message is a function with no
+    free variable: torch 2.11's tracer takes no other (one that reads ``name`` failed to trace)."""
+    if name == "max_seqlen_q":
+        def message():
+            return "max_seqlen_q must be in [0, 2**31 - 1]"
+    elif name == "max_seqlen_k":
+        def message():
+            return "max_seqlen_k must be in [0, 2**31 - 1]"
+    else:
+        def message():
+            return "max_seqlen must be in [0, 2**31 - 1]"
     torch._check(0 <= n, message)
     torch._check(n <= 2**31 - 1, message)
 

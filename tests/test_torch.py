@@ -100,6 +100,16 @@ def test_compile_with_return_attn_probs():
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
 
 
+def test_torch_check_messages_read_no_variable():
+    """The message functions given to torch._check under torch.compile have no free variable: torch 2.11's tracer
+    refuses any other ("Can't extract message from torch._check()"; torch 2.13 takes constants), which broke every
+    compiled varlen call on the GPU machine's torch 2.11."""
+    import types
+
+    nested = [c for c in ft._state_range.__code__.co_consts if isinstance(c, types.CodeType)]
+    assert len(nested) == 3 and all(not c.co_freevars for c in nested)
+
+
 def test_varlen_with_a_max_seqlen_read_from_the_offsets():
     """max_seqlen computed in the traced code from cu_seqlens (``.item()``, as code that unpads a batch does) is a
     symbolic int with no value: the checks state its range instead of comparing it (they failed to trace: "Could not
