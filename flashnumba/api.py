@@ -165,7 +165,8 @@ def plan(q: Array, k: Array, v: Array, *, softmax_scale: float | None = None, ca
     """The plan :func:`flash_attn_forward` would run for these arguments, without running it: the kernel family
     and why, each kernel's tiles, threads, shared memory and grid. ``device``: None for the current GPU, or an
     architecture ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90") to plan for another. ``print(plan(...))`` shows
-    it; ``plan(...).resources()`` compiles the kernels (no GPU needed) and reports registers and spills."""
+    it; ``plan(...).resources()`` compiles the kernels and reports registers and spills (no GPU needed: without
+    one, start Python with ``FLASHNUMBA_SIMULATOR=0``)."""
     if precision is not None:
         kernel = kernel_for_precision(precision, kernel, q, "forward")
     return _forward_plan(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, block_m,

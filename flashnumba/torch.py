@@ -21,8 +21,8 @@ Three layers, as in flash-attn:
   ``[seed, offset]``, without an unread one on the GPU, so that torch.compile's ``mode="reduce-overhead"`` can
   capture the graph in a CUDA graph) and return the gradients of q, k and v (with GQA/MQA, dk and dv summed over
   the query heads that share a key/value head; packed inputs get packed gradients). The backward kernels give
-  first derivatives: differentiating the gradients again (``create_graph=True``) raises rather than dropping
-  their dependence on q, k and v.
+  first derivatives: differentiating the gradients again (``create_graph=True``, then ``loss.backward()`` or
+  ``torch.autograd.grad``) raises rather than dropping their dependence on q, k and v.
 * **the public functions**, flash-attn's names.
 
 Dropout. With ``dropout_p > 0`` the seed and offset come from torch's CUDA generator and advance it as flash-attn
@@ -405,11 +405,29 @@ def _first_order(backward):
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():
             return outputs
-        refuse = torch._C._functions.DelayedError(
-            b"flashnumba.torch: the attention's backward kernels give first derivatives only; its gradients "
-            b"cannot be differentiated again", len(outputs))
-        return refuse(*(None if g is None else g.detach().requires_grad_() for g in outputs))
+        given = [g for g in outputs if g is not None]
+        # what the gradients depend on: the saved q, k, v (out, ...) and dout, where they require grad; and the
+        # gradients themselves, so that a loss reached by no such path still refuses
+        sources = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, Tensor) and t.requires_grad]
+        marked = iter(_FirstOrderOnly.apply(len(given), *(g.detach().requires_grad_() for g in given), *sources))
+        return tuple(None if g is None else next(marked) for g in outputs)
     return wrapper
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The first ``n`` tensors as they are, in an autograd node that also takes the rest (what they depend on) and
+    raises when differentiated: every path from a gradient back to q, k, v or dout runs through it, so that
+    ``torch.autograd.grad(loss, q)`` raises as ``loss.backward()`` does (a node on the gradients alone is on no path
+    to q: the penalty's term was dropped silently)."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("flashnumba.torch: the attention's backward kernels give first derivatives only; its "
+                           "gradients cannot be differentiated again")
 
 
 class FlashAttnFunc(torch.autograd.Function):
@@ -601,10 +619,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn's ``flash_attn_with_kvcache`` on torch CUDA tensors: forward only (as flash-attn's), no autograd.
 
     The arguments and semantics of :func:`flashnumba.flash_attn_with_kvcache` (k_cache and v_cache updated in
-    place when k and v are given), on float16, bfloat16 or float32 tensors, on torch's current stream, with no
-    host round trip (so it can be captured in a CUDA graph; cache_seqlens then as a tensor). Not supported:
-    bfloat16 where the call takes the gather path (TypeError, see :func:`flashnumba.flash_attn_with_kvcache`'s
-    ``kernel``).
+    place when k and v are given), on float16, bfloat16 or float32 tensors, on torch's current stream. On the
+    split-KV kernel (float16 / bfloat16, head_dim a multiple of 8, C-contiguous caches, compute capability 8.0 or
+    newer) a step makes no host round trip, so it can be captured in a CUDA graph (cache_seqlens then as a
+    tensor). float32 takes the gather path, which needs CuPy (ImportError without it) and copies the integer
+    arguments to the host at every call (not capturable); bfloat16 there is refused (TypeError, see
+    :func:`flashnumba.flash_attn_with_kvcache`'s ``kernel``).
     """
     from .decode import flash_attn_with_kvcache as core
 

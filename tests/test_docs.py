@@ -11,8 +11,8 @@ import pytest
 
 # What the reference covers: the public functions and what a reader studies (the reference, the plan, the kernels);
 # the command-line tools and the private layers (_validate, _launch, ...) are linked from the docstrings, not listed.
-MODULES = ("flashnumba", "flashnumba.api", "flashnumba.planner", "flashnumba.kernels")  # (and flashnumba's own
-# __all__: reference, tiling, config)
+MODULES = ("flashnumba", "flashnumba.api", "flashnumba.planner", "flashnumba.kernels", "flashnumba.check")  # (and
+# flashnumba's own __all__: reference, tiling, config)
 
 
 def test_api_reference_builds_without_warnings(tmp_path):
@@ -27,5 +27,5 @@ def test_api_reference_builds_without_warnings(tmp_path):
         pdoc.render.configure(docformat="numpy")
         pdoc.pdoc(*modules, output_directory=tmp_path)
     for page in ("flashnumba.html", "flashnumba/api.html", "flashnumba/reference.html", "flashnumba/kernels.html",
-                 "flashnumba/kernels/mma_forward.html"):
+                 "flashnumba/kernels/mma_forward.html", "flashnumba/check.html"):
         assert (tmp_path / page).exists(), page

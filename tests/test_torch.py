@@ -236,6 +236,24 @@ def test_a_gradient_penalty_through_a_loss_linear_in_out_is_refused():
     assert not dq.requires_grad
 
 
+def test_a_gradient_penalty_differentiated_by_autograd_grad_is_refused():
+    """torch.autograd.grad(loss, inputs) with a penalty on the gradients raises too (it reaches q only through the
+    gradients' dependence, which these kernels do not differentiate: the penalty's term was dropped silently while
+    loss.backward() raised), for the dense and the packed functions."""
+    q, k, v = (meta(1, 16, 2, 64) for _ in range(3))
+    out = ft.flash_attn_func(q, k, v, causal=True)
+    dq, = torch.autograd.grad(out.float().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        torch.autograd.grad(out.float().sum() + dq.float().square().sum(), q)
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        torch.autograd.grad(dq.float().sum(), k)
+    qkv = meta(1, 16, 3, 2, 64)
+    out = ft.flash_attn_qkvpacked_func(qkv)
+    dqkv, = torch.autograd.grad(out.float().square().sum(), qkv, create_graph=True)
+    with pytest.raises(RuntimeError, match="first derivatives only"):
+        torch.autograd.grad(dqkv.float().square().sum(), qkv)
+
+
 def test_compile_with_a_max_seqlen_that_changes_between_calls():
     """With dynamic shapes an int argument that changes (max_seqlen from batch to batch) is traced as a symbolic
     int: the varlen functions take it."""
