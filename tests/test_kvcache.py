@@ -364,6 +364,19 @@ def test_bad_left_padding_is_refused_before_anything_is_written():
     np.testing.assert_array_equal(kc, kc0)
 
 
+@pytest.mark.parametrize("kernel", ["splitkv", "gather"])
+def test_a_causal_key_past_a_tile_and_new_keys_across_a_page(kernel):
+    """Fixed cases the drawn ones reach rarely: one query under causal seeing 65 keys (64 in the cache, one new),
+    the last alone in the split-KV kernel's second tile of 64 (a key range that ends one short of the last row's
+    last key drops that tile); and new keys written from positions 14 and 30 of a cache in pages of 16, the last
+    ones on the next page (each new key's page found from its own position, not from the cache's length)."""
+    rng = np.random.default_rng(10)
+    q, k, v, kc, vc, kw = _problem(rng, 1, 1, 1, 1, 2, 16, [64], False, 16, np.float16, 0)
+    _check(q, k, v, kc, vc, kw, dict(causal=True), dict(kernel=kernel))
+    q, k, v, kc, vc, kw = _problem(rng, 2, 1, 5, 1, 2, 16, [14, 30], True, 16, np.float16, 0)
+    _check(q, k, v, kc, vc, kw, {}, dict(kernel=kernel))
+
+
 def test_split_kv_on_cupy_arrays_appends_in_place():
     """On the GPU with CuPy arrays: the cache updated in place on the device, the result as with NumPy."""
     cupy = pytest.importorskip("cupy") if not flashnumba.SIMULATOR else pytest.skip("a GPU test")

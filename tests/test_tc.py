@@ -308,6 +308,7 @@ ATOMIC_CASES = [
     (20, 33, 2, 1, 24, 16, 32, dict(window_size=(9, 4))),  # two warps split dQ_i's (padded) columns; GQA
     (17, 23, 1, 1, 40, 32, 32, dict(softcap=3.0, alibi_slopes=np.array([0.3], np.float32))),
     (20, 20, 1, 1, 16, 16, 16, dict(dropout_p=0.3, dropout_seed=7)),
+    (50, 33, 1, 1, 16, 64, 32, {}),  # two warps, four 16-row slabs of dQ_i: each warp takes two (w and w + 2)
 ]
 
 
@@ -437,6 +438,24 @@ def test_tc_options_match_reference():
     check_backward(grads, dout, q, k, v, out, lse, **ref_opts)
 
 
+def test_tc_gqa_over_several_key_value_heads_with_dropout():
+    """Two batch entries, four query heads on two key/value heads, dropout, tiles of 16 over two query and two key
+    tiles: the dK/dV kernel of key/value head 1 sums query heads 2 and 3 (each tile of Q_i, dO_i, L_i and D_i read
+    at its own head, hk * group + it // nt), each entry with the forward's dropout stream of its batch entry and
+    query head (b * nheads + h). test_tc_options_match_reference has one key/value head and one batch entry, where
+    a head found as hk + it // nt, or a stream as b * nheads_k + h, passes."""
+    rng = np.random.default_rng(41)
+    batch, nheads, nheads_k, sq, sk = 2, 4, 2, 20, 24
+    q, k, v = random_qkv(rng, batch, sq, sk, nheads, 32, np.float16)
+    k, v = k[:, :, :nheads_k].copy(), v[:, :, :nheads_k].copy()
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    kernel_opts = dict(dropout_p=0.2, dropout_seed=3, dropout_offset=1, kernel="tc", block_m=16, block_n=16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, **kernel_opts)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, **kernel_opts)
+    check_backward(grads, dout, q, k, v, out, lse,
+                   dropout_z=reference.dropout_z(3, 1, batch, nheads, sq, sk, 0.2))
+
+
 def test_tc_one_sided_left_window():
     """A left window alone (no right bound, no causal) over tiles of 16 at seqlen 40: key tiles lie inside every
     row's right bound and the sequence yet left of the later rows' left bound, so the masking decision of a tile
@@ -450,6 +469,19 @@ def test_tc_one_sided_left_window():
     check_forward(out, lse, q, k, v, window_size=(3, -1))
     grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, **opts)
     check_backward(grads, dout, q, k, v, out, lse, window_size=(3, -1))
+
+
+def test_tc_window_reaching_one_row_into_a_query_tile():
+    """Window (1, 0) at seqlen 40, tiles of 16: key 15 is seen by row 16, the first row of the second query tile,
+    so the dK/dV kernel of the first key tile visits two query tiles (rows below min(j0 + B_c, seqlen_k) - diag +
+    left; one less and it visits one, which the other window tests, whose bounds end inside a tile, pass)."""
+    rng = np.random.default_rng(16)
+    q, k, v = random_qkv(rng, 1, 40, 40, 1, 32, np.float16)
+    dout = rng.standard_normal(q.shape).astype(np.float16)
+    opts = dict(window_size=(1, 0), kernel="tc", block_m=16, block_n=16)
+    out, lse = flashnumba.flash_attn_forward(q, k, v, **opts)
+    grads = flashnumba.flash_attn_backward(dout, q, k, v, out, lse, **opts)
+    check_backward(grads, dout, q, k, v, out, lse, window_size=(1, 0))
 
 
 def test_tc_varlen_matches_reference():
@@ -671,6 +703,16 @@ def test_backward_tc_other_head_dims(D):
     rng = np.random.default_rng(D)
     sq, sk = (9, 12) if D > 160 else (17, 20)  # (176: one tile each way, the simulator's minutes are per mma)
     grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, sq, sk, 1, D, np.float16, True, block_m=16,
+                                                      block_n=16)
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+
+
+def test_backward_tc_two_warps_above_d160():
+    """Above d = 160 the dQ kernel reads the A fragments of Q_i and dO_i per k-step from shared memory, each warp at
+    its own rows: block_m 32 (two warps) at d = 176, where test_backward_tc_other_head_dims runs one warp (whose rows
+    start at 0, so a read from row 0 passes there)."""
+    rng = np.random.default_rng(177)
+    grads, dout, q, k, v, out, lse = run_backward_tc(rng, 1, 20, 12, 1, 176, np.float16, True, block_m=32,
                                                       block_n=16)
     check_backward(grads, dout, q, k, v, out, lse, causal=True)
 

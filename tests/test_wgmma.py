@@ -876,6 +876,17 @@ def test_backward_two_warpgroups_every_option():
     check_backward(grads, dout, q, k, v, out, lse, **ref)
 
 
+def test_backward_gqa_over_several_key_value_heads():
+    """Four query heads on two key/value heads, causal, tiles part-full: the dK/dV kernel of key/value head 1 sums
+    query heads 2 and 3 (hk * group + it // nt). The other backward tests here have one key/value head, where a
+    head found as hk + it // nt passes."""
+    rng = np.random.default_rng(15)
+    q, k, v = random_qkv(rng, 1, 40, 50, 4, 32, np.float16)
+    k, v = k[:, :, :2].copy(), v[:, :, :2].copy()
+    grads, dout, out, lse = wgmma_backward(q, k, v, causal=True)
+    check_backward(grads, dout, q, k, v, out, lse, causal=True)
+
+
 @pytest.mark.parametrize("D, opts, dq, dkdv, note", [
     # (two warpgroups: a producer warpgroup copying with tensor maps, 384 threads; the dK/dV kernel at d = 128 only
     # with query tiles of 32, wgmma_backward.takes_tma, which it takes for them; a caller's query tiles of 64 keep
